@@ -1,0 +1,31 @@
+"""The coordinator daemon's tunables, each with its default and the reason for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.state import ClusterConfig
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    cluster: ClusterConfig
+    bind: str = "0.0.0.0:8476"
+    """Where to listen for processes (host:port; port 0 picks a free one, see ready_file)."""
+    max_request_bytes: int = 16 << 20
+    """Largest RegisterRequest accepted: 2**17 devices with a few attributes each fit; larger is refused."""
+    max_wait_s: float = 30.0
+    """Longest one Register call is held open waiting for the topology; clients call again after it."""
+    progress_interval_s: float = 10.0
+    """How often the log names who is still missing while the cluster is incomplete."""
+    shutdown_grace_s: float = 1.0
+    """How long calls in flight may finish after SIGTERM/SIGINT before they are cancelled."""
+    ready_file: str | None = None
+    """If set, "host:port" is written here once the server accepts calls (for scripts and tests)."""
+    grpc_options: tuple[tuple[str, int], ...] = field(default=(
+        # A burst of thousands of registrations must queue, not be dropped with CANCELLED.
+        ("grpc.server.max_pending_requests", 1 << 16),
+        ("grpc.server.max_pending_requests_hard_limit", 1 << 16),
+        # Two coordinators must not silently share one port.
+        ("grpc.so_reuseport", 0),
+    ))

@@ -1,0 +1,70 @@
+"""``ifrt-coordinator``: the daemon that gathers every process's devices and publishes one topology."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from coordinator.config import CoordinatorConfig
+from coordinator.server import BindError, serve
+from coordinator.state import ClusterConfig
+from ifrt.errors import InvalidArgument
+from ifrt.ids import MAX_PROCESSES, MAX_PROCESSES_INT64
+
+DEFAULTS = CoordinatorConfig(cluster=ClusterConfig(num_processes=1))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ifrt-coordinator",
+        description="Gathers the local devices of every process of a job over gRPC, assigns process and global "
+                    "device ids (process_id << 17 | local_id), and publishes one topology, byte-identical in "
+                    "every process, once all --num-processes have registered.",
+        epilog="Processes connect with IFRT_COORDINATOR=HOST:PORT and ifrt.discover(). Stops cleanly on SIGTERM "
+               "or SIGINT.",
+    )
+    p.add_argument("--num-processes", type=int, required=True, metavar="N",
+                   help="how many processes the job has; the topology is published when all N registered")
+    p.add_argument("--bind", default=DEFAULTS.bind, metavar="HOST:PORT",
+                   help="address to listen on (default %(default)s; port 0 picks a free port)")
+    p.add_argument("--cluster-id", default=DEFAULTS.cluster.cluster_id, metavar="ID",
+                   help="name of this job's cluster; processes that ask for another cluster id are refused "
+                        "(default %(default)s)")
+    p.add_argument("--int64-ids", action="store_true",
+                   help=f"allow process ids up to 2**46 (global ids then need int64); by default process ids "
+                        f"stay below {MAX_PROCESSES} so every global id fits in int32")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULTS.max_request_bytes, metavar="BYTES",
+                   help="largest registration accepted; larger ones get RESOURCE_EXHAUSTED (default %(default)s)")
+    p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
+                   help="how often to log who is still missing while waiting (default %(default)s)")
+    p.add_argument("--ready-file", metavar="PATH",
+                   help="write HOST:PORT to this file once serving (useful with port 0)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log verbosity on stderr (default %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cluster = ClusterConfig(num_processes=args.num_processes, cluster_id=args.cluster_id,
+                                max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES)
+    except InvalidArgument as e:
+        print(f"ifrt-coordinator: --num-processes: {e}", file=sys.stderr)
+        return 2
+    config = CoordinatorConfig(cluster=cluster, bind=args.bind, max_request_bytes=args.max_request_bytes,
+                               progress_interval_s=args.progress_interval, ready_file=args.ready_file)
+    try:
+        asyncio.run(serve(config))
+    except BindError as e:
+        print(f"ifrt-coordinator: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Runs the coordinator: a grpc.aio server around the service, until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+
+from coordinator.config import CoordinatorConfig
+from coordinator.service import CoordinatorService
+from coordinator.state import ClusterState
+
+log = logging.getLogger("ifrt.coordinator")
+
+
+class BindError(RuntimeError):
+    """The coordinator could not listen on the address it was given."""
+
+
+async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
+    """Serves until ``stop`` is set or the process gets SIGTERM/SIGINT, then shuts down cleanly."""
+    stop = stop or asyncio.Event()
+    service = CoordinatorService(ClusterState(config.cluster), max_wait_s=config.max_wait_s)
+    server = grpc.aio.server(options=[*config.grpc_options,
+                                      ("grpc.max_receive_message_length", config.max_request_bytes),
+                                      ("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((service.handlers(),))
+    try:
+        port = server.add_insecure_port(config.bind)
+    except RuntimeError as e:
+        raise BindError(f"cannot listen on {config.bind}: {e}") from e
+    if not port:
+        raise BindError(f"cannot listen on {config.bind}: the address is invalid or in use")
+    await server.start()
+    address = f"{config.bind.rpartition(':')[0]}:{port}"
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    log.info("ifrt-coordinator listening on %s for cluster %r of %d processes (pid %d)", address,
+             config.cluster.cluster_id, config.cluster.num_processes, os.getpid())
+    if config.ready_file:
+        _write_atomically(config.ready_file, address)
+    progress = asyncio.create_task(service.log_progress_every(config.progress_interval_s))
+    try:
+        await stop.wait()
+    finally:
+        progress.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        log.info("shutting down: %s", service.status())
+        await server.stop(config.shutdown_grace_s)
+        log.info("stopped")
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("received %s", sig.name)
+    stop.set()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,132 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_RAW: _ClassVar[Encoding]
+    ENCODING_ZLIB: _ClassVar[Encoding]
+ENCODING_RAW: Encoding
+ENCODING_ZLIB: Encoding
+
+class LocalDevice(_message.Message):
+    __slots__ = ("local_id", "platform", "kind", "slice_index", "attributes")
+    class AttributesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LOCAL_ID_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    local_id: int
+    platform: str
+    kind: str
+    slice_index: int
+    attributes: _containers.ScalarMap[str, str]
+    def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_index: _Optional[int] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    num_processes: int
+    process_id: int
+    client_uid: str
+    hostname: str
+    local_rank: int
+    address: str
+    devices: _containers.RepeatedCompositeFieldContainer[LocalDevice]
+    wait_ms: int
+    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("registered", "expected", "missing_process_ids", "registered_hosts", "waited_seconds")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    registered: int
+    expected: int
+    missing_process_ids: _containers.RepeatedScalarFieldContainer[int]
+    registered_hosts: _containers.RepeatedScalarFieldContainer[str]
+    waited_seconds: float
+    def __init__(self, registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., registered_hosts: _Optional[_Iterable[str]] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("process_id", "progress", "topology", "encoding", "fingerprint", "generation")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    progress: Progress
+    topology: bytes
+    encoding: Encoding
+    fingerprint: str
+    generation: int
+    def __init__(self, process_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., topology: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fingerprint: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("cluster_id", "generation", "num_processes", "strings", "processes")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    generation: int
+    num_processes: int
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessEntry]
+    def __init__(self, cluster_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_processes: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessEntry, _Mapping]]] = ...) -> None: ...
+
+class ProcessEntry(_message.Message):
+    __slots__ = ("process_id", "hostname", "address", "local_ids", "platforms", "kinds", "slice_indices", "attributes")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORMS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SLICE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    hostname: str
+    address: str
+    local_ids: _containers.RepeatedScalarFieldContainer[int]
+    platforms: _containers.RepeatedScalarFieldContainer[int]
+    kinds: _containers.RepeatedScalarFieldContainer[int]
+    slice_indices: _containers.RepeatedScalarFieldContainer[int]
+    attributes: _containers.RepeatedCompositeFieldContainer[Attribute]
+    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., local_ids: _Optional[_Iterable[int]] = ..., platforms: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[int]] = ..., slice_indices: _Optional[_Iterable[int]] = ..., attributes: _Optional[_Iterable[_Union[Attribute, _Mapping]]] = ...) -> None: ...
+
+class Attribute(_message.Message):
+    __slots__ = ("device", "key", "value")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    key: int
+    value: int
+    def __init__(self, device: _Optional[int] = ..., key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...

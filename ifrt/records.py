@@ -1,0 +1,64 @@
+"""Plain value records shared by plugins, the client, the coordinator and the topology."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+def _frozen(attributes: Mapping[str, str]) -> Mapping[str, str]:
+    return types.MappingProxyType(dict(sorted(attributes.items())))
+
+
+@dataclass(frozen=True)
+class LocalDevice:
+    """One device as the process that owns it sees it (what a device plugin reports)."""
+
+    local_id: int
+    platform: str
+    kind: str
+    slice_index: int = 0
+    attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attributes", _frozen(self.attributes))
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the published topology; ``id`` is its global id."""
+
+    id: int
+    process_id: int
+    local_id: int
+    platform: str
+    kind: str
+    slice_index: int = 0
+    attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attributes", _frozen(self.attributes))
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "process_id": self.process_id,
+            "local_id": self.local_id,
+            "platform": self.platform,
+            "kind": self.kind,
+            "slice_index": self.slice_index,
+            "attributes": dict(self.attributes),
+        }
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of the published topology; ``address`` is its transfer endpoint (may be empty)."""
+
+    process_id: int
+    hostname: str
+    address: str = ""
+
+    def to_dict(self) -> dict:
+        return {"process_id": self.process_id, "hostname": self.hostname, "address": self.address}

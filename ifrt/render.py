@@ -1,0 +1,25 @@
+"""Human-readable views of a topology, for the demo and ``ifrt discover`` without --json."""
+
+from __future__ import annotations
+
+from ifrt.topology import Topology
+
+
+def table(topology: Topology) -> str:
+    """One row per device: process, host, global id, local id, platform, kind, slice."""
+    hosts = {p.process_id: p.hostname for p in topology.processes}
+    header = ("process", "host", "global id", "local id", "platform", "kind", "slice")
+    rows = [header] + [
+        (str(d.process_id), hosts[d.process_id], str(d.id), str(d.local_id), d.platform, d.kind, str(d.slice_index))
+        for d in topology.devices
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) if c.isdigit() else c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def summary(topology: Topology) -> str:
+    """``generation 1: 4 processes, 8 devices, fingerprint 3f2a...``"""
+    return (f"generation {topology.generation}: {len(topology.processes)} processes, {len(topology.devices)} devices, "
+            f"fingerprint {topology.fingerprint}")

@@ -1,0 +1,105 @@
+"""Where discover() gets its settings: explicit arguments first, then ``IFRT_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ifrt.errors import InvalidArgument
+
+COORDINATOR_ENV = "IFRT_COORDINATOR"  # "host:8476" or "c1:8476,c2:8477"
+PROCESS_ID_ENV = "IFRT_PROCESS_ID"  # "2"; unset: the coordinator assigns ids
+NUM_PROCESSES_ENV = "IFRT_NUM_PROCESSES"  # "4"; unset: take the coordinator's
+PLUGIN_ENV = "IFRT_PLUGIN"  # "cpu" (default)
+LOCAL_RANK_ENV = "IFRT_LOCAL_RANK"  # "0"; orders processes of one host when ids are assigned
+CLUSTER_ID_ENV = "IFRT_CLUSTER_ID"  # unset: join whatever cluster the coordinator serves
+
+DEFAULT_PLUGIN = "cpu"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one process needs to register, resolved and checked."""
+
+    coordinators: tuple[str, ...]
+    process_id: int | None
+    num_processes: int | None
+    plugin: str
+    local_device_ids: tuple[int, ...] | None
+    timeout: float
+    local_rank: int
+    cluster_id: str
+    hostname: str
+
+
+def parse_coordinators(value: str) -> tuple[str, ...]:
+    """``"c1:8476, c2:8477"`` -> ``("c1:8476", "c2:8477")``; InvalidArgument if an entry is not host:port."""
+    addresses = tuple(a.strip() for a in value.split(",") if a.strip())
+    if not addresses:
+        raise InvalidArgument(f"no coordinator address given: pass coordinator= or set {COORDINATOR_ENV}=HOST:PORT")
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(f"coordinator address {a!r} is not HOST:PORT with a port from 1 to 65535")
+    return addresses
+
+
+def _int_from(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        try:
+            number = int(str(value).strip(), 10)
+        except ValueError:
+            raise InvalidArgument(f"{name}={value!r} is not an integer") from None
+    if number < minimum:
+        raise InvalidArgument(f"{name}={number} is out of range: expected >= {minimum}")
+    return number
+
+
+def resolve(
+    coordinator: str | Sequence[str] | None = None,
+    *,
+    process_id: int | None = None,
+    num_processes: int | None = None,
+    plugin: str | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    timeout: float = 300.0,
+    local_rank: int | None = None,
+    cluster_id: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """The settings for one process; InvalidArgument naming the variable or argument that is wrong."""
+    env = os.environ if environ is None else environ
+
+    def pick(value: object, var: str, name: str, minimum: int) -> int | None:
+        if value is not None:
+            return _int_from(name, value, minimum)
+        raw = env.get(var, "").strip()
+        return _int_from(var, raw, minimum) if raw else None
+
+    if coordinator is None:
+        coordinators = parse_coordinators(env.get(COORDINATOR_ENV, ""))
+    elif isinstance(coordinator, str):
+        coordinators = parse_coordinators(coordinator)
+    else:
+        coordinators = parse_coordinators(",".join(coordinator))
+    pid = pick(process_id, PROCESS_ID_ENV, "process_id", 0)
+    count = pick(num_processes, NUM_PROCESSES_ENV, "num_processes", 1)
+    if pid is not None and count is not None and pid >= count:
+        raise InvalidArgument(f"process id {pid} is out of range: expected 0 <= process_id < num_processes ({count})")
+    if not timeout > 0:
+        raise InvalidArgument(f"timeout={timeout!r} is not positive: expected seconds > 0")
+    return Settings(
+        coordinators=coordinators,
+        process_id=pid,
+        num_processes=count,
+        plugin=plugin or env.get(PLUGIN_ENV, "").strip() or DEFAULT_PLUGIN,
+        local_device_ids=None if local_device_ids is None else tuple(int(i) for i in local_device_ids),
+        timeout=float(timeout),
+        local_rank=pick(local_rank, LOCAL_RANK_ENV, "local_rank", 0) or 0,
+        cluster_id=cluster_id if cluster_id is not None else env.get(CLUSTER_ID_ENV, "").strip(),
+        hostname=socket.gethostname(),
+    )
