@@ -30,7 +30,8 @@ class LocalCoordinator:
         deadline = time.monotonic() + start_timeout
         while not ready.exists():
             if self.process.poll() is not None:
-                raise RuntimeError(f"ifrt-coordinator exited with {self.process.returncode} before serving:\n{self.log}")
+                raise RuntimeError(f"ifrt-coordinator exited with {self.process.returncode} before serving:\n"
+                                   f"{self.log}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"ifrt-coordinator did not serve within {start_timeout}s:\n{self.log}")

@@ -24,6 +24,8 @@ log = logging.getLogger("ifrt.client")
 
 POLL_S = 5.0
 """Longest one Register call waits on the coordinator; a progress line is logged after each."""
+WARN_AFTER_S = 30.0
+"""Progress lines are INFO until discover() has waited this long, then WARNING (shown without logging setup)."""
 RETRY_BACKOFF_S = (0.01, 0.1)
 """First and largest pause between retries of a failed call (doubling, with jitter)."""
 CHANNEL_OPTIONS = (
@@ -118,8 +120,9 @@ class Client:
                 canonical = wire.decompress(response.encoding, response.topology)
                 return Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
             progress = _progress(response.progress)
-            log.info("waiting for the topology from %s (%.0fs so far): %s", target, time.monotonic() - start,
-                     progress.describe())
+            waited = time.monotonic() - start
+            log.log(logging.WARNING if waited >= WARN_AFTER_S else logging.INFO,
+                    "waiting for the topology from %s (%.0fs so far): %s", target, waited, progress.describe())
         raise self._timeout(time.monotonic() - start, progress, last_error)
 
     def _stub(self, target: str) -> CoordinatorStub:

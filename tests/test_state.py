@@ -1,0 +1,146 @@
+"""The admission state machine, without a network: decisions, rejections that change nothing, replay."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.registration import Registration
+from coordinator.state import ClusterConfig, ClusterState, Published, Waiting
+from ifrt import wire
+from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessIdTaken
+from ifrt.records import LocalDevice
+
+
+def reg(uid, process_id=None, *, host="h", ip="10.0.0.1", rank=0, devices=2, num_processes=0, cluster_id=""):
+    return Registration(uid, cluster_id, num_processes, process_id, host, ip, rank, f"{host}:9000",
+                        tuple(LocalDevice(i, "cpu", "cpu") for i in range(devices)))
+
+
+def state(n=4, **kwargs):
+    return ClusterState(ClusterConfig(num_processes=n, cluster_id="job", **kwargs))
+
+
+def snapshot(s):
+    return (s.registered, s.progress(now=100.0), s.topology)
+
+
+def test_publishes_when_the_last_process_registers():
+    s = state(3)
+    assert s.register(reg("a", 0), 1.0) == Waiting(1, 3)
+    assert s.register(reg("b", 2, devices=3), 2.0) == Waiting(2, 3)
+    out = s.register(reg("c", 1, devices=1), 3.0)
+    assert isinstance(out, Published) and out.process_id == 1
+    assert [d.id for d in out.topology.devices] == [0, 1, 1 << 17, 2 << 17, 2 << 17 | 1, 2 << 17 | 2]
+    assert out.topology.generation == 1
+
+
+def test_retry_gets_the_same_answer():
+    s = state(2)
+    assert s.register(reg("a", 0), 1.0) == s.register(reg("a", 0), 2.0) == Waiting(1, 2)
+    first = s.register(reg("b", 1), 3.0)
+    assert s.register(reg("b", 1, ip="10.9.9.9"), 4.0) == first  # a retry may arrive from another route
+    assert s.register(reg("a", 0), 5.0) == Published(0, first.topology)
+
+
+def test_progress_names_missing_ids_hosts_and_wait():
+    s = state(4)
+    s.register(reg("a", 0, host="alpha"), 10.0)
+    s.register(reg("b", 3, host="beta"), 11.0)
+    p = s.progress(now=14.0)
+    assert (p.registered, p.expected, p.missing_process_ids, p.waited_seconds) == (2, 4, (1, 2), 4.0)
+    assert p.registered_hosts == ("alpha (10.0.0.1)", "beta (10.0.0.1)")
+    assert "missing process ids [1, 2]" in p.describe() and "waited 4.0s" in p.describe()
+
+
+@pytest.mark.parametrize(("bad", "error", "message"), [
+    (reg("x", 1, host="other"), ProcessIdTaken, "process id 1 is already registered by first"),
+    (reg("x", 4), InvalidArgument, "process id 4 is out of range: expected 0 <= process_id < 4"),
+    (reg("x", 2, num_processes=8), ClusterMismatch, "expects 8 processes; this coordinator's cluster has 4"),
+    (reg("x", 2, cluster_id="other-job"), ClusterMismatch, "asked for cluster 'other-job'"),
+    (reg("x", None, rank=5), ClusterMismatch, "this cluster uses explicit process ids"),
+    (reg("a", 1, devices=5), ClusterMismatch, "registered again with a different request"),
+])
+def test_bad_registration_is_rejected_and_changes_nothing(bad, error, message):
+    s = state(4)
+    s.register(reg("a", 1, host="first"), 1.0)
+    before = snapshot(s)
+    with pytest.raises(error, match=message):
+        s.register(bad, 2.0)
+    assert snapshot(s) == before
+    for uid, pid in [("b", 0), ("c", 2)]:
+        s.register(reg(uid, pid), 3.0)
+    out = s.register(reg("d", 3), 4.0)
+    assert isinstance(out, Published) and [p.process_id for p in out.topology.processes] == [0, 1, 2, 3]
+
+
+def test_explicit_id_after_assigned_ones_is_refused():
+    s = state(2)
+    s.register(reg("a", rank=0), 1.0)
+    with pytest.raises(ClusterMismatch, match="this cluster assigns process ids"):
+        s.register(reg("b", 1), 2.0)
+
+
+def test_same_stable_key_twice_is_refused_with_advice():
+    s = state(2)
+    s.register(reg("a", host="h", ip="10.0.0.1", rank=0), 1.0)
+    with pytest.raises(ProcessIdTaken, match="IFRT_LOCAL_RANK"):
+        s.register(reg("b", host="h", ip="10.0.0.1", rank=0), 2.0)
+
+
+def test_newcomer_after_publication_is_refused():
+    s = state(1)
+    s.register(reg("a", rank=0), 1.0)
+    with pytest.raises(ClusterMismatch, match="the cluster is complete"):
+        s.register(reg("b", rank=1), 2.0)
+    with pytest.raises(ProcessIdTaken):
+        s.register(reg("c", rank=0), 2.0)
+
+
+def test_id_limit_applies_below_the_process_count():
+    s = ClusterState(ClusterConfig(num_processes=8, max_processes=8))
+    with pytest.raises(InvalidArgument, match="< 8"):
+        s.register(reg("a", 8), 1.0)
+    with pytest.raises(InvalidArgument, match="num_processes 9 is out of range"):
+        ClusterConfig(num_processes=9, max_processes=8)
+
+
+hosts = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(["10.0.0.1", "10.0.0.2"]),
+                           st.integers(0, 3)), min_size=1, max_size=12, unique=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(hosts, st.randoms(use_true_random=False))
+def test_assigned_ids_do_not_depend_on_arrival_order(keys, rng):
+    def run(order):
+        s = state(len(keys))
+        out = None
+        for i in order:
+            host, ip, rank = keys[i]
+            out = s.register(reg(f"uid-{i}-{rng.random()}", host=host, ip=ip, rank=rank, devices=1 + i % 3), 1.0)
+        return wire.encode(out.topology)
+
+    order = list(range(len(keys)))
+    shuffled = order[:]
+    rng.shuffle(shuffled)
+    assert run(order) == run(shuffled)
+
+
+def test_assigned_ids_follow_host_then_address_then_local_rank():
+    s = state(4)
+    arrivals = [reg("w", host="b", ip="10.0.0.1"), reg("x", host="a", ip="10.0.0.2"),
+                reg("y", host="a", ip="10.0.0.1", rank=1), reg("z", host="a", ip="10.0.0.1")]
+    for r in arrivals:
+        s.register(r, 1.0)
+    assert {r.client_uid: s.register(r, 2.0).process_id for r in arrivals} == {"z": 0, "y": 1, "x": 2, "w": 3}
+
+
+def test_replaying_the_same_events_gives_the_same_bytes():
+    events = [reg(f"u{i}", i, host=f"h{i}", devices=i + 1) for i in (2, 0, 3, 1)]
+
+    def replay():
+        s = state(4)
+        for t, r in enumerate(events):
+            out = s.register(r, float(t))
+        return wire.encode(out.topology)
+
+    assert replay() == replay()
