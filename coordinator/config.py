@@ -16,6 +16,8 @@ class CoordinatorConfig:
     """Largest RegisterRequest accepted: 2**17 devices with a few attributes each fit; larger is refused."""
     max_wait_s: float = 30.0
     """Longest one Register call is held open waiting for the topology; clients call again after it."""
+    tick_interval_s: float = 0.1
+    """How often silent processes and overdue barriers are looked for (bounds detection slack)."""
     progress_interval_s: float = 10.0
     """How often the log names who is still missing while the cluster is incomplete."""
     shutdown_grace_s: float = 1.0

@@ -9,7 +9,7 @@ import sys
 
 from coordinator.config import CoordinatorConfig
 from coordinator.server import BindError, serve
-from coordinator.state import ClusterConfig
+from coordinator.state import ClusterConfig, FailurePolicy
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_PROCESSES, MAX_PROCESSES_INT64
 
@@ -35,6 +35,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int64-ids", action="store_true",
                    help=f"allow process ids up to 2**46 (global ids then need int64); by default process ids "
                         f"stay below {MAX_PROCESSES} so every global id fits in int32")
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULTS.cluster.heartbeat_timeout_s, metavar="SECONDS",
+                   help="a process that sends no heartbeat for this long, or loses its connection and is not back "
+                        "within it, is declared failed and every other process is told (default %(default)s)")
+    p.add_argument("--on-failure", choices=[p.value for p in FailurePolicy], default=FailurePolicy.PROPAGATE.value,
+                   help="propagate: report a failed process to all others and keep the topology (default); "
+                        "elastic: drop it and publish a new generation over the survivors (see --min-processes)")
+    p.add_argument("--min-processes", type=int, metavar="M",
+                   help="with --on-failure elastic: the fewest processes a new generation may have; below it the "
+                        "failure is reported as fatal (default 1)")
+    p.add_argument("--kv-max-value-bytes", type=int, default=DEFAULTS.cluster.kv_max_value_bytes, metavar="BYTES",
+                   help="largest value the key-value store accepts (default %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULTS.max_request_bytes, metavar="BYTES",
                    help="largest registration accepted; larger ones get RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
@@ -51,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.min_processes is not None and args.on_failure != FailurePolicy.ELASTIC:
+            raise InvalidArgument("--min-processes applies only with --on-failure elastic")
         cluster = ClusterConfig(num_processes=args.num_processes, cluster_id=args.cluster_id,
-                                max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES)
+                                max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES,
+                                heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
+                                min_processes=args.min_processes or 1,
+                                kv_max_value_bytes=args.kv_max_value_bytes)
     except InvalidArgument as e:
-        print(f"ifrt-coordinator: --num-processes: {e}", file=sys.stderr)
+        print(f"ifrt-coordinator: {e}", file=sys.stderr)
         return 2
     config = CoordinatorConfig(cluster=cluster, bind=args.bind, max_request_bytes=args.max_request_bytes,
                                progress_interval_s=args.progress_interval, ready_file=args.ready_file)

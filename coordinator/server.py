@@ -43,14 +43,17 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
              config.cluster.cluster_id, config.cluster.num_processes, os.getpid())
     if config.ready_file:
         _write_atomically(config.ready_file, address)
-    progress = asyncio.create_task(service.log_progress_every(config.progress_interval_s))
+    background = [asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
+                  asyncio.create_task(service.tick_every(config.tick_interval_s))]
     try:
         await stop.wait()
     finally:
-        progress.cancel()
+        for task in background:
+            task.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("shutting down: %s", service.status())
+        await service.shutdown_sessions("the coordinator is shutting down")
         await server.stop(config.shutdown_grace_s)
         log.info("stopped")
 

@@ -1,25 +1,32 @@
-"""The gRPC face of the state machine: decode, apply, wait, answer with pre-serialized bytes."""
+"""The gRPC face of the state machine: decode, apply, carry out the effects, answer with pre-serialized bytes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import NoReturn, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from coordinator import registration as reg
-from coordinator.state import ClusterState, Published
+from coordinator.barriers import BarrierResolved
+from coordinator.state import ClusterState, Effect, Evict, Forgotten, Notify, Published, Republish, Waiting
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.errors import ERROR_TRAILER, IfrtError, InvalidArgument
+from ifrt.errors import ERROR_TRAILER, IfrtError, InvalidArgument, KeyValueTimeout, ProcessDeclaredFailed
+from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
 
 log = logging.getLogger("ifrt.coordinator")
 
 MAX_HOSTS_IN_PROGRESS = 32
 """Registered hosts listed in one progress answer (the count is always exact)."""
+PROGRESS_CACHE_S = 1.0
+"""A progress answer is reused this long while nobody new registers (thousands may ask at once)."""
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+_END = object()
 
 
 def peer_host(peer: str) -> str:
@@ -32,71 +39,110 @@ def peer_host(peer: str) -> str:
     return rest or peer
 
 
+class _Evicted:
+    def __init__(self, error: IfrtError) -> None:
+        self.error = error
+
+
 class CoordinatorService:
-    """Serves Register. Serializes each generation's topology once; every answer reuses those bytes."""
+    """Serves the Coordinator service. Each generation's topology is serialized once and sent as the same bytes."""
 
     def __init__(self, state: ClusterState, *, max_wait_s: float, clock: Callable[[], float] = time.monotonic):
         self.state = state
         self._clock = clock
         self._max_wait_s = max_wait_s
         self._published = asyncio.Event()
-        self._answer_tail = b""
+        self._generation = 0
+        self._answer_tail = b""  # Register answer minus process_id, for the current generation
+        self._topology_event = b""  # SessionEvent(topology_changed) for the current generation
+        self._progress_cache: tuple[float, int, bytes] = (-1e9, -1, b"")
+        self._sessions: dict[str, set[asyncio.Queue]] = {}
+        self._barrier_done: dict[str, asyncio.Event] = {}
+        self._kv_set: dict[str, asyncio.Event] = {}
 
     def handlers(self) -> grpc.GenericRpcHandler:
-        """The method handlers; responses are already bytes, so the serializer is the identity."""
-        register = grpc.unary_unary_rpc_method_handler(self.register)  # raw bytes in and out
-        return grpc.method_handlers_generic_handler(pb.DESCRIPTOR.services_by_name["Coordinator"].full_name,
-                                                    {"Register": register})
+        """Method handlers taking and returning raw bytes: answers are pre-serialized."""
+        unary = grpc.unary_unary_rpc_method_handler
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Register": unary(self.register),
+            "Session": grpc.stream_stream_rpc_method_handler(self.session),
+            "Leave": unary(self.leave),
+            "Barrier": unary(self.barrier),
+            "KeyValueSet": unary(self.kv_set),
+            "KeyValueGet": unary(self.kv_get),
+            "KeyValueDir": unary(self.kv_dir),
+        })
 
+    # Register.
     async def register(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.RegisterRequest, raw, context)
         try:
-            request = _parse(raw)
             registration = reg.from_request(request, peer_host(context.peer()))
             before = self.state.registered
-            outcome = self.state.register(registration, self._clock())
+            outcome, effects = self.state.register(registration, self._clock())
         except IfrtError as e:
-            log.warning("rejected registration from %s: %s", context.peer(), e)
-            await context.abort(e.code, str(e), trailing_metadata=((ERROR_TRAILER, type(e).__name__),))
-        if self.state.registered > before:
+            await _abort(context, e, f"registration from {context.peer()}")
+        if self.state.registered > before and isinstance(outcome, Waiting):
             self._log_admitted(registration)
+        self._apply(effects)
         if isinstance(outcome, Published):
-            if not self._published.is_set():
-                self._publish(outcome)
             return self._answer(outcome.process_id)
+        uid = registration.client_uid
+        self.state.call_started(uid, self._clock())
         try:
             await asyncio.wait_for(self._published.wait(), min(request.wait_ms / 1000, self._max_wait_s))
         except TimeoutError:
             return self._progress_answer()
-        outcome = self.state.register(registration, self._clock())
+        finally:
+            self.state.call_ended(uid, self._clock())
+        try:
+            outcome, _ = self.state.register(registration, self._clock())
+        except IfrtError as e:  # failed or replaced while it waited
+            await _abort(context, e, f"registration from {context.peer()}")
         assert isinstance(outcome, Published)
         return self._answer(outcome.process_id)
 
-    def _publish(self, outcome: Published) -> None:
-        canonical = wire.encode(outcome.topology)
-        fingerprint = wire.fingerprint(canonical)
-        encoding, payload = wire.compress(canonical)
-        self._answer_tail = pb.RegisterResponse(topology=payload, encoding=encoding, fingerprint=fingerprint,
-                                                generation=outcome.topology.generation).SerializeToString()
-        self._published.set()
-        log.info("published generation %d: %d processes, %d devices, %d bytes (%d sent), fingerprint %s",
-                 outcome.topology.generation, len(outcome.topology.processes), len(outcome.topology.devices),
-                 len(canonical), len(payload), fingerprint[:16])
-
     def _answer(self, process_id: int) -> bytes:
+        self._sync_generation()
         # Concatenated protobuf messages parse as one: the per-process field, then the shared bytes.
         return pb.RegisterResponse(process_id=process_id).SerializeToString() + self._answer_tail
 
+    def _sync_generation(self) -> bool:
+        """Serializes the current generation once, when it is new; returns whether it was."""
+        topology = self.state.topology
+        if topology is None or topology.generation == self._generation:
+            return False
+        canonical = wire.encode(topology)
+        fingerprint = wire.fingerprint(canonical)
+        encoding, payload = wire.compress(canonical)
+        shared = pb.RegisterResponse(topology=payload, encoding=encoding, fingerprint=fingerprint,
+                                     generation=topology.generation)
+        self._answer_tail = shared.SerializeToString()
+        self._topology_event = pb.SessionEvent(topology_changed=shared).SerializeToString()
+        self._generation = topology.generation
+        self._published.set()
+        log.info("published generation %d: %d processes, %d devices, %d bytes (%d sent), fingerprint %s",
+                 topology.generation, len(topology.processes), len(topology.devices), len(canonical), len(payload),
+                 fingerprint[:16])
+        return True
+
     def _progress_answer(self) -> bytes:
-        p = self.state.progress(self._clock())
-        return pb.RegisterResponse(progress=pb.Progress(
+        now = self._clock()
+        at, registered, answer = self._progress_cache
+        if registered == self.state.registered and now - at < PROGRESS_CACHE_S:
+            return answer
+        p = self.state.progress(now)
+        answer = pb.RegisterResponse(progress=pb.Progress(
             registered=p.registered, expected=p.expected, missing_process_ids=p.missing_process_ids,
             registered_hosts=p.registered_hosts[:MAX_HOSTS_IN_PROGRESS], waited_seconds=p.waited_seconds,
         )).SerializeToString()
+        self._progress_cache = (now, p.registered, answer)
+        return answer
 
     def _log_admitted(self, r: reg.Registration) -> None:
         state = self.state
         who = f"process {r.process_id}" if r.process_id is not None else "a process"
-        missing = state.missing_count()
+        missing = state.config.num_processes - state.registered
         if not missing:
             waiting = "complete"
         elif ids := state.missing_ids_if_few():
@@ -105,6 +151,159 @@ class CoordinatorService:
             waiting = f"waiting for {missing} more"
         log.info("registered %s on %s with %d devices: %d/%d registered, %s", who, r.describe(), len(r.devices),
                  state.registered, state.config.num_processes, waiting)
+
+    # Session.
+    async def session(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
+        opening = await _parse(pb.SessionRequest, first, context)
+        if opening.WhichOneof("kind") != "open":
+            await _abort(context, InvalidArgument("the first session message must be SessionOpen"), "session")
+        uid = opening.open.client_uid
+        try:
+            process_id = self.state.attach(uid, self._clock())
+        except IfrtError as e:
+            await _abort(context, e, f"session of client {uid}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._sessions.setdefault(uid, set()).add(queue)
+        reader = asyncio.create_task(self._read_heartbeats(uid, requests, queue))
+        log.debug("session of process %d attached", process_id)
+        try:
+            interval_ms = max(1, int(self.state.config.heartbeat_timeout_s * 1000 / 4))
+            await context.write(pb.SessionEvent(attached=pb.Attached(
+                heartbeat_interval_ms=interval_ms, generation=self._generation)).SerializeToString())
+            if opening.open.generation != self._generation:
+                await context.write(self._topology_event)
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, _Evicted):
+                    await _abort(context, item.error, f"session of process {process_id}")
+                await context.write(item)
+        finally:
+            reader.cancel()
+            self._sessions[uid].discard(queue)
+            if not self._sessions[uid]:
+                del self._sessions[uid]
+            self.state.detach(uid, self._clock())
+
+    async def _read_heartbeats(self, uid: str, requests: AsyncIterator[bytes], queue: asyncio.Queue) -> None:
+        try:
+            async for _ in requests:
+                self.state.heartbeat(uid, self._clock())
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            queue.put_nowait(_END)
+
+    def _broadcast(self, message: bytes) -> None:
+        for queues in self._sessions.values():
+            for queue in queues:
+                queue.put_nowait(message)
+
+    async def shutdown_sessions(self, reason: str) -> None:
+        """Tells every session the coordinator is going away, so clients need not wait for a timeout."""
+        self._broadcast(pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
+        for queues in self._sessions.values():
+            for queue in queues:
+                queue.put_nowait(_END)
+        await asyncio.sleep(0)
+
+    # Leave, barriers, key-values.
+    async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.LeaveRequest, raw, context)
+        self._apply(self.state.leave(request.client_uid, self._clock()))
+        return b""
+
+    async def barrier(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.BarrierRequest, raw, context)
+        timeout_s = request.timeout_ms / 1000
+        try:
+            effects = self.state.arrive(request.client_uid, request.name, frozenset(request.process_ids), timeout_s,
+                                        self._clock())
+        except IfrtError as e:
+            await _abort(context, e, f"barrier {request.name!r}")
+        self._apply(effects)
+        barrier = self.state.barriers.get(request.name)
+        assert barrier is not None
+        if barrier.pending:
+            done = self._barrier_done.setdefault(request.name, asyncio.Event())
+            # The state machine's tick fails the barrier at its deadline; the slack only guards against a stall.
+            await asyncio.wait_for(done.wait(), timeout_s + 5)
+        if barrier.error is not None:
+            await _abort(context, barrier.error, f"barrier {request.name!r}", level=logging.DEBUG)
+        return b""
+
+    async def kv_set(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueSetRequest, raw, context)
+        try:
+            self.state.process_id_of(request.client_uid)
+            changed = self.state.kv.set(request.key, request.value, request.allow_overwrite)
+        except IfrtError as e:
+            await _abort(context, e, f"key-value set of {request.key!r}")
+        if changed and (event := self._kv_set.pop(request.key, None)) is not None:
+            event.set()
+        return b""
+
+    async def kv_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueGetRequest, raw, context)
+        try:
+            self.state.process_id_of(request.client_uid)
+        except IfrtError as e:
+            await _abort(context, e, f"key-value get of {request.key!r}")
+        value = self.state.kv.get(request.key)
+        if value is None:
+            wait_s = min(request.wait_ms / 1000, self._max_wait_s)
+            try:
+                await asyncio.wait_for(self._kv_set.setdefault(request.key, asyncio.Event()).wait(), wait_s)
+            except TimeoutError:
+                await _abort(context, KeyValueTimeout(f"key {request.key!r} was not set within {wait_s:.1f}s"),
+                             "key-value get", level=logging.DEBUG)
+            value = self.state.kv.get(request.key)
+        return pb.KeyValueGetResponse(value=value).SerializeToString()
+
+    async def kv_dir(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueDirRequest, raw, context)
+        try:
+            self.state.process_id_of(request.client_uid)
+        except IfrtError as e:
+            await _abort(context, e, f"key-value dir of {request.prefix!r}")
+        entries = [pb.KeyValueEntry(key=k, value=v) for k, v in self.state.kv.dir(request.prefix)]
+        return pb.KeyValueDirResponse(entries=entries).SerializeToString()
+
+    # Time and effects.
+    async def tick_every(self, interval_s: float) -> None:
+        """Lets the state machine expire silent processes and overdue barriers."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self._apply(self.state.tick(self._clock()))
+
+    def _apply(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case Notify(event=ProcessFailed(process_id=pid, reason=reason)):
+                    log.warning("process %s failed: %s", self.state.describe_process(pid), reason)
+                    self._broadcast(pb.SessionEvent(process_failed=pb.ProcessEvent(
+                        process_id=pid, reason=reason)).SerializeToString())
+                case Notify(event=ProcessRestarted(process_id=pid, incarnation=incarnation)):
+                    log.info("process %s restarted (incarnation %d)", self.state.describe_process(pid), incarnation)
+                    self._broadcast(pb.SessionEvent(process_restarted=pb.ProcessEvent(
+                        process_id=pid, incarnation=incarnation)).SerializeToString())
+                case Notify(event=ProcessLeft(process_id=pid)):
+                    log.info("process %s left", self.state.describe_process(pid))
+                    self._broadcast(pb.SessionEvent(process_left=pb.ProcessEvent(process_id=pid)).SerializeToString())
+                case Republish():
+                    if self._sync_generation():
+                        self._broadcast(self._topology_event)
+                case Evict(client_uid=uid, reason=reason):
+                    for queue in self._sessions.get(uid, ()):
+                        queue.put_nowait(_Evicted(_declared_failed(reason)))
+                case Forgotten(who=who, reason=reason):
+                    log.warning("forgot the registration of %s: it %s", who, reason)
+                case BarrierResolved(name=name, error=error):
+                    if error is not None:
+                        log.info("%s", error)
+                    if (event := self._barrier_done.pop(name, None)) is not None:
+                        event.set()
 
     def status(self) -> str:
         """One line for operators: the published generation, or who is still missing."""
@@ -121,8 +320,22 @@ class CoordinatorService:
                 log.info("waiting: %s", self.status())
 
 
-def _parse(raw: bytes) -> pb.RegisterRequest:
+def _declared_failed(reason: str) -> IfrtError:
+    return ProcessDeclaredFailed(f"this process was {reason}; restart it to rejoin")
+
+
+M = TypeVar("M", bound=Message)
+
+
+async def _parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
     try:
-        return pb.RegisterRequest.FromString(raw)
+        return cls.FromString(raw)
     except DecodeError as e:
-        raise InvalidArgument(f"request is not a valid ifrt.topology.v1.RegisterRequest: {e}") from e
+        await _abort(context, InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name}: {e}"), "request")
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: IfrtError, what: str,
+                 level: int = logging.WARNING) -> NoReturn:
+    log.log(level, "rejected %s: %s", what, error)
+    await context.abort(error.code, str(error), trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
+    raise AssertionError("context.abort returned")

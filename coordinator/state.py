@@ -1,25 +1,48 @@
-"""The coordinator's decisions (admit, reject, assign, publish) as a deterministic state machine with no I/O.
+"""The coordinator's decisions as a deterministic state machine with no I/O.
 
-    registering ──(the N-th distinct process is admitted)──▶ published (generation 1)
+One process's life, as the coordinator sees it:
 
-``register(registration, now)`` is the event; ``Waiting`` or ``Published`` is the output. A rejected event
-raises a typed ``ifrt.errors`` error and leaves the state exactly as it was. Time arrives as data (``now``),
-so replaying the same events gives the same state and byte-identical topology.
+    JOINING ──(the N-th process registers: generation 1 published)──▶ ALIVE ──(leave)──▶ LEFT
+       │                                                                │
+       └─(silent for the grace before publication: forgotten)           ├─(silent for the grace)──▶ FAILED
+                                                                        └─(a new process takes its id)──▶ restarted
+
+Every method is an event (time arrives as data, ``now``) and returns its effects for the shell to carry out
+(notify sessions, publish a new generation, resolve barriers). A rejected event raises a typed
+``ifrt.errors`` error and leaves the state exactly as it was, so replaying the same events gives the same
+state and byte-identical topologies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, replace
 
 from coordinator.assignment import assign_process_ids
+from coordinator.barriers import BarrierResolved, Barriers
+from coordinator.kv import KeyValueStore
 from coordinator.registration import Registration
-from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessIdTaken
+from ifrt.errors import (
+    ClusterMismatch,
+    InvalidArgument,
+    ProcessDeclaredFailed,
+    ProcessIdTaken,
+    UnknownClient,
+)
+from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.ids import MAX_PROCESSES, global_device_id
 from ifrt.progress import Progress
 from ifrt.records import Device, Process
 from ifrt.wire import TopologyContent
 
 FIRST_GENERATION = 1
+
+
+class FailurePolicy(enum.StrEnum):
+    PROPAGATE = "propagate"
+    """A failed process is reported to all others; the topology stays as it is."""
+    ELASTIC = "elastic"
+    """A failed process is dropped and a new generation over the survivors is published (down to a minimum)."""
 
 
 @dataclass(frozen=True)
@@ -30,13 +53,45 @@ class ClusterConfig:
     cluster_id: str = "default"
     max_processes: int = MAX_PROCESSES
     """Exclusive bound on process ids (2**14 keeps every global id within int32)."""
+    heartbeat_timeout_s: float = 10.0
+    """A process silent this long (no heartbeat, or disconnected and not back) is failed."""
+    on_failure: FailurePolicy = FailurePolicy.PROPAGATE
+    min_processes: int = 1
+    """With the elastic policy: fewest processes a new generation may have."""
+    kv_max_value_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_processes <= self.max_processes:
             raise InvalidArgument(f"num_processes {self.num_processes} is out of range: expected 1 <= num_processes "
                                   f"<= {self.max_processes}")
+        if not 1 <= self.min_processes <= self.num_processes:
+            raise InvalidArgument(f"min_processes {self.min_processes} is out of range: expected 1 <= min_processes "
+                                  f"<= num_processes ({self.num_processes})")
+        if not self.heartbeat_timeout_s > 0:
+            raise InvalidArgument(f"heartbeat timeout {self.heartbeat_timeout_s} is not positive: expected seconds > 0")
 
 
+class Status(enum.Enum):
+    JOINING = "joining"
+    ALIVE = "alive"
+    FAILED = "failed"
+    LEFT = "left"
+
+
+@dataclass
+class Member:
+    """One process incarnation: its registration and its liveness."""
+
+    registration: Registration
+    status: Status
+    last_seen: float
+    incarnation: int = 0
+    calls: int = 0  # Register calls in flight: the process is waiting on us, so it is alive
+    sessions: int = 0  # open session streams (two overlap briefly when a client reconnects)
+    reason: str = ""
+
+
+# Outputs, besides the answers returned to the caller.
 @dataclass(frozen=True)
 class Waiting:
     """Admitted; the topology is not complete yet."""
@@ -53,59 +108,208 @@ class Published:
     topology: TopologyContent
 
 
+@dataclass(frozen=True)
+class Notify:
+    """Effect: tell every live session about ``event``."""
+
+    event: ProcessFailed | ProcessRestarted | ProcessLeft
+
+
+@dataclass(frozen=True)
+class Republish:
+    """Effect: a new generation; send it to every live session."""
+
+    topology: TopologyContent
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Effect: close this client's session, telling it why."""
+
+    client_uid: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """Effect (for the log): a registration dropped before publication."""
+
+    who: str
+    reason: str
+
+
+Effect = Notify | Republish | Evict | Forgotten | BarrierResolved
+
+
 class ClusterState:
-    """All registrations of one cluster and, once complete, its published topology."""
+    """All processes of one cluster, their liveness, the published generation, barriers and key-values."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self._registrations: dict[str, Registration] = {}
-        self._holder: dict[object, str] = {}  # claimed process id (or stable key) -> client uid
-        self._explicit: bool | None = None
-        self._missing_ids: set[int] = set(range(config.num_processes))
-        self._first_registration_at: float | None = None
-        self._process_ids: dict[str, int] = {}
+        self.barriers = Barriers()
+        self.kv = KeyValueStore(config.kv_max_value_bytes)
         self.topology: TopologyContent | None = None
+        self._members: dict[str, Member] = {}  # by client uid, including failed and replaced incarnations
+        self._holder: dict[object, str] = {}  # claim (process id or stable key) -> uid of its current incarnation
+        self._explicit: bool | None = None
+        self._first_registration_at: float | None = None
+        self._missing_ids: set[int] = set(range(config.num_processes))  # explicit ids not held yet
+        self._process_ids: dict[object, int] = {}  # claim -> process id, fixed at publication
+        self._claims: dict[int, object] = {}  # process id -> claim
+        self._in_topology: set[int] = set()  # process ids in the current generation
+        self._down: dict[int, str] = {}  # process id -> why it is unavailable (failed or left)
 
+    # Registration.
     @property
     def registered(self) -> int:
-        return len(self._registrations)
+        return len(self._holder)
 
-    def register(self, registration: Registration, now: float) -> Waiting | Published:
-        """Admits a process (or recognizes its retry); raises without changing anything if it does not fit."""
-        known = self._registrations.get(registration.client_uid)
+    def register(self, r: Registration, now: float) -> tuple[Waiting | Published, list[Effect]]:
+        """Admits a process, recognizes its retry, or takes over the id of a dead one (a restart)."""
+        known = self._members.get(r.client_uid)
         if known is not None:
-            if not registration.is_retry_of(known):
-                raise ClusterMismatch(f"client {registration.client_uid} registered again with a different request "
-                                      f"(first from {known.describe()}): a retry must repeat the first registration")
-            return self._answer(registration.client_uid)
-        self._check_fits(registration)
-        claim = self._claim(registration)
-        holder = self._holder.get(claim)
-        if holder is not None:
-            raise self._taken(registration, self._registrations[holder])
-        if self.topology is not None:
+            if not r.is_retry_of(known.registration):
+                raise ClusterMismatch(f"client {r.client_uid} registered again with a different request (first from "
+                                      f"{known.registration.describe()}): a retry must repeat the first registration")
+            self._check_usable(known)
+            known.last_seen = now
+            return self._answer(r), []
+        self._check_fits(r)
+        claim = _claim(r)
+        holder_uid = self._holder.get(claim)
+        if holder_uid is not None:
+            holder = self._members[holder_uid]
+            if holder.status in (Status.JOINING, Status.ALIVE) and (holder.calls or holder.sessions):
+                raise _taken(r, holder.registration)
+            if self.topology is not None:
+                return self._restart(r, holder, now)
+            del self._members[holder_uid]  # a dead registration before publication: the newcomer replaces it
+        elif self.topology is not None:
             raise ClusterMismatch(f"the cluster is complete: all {self.config.num_processes} processes registered "
-                                  f"and generation {FIRST_GENERATION} is published; {registration.describe()} "
-                                  "is not one of them")
-        self._admit(registration, claim, now)
-        return self._answer(registration.client_uid)
+                                  f"and generation {self.topology.generation} is published; {r.describe()} is not "
+                                  "one of them")
+        self._members[r.client_uid] = Member(r, Status.JOINING, now)
+        self._holder[claim] = r.client_uid
+        self._missing_ids.discard(r.process_id)  # type: ignore[arg-type]
+        self._explicit = r.process_id is not None
+        if self._first_registration_at is None:
+            self._first_registration_at = now
+        if len(self._holder) == self.config.num_processes:
+            self._publish_first()
+        return self._answer(r), []
 
     def progress(self, now: float) -> Progress:
         """Who has registered and who is missing, as of ``now``."""
+        joined = [self._members[uid].registration for uid in self._holder.values()]
         missing = tuple(sorted(self._missing_ids)) if self._explicit else ()
         waited = 0.0 if self._first_registration_at is None else max(0.0, now - self._first_registration_at)
-        hosts = tuple(sorted({r.describe() for r in self._registrations.values()}))
-        return Progress(self.registered, self.config.num_processes, missing, hosts, waited)
-
-    def missing_count(self) -> int:
-        return self.config.num_processes - self.registered
+        hosts = tuple(sorted({r.describe() for r in joined}))
+        return Progress(len(joined), self.config.num_processes, missing, hosts, waited)
 
     def missing_ids_if_few(self, limit: int = 8) -> tuple[int, ...]:
-        """The missing explicit process ids when there are at most ``limit`` (cheap for logging every event)."""
+        """The missing explicit process ids when there are at most ``limit`` (cheap enough to log every event)."""
         if not self._explicit or len(self._missing_ids) > limit:
             return ()
         return tuple(sorted(self._missing_ids))
 
+    # Liveness.
+    def call_started(self, client_uid: str, now: float) -> None:
+        """A Register call of this client is in flight (it is alive while it waits on us)."""
+        member = self._members.get(client_uid)
+        if member is not None:
+            member.calls += 1
+            member.last_seen = now
+
+    def call_ended(self, client_uid: str, now: float) -> None:
+        member = self._members.get(client_uid)
+        if member is not None:
+            member.calls = max(0, member.calls - 1)
+            member.last_seen = now
+
+    def attach(self, client_uid: str, now: float) -> int:
+        """A session opened; returns the process id. UnknownClient or ProcessDeclaredFailed if it may not."""
+        member = self._members.get(client_uid)
+        if member is None or self.topology is None or member.status is Status.JOINING:
+            raise UnknownClient(f"client {client_uid} is not a registered process of the published topology "
+                                "(the coordinator may have restarted): register again")
+        self._check_usable(member)
+        member.sessions += 1
+        member.last_seen = now
+        return self._process_ids[_claim(member.registration)]
+
+    def heartbeat(self, client_uid: str, now: float) -> None:
+        member = self._members.get(client_uid)
+        if member is not None:
+            member.last_seen = now
+
+    def detach(self, client_uid: str, now: float) -> None:
+        """The session closed (the process has the grace period to come back)."""
+        member = self._members.get(client_uid)
+        if member is not None:
+            member.sessions = max(0, member.sessions - 1)
+            member.last_seen = now
+
+    def leave(self, client_uid: str, now: float) -> list[Effect]:
+        """A graceful exit: the process is reported as left (and dropped, with the elastic policy)."""
+        member = self._members.get(client_uid)
+        if member is None or member.status in (Status.FAILED, Status.LEFT):
+            return []
+        if member.status is Status.JOINING:
+            return self._forget(member, "left before the topology was published")
+        pid = self._process_ids[_claim(member.registration)]
+        member.status, member.reason = Status.LEFT, "left"
+        self._down[pid] = "left"
+        return [Notify(ProcessLeft(pid)), *self.barriers.fail_including(pid, "left"),
+                *self._drop_if_elastic(pid, "left")]
+
+    def tick(self, now: float) -> list[Effect]:
+        """Fails processes silent beyond the heartbeat timeout and barriers past their deadline."""
+        timeout = self.config.heartbeat_timeout_s
+        effects: list[Effect] = []
+        for uid in list(self._holder.values()):
+            member = self._members[uid]
+            silent = now - member.last_seen
+            if member.calls or silent <= timeout or member.status not in (Status.JOINING, Status.ALIVE):
+                continue
+            if member.status is Status.JOINING:
+                effects += self._forget(member, f"went silent for {silent:.1f}s before the topology was published")
+                continue
+            why = (f"sent no heartbeat for {silent:.1f}s" if member.sessions else
+                   f"lost its connection and did not come back within {timeout:g}s")
+            effects += self._fail(member, why)
+        effects += self.barriers.expire(now, self.describe_process)
+        return effects
+
+    # Barriers and key-values.
+    def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float,
+               now: float) -> list[Effect]:
+        """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty)."""
+        pid = self.process_id_of(client_uid)
+        participants = process_ids or frozenset(self._in_topology)
+        unknown = participants - self._claims.keys()
+        if unknown:
+            raise InvalidArgument(f"barrier {name!r} names process ids {sorted(unknown)} that are not in the "
+                                  f"topology (process ids 0..{self.config.num_processes - 1})")
+        down = {p: self._down[p] for p in participants & self._down.keys()}
+        _, effects = self.barriers.arrive(name, pid, participants, timeout_s, now, down)
+        return list(effects)
+
+    def process_id_of(self, client_uid: str) -> int:
+        """The process id of a live, published client; UnknownClient or ProcessDeclaredFailed otherwise."""
+        member = self._members.get(client_uid)
+        if member is None or self.topology is None or member.status is Status.JOINING:
+            raise UnknownClient(f"client {client_uid} is not a registered process of the published topology")
+        self._check_usable(member)
+        return self._process_ids[_claim(member.registration)]
+
+    def describe_process(self, process_id: int) -> str:
+        """``2 (host-c (10.0.0.3))``, for messages."""
+        claim = self._claims.get(process_id)
+        if claim is None:
+            return str(process_id)
+        return f"{process_id} ({self._members[self._holder[claim]].registration.describe()})"
+
+    # Internals.
     def _check_fits(self, r: Registration) -> None:
         config = self.config
         if r.cluster_id and r.cluster_id != config.cluster_id:
@@ -128,40 +332,103 @@ class ClusterState:
                                   "ids: give every process an id, or none")
 
     @staticmethod
-    def _claim(r: Registration) -> object:
-        return r.process_id if r.process_id is not None else r.stable_key
+    def _check_usable(member: Member) -> None:
+        if member.status in (Status.FAILED, Status.LEFT):
+            raise ProcessDeclaredFailed(f"this process ({member.registration.describe()}) was declared "
+                                        f"{member.status.value}: {member.reason}; restart it to rejoin")
 
-    @staticmethod
-    def _taken(r: Registration, holder: Registration) -> ProcessIdTaken:
-        if r.process_id is not None:
-            return ProcessIdTaken(f"process id {r.process_id} is already registered by {holder.describe()}; "
-                                  f"{r.describe()} cannot take it: give each process its own id")
-        return ProcessIdTaken(f"{r.describe()} is already registered by another process: give each process on one "
-                              "host its own local rank (IFRT_LOCAL_RANK), or explicit process ids")
+    def _answer(self, r: Registration) -> Waiting | Published:
+        if self.topology is None:
+            return Waiting(len(self._holder), self.config.num_processes)
+        return Published(self._process_ids[_claim(r)], self.topology)
 
-    def _admit(self, r: Registration, claim: object, now: float) -> None:
-        self._registrations[r.client_uid] = r
-        self._holder[claim] = r.client_uid
-        self._explicit = r.process_id is not None
-        self._missing_ids.discard(r.process_id)
-        if self._first_registration_at is None:
-            self._first_registration_at = now
-        if self.registered == self.config.num_processes:
-            self._publish()
+    def _publish_first(self) -> None:
+        holders = {uid: claim for claim, uid in self._holder.items()}
+        ids = assign_process_ids(self._members[uid].registration for uid in holders)
+        self._process_ids = {holders[uid]: pid for uid, pid in ids.items()}
+        self._claims = {pid: claim for claim, pid in self._process_ids.items()}
+        for uid in holders:
+            self._members[uid].status = Status.ALIVE
+        self._in_topology = set(ids.values())
+        self.topology = self._build(FIRST_GENERATION)
 
-    def _publish(self) -> None:
-        self._process_ids = assign_process_ids(self._registrations.values())
+    def _build(self, generation: int) -> TopologyContent:
         processes, devices = [], []
-        for uid, r in self._registrations.items():
-            pid = self._process_ids[uid]
+        for claim, uid in self._holder.items():
+            pid = self._process_ids[claim]
+            if pid not in self._in_topology:
+                continue
+            r = self._members[uid].registration
             processes.append(Process(pid, r.hostname, r.address))
             devices.extend(Device(global_device_id(pid, d.local_id, self.config.max_processes), pid, d.local_id,
                                   d.platform, d.kind, d.slice_index, d.attributes) for d in r.devices)
-        self.topology = TopologyContent(self.config.cluster_id, FIRST_GENERATION, self.config.num_processes,
-                                        tuple(sorted(processes, key=lambda p: p.process_id)),
-                                        tuple(sorted(devices, key=lambda d: d.id)))
+        return TopologyContent(self.config.cluster_id, generation, len(processes),
+                               tuple(sorted(processes, key=lambda p: p.process_id)),
+                               tuple(sorted(devices, key=lambda d: d.id)))
 
-    def _answer(self, client_uid: str) -> Waiting | Published:
-        if self.topology is None:
-            return Waiting(self.registered, self.config.num_processes)
-        return Published(self._process_ids[client_uid], self.topology)
+    def _republish_if_changed(self) -> list[Effect]:
+        assert self.topology is not None
+        same_generation = self._build(self.topology.generation)
+        if same_generation == self.topology:
+            return []
+        self.topology = replace(same_generation, generation=self.topology.generation + 1)
+        return [Republish(self.topology)]
+
+    def _restart(self, r: Registration, holder: Member, now: float) -> tuple[Published, list[Effect]]:
+        claim = _claim(r)
+        pid = self._process_ids[claim]
+        if holder.status in (Status.JOINING, Status.ALIVE):
+            holder.status, holder.reason = Status.FAILED, f"replaced by a restarted process from {r.describe()}"
+        member = Member(r, Status.ALIVE, now, incarnation=holder.incarnation + 1)
+        self._members[r.client_uid] = member
+        self._holder[claim] = r.client_uid
+        self._down.pop(pid, None)
+        effects: list[Effect] = [*self.barriers.fail_including(pid, "restarted"),
+                                 Notify(ProcessRestarted(pid, member.incarnation))]
+        self._in_topology.add(pid)
+        effects += self._republish_if_changed()
+        return Published(pid, self.topology), effects  # type: ignore[arg-type]
+
+    def _fail(self, member: Member, why: str) -> list[Effect]:
+        pid = self._process_ids[_claim(member.registration)]
+        member.status, member.reason = Status.FAILED, why
+        self._down[pid] = f"failed: {why}"
+        effects: list[Effect] = []
+        if member.sessions:
+            effects.append(Evict(member.registration.client_uid, f"declared failed: {why}"))
+        dropped = self._drop_if_elastic(pid, "failed")
+        if self.config.on_failure is FailurePolicy.ELASTIC and not dropped:
+            why += (f"; only {len(self._in_topology) - 1} processes would remain, fewer than --min-processes "
+                    f"{self.config.min_processes}: the cluster cannot continue")
+        return [Notify(ProcessFailed(pid, why)), *self.barriers.fail_including(pid, f"failed: {why}"), *effects,
+                *dropped]
+
+    def _drop_if_elastic(self, pid: int, what: str) -> list[Effect]:
+        if self.config.on_failure is not FailurePolicy.ELASTIC or pid not in self._in_topology:
+            return []
+        if len(self._in_topology) - 1 < self.config.min_processes:
+            return []
+        self._in_topology.discard(pid)
+        return self._republish_if_changed()
+
+    def _forget(self, member: Member, why: str) -> list[Effect]:
+        r = member.registration
+        claim = _claim(r)
+        if self._holder.get(claim) == r.client_uid:
+            del self._holder[claim]
+            if r.process_id is not None:
+                self._missing_ids.add(r.process_id)
+        del self._members[r.client_uid]
+        return [Forgotten(r.describe(), why)]
+
+
+def _claim(r: Registration) -> object:
+    return r.process_id if r.process_id is not None else r.stable_key
+
+
+def _taken(r: Registration, holder: Registration) -> ProcessIdTaken:
+    if r.process_id is not None:
+        return ProcessIdTaken(f"process id {r.process_id} is already registered by {holder.describe()}, which is "
+                              f"alive; {r.describe()} cannot take it: give each process its own id")
+    return ProcessIdTaken(f"{r.describe()} is already registered by another live process: give each process on one "
+                          "host its own local rank (IFRT_LOCAL_RANK), or explicit process ids")

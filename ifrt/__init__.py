@@ -10,23 +10,31 @@ import atexit
 import threading
 from collections.abc import Sequence
 
+from ifrt import events
 from ifrt.client import Client
 from ifrt.errors import (
+    BarrierFailed,
+    BarrierTimeout,
     ClusterMismatch,
     CoordinatorUnavailable,
     DiscoveryTimeout,
     IfrtError,
     InvalidArgument,
+    KeyExists,
+    KeyValueTimeout,
+    ProcessDeclaredFailed,
     ProcessIdTaken,
     TopologyError,
+    UnknownClient,
 )
 from ifrt.ids import global_device_id, split_global_id
 from ifrt.records import Device, LocalDevice, Process
 from ifrt.topology import Topology
 
 __all__ = [
-    "Client", "ClusterMismatch", "CoordinatorUnavailable", "Device", "DiscoveryTimeout", "IfrtError",
-    "InvalidArgument", "LocalDevice", "Process", "ProcessIdTaken", "Topology", "TopologyError", "discover",
+    "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable", "Device",
+    "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Process",
+    "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError", "UnknownClient", "discover", "events",
     "global_device_id", "split_global_id",
 ]
 

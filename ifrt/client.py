@@ -1,21 +1,33 @@
-"""``Client``: registers this process with the coordinator and holds the published topology."""
+"""``Client``: one process's link to the coordinator: discovery, the live session, barriers and key-values."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import random
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
-from ifrt.errors import DiscoveryTimeout, IfrtError, InvalidArgument, from_rpc_error
+from ifrt.errors import (
+    CoordinatorUnavailable,
+    DiscoveryTimeout,
+    IfrtError,
+    InvalidArgument,
+    KeyValueTimeout,
+    from_rpc_error,
+)
+from ifrt.events import Event
 from ifrt.progress import Progress
+from ifrt.session import Session
 from ifrt.settings import Settings, resolve
 from ifrt.topology import Topology
 from plugins import get_plugin
@@ -26,32 +38,64 @@ POLL_S = 5.0
 """Longest one Register call waits on the coordinator; a progress line is logged after each."""
 WARN_AFTER_S = 30.0
 """Progress lines are INFO until discover() has waited this long, then WARNING (shown without logging setup)."""
-RETRY_BACKOFF_S = (0.01, 0.1)
-"""First and largest pause between retries of a failed call (doubling, with jitter)."""
+SLACK_S = 5.0
+"""How much longer than the coordinator's own wait a call may take before the client gives up on it."""
+LEAVE_TIMEOUT_S = 2.0
 CHANNEL_OPTIONS = (
     # Reconnect to a coordinator that is not up yet within ~100 ms of it starting (gRPC's default: ~1 s, growing).
     ("grpc.initial_reconnect_backoff_ms", 10),
     ("grpc.max_reconnect_backoff_ms", 100),
+    # Notice a coordinator that vanished without closing the connection (host down, partition).
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 5000),
     # One connection per client, as separate processes have; topologies of large clusters exceed 4 MiB.
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", wire.MAX_TOPOLOGY_BYTES),
 )
+_CLOSED = object()
+
+
+class Backoff:
+    """Pauses between retries: doubling from ``first`` to ``cap`` seconds, with jitter."""
+
+    def __init__(self, first: float = 0.01, cap: float = 0.1) -> None:
+        self.first, self.cap = first, cap
+        self._failures = 0
+
+    def next(self) -> float:
+        self._failures += 1
+        return random.uniform(0.5, 1.0) * min(self.cap, self.first * 2 ** min(self._failures, 16))
+
+    def reset(self) -> None:
+        self._failures = 0
 
 
 class Client:
     """One process's link to the coordinator. ``discover()`` registers and returns the topology.
 
     Arguments fall back to ``IFRT_COORDINATOR``, ``IFRT_PROCESS_ID``, ``IFRT_NUM_PROCESSES``, ``IFRT_PLUGIN``,
-    ``IFRT_LOCAL_RANK`` and ``IFRT_CLUSTER_ID`` (see ``ifrt.settings``).
+    ``IFRT_LOCAL_RANK`` and ``IFRT_CLUSTER_ID`` (see ``ifrt.settings``). With ``session=True`` (the default),
+    the process keeps a live session after discovery: heartbeats, and events from the rest of the cluster.
     """
 
-    def __init__(self, coordinator: str | Sequence[str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, coordinator: str | Sequence[str] | None = None, *, session: bool = True,
+                 **kwargs: Any) -> None:
         self.settings: Settings = resolve(coordinator, **kwargs)
         self.client_uid = uuid.uuid4().hex
         self.topology: Topology | None = None
+        self.backoff = Backoff()
+        self._want_session = session
+        self._session: Session | None = None
+        self._request: pb.RegisterRequest | None = None
+        self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, CoordinatorStub] = {}
+        self._current = 0
+        self._watchers: set[queue.Queue] = set()
+        self._callbacks: list[Callable[[Event], None]] = []
+        self._closed = False
 
+    # Discovery.
     def discover(self) -> Topology:
         """Registers this process and waits until the coordinator publishes the complete topology.
 
@@ -59,23 +103,33 @@ class Client:
         for anything retrying cannot fix (InvalidArgument, ProcessIdTaken, ClusterMismatch).
         """
         if self.topology is None:
-            self.topology = self._register(self._request())
+            self._request = self._build_request()
+            self.topology = self._register(self._request, self.settings.timeout)
+            if self._want_session:
+                self._session = Session(self, self._emit)
+                self._session.start()
         return self.topology
 
-    def close(self) -> None:
-        """Closes the connections to the coordinator."""
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-        self._stubs.clear()
+    @property
+    def process_id(self) -> int:
+        if self.topology is None:
+            raise RuntimeError("this client has not discovered its topology yet: call discover() first")
+        return self.topology.process_id
 
-    def __enter__(self) -> Client:
-        return self
+    def register_again(self) -> Topology:
+        """Re-sends this process's registration (after the coordinator lost its state); returns the topology."""
+        assert self._request is not None
+        return self._register(self._request, self.settings.timeout)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def adopt(self, topology: Topology) -> bool:
+        """Takes ``topology`` if it is another generation than the one held; returns whether it was."""
+        with self._lock:
+            if self.topology is not None and self.topology.canonical_bytes == topology.canonical_bytes:
+                return False
+            self.topology = topology
+            return True
 
-    def _request(self) -> pb.RegisterRequest:
+    def _build_request(self) -> pb.RegisterRequest:
         s = self.settings
         try:
             devices = get_plugin(s.plugin).local_devices(s.local_device_ids)
@@ -90,32 +144,23 @@ class Client:
                                 attributes=d.attributes)
         return request
 
-    def _register(self, request: pb.RegisterRequest) -> Topology:
-        coordinators = self.settings.coordinators
+    def _register(self, request: pb.RegisterRequest, timeout: float) -> Topology:
         start = time.monotonic()
-        deadline = start + self.settings.timeout
+        deadline = start + timeout
         progress: Progress | None = None
         last_error: IfrtError | None = None
-        attempt = failures = 0
         while (remaining := deadline - time.monotonic()) > 0:
-            target = coordinators[attempt % len(coordinators)]
             # Ask the coordinator to answer a little before our deadline, so the last answer names who is missing.
             wait_s = min(POLL_S, max(0.0, remaining - min(0.5, remaining / 4)))
             request.wait_ms = int(wait_s * 1000)
+            target = self.current_coordinator()
             try:
-                response = self._stub(target).Register(request, timeout=min(remaining, wait_s + POLL_S),
-                                                       wait_for_ready=len(coordinators) == 1)
+                response = self.stub(target).Register(request, timeout=min(remaining, wait_s + SLACK_S),
+                                                      wait_for_ready=len(self.settings.coordinators) == 1)
             except grpc.RpcError as e:
-                last_error = from_rpc_error(e, target)
-                if not last_error.retryable:
-                    raise last_error from None
-                attempt += 1
-                failures += 1
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    backoff = min(RETRY_BACKOFF_S[1], RETRY_BACKOFF_S[0] * 2 ** min(failures, 10))
-                    time.sleep(min(random.uniform(0.5, 1.0) * backoff, max(0.0, deadline - time.monotonic())))
+                last_error = self._retryable(e, target)
                 continue
-            failures = 0
+            self.backoff.reset()
             if response.topology:
                 canonical = wire.decompress(response.encoding, response.topology)
                 return Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
@@ -124,13 +169,6 @@ class Client:
             log.log(logging.WARNING if waited >= WARN_AFTER_S else logging.INFO,
                     "waiting for the topology from %s (%.0fs so far): %s", target, waited, progress.describe())
         raise self._timeout(time.monotonic() - start, progress, last_error)
-
-    def _stub(self, target: str) -> CoordinatorStub:
-        stub = self._stubs.get(target)
-        if stub is None:
-            self._channels[target] = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-            stub = self._stubs[target] = CoordinatorStub(self._channels[target])
-        return stub
 
     def _timeout(self, waited: float, progress: Progress | None, last_error: IfrtError | None) -> DiscoveryTimeout:
         where = ", ".join(self.settings.coordinators)
@@ -141,6 +179,158 @@ class Client:
         else:
             cause = f"the cluster is incomplete: {progress.describe()} (coordinator {where})"
         return DiscoveryTimeout(f"no topology after {waited:.1f}s: {cause}", progress=progress)
+
+    # Events.
+    def watch(self, timeout: float | None = None) -> Iterator[Event]:
+        """Events from now on (ProcessFailed, ProcessRestarted, ProcessLeft, TopologyChanged, CoordinatorLost, ...),
+        until ``timeout`` seconds pass or the client closes."""
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            self._watchers.add(events)
+        return self._drain(events, None if timeout is None else time.monotonic() + timeout)
+
+    def _drain(self, events: queue.Queue, deadline: float | None) -> Iterator[Event]:
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                try:
+                    event = events.get(timeout=remaining)
+                except queue.Empty:
+                    return
+                if event is _CLOSED:
+                    return
+                yield event
+        finally:
+            with self._lock:
+                self._watchers.discard(events)
+
+    def on_event(self, callback: Callable[[Event], None]) -> None:
+        """Calls ``callback(event)`` for every event, from the session thread (keep it short)."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def _emit(self, event: Event) -> None:
+        with self._lock:
+            watchers, callbacks = list(self._watchers), list(self._callbacks)
+        for events in watchers:
+            events.put(event)
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:
+                log.exception("on_event callback %r failed on %r", callback, event)
+
+    # Coordination.
+    def barrier(self, name: str, timeout: float, process_ids: Sequence[int] | None = None) -> None:
+        """Waits until every process (or those in ``process_ids``) reached barrier ``name``.
+
+        Raises BarrierTimeout naming who did not arrive, or BarrierFailed at once when a participant failed.
+        Use each name once (e.g. with a step number).
+        """
+        deadline = time.monotonic() + timeout
+        self._unary("Barrier", lambda remaining: pb.BarrierRequest(
+            client_uid=self.client_uid, name=name, process_ids=process_ids or (),
+            timeout_ms=max(1, int(remaining * 1000))), deadline, slack=SLACK_S)
+
+    def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
+        """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``)."""
+        request = pb.KeyValueSetRequest(client_uid=self.client_uid, key=key, value=bytes(value),
+                                        allow_overwrite=allow_overwrite)
+        self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout)
+
+    def kv_get(self, key: str, timeout: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` seconds for some process to set it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                response = self._unary("KeyValueGet", lambda remaining: pb.KeyValueGetRequest(
+                    client_uid=self.client_uid, key=key, wait_ms=max(0, int(remaining * 1000))), deadline,
+                    slack=SLACK_S)
+                return response.value
+            except KeyValueTimeout:
+                if time.monotonic() >= deadline:  # the coordinator caps one wait; ours may be longer
+                    raise KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s") from None
+
+    def kv_dir(self, prefix: str, timeout: float = 60.0) -> dict[str, bytes]:
+        """Every key starting with ``prefix`` and its value, sorted by key."""
+        response = self._unary("KeyValueDir", lambda _: pb.KeyValueDirRequest(
+            client_uid=self.client_uid, prefix=prefix), time.monotonic() + timeout)
+        return {e.key: e.value for e in response.entries}
+
+    def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0) -> Any:
+        """Calls ``method``, retrying what retrying can fix until ``deadline`` (plus ``slack`` for the answer)."""
+        last_error: IfrtError | None = None
+        wait_for_ready = len(self.settings.coordinators) == 1
+        while (remaining := deadline - time.monotonic()) > 0:
+            target = self.current_coordinator()
+            try:
+                return getattr(self.stub(target), method)(request(remaining), timeout=remaining + slack,
+                                                          wait_for_ready=wait_for_ready)
+            except grpc.RpcError as e:
+                last_error = self._retryable(e, target)
+        raise CoordinatorUnavailable(f"{method} did not reach the coordinator ({', '.join(self.settings.coordinators)})"
+                                     f" in time; last error: {last_error}")
+
+    # Connections.
+    def current_coordinator(self) -> str:
+        return self.settings.coordinators[self._current % len(self.settings.coordinators)]
+
+    def rotate(self, failed: str) -> None:
+        """Moves on to the next coordinator replica, if ``failed`` is still the current one."""
+        with self._lock:
+            if self.current_coordinator() == failed:
+                self._current += 1
+
+    def stub(self, target: str) -> CoordinatorStub:
+        with self._lock:
+            stub = self._stubs.get(target)
+            if stub is None:
+                self._channels[target] = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+                stub = self._stubs[target] = CoordinatorStub(self._channels[target])
+            return stub
+
+    def _retryable(self, error: grpc.RpcError, target: str) -> IfrtError:
+        """The typed error, raised if retrying cannot fix it; else returned after a backoff pause."""
+        typed = from_rpc_error(error, target)
+        if not typed.retryable:
+            raise typed from None
+        self.rotate(target)
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            time.sleep(self.backoff.next())
+        return typed
+
+    # Closing.
+    def close(self) -> None:
+        """Leaves the cluster gracefully (peers see ProcessLeft), ends the session and closes the connections."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._session is not None:
+            self._session.close()
+        if self.topology is not None:
+            target = self.current_coordinator()
+            try:  # one attempt: a coordinator that is not there has nobody to tell
+                self.stub(target).Leave(pb.LeaveRequest(client_uid=self.client_uid), timeout=LEAVE_TIMEOUT_S)
+            except grpc.RpcError as e:
+                log.info("could not tell the coordinator this process leaves: %s", from_rpc_error(e, target))
+        with self._lock:
+            watchers = list(self._watchers)
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._stubs.clear()
+        for events in watchers:
+            events.put(_CLOSED)
+        for channel in channels:
+            channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _progress(p: pb.Progress) -> Progress:

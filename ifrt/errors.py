@@ -40,6 +40,42 @@ class ClusterMismatch(IfrtError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class UnknownClient(IfrtError):
+    """The coordinator does not know this client (it restarted without a store); register again."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ProcessDeclaredFailed(IfrtError):
+    """The coordinator declared this process failed (or replaced it by a restart); restart the process."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class BarrierFailed(IfrtError):
+    """A barrier participant failed or left before everyone arrived; the message names it and why."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+class BarrierTimeout(BarrierFailed, TimeoutError):
+    """A barrier participant's timeout passed; the message names the processes that did not arrive."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class KeyExists(IfrtError):
+    """The key already holds another value and overwriting was not asked for."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class KeyValueTimeout(IfrtError, TimeoutError):
+    """``kv_get`` waited its whole timeout and the key was never set."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class TopologyError(IfrtError):
     """Topology bytes or a topology dict are corrupt or inconsistent (e.g. the fingerprint does not match)."""
 
@@ -64,7 +100,11 @@ class DiscoveryTimeout(IfrtError, TimeoutError):
         """The coordinator's last progress answer (None if it was never reached)."""
 
 
-_BY_NAME: dict[str, type[IfrtError]] = {cls.__name__: cls for cls in IfrtError.__subclasses__()}
+def _all_subclasses(cls: type[IfrtError]) -> list[type[IfrtError]]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_all_subclasses(sub))]
+
+
+_BY_NAME: dict[str, type[IfrtError]] = {cls.__name__: cls for cls in _all_subclasses(IfrtError)}
 _BY_CODE: dict[grpc.StatusCode, type[IfrtError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
@@ -73,7 +113,7 @@ _BY_CODE: dict[grpc.StatusCode, type[IfrtError]] = {
 }
 
 _RETRYABLE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
 
 

@@ -20,15 +20,21 @@ def state(n=4, **kwargs):
     return ClusterState(ClusterConfig(num_processes=n, cluster_id="job", **kwargs))
 
 
+def admit(s, r, now):
+    outcome, effects = s.register(r, now)
+    assert effects == []
+    return outcome
+
+
 def snapshot(s):
     return (s.registered, s.progress(now=100.0), s.topology)
 
 
 def test_publishes_when_the_last_process_registers():
     s = state(3)
-    assert s.register(reg("a", 0), 1.0) == Waiting(1, 3)
-    assert s.register(reg("b", 2, devices=3), 2.0) == Waiting(2, 3)
-    out = s.register(reg("c", 1, devices=1), 3.0)
+    assert admit(s, reg("a", 0), 1.0) == Waiting(1, 3)
+    assert admit(s, reg("b", 2, devices=3), 2.0) == Waiting(2, 3)
+    out = admit(s, reg("c", 1, devices=1), 3.0)
     assert isinstance(out, Published) and out.process_id == 1
     assert [d.id for d in out.topology.devices] == [0, 1, 1 << 17, 2 << 17, 2 << 17 | 1, 2 << 17 | 2]
     assert out.topology.generation == 1
@@ -36,16 +42,16 @@ def test_publishes_when_the_last_process_registers():
 
 def test_retry_gets_the_same_answer():
     s = state(2)
-    assert s.register(reg("a", 0), 1.0) == s.register(reg("a", 0), 2.0) == Waiting(1, 2)
-    first = s.register(reg("b", 1), 3.0)
-    assert s.register(reg("b", 1, ip="10.9.9.9"), 4.0) == first  # a retry may arrive from another route
-    assert s.register(reg("a", 0), 5.0) == Published(0, first.topology)
+    assert admit(s, reg("a", 0), 1.0) == admit(s, reg("a", 0), 2.0) == Waiting(1, 2)
+    first = admit(s, reg("b", 1), 3.0)
+    assert admit(s, reg("b", 1, ip="10.9.9.9"), 4.0) == first  # a retry may arrive from another route
+    assert admit(s, reg("a", 0), 5.0) == Published(0, first.topology)
 
 
 def test_progress_names_missing_ids_hosts_and_wait():
     s = state(4)
-    s.register(reg("a", 0, host="alpha"), 10.0)
-    s.register(reg("b", 3, host="beta"), 11.0)
+    admit(s, reg("a", 0, host="alpha"), 10.0)
+    admit(s, reg("b", 3, host="beta"), 11.0)
     p = s.progress(now=14.0)
     assert (p.registered, p.expected, p.missing_process_ids, p.waited_seconds) == (2, 4, (1, 2), 4.0)
     assert p.registered_hosts == ("alpha (10.0.0.1)", "beta (10.0.0.1)")
@@ -62,44 +68,47 @@ def test_progress_names_missing_ids_hosts_and_wait():
 ])
 def test_bad_registration_is_rejected_and_changes_nothing(bad, error, message):
     s = state(4)
-    s.register(reg("a", 1, host="first"), 1.0)
+    admit(s, reg("a", 1, host="first"), 1.0)
+    s.call_started("a", 1.0)  # the holder is waiting for the topology
     before = snapshot(s)
     with pytest.raises(error, match=message):
-        s.register(bad, 2.0)
+        admit(s, bad, 2.0)
     assert snapshot(s) == before
     for uid, pid in [("b", 0), ("c", 2)]:
-        s.register(reg(uid, pid), 3.0)
-    out = s.register(reg("d", 3), 4.0)
+        admit(s, reg(uid, pid), 3.0)
+    out = admit(s, reg("d", 3), 4.0)
     assert isinstance(out, Published) and [p.process_id for p in out.topology.processes] == [0, 1, 2, 3]
 
 
 def test_explicit_id_after_assigned_ones_is_refused():
     s = state(2)
-    s.register(reg("a", rank=0), 1.0)
+    admit(s, reg("a", rank=0), 1.0)
     with pytest.raises(ClusterMismatch, match="this cluster assigns process ids"):
-        s.register(reg("b", 1), 2.0)
+        admit(s, reg("b", 1), 2.0)
 
 
 def test_same_stable_key_twice_is_refused_with_advice():
     s = state(2)
-    s.register(reg("a", host="h", ip="10.0.0.1", rank=0), 1.0)
+    admit(s, reg("a", host="h", ip="10.0.0.1", rank=0), 1.0)
+    s.call_started("a", 1.0)
     with pytest.raises(ProcessIdTaken, match="IFRT_LOCAL_RANK"):
-        s.register(reg("b", host="h", ip="10.0.0.1", rank=0), 2.0)
+        admit(s, reg("b", host="h", ip="10.0.0.1", rank=0), 2.0)
 
 
 def test_newcomer_after_publication_is_refused():
     s = state(1)
-    s.register(reg("a", rank=0), 1.0)
+    admit(s, reg("a", rank=0), 1.0)
+    s.attach("a", 1.0)
     with pytest.raises(ClusterMismatch, match="the cluster is complete"):
-        s.register(reg("b", rank=1), 2.0)
-    with pytest.raises(ProcessIdTaken):
-        s.register(reg("c", rank=0), 2.0)
+        admit(s, reg("b", rank=1), 2.0)
+    with pytest.raises(ProcessIdTaken, match="another live process"):
+        admit(s, reg("c", rank=0), 2.0)
 
 
 def test_id_limit_applies_below_the_process_count():
     s = ClusterState(ClusterConfig(num_processes=8, max_processes=8))
     with pytest.raises(InvalidArgument, match="< 8"):
-        s.register(reg("a", 8), 1.0)
+        admit(s, reg("a", 8), 1.0)
     with pytest.raises(InvalidArgument, match="num_processes 9 is out of range"):
         ClusterConfig(num_processes=9, max_processes=8)
 
@@ -116,7 +125,7 @@ def test_assigned_ids_do_not_depend_on_arrival_order(keys, rng):
         out = None
         for i in order:
             host, ip, rank = keys[i]
-            out = s.register(reg(f"uid-{i}-{rng.random()}", host=host, ip=ip, rank=rank, devices=1 + i % 3), 1.0)
+            out = admit(s, reg(f"uid-{i}-{rng.random()}", host=host, ip=ip, rank=rank, devices=1 + i % 3), 1.0)
         return wire.encode(out.topology)
 
     order = list(range(len(keys)))
@@ -130,8 +139,8 @@ def test_assigned_ids_follow_host_then_address_then_local_rank():
     arrivals = [reg("w", host="b", ip="10.0.0.1"), reg("x", host="a", ip="10.0.0.2"),
                 reg("y", host="a", ip="10.0.0.1", rank=1), reg("z", host="a", ip="10.0.0.1")]
     for r in arrivals:
-        s.register(r, 1.0)
-    assert {r.client_uid: s.register(r, 2.0).process_id for r in arrivals} == {"z": 0, "y": 1, "x": 2, "w": 3}
+        admit(s, r, 1.0)
+    assert {r.client_uid: admit(s, r, 2.0).process_id for r in arrivals} == {"z": 0, "y": 1, "x": 2, "w": 3}
 
 
 def test_replaying_the_same_events_gives_the_same_bytes():
@@ -140,7 +149,7 @@ def test_replaying_the_same_events_gives_the_same_bytes():
     def replay():
         s = state(4)
         for t, r in enumerate(events):
-            out = s.register(r, float(t))
+            out = admit(s, r, float(t))
         return wire.encode(out.topology)
 
     assert replay() == replay()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"ifrt/topology/v1/coordinator.proto\x12\x10ifrt.topology.v1\"\xca\x01\n\x0bLocalDevice\x12\x10\n\x08local_id\x18\x01 \x01(\x03\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x13\n\x0bslice_index\x18\x04 \x01(\x05\x12\x41\n\nattributes\x18\x05 \x03(\x0b\x32-.ifrt.topology.v1.LocalDevice.AttributesEntry\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf0\x01\n\x0fRegisterRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rnum_processes\x18\x02 \x01(\x03\x12\x17\n\nprocess_id\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nclient_uid\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x12\n\nlocal_rank\x18\x06 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12.\n\x07\x64\x65vices\x18\x08 \x03(\x0b\x32\x1d.ifrt.topology.v1.LocalDevice\x12\x0f\n\x07wait_ms\x18\t \x01(\rB\r\n\x0b_process_id\"\x7f\n\x08Progress\x12\x12\n\nregistered\x18\x01 \x01(\r\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\x12\x1b\n\x13missing_process_ids\x18\x03 \x03(\x03\x12\x18\n\x10registered_hosts\x18\x04 \x03(\t\x12\x16\n\x0ewaited_seconds\x18\x05 \x01(\x01\"\xbd\x01\n\x10RegisterResponse\x12\x12\n\nprocess_id\x18\x01 \x01(\x03\x12,\n\x08progress\x18\x02 \x01(\x0b\x32\x1a.ifrt.topology.v1.Progress\x12\x10\n\x08topology\x18\x03 \x01(\x0c\x12,\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x1a.ifrt.topology.v1.Encoding\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"\x8d\x01\n\x08Topology\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rnum_processes\x18\x03 \x01(\r\x12\x0f\n\x07strings\x18\x04 \x03(\t\x12\x31\n\tprocesses\x18\x05 \x03(\x0b\x32\x1e.ifrt.topology.v1.ProcessEntry\"\xc2\x01\n\x0cProcessEntry\x12\x12\n\nprocess_id\x18\x01 \x01(\r\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tlocal_ids\x18\x04 \x03(\r\x12\x11\n\tplatforms\x18\x05 \x03(\r\x12\r\n\x05kinds\x18\x06 \x03(\r\x12\x15\n\rslice_indices\x18\x07 \x03(\x05\x12/\n\nattributes\x18\x08 \x03(\x0b\x32\x1b.ifrt.topology.v1.Attribute\"7\n\tAttribute\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\r\x12\r\n\x05value\x18\x03 \x01(\r*/\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x11\n\rENCODING_ZLIB\x10\x01\x32`\n\x0b\x43oordinator\x12Q\n\x08Register\x12!.ifrt.topology.v1.RegisterRequest\x1a\".ifrt.topology.v1.RegisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"ifrt/topology/v1/coordinator.proto\x12\x10ifrt.topology.v1\"\xca\x01\n\x0bLocalDevice\x12\x10\n\x08local_id\x18\x01 \x01(\x03\x12\x10\n\x08platform\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x13\n\x0bslice_index\x18\x04 \x01(\x05\x12\x41\n\nattributes\x18\x05 \x03(\x0b\x32-.ifrt.topology.v1.LocalDevice.AttributesEntry\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf0\x01\n\x0fRegisterRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rnum_processes\x18\x02 \x01(\x03\x12\x17\n\nprocess_id\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nclient_uid\x18\x04 \x01(\t\x12\x10\n\x08hostname\x18\x05 \x01(\t\x12\x12\n\nlocal_rank\x18\x06 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\x12.\n\x07\x64\x65vices\x18\x08 \x03(\x0b\x32\x1d.ifrt.topology.v1.LocalDevice\x12\x0f\n\x07wait_ms\x18\t \x01(\rB\r\n\x0b_process_id\"\x7f\n\x08Progress\x12\x12\n\nregistered\x18\x01 \x01(\r\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\x12\x1b\n\x13missing_process_ids\x18\x03 \x03(\x03\x12\x18\n\x10registered_hosts\x18\x04 \x03(\t\x12\x16\n\x0ewaited_seconds\x18\x05 \x01(\x01\"\xbd\x01\n\x10RegisterResponse\x12\x12\n\nprocess_id\x18\x01 \x01(\x03\x12,\n\x08progress\x18\x02 \x01(\x0b\x32\x1a.ifrt.topology.v1.Progress\x12\x10\n\x08topology\x18\x03 \x01(\x0c\x12,\n\x08\x65ncoding\x18\x04 \x01(\x0e\x32\x1a.ifrt.topology.v1.Encoding\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"\x8d\x01\n\x08Topology\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x15\n\rnum_processes\x18\x03 \x01(\r\x12\x0f\n\x07strings\x18\x04 \x03(\t\x12\x31\n\tprocesses\x18\x05 \x03(\x0b\x32\x1e.ifrt.topology.v1.ProcessEntry\"\xc2\x01\n\x0cProcessEntry\x12\x12\n\nprocess_id\x18\x01 \x01(\r\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tlocal_ids\x18\x04 \x03(\r\x12\x11\n\tplatforms\x18\x05 \x03(\r\x12\r\n\x05kinds\x18\x06 \x03(\r\x12\x15\n\rslice_indices\x18\x07 \x03(\x05\x12/\n\nattributes\x18\x08 \x03(\x0b\x32\x1b.ifrt.topology.v1.Attribute\"7\n\tAttribute\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\r\x12\x0b\n\x03key\x18\x02 \x01(\r\x12\r\n\x05value\x18\x03 \x01(\r\"y\n\x0eSessionRequest\x12-\n\x04open\x18\x01 \x01(\x0b\x32\x1d.ifrt.topology.v1.SessionOpenH\x00\x12\x30\n\theartbeat\x18\x02 \x01(\x0b\x32\x1b.ifrt.topology.v1.HeartbeatH\x00\x42\x06\n\x04kind\"5\n\x0bSessionOpen\x12\x12\n\nclient_uid\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x0b\n\tHeartbeat\"\"\n\x0cLeaveRequest\x12\x12\n\nclient_uid\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\xe5\x02\n\x0cSessionEvent\x12.\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x1a.ifrt.topology.v1.AttachedH\x00\x12\x38\n\x0eprocess_failed\x18\x02 \x01(\x0b\x32\x1e.ifrt.topology.v1.ProcessEventH\x00\x12;\n\x11process_restarted\x18\x03 \x01(\x0b\x32\x1e.ifrt.topology.v1.ProcessEventH\x00\x12\x36\n\x0cprocess_left\x18\x04 \x01(\x0b\x32\x1e.ifrt.topology.v1.ProcessEventH\x00\x12>\n\x10topology_changed\x18\x05 \x01(\x0b\x32\".ifrt.topology.v1.RegisterResponseH\x00\x12.\n\x08shutdown\x18\x06 \x01(\x0b\x32\x1a.ifrt.topology.v1.ShutdownH\x00\x42\x06\n\x04kind\"=\n\x08\x41ttached\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"G\n\x0cProcessEvent\x12\x12\n\nprocess_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\r\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"[\n\x0e\x42\x61rrierRequest\x12\x12\n\nclient_uid\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x13\n\x0bprocess_ids\x18\x03 \x03(\x03\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\x11\n\x0f\x42\x61rrierResponse\"]\n\x12KeyValueSetRequest\x12\x12\n\nclient_uid\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x17\n\x0f\x61llow_overwrite\x18\x04 \x01(\x08\"\x15\n\x13KeyValueSetResponse\"F\n\x12KeyValueGetRequest\x12\x12\n\nclient_uid\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"$\n\x13KeyValueGetResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\"8\n\x12KeyValueDirRequest\x12\x12\n\nclient_uid\x18\x01 \x01(\t\x12\x0e\n\x06prefix\x18\x02 \x01(\t\"+\n\rKeyValueEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\"G\n\x13KeyValueDirResponse\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.ifrt.topology.v1.KeyValueEntry*/\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x11\n\rENCODING_ZLIB\x10\x01\x32\xdf\x04\n\x0b\x43oordinator\x12Q\n\x08Register\x12!.ifrt.topology.v1.RegisterRequest\x1a\".ifrt.topology.v1.RegisterResponse\x12O\n\x07Session\x12 .ifrt.topology.v1.SessionRequest\x1a\x1e.ifrt.topology.v1.SessionEvent(\x01\x30\x01\x12H\n\x05Leave\x12\x1e.ifrt.topology.v1.LeaveRequest\x1a\x1f.ifrt.topology.v1.LeaveResponse\x12N\n\x07\x42\x61rrier\x12 .ifrt.topology.v1.BarrierRequest\x1a!.ifrt.topology.v1.BarrierResponse\x12Z\n\x0bKeyValueSet\x12$.ifrt.topology.v1.KeyValueSetRequest\x1a%.ifrt.topology.v1.KeyValueSetResponse\x12Z\n\x0bKeyValueGet\x12$.ifrt.topology.v1.KeyValueGetRequest\x1a%.ifrt.topology.v1.KeyValueGetResponse\x12Z\n\x0bKeyValueDir\x12$.ifrt.topology.v1.KeyValueDirRequest\x1a%.ifrt.topology.v1.KeyValueDirResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOCALDEVICE_ATTRIBUTESENTRY']._loaded_options = None
   _globals['_LOCALDEVICE_ATTRIBUTESENTRY']._serialized_options = b'8\001'
-  _globals['_ENCODING']._serialized_start=1223
-  _globals['_ENCODING']._serialized_end=1270
+  _globals['_ENCODING']._serialized_start=2507
+  _globals['_ENCODING']._serialized_end=2554
   _globals['_LOCALDEVICE']._serialized_start=57
   _globals['_LOCALDEVICE']._serialized_end=259
   _globals['_LOCALDEVICE_ATTRIBUTESENTRY']._serialized_start=210
@@ -51,6 +51,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROCESSENTRY']._serialized_end=1164
   _globals['_ATTRIBUTE']._serialized_start=1166
   _globals['_ATTRIBUTE']._serialized_end=1221
-  _globals['_COORDINATOR']._serialized_start=1272
-  _globals['_COORDINATOR']._serialized_end=1368
+  _globals['_SESSIONREQUEST']._serialized_start=1223
+  _globals['_SESSIONREQUEST']._serialized_end=1344
+  _globals['_SESSIONOPEN']._serialized_start=1346
+  _globals['_SESSIONOPEN']._serialized_end=1399
+  _globals['_HEARTBEAT']._serialized_start=1401
+  _globals['_HEARTBEAT']._serialized_end=1412
+  _globals['_LEAVEREQUEST']._serialized_start=1414
+  _globals['_LEAVEREQUEST']._serialized_end=1448
+  _globals['_LEAVERESPONSE']._serialized_start=1450
+  _globals['_LEAVERESPONSE']._serialized_end=1465
+  _globals['_SESSIONEVENT']._serialized_start=1468
+  _globals['_SESSIONEVENT']._serialized_end=1825
+  _globals['_ATTACHED']._serialized_start=1827
+  _globals['_ATTACHED']._serialized_end=1888
+  _globals['_PROCESSEVENT']._serialized_start=1890
+  _globals['_PROCESSEVENT']._serialized_end=1961
+  _globals['_SHUTDOWN']._serialized_start=1963
+  _globals['_SHUTDOWN']._serialized_end=1989
+  _globals['_BARRIERREQUEST']._serialized_start=1991
+  _globals['_BARRIERREQUEST']._serialized_end=2082
+  _globals['_BARRIERRESPONSE']._serialized_start=2084
+  _globals['_BARRIERRESPONSE']._serialized_end=2101
+  _globals['_KEYVALUESETREQUEST']._serialized_start=2103
+  _globals['_KEYVALUESETREQUEST']._serialized_end=2196
+  _globals['_KEYVALUESETRESPONSE']._serialized_start=2198
+  _globals['_KEYVALUESETRESPONSE']._serialized_end=2219
+  _globals['_KEYVALUEGETREQUEST']._serialized_start=2221
+  _globals['_KEYVALUEGETREQUEST']._serialized_end=2291
+  _globals['_KEYVALUEGETRESPONSE']._serialized_start=2293
+  _globals['_KEYVALUEGETRESPONSE']._serialized_end=2329
+  _globals['_KEYVALUEDIRREQUEST']._serialized_start=2331
+  _globals['_KEYVALUEDIRREQUEST']._serialized_end=2387
+  _globals['_KEYVALUEENTRY']._serialized_start=2389
+  _globals['_KEYVALUEENTRY']._serialized_end=2432
+  _globals['_KEYVALUEDIRRESPONSE']._serialized_start=2434
+  _globals['_KEYVALUEDIRRESPONSE']._serialized_end=2505
+  _globals['_COORDINATOR']._serialized_start=2557
+  _globals['_COORDINATOR']._serialized_end=3164
 # @@protoc_insertion_point(module_scope)

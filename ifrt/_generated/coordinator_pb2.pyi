@@ -130,3 +130,143 @@ class Attribute(_message.Message):
     key: int
     value: int
     def __init__(self, device: _Optional[int] = ..., key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("open", "heartbeat")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    open: SessionOpen
+    heartbeat: Heartbeat
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class SessionOpen(_message.Message):
+    __slots__ = ("client_uid", "generation")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    generation: int
+    def __init__(self, client_uid: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("client_uid",)
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    def __init__(self, client_uid: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown")
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    attached: Attached
+    process_failed: ProcessEvent
+    process_restarted: ProcessEvent
+    process_left: ProcessEvent
+    topology_changed: RegisterResponse
+    shutdown: Shutdown
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Attached(_message.Message):
+    __slots__ = ("heartbeat_interval_ms", "generation")
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_ms: int
+    generation: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ProcessEvent(_message.Message):
+    __slots__ = ("process_id", "reason", "incarnation")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    reason: str
+    incarnation: int
+    def __init__(self, process_id: _Optional[int] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class BarrierRequest(_message.Message):
+    __slots__ = ("client_uid", "name", "process_ids", "timeout_ms")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    name: str
+    process_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    def __init__(self, client_uid: _Optional[str] = ..., name: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class BarrierResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeyValueSetRequest(_message.Message):
+    __slots__ = ("client_uid", "key", "value", "allow_overwrite")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    key: str
+    value: bytes
+    allow_overwrite: bool
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., allow_overwrite: _Optional[bool] = ...) -> None: ...
+
+class KeyValueSetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeyValueGetRequest(_message.Message):
+    __slots__ = ("client_uid", "key", "wait_ms")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    key: str
+    wait_ms: int
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class KeyValueGetResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class KeyValueDirRequest(_message.Message):
+    __slots__ = ("client_uid", "prefix")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    prefix: str
+    def __init__(self, client_uid: _Optional[str] = ..., prefix: _Optional[str] = ...) -> None: ...
+
+class KeyValueEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class KeyValueDirResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[KeyValueEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[KeyValueEntry, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,36 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/ifrt.topology.v1.Coordinator/Session',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/Leave',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveResponse.FromString,
+                _registered_method=True)
+        self.Barrier = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/Barrier',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierResponse.FromString,
+                _registered_method=True)
+        self.KeyValueSet = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueSet',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetResponse.FromString,
+                _registered_method=True)
+        self.KeyValueGet = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueGet',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetResponse.FromString,
+                _registered_method=True)
+        self.KeyValueDir = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueDir',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -61,6 +91,58 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """The live session of a registered process: SessionOpen first, then a
+        Heartbeat every heartbeat interval (the first SessionEvent says how often).
+        The coordinator streams cluster events back.
+        NOT_FOUND            the coordinator does not know this client (it
+        restarted without a store): register again.
+        FAILED_PRECONDITION  this process was declared failed: restart it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """A graceful exit: peers see ProcessLeft instead of ProcessFailed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Barrier(self, request, context):
+        """Waits until every named process arrived at the barrier.
+        DEADLINE_EXCEEDED    a participant's timeout passed (names who is missing).
+        ABORTED              a participant failed or left.
+        INVALID_ARGUMENT     the name is reused with other participants, or the
+        caller is not one of them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyValueSet(self, request, context):
+        """A small key-value store for runtime bootstrap values.
+        ALREADY_EXISTS       the key holds another value and overwrite was not asked.
+        INVALID_ARGUMENT     the key or value is over its size limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyValueGet(self, request, context):
+        """DEADLINE_EXCEEDED    the key was not set within wait_ms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyValueDir(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -68,6 +150,36 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Barrier': grpc.unary_unary_rpc_method_handler(
+                    servicer.Barrier,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierResponse.SerializeToString,
+            ),
+            'KeyValueSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueSet,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetResponse.SerializeToString,
+            ),
+            'KeyValueGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueGet,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetResponse.SerializeToString,
+            ),
+            'KeyValueDir': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueDir,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -97,6 +209,168 @@ class Coordinator:
             '/ifrt.topology.v1.Coordinator/Register',
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterRequest.SerializeToString,
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ifrt.topology.v1.Coordinator/Session',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/Leave',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Barrier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/Barrier',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueSet',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueGet',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueDir',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,100 @@
+"""Barriers: wait until every named process arrived; fail at once when one of them fails. No I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ifrt.errors import BarrierFailed, BarrierTimeout, IfrtError, InvalidArgument
+
+
+@dataclass
+class Barrier:
+    name: str
+    participants: frozenset[int]
+    started_at: float
+    deadline: float
+    arrived: set[int] = field(default_factory=set)
+    done: bool = False
+    error: IfrtError | None = None
+
+    @property
+    def pending(self) -> bool:
+        return not self.done and self.error is None
+
+
+@dataclass(frozen=True)
+class BarrierResolved:
+    """Effect: the barrier ``name`` completed (``error`` None) or failed."""
+
+    name: str
+    error: IfrtError | None
+
+
+class Barriers:
+    """All barriers of a cluster. A name is used once; arriving again at a resolved barrier repeats its result."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Barrier] = {}
+        self._pending: set[str] = set()
+
+    def get(self, name: str) -> Barrier | None:
+        return self._by_name.get(name)
+
+    def arrive(self, name: str, process_id: int, participants: frozenset[int], timeout_s: float, now: float,
+               unavailable: Mapping[int, str]) -> tuple[Barrier, list[BarrierResolved]]:
+        """Records ``process_id``'s arrival; ``unavailable`` maps failed or departed participants to why."""
+        if not name:
+            raise InvalidArgument("barrier name is empty: expected a name unique to this barrier")
+        barrier = self._by_name.get(name)
+        if barrier is not None and barrier.participants != participants:
+            raise InvalidArgument(f"barrier {name!r} was started for processes {sorted(barrier.participants)}; "
+                                  f"this call names {sorted(participants)}: use a new name for other participants")
+        if process_id not in participants:
+            raise InvalidArgument(f"process {process_id} is not a participant of barrier {name!r} "
+                                  f"(processes {sorted(participants)})")
+        if barrier is None:
+            barrier = self._by_name[name] = Barrier(name, participants, now, now + timeout_s)
+            self._pending.add(name)
+        if not barrier.pending:
+            return barrier, []
+        barrier.deadline = min(barrier.deadline, now + timeout_s)
+        barrier.arrived.add(process_id)
+        gone = sorted(participants & unavailable.keys())
+        if gone:
+            return barrier, self._fail(barrier, BarrierFailed(
+                f"barrier {name!r} cannot complete: process {gone[0]} {unavailable[gone[0]]}"))
+        if barrier.arrived == barrier.participants:
+            barrier.done = True
+            self._pending.discard(name)
+            return barrier, [BarrierResolved(name, None)]
+        return barrier, []
+
+    def fail_including(self, process_id: int, why: str) -> list[BarrierResolved]:
+        """Fails every pending barrier that ``process_id`` belongs to, with ``why`` in the message."""
+        effects = []
+        for barrier in self._pending_barriers():
+            if process_id in barrier.participants:
+                effects += self._fail(barrier, BarrierFailed(
+                    f"barrier {barrier.name!r} cannot complete: process {process_id} {why}"))
+        return effects
+
+    def expire(self, now: float, describe: Callable[[int], str]) -> list[BarrierResolved]:
+        """Fails every pending barrier whose deadline passed, naming who did not arrive."""
+        effects = []
+        for barrier in self._pending_barriers():
+            if now >= barrier.deadline:
+                missing = sorted(barrier.participants - barrier.arrived)
+                effects += self._fail(barrier, BarrierTimeout(
+                    f"barrier {barrier.name!r} timed out after {now - barrier.started_at:.1f}s: "
+                    f"{len(missing)} of {len(barrier.participants)} processes did not arrive: "
+                    f"{', '.join(describe(p) for p in missing[:16])}{' ...' if len(missing) > 16 else ''}"))
+        return effects
+
+    def _pending_barriers(self) -> list[Barrier]:
+        return [self._by_name[name] for name in sorted(self._pending)]
+
+    def _fail(self, barrier: Barrier, error: IfrtError) -> list[BarrierResolved]:
+        barrier.error = error
+        self._pending.discard(barrier.name)
+        return [BarrierResolved(barrier.name, error)]

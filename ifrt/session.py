@@ -1,0 +1,128 @@
+"""The live session of a discovered process: heartbeats out, cluster events in, reconnecting until closed."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ifrt import wire
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import ProcessDeclaredFailed, UnknownClient, from_rpc_error
+from ifrt.events import (
+    CoordinatorLost,
+    CoordinatorRestored,
+    Event,
+    ProcessFailed,
+    ProcessLeft,
+    ProcessRestarted,
+    TopologyChanged,
+)
+from ifrt.topology import Topology
+
+if TYPE_CHECKING:
+    from ifrt.client import Client
+
+log = logging.getLogger("ifrt.client")
+
+FIRST_HEARTBEAT_INTERVAL_S = 0.5
+"""Until the coordinator says how often it wants heartbeats."""
+
+
+class Session:
+    """Runs in its own daemon thread; hands every event to ``emit`` and topology changes to the client."""
+
+    def __init__(self, client: Client, emit: Callable[[Event], None]) -> None:
+        self._client = client
+        self._emit = emit
+        self._closed = threading.Event()
+        self._interval_s = FIRST_HEARTBEAT_INTERVAL_S
+        self._call: grpc.Future | None = None
+        self._lost = False
+        self._thread = threading.Thread(target=self._run, name="ifrt-session", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Ends the session (without telling peers; the client sends Leave for that)."""
+        self._closed.set()
+        if self._call is not None:
+            self._call.cancel()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            target = self._client.current_coordinator()
+            stream_done = threading.Event()
+            try:
+                self._call = self._client.stub(target).Session(self._requests(stream_done))
+                for event in self._call:  # type: ignore[attr-defined]
+                    self._handle(event, target)
+                if not self._closed.is_set():
+                    self._lose("the coordinator closed the session")
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    break
+                error = from_rpc_error(e, target)
+                if isinstance(error, UnknownClient):
+                    log.warning("coordinator %s does not know this process (restarted?): registering again", target)
+                    self._rejoin()
+                    continue
+                if isinstance(error, ProcessDeclaredFailed):
+                    self._emit(ProcessFailed(self._client.process_id, str(error)))
+                    break
+                self._lose(str(error))
+            finally:
+                stream_done.set()
+            if self._lost:
+                self._client.rotate(target)
+                self._closed.wait(self._client.backoff.next())
+
+    def _requests(self, stream_done: threading.Event) -> Iterator[pb.SessionRequest]:
+        generation = self._client.topology.generation if self._client.topology else 0
+        yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._client.client_uid, generation=generation))
+        while not stream_done.wait(self._interval_s) and not self._closed.is_set():
+            yield pb.SessionRequest(heartbeat=pb.Heartbeat())
+
+    def _handle(self, event: pb.SessionEvent, target: str) -> None:
+        kind = event.WhichOneof("kind")
+        if kind == "attached":
+            self._interval_s = event.attached.heartbeat_interval_ms / 1000
+            self._client.backoff.reset()
+            if self._lost:
+                self._lost = False
+                log.warning("session with coordinator %s restored", target)
+                self._emit(CoordinatorRestored(target))
+        elif kind == "process_failed":
+            self._emit(ProcessFailed(event.process_failed.process_id, event.process_failed.reason))
+        elif kind == "process_restarted":
+            self._emit(ProcessRestarted(event.process_restarted.process_id, event.process_restarted.incarnation))
+        elif kind == "process_left":
+            self._emit(ProcessLeft(event.process_left.process_id))
+        elif kind == "topology_changed":
+            shared = event.topology_changed
+            canonical = wire.decompress(shared.encoding, shared.topology)
+            topology = Topology(canonical, self._client.process_id, expected_fingerprint=shared.fingerprint)
+            if self._client.adopt(topology):
+                self._emit(TopologyChanged(topology))
+        elif kind == "shutdown":
+            self._lose(event.shutdown.reason)
+
+    def _lose(self, reason: str) -> None:
+        if not self._lost:
+            self._lost = True
+            log.warning("lost the coordinator: %s; reconnecting", reason)
+            self._emit(CoordinatorLost(reason))
+
+    def _rejoin(self) -> None:
+        try:
+            topology = self._client.register_again()
+        except Exception as e:  # the loop keeps trying; the reason reaches the watchers
+            self._lose(f"registering again failed: {e}")
+            return
+        if self._client.adopt(topology):
+            self._emit(TopologyChanged(topology))

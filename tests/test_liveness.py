@@ -1,0 +1,243 @@
+"""Liveness with real processes: kill -9, restarts, failure policies, barriers, key-values, coordinator loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import ifrt
+from ifrt import events
+
+HEARTBEAT_TIMEOUT = 1.0
+SLACK = 3.0  # scheduling on a loaded 2-core machine; detection itself is within heartbeat timeout + 0.1 s ticks
+WORKER = Path(__file__).with_name("live_worker.py")
+
+
+class Worker:
+    """tests/live_worker.py in its own process; its JSON lines arrive on ``lines``."""
+
+    def __init__(self, address: str, process_id: int, num_processes: int, *args: str, devices: int = 2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+        env.update(IFRT_COORDINATOR=address, IFRT_PROCESS_ID=str(process_id), IFRT_NUM_PROCESSES=str(num_processes),
+                   IFRT_CPU_DEVICE_COUNT=str(devices))
+        self.process = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            self.lines.put(json.loads(line))
+
+    def expect(self, key: str, timeout: float = 30, **match) -> dict:
+        """The next line that has ``key`` (and the ``match`` values), skipping others."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if key in line and all(line.get(k) == v for k, v in match.items()):
+                return line
+        raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s")
+
+    def kill9(self) -> float:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        return time.monotonic()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+
+    def start(*args, **kwargs) -> Worker:
+        worker = Worker(*args, **kwargs)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def watcher(client: ifrt.Client) -> queue.Queue:
+    """Every event the client receives, with the time it arrived."""
+    received: queue.Queue = queue.Queue()
+    client.on_event(lambda e: received.put((time.monotonic(), e)))
+    return received
+
+
+def next_event(received: queue.Queue, kind: type, timeout: float = 30, **match):
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            at, event = received.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if isinstance(event, kind) and all(getattr(event, k) == v for k, v in match.items()):
+            return at, event
+    raise AssertionError(f"no {kind.__name__} {match} within {timeout}s")
+
+
+def cluster(start_coordinator, workers, n=3, *flags: str, worker_args=()):
+    """A coordinator, process 0 in this test (a Client), processes 1..n-1 as worker processes."""
+    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *flags, num_processes=n)
+    procs = [workers(coordinator.address, i, n, *worker_args) for i in range(1, n)]
+    client = ifrt.Client(coordinator.address, process_id=0, num_processes=n, timeout=60)
+    received = watcher(client)
+    topology = client.discover()
+    for w in procs:
+        assert w.expect("topology")["topology"] == topology.fingerprint
+    return coordinator, client, received, procs
+
+
+def test_kill_9_is_reported_to_every_other_process_and_fails_its_barriers(start_coordinator, workers):
+    _, client, received, (w1, w2) = cluster(start_coordinator, workers)
+    barrier_result: queue.Queue = queue.Queue()
+
+    def arrive():
+        try:
+            client.barrier("before-step-1", timeout=60)
+            barrier_result.put(None)
+        except ifrt.IfrtError as e:
+            barrier_result.put(e)
+
+    threading.Thread(target=arrive, daemon=True).start()
+    time.sleep(0.3)
+    killed_at = w2.kill9()
+    at, event = next_event(received, events.ProcessFailed, process_id=2)
+    assert at - killed_at < HEARTBEAT_TIMEOUT + SLACK
+    assert "did not come back" in event.reason or "no heartbeat" in event.reason
+    other = w1.expect("event", event="ProcessFailed", process_id=2)
+    assert other["t"] - killed_at < HEARTBEAT_TIMEOUT + SLACK
+    error = barrier_result.get(timeout=10)
+    assert isinstance(error, ifrt.BarrierFailed) and not isinstance(error, ifrt.BarrierTimeout)
+    assert "process 2 failed" in str(error)
+    client.close()
+
+
+def test_restart_with_the_same_devices_keeps_ids_and_generation(start_coordinator, workers):
+    coordinator, client, received, (w1, w2) = cluster(start_coordinator, workers)
+    before = client.topology
+    w2.kill9()
+    next_event(received, events.ProcessFailed, process_id=2)
+    again = workers(coordinator.address, 2, 3)
+    line = again.expect("topology")
+    assert (line["topology"], line["generation"], line["process_id"]) == (before.fingerprint, 1, 2)
+    next_event(received, events.ProcessRestarted, process_id=2, incarnation=1)
+    w1.expect("event", event="ProcessRestarted", process_id=2)
+    assert client.topology == before
+    client.close()
+
+
+def test_restart_with_other_devices_publishes_the_next_generation_everywhere(start_coordinator, workers):
+    coordinator, client, received, (w1, w2) = cluster(start_coordinator, workers)
+    w2.kill9()
+    again = workers(coordinator.address, 2, 3, devices=4)
+    line = again.expect("topology")
+    assert line["generation"] == 2
+    _, changed = next_event(received, events.TopologyChanged)
+    assert changed.topology.generation == 2 and changed.topology.fingerprint == line["topology"]
+    assert client.topology.fingerprint == line["topology"]
+    assert [d.local_id for d in client.topology.devices if d.process_id == 2] == [0, 1, 2, 3]
+    assert w1.expect("event", event="TopologyChanged")["fingerprint"] == line["topology"]
+    client.close()
+
+
+def test_elastic_policy_publishes_the_survivors(start_coordinator, workers):
+    _, client, received, (w1, w2) = cluster(
+        start_coordinator, workers, 3, "--on-failure", "elastic", "--min-processes", "2")
+    w1.kill9()
+    _, changed = next_event(received, events.TopologyChanged)
+    assert changed.topology.generation == 2
+    assert [p.process_id for p in changed.topology.processes] == [0, 2]
+    assert w2.expect("event", event="TopologyChanged")["fingerprint"] == changed.topology.fingerprint
+    assert client.topology.process_id == 0
+    client.close()
+
+
+def test_elastic_policy_below_the_minimum_is_a_fatal_failure(start_coordinator, workers):
+    _, client, received, (w1, _) = cluster(
+        start_coordinator, workers, 3, "--on-failure", "elastic", "--min-processes", "3")
+    w1.kill9()
+    _, failed = next_event(received, events.ProcessFailed, process_id=1)
+    assert "fewer than --min-processes 3: the cluster cannot continue" in failed.reason
+    assert client.topology.generation == 1
+    client.close()
+
+
+def test_barrier_and_key_values_across_processes(start_coordinator, workers):
+    coordinator = start_coordinator("--kv-max-value-bytes", "1024", num_processes=3)
+    w1 = workers(coordinator.address, 1, 3, "--kv-set", "nccl/unique-id=abc123", "--barrier", "ready")
+    w2 = workers(coordinator.address, 2, 3, "--kv-get", "nccl/unique-id", "--barrier", "ready")
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=3, timeout=60) as client:
+        client.discover()
+        assert client.kv_get("nccl/unique-id", timeout=30) == b"abc123"
+        assert w2.expect("kv_get")["value"] == "abc123"
+        client.barrier("ready", timeout=30)
+        assert w1.expect("barrier")["barrier"] == "ok"
+        assert w2.expect("barrier")["barrier"] == "ok"
+        client.kv_set("nccl/other", b"x")
+        assert client.kv_dir("nccl/") == {"nccl/other": b"x", "nccl/unique-id": b"abc123"}
+        with pytest.raises(ifrt.KeyExists, match="already holds another value"):
+            client.kv_set("nccl/unique-id", b"different")
+        with pytest.raises(ifrt.InvalidArgument, match="2000 bytes: expected at most 1024"):
+            client.kv_set("big", b"x" * 2000)
+        with pytest.raises(ifrt.KeyValueTimeout, match=r"'never' was not set within 0\.5s"):
+            client.kv_get("never", timeout=0.5)
+        with pytest.raises(ifrt.BarrierTimeout, match=r"2 of 3 processes did not arrive: 1 \(.*\), 2 \("):
+            client.barrier("lonely", timeout=1.0)
+        assert client.kv_get("nccl/unique-id", timeout=1) == b"abc123"  # nothing else changed
+
+
+def test_graceful_close_is_reported_as_left(start_coordinator, workers):
+    _, client, received, (_, w2) = cluster(start_coordinator, workers)
+    w2.stop()
+    next_event(received, events.ProcessLeft, process_id=2)
+    time.sleep(HEARTBEAT_TIMEOUT + 0.5)
+    assert all(not isinstance(e, events.ProcessFailed) for _, e in list(received.queue))
+    client.close()
+
+
+def test_coordinator_sigterm_is_seen_at_once(start_coordinator, workers):
+    coordinator, client, received, (w1, _) = cluster(start_coordinator, workers)
+    os.kill(coordinator.pid, signal.SIGTERM)
+    stopped_at = time.monotonic()
+    at, lost = next_event(received, events.CoordinatorLost, timeout=10)
+    assert at - stopped_at < 2.0
+    assert "shutting down" in lost.reason
+    w1.expect("event", event="CoordinatorLost")
+    client.close()
+
+
+def test_processes_reattach_to_a_restarted_coordinator(start_coordinator, workers):
+    coordinator, client, received, (w1, _) = cluster(start_coordinator, workers)
+    before = client.topology
+    coordinator.stop(signal.SIGKILL)
+    next_event(received, events.CoordinatorLost)
+    start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), num_processes=3, bind=coordinator.address)
+    next_event(received, events.CoordinatorRestored, timeout=30)
+    assert client.topology == before  # everyone registered again: the same bytes, same generation
+    w1.expect("event", event="CoordinatorRestored")
+    client.kv_set("after-restart", b"1")  # the restarted coordinator knows this process again
+    assert client.kv_get("after-restart", timeout=5) == b"1"
+    client.close()

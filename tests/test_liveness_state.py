@@ -1,0 +1,198 @@
+"""Liveness, restarts, failure policies, barriers and key-values in the state machine, without a network."""
+
+import pytest
+
+from coordinator.barriers import BarrierResolved
+from coordinator.state import ClusterConfig, ClusterState, Evict, FailurePolicy, Forgotten, Notify, Republish
+from ifrt.errors import (
+    BarrierFailed,
+    BarrierTimeout,
+    InvalidArgument,
+    KeyExists,
+    ProcessDeclaredFailed,
+    ProcessIdTaken,
+    UnknownClient,
+)
+from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
+from tests.test_state import admit, reg
+
+TIMEOUT = 1.0
+
+
+def published(n=3, **config):
+    """A cluster of ``n`` processes (uids p0..), published at t=0, every session attached."""
+    s = ClusterState(ClusterConfig(num_processes=n, heartbeat_timeout_s=TIMEOUT, **config))
+    for i in range(n):
+        admit(s, reg(f"p{i}", i, host=f"h{i}"), 0.0)
+    for i in range(n):
+        s.attach(f"p{i}", 0.0)
+    return s
+
+
+def heartbeat_all_but(s, silent, now):
+    for i in range(s.config.num_processes):
+        if i != silent:
+            s.heartbeat(f"p{i}", now)
+
+
+def failures(effects):
+    return [e.event for e in effects if isinstance(e, Notify) and isinstance(e.event, ProcessFailed)]
+
+
+def test_silent_process_fails_after_the_heartbeat_timeout():
+    s = published()
+    heartbeat_all_but(s, 1, 0.9)
+    assert s.tick(0.9) == []
+    heartbeat_all_but(s, 1, 1.2)
+    effects = s.tick(1.2)
+    assert failures(effects) == [ProcessFailed(1, "sent no heartbeat for 1.2s")]
+    assert Evict("p1", "declared failed: sent no heartbeat for 1.2s") in effects
+    assert s.topology.generation == 1  # propagate keeps the topology
+    with pytest.raises(ProcessDeclaredFailed, match="sent no heartbeat"):
+        s.attach("p1", 1.3)
+
+
+def test_broken_stream_gets_the_grace_period():
+    s = published()
+    s.detach("p2", 0.5)
+    heartbeat_all_but(s, 2, 1.4)
+    assert s.tick(1.4) == []
+    s.attach("p2", 1.4)  # came back in time
+    heartbeat_all_but(s, None, 2.3)
+    assert s.tick(2.3) == []
+    s.detach("p2", 2.5)
+    heartbeat_all_but(s, 2, 3.6)
+    assert failures(s.tick(3.6)) == [ProcessFailed(2, "lost its connection and did not come back within 1s")]
+
+
+def test_waiting_registration_is_alive_and_a_silent_one_is_forgotten():
+    s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
+    admit(s, reg("a", 0), 0.0)
+    s.call_started("a", 0.0)
+    assert s.tick(30.0) == []  # waiting in Register for 30s is fine
+    s.call_ended("a", 30.0)
+    assert s.tick(31.5) == [Forgotten("h (10.0.0.1)", "went silent for 1.5s before the topology was published")]
+    assert s.registered == 0
+    assert s.progress(31.5).missing_process_ids == (0, 1)
+    admit(s, reg("a2", 0), 32.0)  # a restarted process takes the id
+    assert s.registered == 1
+
+
+def test_restart_with_the_same_devices_keeps_the_generation():
+    s = published()
+    s.detach("p1", 0.0)
+    heartbeat_all_but(s, 1, 1.5)
+    s.tick(1.5)
+    before = s.topology
+    outcome, effects = s.register(reg("p1-again", 1, host="h1"), 2.0)
+    assert outcome.process_id == 1 and outcome.topology is before
+    assert effects == [Notify(ProcessRestarted(1, 1))]
+    s.attach("p1-again", 2.0)
+    with pytest.raises(ProcessDeclaredFailed, match=r"lost its connection"):
+        s.attach("p1", 2.0)
+
+
+def test_restart_with_other_devices_publishes_the_next_generation():
+    s = published()
+    s.detach("p1", 0.0)
+    outcome, effects = s.register(reg("p1-again", 1, host="h1", devices=5), 0.5)  # before failure was detected
+    assert effects[0] == Notify(ProcessRestarted(1, 1))
+    assert effects[1] == Republish(s.topology)
+    assert s.topology.generation == 2 and outcome.topology is s.topology
+    assert [d.local_id for d in s.topology.devices if d.process_id == 1] == [0, 1, 2, 3, 4]
+
+
+def test_restart_is_refused_while_the_holder_is_connected():
+    s = published()
+    with pytest.raises(ProcessIdTaken, match=r"process id 1 is already registered by h1 .*alive"):
+        s.register(reg("impostor", 1, host="other"), 0.5)
+
+
+def test_elastic_policy_drops_the_failed_process():
+    s = published(3, on_failure=FailurePolicy.ELASTIC, min_processes=2)
+    heartbeat_all_but(s, 0, 1.5)
+    effects = s.tick(1.5)
+    assert failures(effects) == [ProcessFailed(0, "sent no heartbeat for 1.5s")]
+    assert Republish(s.topology) in effects
+    assert s.topology.generation == 2
+    assert [p.process_id for p in s.topology.processes] == [1, 2]  # survivors keep their ids
+    assert s.topology.num_processes == 2
+
+
+def test_elastic_policy_below_the_minimum_is_fatal():
+    s = published(3, on_failure=FailurePolicy.ELASTIC, min_processes=3)
+    heartbeat_all_but(s, 0, 1.5)
+    effects = s.tick(1.5)
+    assert "fewer than --min-processes 3: the cluster cannot continue" in failures(effects)[0].reason
+    assert not any(isinstance(e, Republish) for e in effects)
+    assert s.topology.generation == 1
+
+
+def test_leave_is_reported_as_left():
+    s = published()
+    assert s.leave("p2", 0.5)[0] == Notify(ProcessLeft(2))
+    heartbeat_all_but(s, 2, 5.0)
+    assert failures(s.tick(5.0)) == []
+
+
+def test_barrier_completes_when_everyone_arrived():
+    s = published()
+    assert s.arrive("p0", "step-1", frozenset(), 10, 0.1) == []
+    assert s.arrive("p2", "step-1", frozenset(), 10, 0.2) == []
+    assert s.arrive("p1", "step-1", frozenset(), 10, 0.3) == [BarrierResolved("step-1", None)]
+    assert s.arrive("p1", "step-1", frozenset(), 10, 0.4) == []  # a retry sees it done
+    assert s.barriers.get("step-1").done
+
+
+def test_barrier_fails_at_once_when_a_participant_fails():
+    s = published()
+    s.arrive("p0", "sync", frozenset({0, 1}), 60, 0.1)
+    heartbeat_all_but(s, 1, 1.5)
+    effects = s.tick(1.5)
+    [resolved] = [e for e in effects if isinstance(e, BarrierResolved)]
+    assert isinstance(resolved.error, BarrierFailed)
+    assert "process 1 failed: sent no heartbeat" in str(resolved.error)
+    s.arrive("p0", "later", frozenset({0, 1}), 60, 1.6)
+    assert "process 1 failed" in str(s.barriers.get("later").error)
+
+
+def test_barrier_timeout_names_who_did_not_arrive():
+    s = published()
+    s.arrive("p0", "sync", frozenset(), 0.5, 0.0)
+    heartbeat_all_but(s, None, 0.6)
+    [resolved] = s.tick(0.6)
+    assert isinstance(resolved.error, BarrierTimeout)
+    assert "2 of 3 processes did not arrive: 1 (h1 (10.0.0.1)), 2 (h2 (10.0.0.1))" in str(resolved.error)
+
+
+def test_barrier_misuse_is_an_invalid_argument():
+    s = published()
+    s.arrive("p0", "b", frozenset({0, 1}), 5, 0.0)
+    with pytest.raises(InvalidArgument, match="was started for processes \\[0, 1\\]"):
+        s.arrive("p2", "b", frozenset({0, 2}), 5, 0.0)
+    with pytest.raises(InvalidArgument, match="process 2 is not a participant"):
+        s.arrive("p2", "c", frozenset({0, 1}), 5, 0.0)
+    with pytest.raises(InvalidArgument, match="not in the topology"):
+        s.arrive("p0", "d", frozenset({0, 7}), 5, 0.0)
+    with pytest.raises(UnknownClient):
+        s.arrive("stranger", "e", frozenset(), 5, 0.0)
+
+
+def test_key_values():
+    s = published()
+    assert s.kv.set("nccl/id", b"abc")
+    assert not s.kv.set("nccl/id", b"abc")  # same value again: a retry
+    with pytest.raises(KeyExists, match="already holds another value"):
+        s.kv.set("nccl/id", b"xyz")
+    assert s.kv.set("nccl/id", b"xyz", allow_overwrite=True)
+    s.kv.set("nccl/other", b"1")
+    s.kv.set("other", b"2")
+    assert s.kv.dir("nccl/") == [("nccl/id", b"xyz"), ("nccl/other", b"1")]
+    assert s.kv.get("missing") is None
+
+
+def test_oversized_value_is_refused_and_stores_nothing():
+    s = published(kv_max_value_bytes=8)
+    with pytest.raises(InvalidArgument, match="9 bytes: expected at most 8"):
+        s.kv.set("k", b"x" * 9)
+    assert s.kv.get("k") is None
