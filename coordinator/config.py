@@ -30,4 +30,7 @@ class CoordinatorConfig:
         ("grpc.server.max_pending_requests_hard_limit", 1 << 16),
         # Two coordinators must not silently share one port.
         ("grpc.so_reuseport", 0),
+        # Clients ping every few seconds to notice a vanished coordinator; do not punish them for it.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+        ("grpc.http2.max_ping_strikes", 0),
     ))
