@@ -47,6 +47,14 @@ class LocalCoordinator:
         """Everything the daemon logged so far."""
         return self.log_path.read_text(errors="replace")
 
+    def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
+        """Waits until the daemon has logged ``text``; TimeoutError with the log if it does not."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ifrt-coordinator did not log {text!r} within {timeout}s:\n{self.log}")
+            time.sleep(0.02)
+
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Sends ``sig`` to the daemon's pid (SIGKILL if it outlives ``timeout``); returns its exit code."""
         if self.process.poll() is None:

@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-processes", type=int, metavar="M",
                    help="with --on-failure elastic: the fewest processes a new generation may have; below it the "
                         "failure is reported as fatal (default 1)")
+    p.add_argument("--allow-mixed-platforms", action="store_true",
+                   help="let processes with different device plugins or platforms form one cluster (by default "
+                        "the first process's plugin and platform are required of all)")
     p.add_argument("--kv-max-value-bytes", type=int, default=DEFAULTS.cluster.kv_max_value_bytes, metavar="BYTES",
                    help="largest value the key-value store accepts (default %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULTS.max_request_bytes, metavar="BYTES",
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                                 max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES,
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
                                 min_processes=args.min_processes or 1,
-                                kv_max_value_bytes=args.kv_max_value_bytes)
+                                kv_max_value_bytes=args.kv_max_value_bytes,
+                                allow_mixed_platforms=args.allow_mixed_platforms)
     except InvalidArgument as e:
         print(f"ifrt-coordinator: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ MAX_STRING = 1024
 """Longest hostname, address, platform, kind, attribute key or value accepted (bytes of UTF-8 text)."""
 MAX_ATTRIBUTES = 64
 """Most attributes one device may carry."""
+MAX_COORDINATE_RANK = 8
+"""Most coordinates one device may have."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Registration:
     local_rank: int
     address: str
     devices: tuple[LocalDevice, ...]
+    plugin: str = ""
 
     @property
     def stable_key(self) -> tuple[str, str, int]:
@@ -63,8 +66,11 @@ def _device(d: pb.LocalDevice, index: int) -> LocalDevice:
     for key, value in d.attributes.items():
         _text(key, f"{where} attribute key", required=True)
         _text(value, f"{where} attribute {key!r}")
+    if len(d.coordinates) > MAX_COORDINATE_RANK:
+        raise InvalidArgument(f"{where} has {len(d.coordinates)} coordinates: expected at most {MAX_COORDINATE_RANK}")
     return LocalDevice(d.local_id, _text(d.platform, f"{where} platform", required=True),
-                       _text(d.kind, f"{where} kind"), d.slice_index, dict(d.attributes))
+                       _text(d.kind, f"{where} kind"), _text(d.slice_key, f"{where} slice key"),
+                       tuple(d.coordinates), dict(d.attributes))
 
 
 def from_request(request: pb.RegisterRequest, host_address: str) -> Registration:
@@ -84,6 +90,9 @@ def from_request(request: pb.RegisterRequest, host_address: str) -> Registration
     for a, b in pairwise(devices):
         if a.local_id == b.local_id:
             raise InvalidArgument(f"local device id {a.local_id} is listed twice: expected distinct local ids")
+    if len({len(d.coordinates) for d in devices}) > 1:
+        raise InvalidArgument(f"devices have coordinates of ranks {sorted({len(d.coordinates) for d in devices})}: "
+                              "expected the same number of coordinates for every device of a process")
     return Registration(
         client_uid=request.client_uid,
         cluster_id=_text(request.cluster_id, "cluster_id"),
@@ -94,4 +103,5 @@ def from_request(request: pb.RegisterRequest, host_address: str) -> Registration
         local_rank=request.local_rank,
         address=_text(request.address, "address"),
         devices=devices,
+        plugin=_text(request.plugin, "plugin"),
     )

@@ -53,7 +53,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("shutting down: %s", service.status())
-        await service.shutdown_sessions("the coordinator is shutting down")
+        await service.shutdown_sessions("the coordinator is shutting down", config.shutdown_grace_s)
         await server.stop(config.shutdown_grace_s)
         log.info("stopped")
 

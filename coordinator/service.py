@@ -200,13 +200,15 @@ class CoordinatorService:
             for queue in queues:
                 queue.put_nowait(message)
 
-    async def shutdown_sessions(self, reason: str) -> None:
+    async def shutdown_sessions(self, reason: str, timeout_s: float) -> None:
         """Tells every session the coordinator is going away, so clients need not wait for a timeout."""
         self._broadcast(pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
         for queues in self._sessions.values():
             for queue in queues:
                 queue.put_nowait(_END)
-        await asyncio.sleep(0)
+        deadline = self._clock() + timeout_s
+        while self._sessions and self._clock() < deadline:  # each session ends once its last write is out
+            await asyncio.sleep(0.01)
 
     # Leave, barriers, key-values.
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:

@@ -16,6 +16,7 @@ state and byte-identical topologies.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, replace
 
 from coordinator.assignment import assign_process_ids
@@ -59,6 +60,8 @@ class ClusterConfig:
     min_processes: int = 1
     """With the elastic policy: fewest processes a new generation may have."""
     kv_max_value_bytes: int = 1 << 20
+    allow_mixed_platforms: bool = False
+    """Whether processes with different device plugins or platforms may form one cluster."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_processes <= self.max_processes:
@@ -323,6 +326,13 @@ class ClusterState:
             if not 0 <= r.process_id < bound:
                 raise InvalidArgument(f"process id {r.process_id} is out of range: expected 0 <= process_id < {bound} "
                                       f"(num_processes {config.num_processes}, id limit {config.max_processes})")
+        if not config.allow_mixed_platforms and self._holder:
+            first = self._members[next(iter(self._holder.values()))].registration
+            if _platform(first) != _platform(r):
+                raise ClusterMismatch(f"{r.describe()} uses plugin {r.plugin!r} with platforms "
+                                      f"{sorted(_platform(r)[1])}, but {first.describe()} uses plugin "
+                                      f"{first.plugin!r} with platforms {sorted(_platform(first)[1])}: start the "
+                                      "coordinator with --allow-mixed-platforms to allow mixed clusters")
         explicit = r.process_id is not None
         if self._explicit is not None and explicit != self._explicit:
             if self._explicit:
@@ -353,15 +363,16 @@ class ClusterState:
         self.topology = self._build(FIRST_GENERATION)
 
     def _build(self, generation: int) -> TopologyContent:
+        members = {self._process_ids[claim]: self._members[uid].registration for claim, uid in self._holder.items()}
+        members = {pid: r for pid, r in members.items() if pid in self._in_topology}
+        slice_keys = sorted({d.slice_key for r in members.values() for d in r.devices}, key=_natural)
+        slice_index = {key: i for i, key in enumerate(slice_keys)}
         processes, devices = [], []
-        for claim, uid in self._holder.items():
-            pid = self._process_ids[claim]
-            if pid not in self._in_topology:
-                continue
-            r = self._members[uid].registration
+        for pid, r in members.items():
             processes.append(Process(pid, r.hostname, r.address))
             devices.extend(Device(global_device_id(pid, d.local_id, self.config.max_processes), pid, d.local_id,
-                                  d.platform, d.kind, d.slice_index, d.attributes) for d in r.devices)
+                                  d.platform, d.kind, slice_index[d.slice_key], d.attributes, r.plugin, d.coordinates)
+                           for d in r.devices)
         return TopologyContent(self.config.cluster_id, generation, len(processes),
                                tuple(sorted(processes, key=lambda p: p.process_id)),
                                tuple(sorted(devices, key=lambda d: d.id)))
@@ -420,6 +431,15 @@ class ClusterState:
                 self._missing_ids.add(r.process_id)
         del self._members[r.client_uid]
         return [Forgotten(r.describe(), why)]
+
+
+def _platform(r: Registration) -> tuple[str, frozenset[str]]:
+    return r.plugin, frozenset(d.platform for d in r.devices)
+
+
+def _natural(key: str) -> tuple:
+    """Sort key that puts "slice-2" before "slice-10"."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key))
 
 
 def _claim(r: Registration) -> object:

@@ -30,7 +30,6 @@ from ifrt.progress import Progress
 from ifrt.session import Session
 from ifrt.settings import Settings, resolve
 from ifrt.topology import Topology
-from plugins import get_plugin
 
 log = logging.getLogger("ifrt.client")
 
@@ -130,18 +129,23 @@ class Client:
             return True
 
     def _build_request(self) -> pb.RegisterRequest:
+        from plugins import get_plugin  # here, not at the top: plugins import ifrt's value types
+
         s = self.settings
         try:
-            devices = get_plugin(s.plugin).local_devices(s.local_device_ids)
+            plugin = get_plugin(s.plugin)
+            plugin.configure_process(s.local_rank, s.local_world_size)
+            devices = plugin.local_devices(s.local_device_ids)
         except ValueError as e:
             raise InvalidArgument(f"device plugin {s.plugin!r}: {e}") from e
         request = pb.RegisterRequest(cluster_id=s.cluster_id, num_processes=s.num_processes or 0,
-                                     client_uid=self.client_uid, hostname=s.hostname, local_rank=s.local_rank)
+                                     client_uid=self.client_uid, hostname=s.hostname, local_rank=s.local_rank,
+                                     plugin=plugin.name)
         if s.process_id is not None:
             request.process_id = s.process_id
         for d in devices:
-            request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_index=d.slice_index,
-                                attributes=d.attributes)
+            request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
+                                coordinates=d.coordinates, attributes=d.attributes)
         return request
 
     def _register(self, request: pb.RegisterRequest, timeout: float) -> Topology:

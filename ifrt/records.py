@@ -18,10 +18,13 @@ class LocalDevice:
     local_id: int
     platform: str
     kind: str
-    slice_index: int = 0
+    slice_key: str = ""
+    """Devices with equal keys share a slice (e.g. one TPU slice, one NVLink domain)."""
+    coordinates: tuple[int, ...] = ()
     attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "coordinates", tuple(self.coordinates))
         object.__setattr__(self, "attributes", _frozen(self.attributes))
 
 
@@ -36,8 +39,12 @@ class Device:
     kind: str
     slice_index: int = 0
     attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    plugin: str = ""
+    """The device plugin that reported it."""
+    coordinates: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "coordinates", tuple(self.coordinates))
         object.__setattr__(self, "attributes", _frozen(self.attributes))
 
     def to_dict(self) -> dict:
@@ -49,6 +56,8 @@ class Device:
             "kind": self.kind,
             "slice_index": self.slice_index,
             "attributes": dict(self.attributes),
+            "plugin": self.plugin,
+            "coordinates": list(self.coordinates),
         }
 
 

@@ -1,19 +1,29 @@
-"""Where discover() gets its settings: explicit arguments first, then ``IFRT_*`` environment variables."""
+"""Where discover() gets its settings, in this order: explicit arguments, ``IFRT_*`` environment variables,
+then the launcher's environment (torchrun, Open MPI, SLURM, Kubernetes: see ``ifrt.clusters``).
+
+An ``IFRT_*`` variable that contradicts the launcher's (``IFRT_PROCESS_ID=3`` under torchrun's ``RANK=5``) is
+an error naming both, not a silent choice; an explicit argument always wins.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ifrt import clusters
 from ifrt.errors import InvalidArgument
+
+log = logging.getLogger("ifrt.settings")
 
 COORDINATOR_ENV = "IFRT_COORDINATOR"  # "host:8476" or "c1:8476,c2:8477"
 PROCESS_ID_ENV = "IFRT_PROCESS_ID"  # "2"; unset: the coordinator assigns ids
 NUM_PROCESSES_ENV = "IFRT_NUM_PROCESSES"  # "4"; unset: take the coordinator's
 PLUGIN_ENV = "IFRT_PLUGIN"  # "cpu" (default)
 LOCAL_RANK_ENV = "IFRT_LOCAL_RANK"  # "0"; orders processes of one host when ids are assigned
+LOCAL_WORLD_SIZE_ENV = "IFRT_LOCAL_WORLD_SIZE"  # "8"; processes on this host (plugins split devices by it)
 CLUSTER_ID_ENV = "IFRT_CLUSTER_ID"  # unset: join whatever cluster the coordinator serves
 
 DEFAULT_PLUGIN = "cpu"
@@ -30,15 +40,20 @@ class Settings:
     local_device_ids: tuple[int, ...] | None
     timeout: float
     local_rank: int
+    local_world_size: int
     cluster_id: str
     hostname: str
+    launcher: str | None = None
+    """The launcher environment values were taken from (e.g. "slurm"), if any."""
 
 
 def parse_coordinators(value: str) -> tuple[str, ...]:
     """``"c1:8476, c2:8477"`` -> ``("c1:8476", "c2:8477")``; InvalidArgument if an entry is not host:port."""
     addresses = tuple(a.strip() for a in value.split(",") if a.strip())
     if not addresses:
-        raise InvalidArgument(f"no coordinator address given: pass coordinator= or set {COORDINATOR_ENV}=HOST:PORT")
+        raise InvalidArgument(f"no coordinator address given: pass coordinator=, set {COORDINATOR_ENV}=HOST:PORT, or "
+                              f"run under a launcher that names one (looked for: "
+                              f"{', '.join(d.name for d in clusters.DETECTORS)}; none found)")
     for a in addresses:
         host, sep, port = a.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -73,15 +88,26 @@ def resolve(
 ) -> Settings:
     """The settings for one process; InvalidArgument naming the variable or argument that is wrong."""
     env = os.environ if environ is None else environ
+    launcher = clusters.detect(env)
 
     def pick(value: object, var: str, name: str, minimum: int) -> int | None:
         if value is not None:
             return _int_from(name, value, minimum)
         raw = env.get(var, "").strip()
-        return _int_from(var, raw, minimum) if raw else None
+        found = None if launcher is None else getattr(launcher, name)
+        if not raw:
+            return found
+        number = _int_from(var, raw, minimum)
+        if found is not None and found != number:
+            raise InvalidArgument(f"{var}={number} contradicts the {launcher.source} environment's "  # type: ignore
+                                  f"{launcher.origin(name)}: unset one of them, or pass {name}= explicitly")
+        return number
 
     if coordinator is None:
-        coordinators = parse_coordinators(env.get(COORDINATOR_ENV, ""))
+        raw = env.get(COORDINATOR_ENV, "")
+        if not raw.strip() and launcher is not None and launcher.coordinator:
+            raw = launcher.coordinator
+        coordinators = parse_coordinators(raw)
     elif isinstance(coordinator, str):
         coordinators = parse_coordinators(coordinator)
     else:
@@ -92,6 +118,8 @@ def resolve(
         raise InvalidArgument(f"process id {pid} is out of range: expected 0 <= process_id < num_processes ({count})")
     if not timeout > 0:
         raise InvalidArgument(f"timeout={timeout!r} is not positive: expected seconds > 0")
+    if launcher is not None:
+        log.info("launcher environment: %s (%s)", launcher.source, ", ".join(launcher.variables))
     return Settings(
         coordinators=coordinators,
         process_id=pid,
@@ -100,6 +128,8 @@ def resolve(
         local_device_ids=None if local_device_ids is None else tuple(int(i) for i in local_device_ids),
         timeout=float(timeout),
         local_rank=pick(local_rank, LOCAL_RANK_ENV, "local_rank", 0) or 0,
+        local_world_size=pick(None, LOCAL_WORLD_SIZE_ENV, "local_world_size", 1) or 1,
         cluster_id=cluster_id if cluster_id is not None else env.get(CLUSTER_ID_ENV, "").strip(),
         hostname=socket.gethostname(),
+        launcher=None if launcher is None else launcher.source,
     )

@@ -131,7 +131,8 @@ class Topology:
                 processes=tuple(Process(int(p["process_id"]), str(p["hostname"]), str(p.get("address", "")))
                                 for p in d["processes"]),
                 devices=tuple(Device(int(x["id"]), int(x["process_id"]), int(x["local_id"]), str(x["platform"]),
-                                     str(x["kind"]), int(x.get("slice_index", 0)), dict(x.get("attributes", {})))
+                                     str(x["kind"]), int(x.get("slice_index", 0)), dict(x.get("attributes", {})),
+                                     str(x.get("plugin", "")), tuple(int(c) for c in x.get("coordinates", ())))
                               for x in d["devices"]),
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -69,7 +69,15 @@ def encode(content: TopologyContent) -> bytes:
     for process in processes:
         entry = message.processes.add(process_id=process.process_id, hostname=process.hostname,
                                       address=process.address)
-        for index, device in enumerate(by_process.get(process.process_id, ())):
+        owned = by_process.get(process.process_id, [])
+        plugins = {d.plugin for d in owned}
+        ranks = {len(d.coordinates) for d in owned}
+        if len(plugins) > 1 or len(ranks) > 1:
+            raise TopologyError(f"process {process.process_id} mixes plugins {sorted(plugins)} or coordinate ranks "
+                                f"{sorted(ranks)}: expected one of each per process")
+        entry.plugin = table(plugins.pop() if plugins else "")
+        entry.coordinate_rank = ranks.pop() if ranks else 0
+        for index, device in enumerate(owned):
             if device.id != global_device_id(device.process_id, device.local_id, MAX_PROCESSES_INT64):
                 raise TopologyError(f"device id {device.id} is not process_id {device.process_id} << 17 | "
                                     f"local_id {device.local_id}")
@@ -77,6 +85,7 @@ def encode(content: TopologyContent) -> bytes:
             entry.platforms.append(table(device.platform))
             entry.kinds.append(table(device.kind))
             entry.slice_indices.append(device.slice_index)
+            entry.coordinates.extend(device.coordinates)
             for key, value in sorted(device.attributes.items()):
                 entry.attributes.add(device=index, key=table(key), value=table(value))
         if len(set(entry.local_ids)) != len(entry.local_ids):
@@ -99,12 +108,16 @@ def decode(canonical: bytes) -> TopologyContent:
             attributes: list[dict[str, str]] = [{} for _ in entry.local_ids]
             for a in entry.attributes:
                 attributes[a.device][strings[a.key]] = strings[a.value]
-            for local_id, platform, kind, slice_index, attrs in zip(
+            rank, plugin = entry.coordinate_rank, strings[entry.plugin]
+            if len(entry.coordinates) != rank * len(entry.local_ids):
+                raise ValueError(f"process {entry.process_id} has {len(entry.coordinates)} coordinates for "
+                                 f"{len(entry.local_ids)} devices of rank {rank}")
+            for i, (local_id, platform, kind, slice_index, attrs) in enumerate(zip(
                 entry.local_ids, entry.platforms, entry.kinds, entry.slice_indices, attributes, strict=True
-            ):
+            )):
                 devices.append(Device(global_device_id(entry.process_id, local_id, MAX_PROCESSES_INT64),
                                       entry.process_id, local_id, strings[platform], strings[kind],
-                                      slice_index, attrs))
+                                      slice_index, attrs, plugin, tuple(entry.coordinates[i * rank:(i + 1) * rank])))
     except (IndexError, ValueError) as e:
         raise TopologyError(f"topology bytes are inconsistent: {e}") from e
     return TopologyContent(message.cluster_id, message.generation, message.num_processes, processes,

@@ -1,19 +1,9 @@
-"""Device plugins, by name. Built-ins: ``cpu``."""
+"""Device plugins: what each process reports about its own devices. See ``plugins.registry``."""
 
 from __future__ import annotations
 
-from plugins.base import DevicePlugin
-from plugins.cpu import CpuPlugin
+from plugins.base import DEFAULT_PROPERTIES, DevicePlugin
+from plugins.registry import ENTRY_POINT_GROUP, PluginError, PluginInfo, all_plugins, get_plugin
 
-_BUILTIN: dict[str, type[DevicePlugin]] = {CpuPlugin.name: CpuPlugin}
-
-
-def get_plugin(name: str) -> DevicePlugin:
-    """The plugin called ``name``; ValueError listing the known names if there is none."""
-    try:
-        return _BUILTIN[name]()
-    except KeyError:
-        raise ValueError(f"unknown device plugin {name!r}: known plugins are {sorted(_BUILTIN)}") from None
-
-
-__all__ = ["DevicePlugin", "get_plugin"]
+__all__ = ["DEFAULT_PROPERTIES", "ENTRY_POINT_GROUP", "DevicePlugin", "PluginError", "PluginInfo", "all_plugins",
+           "get_plugin"]

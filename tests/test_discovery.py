@@ -144,6 +144,7 @@ def raw_register(address: str, payload: bytes) -> grpc.RpcError:
 def request(process_id=None, **fields) -> bytes:
     fields.setdefault("devices", [pb.LocalDevice(local_id=0, platform="cpu", kind="cpu")])
     fields.setdefault("hostname", "raw-host")
+    fields.setdefault("plugin", "cpu")
     message = pb.RegisterRequest(client_uid="raw-client", **fields)
     if process_id is not None:
         message.process_id = process_id
@@ -183,9 +184,7 @@ def test_bad_request_gets_a_clear_status_and_changes_nothing(start_coordinator, 
     holder_result: list[Topology] = []
     holder_thread = threading.Thread(target=lambda: holder_result.append(holder.discover()))
     holder_thread.start()
-    deadline = time.monotonic() + 10
-    while "registered process 0" not in coordinator.log and time.monotonic() < deadline:
-        time.sleep(0.02)
+    coordinator.wait_for_log("registered process 0")
 
     error = raw_register(coordinator.address, payload)
     assert error.code() == code
@@ -206,9 +205,7 @@ def test_bad_request_gets_a_clear_status_and_changes_nothing(start_coordinator, 
 def test_taken_id_is_a_typed_error_naming_the_holder_and_not_retried(start_coordinator):
     coordinator = start_coordinator(num_processes=2)
     holder = discover_process(coordinator.address, "--process-id", "0")
-    deadline = time.monotonic() + 10
-    while "registered process 0" not in coordinator.log and time.monotonic() < deadline:
-        time.sleep(0.02)
+    coordinator.wait_for_log("registered process 0")
     started = time.monotonic()
     with pytest.raises(ifrt.ProcessIdTaken, match="process id 0 is already registered by"):
         ifrt.discover(coordinator.address, process_id=0, timeout=30)

@@ -223,8 +223,8 @@ def test_coordinator_sigterm_is_seen_at_once(start_coordinator, workers):
     os.kill(coordinator.pid, signal.SIGTERM)
     stopped_at = time.monotonic()
     at, lost = next_event(received, events.CoordinatorLost, timeout=10)
-    assert at - stopped_at < 2.0
-    assert "shutting down" in lost.reason
+    assert "shutting down" in lost.reason  # told by the coordinator, not found out by a keepalive timeout
+    assert at - stopped_at < 5.0
     w1.expect("event", event="CoordinatorLost")
     client.close()
 

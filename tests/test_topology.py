@@ -41,7 +41,8 @@ def test_dict_round_trip_is_exact():
 def test_dict_has_the_documented_fields():
     d = topology(attributes=True).to_dict()
     assert {"process_id", "num_processes", "generation", "fingerprint", "devices", "processes"} <= set(d)
-    assert set(d["devices"][0]) == {"id", "process_id", "local_id", "platform", "kind", "slice_index", "attributes"}
+    assert set(d["devices"][0]) == {"id", "process_id", "local_id", "platform", "kind", "slice_index", "attributes",
+                                    "plugin", "coordinates"}
     assert set(d["processes"][0]) == {"process_id", "hostname", "address"}
 
 

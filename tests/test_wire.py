@@ -15,7 +15,7 @@ def content(num_processes=4, devices_per_process=8, attributes=False, kind="tpu-
     processes = tuple(Process(p, f"host{p}", f"10.0.0.{p}:9000") for p in range(num_processes))
     devices = tuple(
         Device(global_device_id(p, i), p, i, "tpu", kind, p // 2,
-               {"uuid": f"dev-{p}-{i}", "memory": "16G"} if attributes else {})
+               {"uuid": f"dev-{p}-{i}", "memory": "16G"} if attributes else {}, "sim", (i // 2, i % 2))
         for p in range(num_processes) for i in range(devices_per_process))
     return wire.TopologyContent("job", 1, num_processes, processes, devices)
 
@@ -44,7 +44,7 @@ def test_attributes_round_trip(a, b):
 def test_global_ids_and_repeated_strings_are_not_sent_per_device():
     small, large = content(4, 8), content(64, 8)
     per_device = (len(wire.encode(large)) - len(wire.encode(small))) / (len(large.devices) - len(small.devices))
-    assert per_device < 15  # local id, 3 small indices, per-process headers; no global id, no kind string
+    assert per_device < 15  # local id, 3 small indices, 2 coordinates; no global id, no kind string
     assert wire.encode(large).count(b"tpu-v5e") == 1
 
 
@@ -86,6 +86,7 @@ def test_malformed_bytes_are_a_topology_error():
     ((Device(5, 0, 4, "cpu", "cpu"),), "is not process_id 0 << 17"),
     ((Device(0, 0, 0, "cpu", "cpu"), Device(0, 0, 0, "cpu", "cpu")), "local device id twice"),
     ((Device(1 << 17, 1, 0, "cpu", "cpu"),), "not in the topology"),
+    ((Device(0, 0, 0, "cpu", "cpu", coordinates=(0,)), Device(1, 0, 1, "cpu", "cpu")), "coordinate ranks"),
 ])
 def test_inconsistent_content_is_refused(devices, message):
     with pytest.raises(TopologyError, match=message):

@@ -15,7 +15,7 @@ ENCODING_RAW: Encoding
 ENCODING_ZLIB: Encoding
 
 class LocalDevice(_message.Message):
-    __slots__ = ("local_id", "platform", "kind", "slice_index", "attributes")
+    __slots__ = ("local_id", "platform", "kind", "slice_key", "attributes", "coordinates")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,17 +26,19 @@ class LocalDevice(_message.Message):
     LOCAL_ID_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
-    SLICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLICE_KEY_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    COORDINATES_FIELD_NUMBER: _ClassVar[int]
     local_id: int
     platform: str
     kind: str
-    slice_index: int
+    slice_key: str
     attributes: _containers.ScalarMap[str, str]
-    def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_index: _Optional[int] = ..., attributes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    coordinates: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_key: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms")
+    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class RegisterRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     num_processes: int
     process_id: int
@@ -55,7 +58,8 @@ class RegisterRequest(_message.Message):
     address: str
     devices: _containers.RepeatedCompositeFieldContainer[LocalDevice]
     wait_ms: int
-    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    plugin: str
+    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("registered", "expected", "missing_process_ids", "registered_hosts", "waited_seconds")
@@ -102,7 +106,7 @@ class Topology(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_processes: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessEntry, _Mapping]]] = ...) -> None: ...
 
 class ProcessEntry(_message.Message):
-    __slots__ = ("process_id", "hostname", "address", "local_ids", "platforms", "kinds", "slice_indices", "attributes")
+    __slots__ = ("process_id", "hostname", "address", "local_ids", "platforms", "kinds", "slice_indices", "attributes", "plugin", "coordinate_rank", "coordinates")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +115,9 @@ class ProcessEntry(_message.Message):
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SLICE_INDICES_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
+    COORDINATE_RANK_FIELD_NUMBER: _ClassVar[int]
+    COORDINATES_FIELD_NUMBER: _ClassVar[int]
     process_id: int
     hostname: str
     address: str
@@ -119,7 +126,10 @@ class ProcessEntry(_message.Message):
     kinds: _containers.RepeatedScalarFieldContainer[int]
     slice_indices: _containers.RepeatedScalarFieldContainer[int]
     attributes: _containers.RepeatedCompositeFieldContainer[Attribute]
-    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., local_ids: _Optional[_Iterable[int]] = ..., platforms: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[int]] = ..., slice_indices: _Optional[_Iterable[int]] = ..., attributes: _Optional[_Iterable[_Union[Attribute, _Mapping]]] = ...) -> None: ...
+    plugin: int
+    coordinate_rank: int
+    coordinates: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., local_ids: _Optional[_Iterable[int]] = ..., platforms: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[int]] = ..., slice_indices: _Optional[_Iterable[int]] = ..., attributes: _Optional[_Iterable[_Union[Attribute, _Mapping]]] = ..., plugin: _Optional[int] = ..., coordinate_rank: _Optional[int] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Attribute(_message.Message):
     __slots__ = ("device", "key", "value")

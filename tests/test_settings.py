@@ -2,8 +2,6 @@ import pytest
 
 from ifrt.errors import InvalidArgument
 from ifrt.settings import resolve
-from plugins import get_plugin
-from plugins.cpu import CpuPlugin
 
 
 def test_arguments_win_over_environment():
@@ -35,31 +33,35 @@ def test_bad_settings_name_the_variable(env, message):
         resolve(environ=env)
 
 
-def test_cpu_plugin_reports_the_configured_count(monkeypatch):
-    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "4")
-    devices = get_plugin("cpu").local_devices()
-    assert [(d.local_id, d.platform) for d in devices] == [(i, "cpu") for i in range(4)]
-    assert [d.local_id for d in CpuPlugin().local_devices([1, 3])] == [1, 3]
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "42", "MASTER_ADDR": "node001", "MASTER_PORT": "29500", "RANK": "5",
+            "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
 
 
-def test_cpu_plugin_defaults_to_one_device(monkeypatch):
-    monkeypatch.delenv("IFRT_CPU_DEVICE_COUNT", raising=False)
-    assert len(CpuPlugin().local_devices()) == 1
+def test_launcher_environment_needs_no_flags():
+    s = resolve(environ=TORCHRUN)
+    assert (s.coordinators, s.process_id, s.num_processes, s.local_rank, s.local_world_size, s.launcher) == (
+        ("node001:8476",), 5, 8, 1, 4, "torchrun")
 
 
-@pytest.mark.parametrize(("value", "message"), [("many", "is not an integer"), ("-1", "out of range")])
-def test_cpu_plugin_rejects_bad_counts(monkeypatch, value, message):
-    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", value)
-    with pytest.raises(ValueError, match=message):
-        CpuPlugin().local_devices()
+def test_ifrt_coordinator_with_torchrun_ranks():
+    s = resolve(environ={**TORCHRUN, "IFRT_COORDINATOR": "coord:9000"})
+    assert (s.coordinators, s.process_id, s.num_processes) == (("coord:9000",), 5, 8)
 
 
-def test_selecting_unknown_local_ids_names_them(monkeypatch):
-    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "2")
-    with pytest.raises(ValueError, match=r"local device ids \[5\] do not exist"):
-        CpuPlugin().local_devices([0, 5])
+def test_explicit_arguments_win_over_the_launcher():
+    s = resolve("c:1", process_id=2, num_processes=4, environ=TORCHRUN)
+    assert (s.coordinators, s.process_id, s.num_processes) == (("c:1",), 2, 4)
 
 
-def test_unknown_plugin_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown device plugin 'tpu'.*\['cpu'\]"):
-        get_plugin("tpu")
+def test_ifrt_variable_contradicting_the_launcher_is_reported():
+    with pytest.raises(InvalidArgument, match="IFRT_PROCESS_ID=3 contradicts the torchrun environment's RANK='5'"):
+        resolve(environ={**TORCHRUN, "IFRT_PROCESS_ID": "3"})
+
+
+def test_agreeing_ifrt_variable_is_fine():
+    assert resolve(environ={**TORCHRUN, "IFRT_NUM_PROCESSES": "8"}).num_processes == 8
+
+
+def test_no_coordinator_anywhere_lists_what_was_tried():
+    with pytest.raises(InvalidArgument, match="looked for: torchrun, ompi, slurm, kubernetes; none found"):
+        resolve(environ={})

@@ -1,0 +1,231 @@
+"""Device meshes over a topology: named axes, submeshes, tile assignments, argument selection.
+
+A mesh is a numpy array of global device ids with named axes. A submesh is a view of part of its parent
+(it keeps the positions it came from), so the same code serves a zero-indexed submesh (devices 0, 1 of
+4) and a non-zero-indexed one (devices 2, 3 of 4).
+
+Tile assignments come in two forms, as compilers and runtimes need them:
+
+- normalized: positions ``0..n-1`` into a device list (what a compiler sees);
+- denormalized: the real global ids (what execution uses).
+
+    >>> ta, device_list = normalize(np.array([[131073, 131072], [1, 0]]))
+    >>> ta.tolist(), device_list.tolist()
+    ([[3, 2], [1, 0]], [0, 1, 131072, 131073])
+    >>> denormalize(ta, device_list).tolist()
+    [[131073, 131072], [1, 0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ifrt.records import Device
+
+if TYPE_CHECKING:
+    from ifrt.topology import Topology
+
+
+def normalize(device_assignment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tile assignment of positions, sorted device list) for an array of distinct global ids."""
+    ids = np.asarray(device_assignment, dtype=np.int64)
+    device_list = np.unique(ids)
+    if device_list.size != ids.size:
+        values, counts = np.unique(ids, return_counts=True)
+        raise ValueError(f"device assignment repeats global ids {values[counts > 1].tolist()}: expected distinct ids")
+    return np.searchsorted(device_list, ids).astype(np.int64), device_list
+
+
+def denormalize(tile_assignment: np.ndarray, device_list: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The global ids a normalized tile assignment stands for, given its device list."""
+    positions = np.asarray(tile_assignment, dtype=np.int64)
+    devices = np.asarray(device_list, dtype=np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= devices.size):
+        raise ValueError(f"tile assignment refers to positions {positions.min()}..{positions.max()}: expected "
+                         f"0..{devices.size - 1} (a device list of {devices.size})")
+    if np.unique(positions).size != positions.size:
+        raise ValueError("tile assignment repeats a position: expected each device once")
+    return devices[positions]
+
+
+def topology_order(devices: Iterable[Device], hostnames: dict[int, str] | None = None) -> list[Device]:
+    """Devices ordered so one process's (then one host's, one slice's) devices are adjacent, in ring order."""
+    hostnames = hostnames or {}
+
+    def key(d: Device) -> tuple:
+        return (d.slice_index, hostnames.get(d.process_id, ""), d.process_id, _snake(d.coordinates), d.local_id)
+
+    return sorted(devices, key=key)
+
+
+def _snake(coordinates: Sequence[int]) -> tuple[int, ...]:
+    """Boustrophedon order over coordinates: consecutive devices are physical neighbours (a ring per row)."""
+    if len(coordinates) < 2:
+        return tuple(coordinates)
+    *outer, inner = coordinates
+    flip = sum(outer) % 2 == 1
+    return (*outer, -inner if flip else inner)
+
+
+@dataclass(frozen=True)
+class VirtualDevice:
+    """A whole mesh presented as one device (for runtimes that show SPMD as a single device)."""
+
+    mesh: Mesh
+
+    @property
+    def members(self) -> tuple[Device, ...]:
+        return self.mesh.device_records()
+
+    @property
+    def platform(self) -> str:
+        platforms = {d.platform for d in self.members}
+        return platforms.pop() if len(platforms) == 1 else "mixed"
+
+    @property
+    def kind(self) -> str:
+        return f"spmd[{'x'.join(map(str, self.mesh.shape))}]"
+
+
+class Mesh:
+    """Global device ids in an n-d array with named axes; ``parent`` and ``positions`` are set for a submesh."""
+
+    def __init__(self, devices: np.ndarray, axis_names: Sequence[str], topology: Topology | None = None, *,
+                 parent: Mesh | None = None, positions: np.ndarray | None = None) -> None:
+        devices = np.asarray(devices, dtype=np.int64)
+        if devices.ndim != len(axis_names):
+            raise ValueError(f"mesh of shape {devices.shape} needs {devices.ndim} axis names, got {list(axis_names)}")
+        if len(set(axis_names)) != len(axis_names):
+            raise ValueError(f"axis names {list(axis_names)} repeat: expected distinct names")
+        normalize(devices)  # distinct ids
+        if topology is not None:
+            unknown = set(devices.flat) - set(topology.global_ids.tolist())
+            if unknown:
+                raise ValueError(f"global ids {sorted(unknown)[:8]} are not in topology generation "
+                                 f"{topology.generation}")
+        self._devices = devices
+        self._devices.flags.writeable = False
+        self.axis_names = tuple(axis_names)
+        self.topology = topology
+        self.parent = parent
+        self._positions = positions
+
+    @property
+    def devices(self) -> np.ndarray:
+        """The global ids, shaped like the mesh (read-only)."""
+        return self._devices
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._devices.shape
+
+    @property
+    def size(self) -> int:
+        return self._devices.size
+
+    def axis_size(self, name: str) -> int:
+        return self.shape[self._axis(name)]
+
+    def device_records(self) -> tuple[Device, ...]:
+        """The topology's Device records, in mesh order (flattened)."""
+        if self.topology is None:
+            raise ValueError("this mesh was built without a topology: it has ids but no device records")
+        return tuple(self.topology.device(int(i)) for i in self._devices.flat)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Where each device sits in the parent's flattened device order (0..size-1 for a root mesh)."""
+        if self._positions is None:
+            return np.arange(self.size, dtype=np.int64).reshape(self.shape)
+        return self._positions
+
+    # Submeshes.
+    def submesh(self, offset: Sequence[int] | None = None, shape: Sequence[int] | None = None, *,
+                devices: Sequence[int] | None = None) -> Mesh:
+        """A view of a block (``offset``, ``shape``) or of the given global ids (1-d, in the order given)."""
+        if devices is not None:
+            if offset is not None or shape is not None:
+                raise ValueError("pass either offset and shape, or devices")
+            flat = self._devices.reshape(-1)
+            where = {int(d): i for i, d in enumerate(flat)}
+            missing = [int(d) for d in devices if int(d) not in where]
+            if missing:
+                raise ValueError(f"global ids {missing} are not in this mesh (ids {flat.tolist()[:16]}...)")
+            picked = np.array([where[int(d)] for d in devices], dtype=np.int64)
+            return Mesh(flat[picked], (self.axis_names[-1],), self.topology, parent=self,
+                        positions=self.positions.reshape(-1)[picked])
+        if offset is None or shape is None:
+            raise ValueError("a block submesh needs both offset and shape")
+        if len(offset) != self._devices.ndim or len(shape) != self._devices.ndim:
+            raise ValueError(f"offset {list(offset)} and shape {list(shape)} need {self._devices.ndim} entries")
+        for axis, (o, n, full) in enumerate(zip(offset, shape, self.shape, strict=True)):
+            if o < 0 or n < 1 or o + n > full:
+                raise ValueError(f"axis {self.axis_names[axis]!r}: offset {o} + size {n} does not fit in {full}")
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        return Mesh(self._devices[index], self.axis_names, self.topology, parent=self,
+                    positions=self.positions[index])
+
+    # Tile assignments.
+    def device_assignment(self) -> np.ndarray:
+        """The denormalized tile assignment: the real global ids (what execution uses)."""
+        return self._devices
+
+    def device_list(self) -> np.ndarray:
+        """The sorted global ids that ``tile_assignment`` positions refer to."""
+        return normalize(self._devices)[1]
+
+    def tile_assignment(self) -> np.ndarray:
+        """The normalized tile assignment: positions 0..size-1 into ``device_list()`` (what a compiler sees)."""
+        return normalize(self._devices)[0]
+
+    # Arguments.
+    def select_arguments(self, handles: Sequence[Any]) -> list[Any]:
+        """From per-device buffers laid out over the root mesh's devices (None where missing), the ones this
+        mesh's devices need, in this mesh's order."""
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        if len(handles) != root.size:
+            raise ValueError(f"{len(handles)} handles for a mesh of {root.size} devices: expected one per device "
+                             "(None where a device has no buffer)")
+        selected = []
+        # positions are relative to the root mesh: a submesh of a submesh composes them
+        for position, device in zip(self.positions.reshape(-1), self._devices.reshape(-1), strict=True):
+            handle = handles[int(position)]
+            if handle is None:
+                raise ValueError(f"no buffer for global device {int(device)} (position {int(position)} of the "
+                                 f"parent mesh), which this {'sub' if self.parent else ''}mesh needs")
+            selected.append(handle)
+        return selected
+
+    @property
+    def virtual_device(self) -> VirtualDevice:
+        """This mesh as one SPMD device, its members reachable from it."""
+        return VirtualDevice(self)
+
+    def _axis(self, name: str) -> int:
+        try:
+            return self.axis_names.index(name)
+        except ValueError:
+            raise KeyError(f"no axis {name!r}: the axes are {list(self.axis_names)}") from None
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
+        return f"Mesh({axes}{', submesh' if self.parent else ''})"
+
+
+def mesh_from_topology(topology: Topology, shape: Sequence[int], axis_names: Sequence[str],
+                       devices: Sequence[Device | int] | None = None) -> Mesh:
+    """A mesh of ``shape`` over ``devices`` (default: all, in topology-aware order)."""
+    if devices is None:
+        hostnames = {p.process_id: p.hostname for p in topology.processes}
+        ids = [d.id for d in topology_order(topology.devices, hostnames)]
+    else:
+        ids = [d.id if isinstance(d, Device) else int(d) for d in devices]
+    if int(np.prod(shape)) != len(ids):
+        raise ValueError(f"mesh shape {list(shape)} holds {int(np.prod(shape))} devices; {len(ids)} were given")
+    return Mesh(np.array(ids, dtype=np.int64).reshape(tuple(shape)), axis_names, topology)

@@ -1,0 +1,86 @@
+"""Finding plugins: the built-ins, then distributions' entry points in the group ``ifrt.plugins``.
+
+A third-party package adds a device type without changing this project:
+
+    [project.entry-points."ifrt.plugins"]
+    mydevice = "mypackage.ifrt_plugin:MyDevicePlugin"
+
+A plugin that fails to load is reported with its name and error; it never breaks another plugin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+
+from plugins.base import DevicePlugin
+from plugins.cpu import CpuPlugin
+from plugins.cuda import CudaPlugin
+from plugins.jax_plugin import JaxPlugin
+from plugins.sim import SimPlugin
+
+ENTRY_POINT_GROUP = "ifrt.plugins"
+BUILTIN: dict[str, type[DevicePlugin]] = {p.name: p for p in (CpuPlugin, SimPlugin, CudaPlugin, JaxPlugin)}
+
+
+class PluginError(ValueError):
+    """A plugin is unknown or could not be loaded; the message names it and why."""
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What ``ifrt plugins`` shows for one plugin."""
+
+    name: str
+    source: str
+    plugin: DevicePlugin | None
+    error: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self.error is not None:
+            return f"broken: {self.error}"
+        reason = self.plugin.check() if self.plugin is not None else "not loaded"
+        return "available" if reason is None else f"unavailable: {reason}"
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _load(ep: metadata.EntryPoint) -> DevicePlugin:
+    try:
+        target = ep.load()
+        plugin = target() if callable(target) and not isinstance(target, DevicePlugin) else target
+    except Exception as e:
+        raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}") from e
+    if not isinstance(plugin, DevicePlugin):
+        raise PluginError(f"plugin {ep.name!r} ({ep.value}) is a {type(plugin).__name__}, not a DevicePlugin")
+    if not plugin.name:
+        plugin.name = ep.name
+    return plugin
+
+
+def get_plugin(name: str) -> DevicePlugin:
+    """The plugin called ``name``; PluginError if it is unknown (listing the known ones) or broken."""
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    entry_points = _entry_points()
+    if name not in entry_points:
+        raise PluginError(f"unknown device plugin {name!r}: known plugins are {sorted({*BUILTIN, *entry_points})}")
+    return _load(entry_points[name])
+
+
+def all_plugins() -> list[PluginInfo]:
+    """Every plugin found, built-in first, each loaded on its own so one broken plugin hides nothing else."""
+    infos = [PluginInfo(name, "built-in", cls()) for name, cls in BUILTIN.items()]
+    for name, ep in sorted(_entry_points().items()):
+        source = f"entry point {ep.value}" + (f" from {ep.dist.name}" if ep.dist else "")
+        if name in BUILTIN:
+            infos.append(PluginInfo(name, source, None, f"shadowed by the built-in plugin {name!r}"))
+            continue
+        try:
+            infos.append(PluginInfo(name, source, _load(ep)))
+        except PluginError as e:
+            infos.append(PluginInfo(name, source, None, str(e)))
+    return infos

@@ -1,0 +1,13 @@
+"""A third-party device plugin, installed as its own distribution (see the .dist-info beside it)."""
+
+from ifrt.records import LocalDevice
+from plugins import DevicePlugin
+
+
+class FakeAccelPlugin(DevicePlugin):
+    name = "fake-accel"
+    properties = {"fa-1": {"memory_bytes": 1 << 34, "interconnect": "fabric"}}  # noqa: RUF012
+
+    def local_devices(self, local_device_ids=None):
+        devices = [LocalDevice(i, "fake", "fa-1", attributes={"serial": f"FA{i:04d}"}) for i in range(3)]
+        return [d for d in devices if local_device_ids is None or d.local_id in local_device_ids]
