@@ -28,14 +28,15 @@ from ifrt.errors import (
     UnknownClient,
 )
 from ifrt.ids import global_device_id, split_global_id
+from ifrt.mesh import Mesh
 from ifrt.records import Device, LocalDevice, Process
 from ifrt.topology import Topology
 
 __all__ = [
     "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable", "Device",
-    "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Process",
-    "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError", "UnknownClient", "discover", "events",
-    "global_device_id", "split_global_id",
+    "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh",
+    "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError", "UnknownClient", "discover",
+    "events", "global_device_id", "split_global_id",
 ]
 
 _default_client: Client | None = None

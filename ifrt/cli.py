@@ -29,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--num-processes", type=int, metavar="N",
                    help=f"expected process count, checked against the coordinator's (default ${NUM_PROCESSES_ENV})")
     d.add_argument("--plugin", metavar="NAME", help=f"device plugin (default ${PLUGIN_ENV}, else cpu)")
+    d.add_argument("--transfer-bind", metavar="HOST:PORT",
+                   help="where this process's transfer endpoint listens, advertised in the topology (default "
+                        "$IFRT_TRANSFER_BIND, else an ephemeral port on the address that reaches the coordinator)")
     d.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up after this long, naming who is missing (default %(default)s)")
     d.add_argument("--json", action="store_true", help="print the topology as one JSON object (Topology.to_dict)")
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,
-                    plugin=args.plugin, timeout=args.timeout) as client:
+                    plugin=args.plugin, timeout=args.timeout, transfer_bind=args.transfer_bind) as client:
             topology = client.discover()
     except IfrtError as e:
         print(f"ifrt discover: {type(e).__name__}: {e}", file=sys.stderr)

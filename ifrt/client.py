@@ -30,6 +30,7 @@ from ifrt.progress import Progress
 from ifrt.session import Session
 from ifrt.settings import Settings, resolve
 from ifrt.topology import Topology
+from ifrt.transfer import Channels, Endpoint, local_address_toward
 
 log = logging.getLogger("ifrt.client")
 
@@ -78,8 +79,10 @@ class Client:
     """
 
     def __init__(self, coordinator: str | Sequence[str] | None = None, *, session: bool = True,
-                 **kwargs: Any) -> None:
+                 transfer: bool = True, **kwargs: Any) -> None:
         self.settings: Settings = resolve(coordinator, **kwargs)
+        self.endpoint: Endpoint | None = None
+        self._want_transfer = transfer
         self.client_uid = uuid.uuid4().hex
         self.topology: Topology | None = None
         self.backoff = Backoff()
@@ -102,12 +105,29 @@ class Client:
         for anything retrying cannot fix (InvalidArgument, ProcessIdTaken, ClusterMismatch).
         """
         if self.topology is None:
+            if self._want_transfer and self.endpoint is None:
+                self.endpoint = self._bind_endpoint()
             self._request = self._build_request()
             self.topology = self._register(self._request, self.settings.timeout)
             if self._want_session:
                 self._session = Session(self, self._emit)
                 self._session.start()
         return self.topology
+
+    def channels(self) -> Channels:
+        """Array transfers to and from the devices of the topology, over this process's endpoint."""
+        topology = self.discover()
+        if self.endpoint is None:
+            raise RuntimeError("this client has no transfer endpoint: it was created with transfer=False")
+        return Channels(topology, self.endpoint)
+
+    def _bind_endpoint(self) -> Endpoint:
+        bind = self.settings.transfer_bind
+        if bind is None:
+            return Endpoint(f"{local_address_toward(self.settings.coordinators)}:0")
+        host = bind.rpartition(":")[0].strip("[]")
+        wildcard = host in ("", "0.0.0.0", "::")
+        return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None)
 
     @property
     def process_id(self) -> int:
@@ -140,7 +160,7 @@ class Client:
             raise InvalidArgument(f"device plugin {s.plugin!r}: {e}") from e
         request = pb.RegisterRequest(cluster_id=s.cluster_id, num_processes=s.num_processes or 0,
                                      client_uid=self.client_uid, hostname=s.hostname, local_rank=s.local_rank,
-                                     plugin=plugin.name)
+                                     plugin=plugin.name, address=self.endpoint.address if self.endpoint else "")
         if s.process_id is not None:
             request.process_id = s.process_id
         for d in devices:
@@ -329,6 +349,8 @@ class Client:
             events.put(_CLOSED)
         for channel in channels:
             channel.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     def __enter__(self) -> Client:
         return self

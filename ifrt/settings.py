@@ -25,6 +25,7 @@ PLUGIN_ENV = "IFRT_PLUGIN"  # "cpu" (default)
 LOCAL_RANK_ENV = "IFRT_LOCAL_RANK"  # "0"; orders processes of one host when ids are assigned
 LOCAL_WORLD_SIZE_ENV = "IFRT_LOCAL_WORLD_SIZE"  # "8"; processes on this host (plugins split devices by it)
 CLUSTER_ID_ENV = "IFRT_CLUSTER_ID"  # unset: join whatever cluster the coordinator serves
+TRANSFER_BIND_ENV = "IFRT_TRANSFER_BIND"  # "0.0.0.0:9000"; unset: an ephemeral port on this host's address
 
 DEFAULT_PLUGIN = "cpu"
 
@@ -43,6 +44,8 @@ class Settings:
     local_world_size: int
     cluster_id: str
     hostname: str
+    transfer_bind: str | None = None
+    """Where this process's transfer endpoint listens (None: an ephemeral port on the host's address)."""
     launcher: str | None = None
     """The launcher environment values were taken from (e.g. "slurm"), if any."""
 
@@ -84,6 +87,7 @@ def resolve(
     timeout: float = 300.0,
     local_rank: int | None = None,
     cluster_id: str | None = None,
+    transfer_bind: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """The settings for one process; InvalidArgument naming the variable or argument that is wrong."""
@@ -131,5 +135,6 @@ def resolve(
         local_world_size=pick(None, LOCAL_WORLD_SIZE_ENV, "local_world_size", 1) or 1,
         cluster_id=cluster_id if cluster_id is not None else env.get(CLUSTER_ID_ENV, "").strip(),
         hostname=socket.gethostname(),
+        transfer_bind=transfer_bind or env.get(TRANSFER_BIND_ENV, "").strip() or None,
         launcher=None if launcher is None else launcher.source,
     )

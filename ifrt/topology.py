@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from ifrt import wire
 from ifrt.errors import TopologyError
+from ifrt.mesh import Mesh, mesh_from_topology
 from ifrt.records import Device, Process
 
 
@@ -84,6 +85,12 @@ class Topology:
             return self._process_by_id[process_id]
         except KeyError:
             raise KeyError(f"no process {process_id} in topology generation {self.generation}") from None
+
+    def mesh(self, shape: Sequence[int], axis_names: Sequence[str],
+             devices: Sequence[Device | int] | None = None) -> Mesh:
+        """A device mesh; by default over all devices in topology-aware order (one process's devices, then one
+        host's, one slice's, adjacent along the innermost axes; ring order where devices have coordinates)."""
+        return mesh_from_topology(self, shape, axis_names, devices)
 
     # This process's view.
     @property

@@ -1,0 +1,313 @@
+"""Moving numpy arrays between devices of different processes over the topology's transfer endpoints.
+
+Each process binds an ``Endpoint`` before it registers and advertises its address in the topology.
+``Channels(topology)`` then sends to and receives from any device: a socket to a peer process is opened on
+first use and reused; a transfer between two devices of the same process never touches a socket.
+
+A frame is a fixed header (magic, version, sequence number, source and destination device, dtype, shape,
+payload length) followed by the raw array bytes. Sequence numbers run per (source, destination) pair, so a
+lost, repeated or reordered frame is an error, as is a bad header or a peer that goes away mid-frame.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from ifrt.errors import IfrtError
+from ifrt.ids import LOCAL_ID_BITS
+
+if TYPE_CHECKING:
+    from ifrt.topology import Topology
+
+log = logging.getLogger("ifrt.transfer")
+
+MAGIC = b"IFRT"
+VERSION = 1
+HELLO, ARRAY = 1, 2
+# magic, version, kind, ndim, dtype length, sequence, source device, destination device, payload bytes
+HEADER = struct.Struct("!4sBBBBQqqQ")
+MAX_NDIM = 32
+ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing to unpickle
+CHUNK = 4 << 20
+
+
+class TransferError(IfrtError):
+    """A transfer failed: a bad or truncated frame, a peer that went away, an unknown device."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """Nothing arrived from the named device within the timeout."""
+
+
+def _recv_exactly(sock: socket.socket, buffer: memoryview, what: str) -> None:
+    got = 0
+    while got < len(buffer):
+        n = sock.recv_into(buffer[got:], min(CHUNK, len(buffer) - got))
+        if n == 0:
+            raise TransferError(f"the peer closed the connection mid-frame: got {got} of {len(buffer)} bytes of {what}")
+        got += n
+
+
+def encode_header(kind: int, seq: int, src: int, dst: int, array: np.ndarray | None = None) -> bytes:
+    """The header (and dtype and shape) of one frame; the payload follows it."""
+    if array is None:
+        return HEADER.pack(MAGIC, VERSION, kind, 0, 0, seq, src, dst, 0)
+    dtype = array.dtype.str.encode()
+    return (HEADER.pack(MAGIC, VERSION, kind, array.ndim, len(dtype), seq, src, dst, array.nbytes) + dtype
+            + struct.pack(f"!{array.ndim}Q", *array.shape))
+
+
+class Endpoint:
+    """This process's transfer listener; incoming arrays wait in one queue per (source, destination) device."""
+
+    _bound: ClassVar[dict[str, Endpoint]] = {}  # address -> endpoint, so Channels(topology) finds its own
+    _bound_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, bind: str = "127.0.0.1:0", advertise_host: str | None = None) -> None:
+        host, _, port = bind.rpartition(":")
+        try:
+            self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=128)
+        except (OSError, ValueError) as e:
+            raise TransferError(f"cannot bind the transfer endpoint to {bind!r}: {e}") from e
+        self.address = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
+        self._queues: dict[tuple[int, int], queue.Queue] = {}
+        self._failed: dict[int, TransferError] = {}  # source process -> why its connection ended badly
+        self._lock = threading.Lock()
+        self._peers: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"ifrt-transfer-accept-{self.address}", daemon=True).start()
+        with Endpoint._bound_lock:
+            Endpoint._bound[self.address] = self
+
+    @classmethod
+    def at(cls, address: str) -> Endpoint:
+        """The endpoint this process bound at ``address``."""
+        with cls._bound_lock:
+            endpoint = cls._bound.get(address)
+        if endpoint is None:
+            raise TransferError(f"this process has no transfer endpoint at {address!r}: was the topology "
+                                "discovered by this process, with transfers enabled?")
+        return endpoint
+
+    def receive(self, src: int, dst: int, src_process: int, timeout: float | None) -> np.ndarray:
+        """The next array sent from device ``src`` to device ``dst``."""
+        arrivals = self._queue(src, dst)
+        with self._lock:
+            failure = self._failed.get(src_process)
+        if failure is not None and arrivals.empty():
+            raise failure  # the connection failed before this queue existed; later failures land in it
+        try:
+            item = arrivals.get(timeout=timeout)
+        except queue.Empty:
+            raise TransferTimeout(f"nothing arrived from device {src} (process {src_process}) for device {dst} "
+                                  f"within {timeout}s") from None
+        if isinstance(item, TransferError):
+            self._queue(src, dst).put(item)  # every later receive from that peer fails the same way
+            raise item
+        return item
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers, self._peers = self._peers, []
+        with Endpoint._bound_lock:
+            Endpoint._bound.pop(self.address, None)
+        self._listener.close()
+        for peer in peers:
+            peer.close()
+
+    def _queue(self, src: int, dst: int) -> queue.Queue:
+        with self._lock:
+            return self._queues.setdefault((src, dst), queue.Queue())
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._peers.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="ifrt-transfer-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        src_process = -1
+        expected: dict[tuple[int, int], int] = {}
+        try:
+            _, _, src_process, _, _ = self._read_frame(conn, hello=True)
+            while True:
+                header = conn.recv(HEADER.size, socket.MSG_PEEK)
+                if not header:
+                    return  # a clean close between frames
+                _, seq, src, dst, array = self._read_frame(conn, hello=False)
+                want = expected.get((src, dst), 0)
+                if seq != want:
+                    raise TransferError(f"frame {seq} from device {src} to device {dst}: expected frame {want} "
+                                        "(a frame was lost, repeated or reordered)")
+                expected[(src, dst)] = seq + 1
+                self._queue(src, dst).put(array)
+        except (TransferError, OSError) as e:
+            if self._closed:
+                return
+            error = e if isinstance(e, TransferError) else TransferError(f"connection error: {e}")
+            error = TransferError(f"transfer from process {src_process} failed: {error}")
+            log.warning("%s", error)
+            with self._lock:
+                self._failed[src_process] = error
+                queues = [q for (s, _), q in self._queues.items() if s >> LOCAL_ID_BITS == src_process]
+            for q in queues:
+                q.put(error)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _read_frame(conn: socket.socket, hello: bool) -> tuple[int, int, int, int, np.ndarray | None]:
+        raw = bytearray(HEADER.size)
+        _recv_exactly(conn, memoryview(raw), "a frame header")
+        magic, version, kind, ndim, dtype_len, seq, src, dst, nbytes = HEADER.unpack(raw)
+        if magic != MAGIC or version != VERSION:
+            raise TransferError(f"bad frame header: magic {magic!r} version {version}, expected {MAGIC!r} "
+                                f"version {VERSION}")
+        if kind != (HELLO if hello else ARRAY):
+            raise TransferError(f"unexpected frame kind {kind}: expected {'HELLO' if hello else 'ARRAY'}")
+        if hello:
+            return kind, seq, src, dst, None
+        if ndim > MAX_NDIM or not 0 < dtype_len <= 16:
+            raise TransferError(f"bad array header: ndim {ndim} (at most {MAX_NDIM}), dtype length {dtype_len}")
+        meta = bytearray(dtype_len + 8 * ndim)
+        _recv_exactly(conn, memoryview(meta), "an array header")
+        try:
+            dtype = np.dtype(meta[:dtype_len].decode())
+        except (TypeError, UnicodeDecodeError) as e:
+            raise TransferError(f"bad dtype {bytes(meta[:dtype_len])!r} in frame {seq}") from e
+        if dtype.kind not in ALLOWED_KINDS:
+            raise TransferError(f"dtype {dtype} in frame {seq} is not a plain numeric type")
+        shape = struct.unpack(f"!{ndim}Q", meta[dtype_len:])
+        if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != nbytes:
+            raise TransferError(f"frame {seq} says {nbytes} payload bytes for shape {shape} of {dtype}")
+        array = np.empty(shape, dtype=dtype)
+        _recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), f"frame {seq}'s {nbytes}-byte payload")
+        return kind, seq, src, dst, array
+
+
+class Channels:
+    """Send and receive numpy arrays between devices of the topology; close it (or use ``with``) when done."""
+
+    def __init__(self, topology: Topology, endpoint: Endpoint | None = None, connect_timeout: float = 30.0) -> None:
+        self.topology = topology
+        self.endpoint = endpoint or Endpoint.at(topology.process(topology.process_id).address)
+        self._connect_timeout = connect_timeout
+        self._out: dict[int, socket.socket] = {}
+        self._out_locks: dict[int, threading.Lock] = {}
+        self._seq: dict[tuple[int, int], int] = {}
+        self._local: dict[tuple[int, int], queue.Queue] = {}
+        self._lock = threading.Lock()
+
+    def send(self, array: np.ndarray, dst_device: int, src_device: int | None = None) -> None:
+        """Sends ``array`` from ``src_device`` (default: this process's first device) to ``dst_device``."""
+        src = self._local_device(src_device)
+        dst = self.topology.device(dst_device)
+        array = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
+        if array.dtype.kind not in ALLOWED_KINDS:
+            raise TransferError(f"cannot send dtype {array.dtype}: expected a plain numeric type")
+        if dst.process_id == self.topology.process_id:
+            self._local_queue(src, dst.id).put(array.copy())
+            return
+        with self._lock:
+            seq = self._seq.get((src, dst.id), 0)
+            self._seq[(src, dst.id)] = seq + 1
+            lock = self._out_locks.setdefault(dst.process_id, threading.Lock())
+        with lock:
+            sock = self._connection(dst.process_id)
+            try:
+                sock.sendall(encode_header(ARRAY, seq, src, dst.id, array))
+                sock.sendall(memoryview(array.reshape(-1).view(np.uint8)))
+            except OSError as e:
+                raise TransferError(f"sending to device {dst.id} (process {dst.process_id} at "
+                                    f"{self.topology.process(dst.process_id).address}) failed: {e}") from e
+
+    def recv(self, src_device: int, dst_device: int | None = None, timeout: float | None = 60.0) -> np.ndarray:
+        """The next array ``src_device`` sent to ``dst_device`` (default: this process's first device)."""
+        dst = self._local_device(dst_device)
+        src = self.topology.device(src_device)
+        if src.process_id == self.topology.process_id:
+            try:
+                return self._local_queue(src.id, dst).get(timeout=timeout)
+            except queue.Empty:
+                raise TransferTimeout(f"nothing arrived from local device {src.id} within {timeout}s") from None
+        return self.endpoint.receive(src.id, dst, src.process_id, timeout)
+
+    def close(self) -> None:
+        """Closes the sockets this object opened (the endpoint stays, it belongs to the process)."""
+        with self._lock:
+            sockets, self._out = list(self._out.values()), {}
+        for sock in sockets:
+            sock.close()
+
+    def __enter__(self) -> Channels:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._out)
+
+    def _local_device(self, device: int | None) -> int:
+        local = self.topology.local_devices
+        if not local:
+            raise TransferError(f"process {self.topology.process_id} has no devices to send from or receive on")
+        if device is None:
+            return local[0].id
+        if self.topology.device(device).process_id != self.topology.process_id:
+            raise TransferError(f"device {device} belongs to process {self.topology.device(device).process_id}, "
+                                f"not to this process ({self.topology.process_id})")
+        return device
+
+    def _local_queue(self, src: int, dst: int) -> queue.Queue:
+        with self._lock:
+            return self._local.setdefault((src, dst), queue.Queue())
+
+    def _connection(self, process_id: int) -> socket.socket:
+        sock = self._out.get(process_id)
+        if sock is not None:
+            return sock
+        address = self.topology.process(process_id).address
+        if not address:
+            raise TransferError(f"process {process_id} advertised no transfer endpoint")
+        host, _, port = address.rpartition(":")
+        try:  # endpoints listen before their process registers: a refusal means the peer is gone
+            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self._connect_timeout)
+        except OSError as e:
+            raise TransferError(f"cannot connect to process {process_id} at {address}: {e}") from e
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(encode_header(HELLO, 0, self.topology.process_id, process_id))
+        with self._lock:
+            self._out[process_id] = sock
+        return sock
+
+
+def local_address_toward(targets: Sequence[str]) -> str:
+    """The IP this host uses to reach the first target (no packet is sent), for advertising an endpoint."""
+    host, _, port = targets[0].rpartition(":")
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host.strip("[]"), int(port)))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
