@@ -41,6 +41,11 @@ class Barriers:
     def get(self, name: str) -> Barrier | None:
         return self._by_name.get(name)
 
+    def restore(self, name: str, participants: frozenset[int], error: IfrtError | None) -> None:
+        """Puts back a finished barrier (from the journal), so late arrivals get its result."""
+        self._by_name[name] = Barrier(name, participants, 0.0, 0.0, done=error is None, error=error)
+        self._pending.discard(name)
+
     def arrive(self, name: str, process_id: int, participants: frozenset[int], timeout_s: float, now: float,
                unavailable: Mapping[int, str]) -> tuple[Barrier, list[BarrierResolved]]:
         """Records ``process_id``'s arrival; ``unavailable`` maps failed or departed participants to why."""

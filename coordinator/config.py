@@ -22,6 +22,12 @@ class CoordinatorConfig:
     """How often the log names who is still missing while the cluster is incomplete."""
     shutdown_grace_s: float = 1.0
     """How long calls in flight may finish after SIGTERM/SIGINT before they are cancelled."""
+    store: str = "memory"
+    """memory, or etcd://HOST:PORT[,HOST:PORT...] to survive restarts and run standby replicas."""
+    leader_ttl_s: int = 5
+    """With etcd: the leader's lease; a standby takes over this long after the leader dies."""
+    advertise: str | None = None
+    """The address clients reach this replica at, shown by standbys (default: the bound address)."""
     ready_file: str | None = None
     """If set, "host:port" is written here once the server accepts calls (for scripts and tests)."""
     grpc_options: tuple[tuple[str, int], ...] = field(default=(

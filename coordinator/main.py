@@ -10,6 +10,7 @@ import sys
 from coordinator.config import CoordinatorConfig
 from coordinator.server import BindError, serve
 from coordinator.state import ClusterConfig, FailurePolicy
+from coordinator.store import open_store
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_PROCESSES, MAX_PROCESSES_INT64
 
@@ -32,6 +33,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-id", default=DEFAULTS.cluster.cluster_id, metavar="ID",
                    help="name of this job's cluster; processes that ask for another cluster id are refused "
                         "(default %(default)s)")
+    p.add_argument("--store", default=DEFAULTS.store, metavar="memory|etcd://HOST:PORT[,HOST:PORT...]",
+                   help="where registrations, failures and key-values are kept: memory (default; lost when this "
+                        "process ends) or etcd, which survives restarts and lets standby replicas take over "
+                        "(needs ifrt-topology[etcd]); every change is durable there before it is acknowledged")
+    p.add_argument("--leader-ttl", type=int, default=DEFAULTS.leader_ttl_s, metavar="SECONDS",
+                   help="with etcd: the leader's lease; a standby takes over this long after the leader dies "
+                        "(default %(default)s)")
+    p.add_argument("--advertise", metavar="HOST:PORT",
+                   help="the address clients use for this replica, reported by standbys (default: --bind)")
     p.add_argument("--int64-ids", action="store_true",
                    help=f"allow process ids up to 2**46 (global ids then need int64); by default process ids "
                         f"stay below {MAX_PROCESSES} so every global id fits in int32")
@@ -76,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidArgument as e:
         print(f"ifrt-coordinator: {e}", file=sys.stderr)
         return 2
+    try:
+        open_store(args.store, args.cluster_id)  # fail on a bad --store before serving anything
+    except ValueError as e:
+        print(f"ifrt-coordinator: {e}", file=sys.stderr)
+        return 2
     config = CoordinatorConfig(cluster=cluster, bind=args.bind, max_request_bytes=args.max_request_bytes,
-                               progress_interval_s=args.progress_interval, ready_file=args.ready_file)
+                               progress_interval_s=args.progress_interval, ready_file=args.ready_file,
+                               store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise)
     try:
         asyncio.run(serve(config))
     except BindError as e:

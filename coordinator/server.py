@@ -6,12 +6,13 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 
 import grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.service import CoordinatorService
-from coordinator.state import ClusterState
+from coordinator.store import open_store
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -23,27 +24,31 @@ class BindError(RuntimeError):
 async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
     """Serves until ``stop`` is set or the process gets SIGTERM/SIGINT, then shuts down cleanly."""
     stop = stop or asyncio.Event()
-    service = CoordinatorService(ClusterState(config.cluster), max_wait_s=config.max_wait_s)
+    store = open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s)
     server = grpc.aio.server(options=[*config.grpc_options,
                                       ("grpc.max_receive_message_length", config.max_request_bytes),
                                       ("grpc.max_send_message_length", -1)])
-    server.add_generic_rpc_handlers((service.handlers(),))
     try:
         port = server.add_insecure_port(config.bind)
     except RuntimeError as e:
         raise BindError(f"cannot listen on {config.bind}: {e}") from e
     if not port:
         raise BindError(f"cannot listen on {config.bind}: the address is invalid or in use")
-    await server.start()
     address = f"{config.bind.rpartition(':')[0]}:{port}"
+    advertise = config.advertise or (address if not address.startswith("0.0.0.0:")
+                                     else f"{socket.gethostname()}:{port}")
+    service = CoordinatorService(config.cluster, store, advertise=advertise, max_wait_s=config.max_wait_s)
+    server.add_generic_rpc_handlers((service.handlers(),))
+    await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
-    log.info("ifrt-coordinator listening on %s for cluster %r of %d processes (pid %d)", address,
-             config.cluster.cluster_id, config.cluster.num_processes, os.getpid())
+    log.info("ifrt-coordinator listening on %s for cluster %r of %d processes (pid %d, store %s)", address,
+             config.cluster.cluster_id, config.cluster.num_processes, os.getpid(), store.description)
     if config.ready_file:
         _write_atomically(config.ready_file, address)
-    background = [asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
+    background = [asyncio.create_task(service.replica.run()),
+                  asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
                   asyncio.create_task(service.tick_every(config.tick_interval_s))]
     try:
         await stop.wait()
@@ -55,6 +60,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         log.info("shutting down: %s", service.status())
         await service.shutdown_sessions("the coordinator is shutting down", config.shutdown_grace_s)
         await server.stop(config.shutdown_grace_s)
+        await store.close()  # gives up leadership at once: a standby takes over without waiting for the lease
         log.info("stopped")
 
 

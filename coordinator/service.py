@@ -13,10 +13,29 @@ from google.protobuf.message import DecodeError, Message
 
 from coordinator import registration as reg
 from coordinator.barriers import BarrierResolved
-from coordinator.state import ClusterState, Effect, Evict, Forgotten, Notify, Published, Republish, Waiting
+from coordinator.replica import NotServing, Replica
+from coordinator.state import (
+    ClusterConfig,
+    ClusterState,
+    Effect,
+    Evict,
+    Forgotten,
+    Notify,
+    Published,
+    Republish,
+    Waiting,
+)
+from coordinator.store import Store
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.errors import ERROR_TRAILER, IfrtError, InvalidArgument, KeyValueTimeout, ProcessDeclaredFailed
+from ifrt.errors import (
+    ERROR_TRAILER,
+    CoordinatorUnavailable,
+    IfrtError,
+    InvalidArgument,
+    KeyValueTimeout,
+    ProcessDeclaredFailed,
+)
 from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
 
 log = logging.getLogger("ifrt.coordinator")
@@ -45,10 +64,15 @@ class _Evicted:
 
 
 class CoordinatorService:
-    """Serves the Coordinator service. Each generation's topology is serialized once and sent as the same bytes."""
+    """Serves the Coordinator service. Each generation's topology is serialized once and sent as the same bytes.
 
-    def __init__(self, state: ClusterState, *, max_wait_s: float, clock: Callable[[], float] = time.monotonic):
-        self.state = state
+    Every state change is journaled (``Replica.commit``) before it is acknowledged; a replica that does not
+    lead answers UNAVAILABLE, so clients move on to another.
+    """
+
+    def __init__(self, config: ClusterConfig, store: Store, *, advertise: str, max_wait_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.replica = Replica(config, store, advertise, clock, self._on_serving, self._on_step_down)
         self._clock = clock
         self._max_wait_s = max_wait_s
         self._published = asyncio.Event()
@@ -59,6 +83,31 @@ class CoordinatorService:
         self._sessions: dict[str, set[asyncio.Queue]] = {}
         self._barrier_done: dict[str, asyncio.Event] = {}
         self._kv_set: dict[str, asyncio.Event] = {}
+
+    @property
+    def state(self) -> ClusterState:
+        return self.replica.state
+
+    def _on_serving(self) -> None:
+        self._generation = 0  # serialize the replayed generation anew
+        self._published = asyncio.Event()
+        self._sync_generation()
+
+    def _on_step_down(self, why: str) -> None:
+        self._published.set()  # wake waiting registrations: they find the replica not serving
+        self._close_sessions(f"the coordinator stepped down ({why})")
+
+    async def _serving(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        try:
+            self.replica.check()
+        except NotServing as e:
+            await _abort(context, CoordinatorUnavailable(str(e)), what, level=logging.DEBUG)
+
+    async def _commit(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        try:
+            await self.replica.commit()
+        except NotServing as e:
+            await _abort(context, CoordinatorUnavailable(str(e)), what)
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """Method handlers taking and returning raw bytes: answers are pre-serialized."""
@@ -76,27 +125,34 @@ class CoordinatorService:
     # Register.
     async def register(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.RegisterRequest, raw, context)
+        await self._serving(context, "registration")
+        state = self.state
         try:
             registration = reg.from_request(request, peer_host(context.peer()))
-            before = self.state.registered
-            outcome, effects = self.state.register(registration, self._clock())
+            before = state.registered
+            outcome, effects = state.register(registration, self._clock())
         except IfrtError as e:
             await _abort(context, e, f"registration from {context.peer()}")
-        if self.state.registered > before and isinstance(outcome, Waiting):
+        await self._commit(context, "registration")
+        if state.registered > before and isinstance(outcome, Waiting):
             self._log_admitted(registration)
         self._apply(effects)
         if isinstance(outcome, Published):
             return self._answer(outcome.process_id)
         uid = registration.client_uid
-        self.state.call_started(uid, self._clock())
+        state.call_started(uid, self._clock())
         try:
             await asyncio.wait_for(self._published.wait(), min(request.wait_ms / 1000, self._max_wait_s))
         except TimeoutError:
             return self._progress_answer()
         finally:
-            self.state.call_ended(uid, self._clock())
+            state.call_ended(uid, self._clock())
+        await self._serving(context, "registration")
+        if state is not self.state:  # the replica stepped down and came back while this call waited
+            await _abort(context, CoordinatorUnavailable("the coordinator restarted its state: register again"),
+                         "registration")
         try:
-            outcome, _ = self.state.register(registration, self._clock())
+            outcome, _ = state.register(registration, self._clock())
         except IfrtError as e:  # failed or replaced while it waited
             await _abort(context, e, f"registration from {context.peer()}")
         assert isinstance(outcome, Published)
@@ -161,16 +217,18 @@ class CoordinatorService:
         if opening.WhichOneof("kind") != "open":
             await _abort(context, InvalidArgument("the first session message must be SessionOpen"), "session")
         uid = opening.open.client_uid
+        await self._serving(context, f"session of client {uid}")
+        state = self.state
         try:
-            process_id = self.state.attach(uid, self._clock())
+            process_id = state.attach(uid, self._clock())
         except IfrtError as e:
             await _abort(context, e, f"session of client {uid}")
         queue: asyncio.Queue = asyncio.Queue()
         self._sessions.setdefault(uid, set()).add(queue)
-        reader = asyncio.create_task(self._read_heartbeats(uid, requests, queue))
+        reader = asyncio.create_task(self._read_heartbeats(state, uid, requests, queue))
         log.debug("session of process %d attached", process_id)
         try:
-            interval_ms = max(1, int(self.state.config.heartbeat_timeout_s * 1000 / 4))
+            interval_ms = max(1, int(state.config.heartbeat_timeout_s * 1000 / 4))
             await context.write(pb.SessionEvent(attached=pb.Attached(
                 heartbeat_interval_ms=interval_ms, generation=self._generation)).SerializeToString())
             if opening.open.generation != self._generation:
@@ -184,12 +242,13 @@ class CoordinatorService:
             self._sessions[uid].discard(queue)
             if not self._sessions[uid]:
                 del self._sessions[uid]
-            self.state.detach(uid, self._clock())
+            state.detach(uid, self._clock())
 
-    async def _read_heartbeats(self, uid: str, requests: AsyncIterator[bytes], queue: asyncio.Queue) -> None:
+    async def _read_heartbeats(self, state: ClusterState, uid: str, requests: AsyncIterator[bytes],
+                               queue: asyncio.Queue) -> None:
         try:
             async for _ in requests:
-                self.state.heartbeat(uid, self._clock())
+                state.heartbeat(uid, self._clock())
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         finally:
@@ -200,12 +259,15 @@ class CoordinatorService:
             for queue in queues:
                 queue.put_nowait(message)
 
-    async def shutdown_sessions(self, reason: str, timeout_s: float) -> None:
-        """Tells every session the coordinator is going away, so clients need not wait for a timeout."""
+    def _close_sessions(self, reason: str) -> None:
         self._broadcast(pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
         for queues in self._sessions.values():
             for queue in queues:
                 queue.put_nowait(_END)
+
+    async def shutdown_sessions(self, reason: str, timeout_s: float) -> None:
+        """Tells every session the coordinator is going away, so clients need not wait for a timeout."""
+        self._close_sessions(reason)
         deadline = self._clock() + timeout_s
         while self._sessions and self._clock() < deadline:  # each session ends once its last write is out
             await asyncio.sleep(0.01)
@@ -213,41 +275,49 @@ class CoordinatorService:
     # Leave, barriers, key-values.
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.LeaveRequest, raw, context)
-        self._apply(self.state.leave(request.client_uid, self._clock()))
+        await self._serving(context, "leave")
+        effects = self.state.leave(request.client_uid, self._clock())
+        await self._commit(context, "leave")
+        self._apply(effects)
         return b""
 
     async def barrier(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.BarrierRequest, raw, context)
+        await self._serving(context, f"barrier {request.name!r}")
         timeout_s = request.timeout_ms / 1000
         try:
             effects = self.state.arrive(request.client_uid, request.name, frozenset(request.process_ids), timeout_s,
                                         self._clock())
         except IfrtError as e:
             await _abort(context, e, f"barrier {request.name!r}")
-        self._apply(effects)
         barrier = self.state.barriers.get(request.name)
+        await self._commit(context, f"barrier {request.name!r}")
+        self._apply(effects)
         assert barrier is not None
         if barrier.pending:
             done = self._barrier_done.setdefault(request.name, asyncio.Event())
             # The state machine's tick fails the barrier at its deadline; the slack only guards against a stall.
             await asyncio.wait_for(done.wait(), timeout_s + 5)
+            await self._serving(context, f"barrier {request.name!r}")
         if barrier.error is not None:
             await _abort(context, barrier.error, f"barrier {request.name!r}", level=logging.DEBUG)
         return b""
 
     async def kv_set(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueSetRequest, raw, context)
+        await self._serving(context, "key-value set")
         try:
-            self.state.process_id_of(request.client_uid)
-            changed = self.state.kv.set(request.key, request.value, request.allow_overwrite)
+            changed = self.state.kv_set(request.client_uid, request.key, request.value, request.allow_overwrite)
         except IfrtError as e:
             await _abort(context, e, f"key-value set of {request.key!r}")
+        await self._commit(context, f"key-value set of {request.key!r}")
         if changed and (event := self._kv_set.pop(request.key, None)) is not None:
             event.set()
         return b""
 
     async def kv_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueGetRequest, raw, context)
+        await self._serving(context, "key-value get")
         try:
             self.state.process_id_of(request.client_uid)
         except IfrtError as e:
@@ -260,11 +330,13 @@ class CoordinatorService:
             except TimeoutError:
                 await _abort(context, KeyValueTimeout(f"key {request.key!r} was not set within {wait_s:.1f}s"),
                              "key-value get", level=logging.DEBUG)
+            await self._serving(context, "key-value get")
             value = self.state.kv.get(request.key)
         return pb.KeyValueGetResponse(value=value).SerializeToString()
 
     async def kv_dir(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueDirRequest, raw, context)
+        await self._serving(context, "key-value dir")
         try:
             self.state.process_id_of(request.client_uid)
         except IfrtError as e:
@@ -277,7 +349,14 @@ class CoordinatorService:
         """Lets the state machine expire silent processes and overdue barriers."""
         while True:
             await asyncio.sleep(interval_s)
-            self._apply(self.state.tick(self._clock()))
+            if not self.replica.serving:
+                continue
+            effects = self.state.tick(self._clock())
+            try:
+                await self.replica.commit()
+            except NotServing:
+                continue
+            self._apply(effects)
 
     def _apply(self, effects: list[Effect]) -> None:
         for effect in effects:
@@ -309,6 +388,8 @@ class CoordinatorService:
 
     def status(self) -> str:
         """One line for operators: the published generation, or who is still missing."""
+        if not self.replica.serving:
+            return self.replica.reason
         topology = self.state.topology
         if topology is not None:
             return f"generation {topology.generation} published with {len(topology.processes)} processes"
@@ -316,9 +397,9 @@ class CoordinatorService:
 
     async def log_progress_every(self, interval_s: float) -> None:
         """Logs who is missing every ``interval_s`` while some, but not all, processes have registered."""
-        while not self._published.is_set():
+        while True:
             await asyncio.sleep(interval_s)
-            if self.state.registered and not self._published.is_set():
+            if self.replica.serving and self.state.registered and self.state.topology is None:
                 log.info("waiting: %s", self.status())
 
 

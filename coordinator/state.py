@@ -9,8 +9,9 @@ One process's life, as the coordinator sees it:
 
 Every method is an event (time arrives as data, ``now``) and returns its effects for the shell to carry out
 (notify sessions, publish a new generation, resolve barriers). A rejected event raises a typed
-``ifrt.errors`` error and leaves the state exactly as it was, so replaying the same events gives the same
-state and byte-identical topologies.
+``ifrt.errors`` error and leaves the state exactly as it was. Every durable decision is also written to a
+journal (``take_journal``), which the shell persists before acknowledging; ``replay`` of those entries
+gives the same state and byte-identical topologies, on this coordinator or on the one that takes over.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import enum
 import re
 from dataclasses import dataclass, replace
 
+from coordinator import journal
 from coordinator.assignment import assign_process_ids
 from coordinator.barriers import BarrierResolved, Barriers
 from coordinator.kv import KeyValueStore
 from coordinator.registration import Registration
 from ifrt.errors import (
+    ERROR_CLASSES,
     ClusterMismatch,
     InvalidArgument,
     ProcessDeclaredFailed,
@@ -161,6 +164,37 @@ class ClusterState:
         self._claims: dict[int, object] = {}  # process id -> claim
         self._in_topology: set[int] = set()  # process ids in the current generation
         self._down: dict[int, str] = {}  # process id -> why it is unavailable (failed or left)
+        self._journal: list[journal.Entry] = []
+
+    # Journal.
+    def take_journal(self) -> list[journal.Entry]:
+        """The durable decisions made since the last call, in order, for the shell to persist."""
+        entries, self._journal = self._journal, []
+        return entries
+
+    def replay(self, entry: journal.Entry) -> None:
+        """Applies one journaled decision again (on restart or takeover); nothing is journaled anew."""
+        match entry:
+            case journal.Registered(registration=r, now=now):
+                self.register(r, now)
+            case journal.Failed(client_uid=uid, why=why):
+                self._fail(self._members[uid], why)
+            case journal.Left(client_uid=uid):
+                self.leave(uid, 0.0)
+            case journal.Forgot(client_uid=uid, why=why):
+                self._forget(self._members[uid], why)
+            case journal.KeySet(key=key, value=value):
+                self.kv.set(key, value, allow_overwrite=True)
+            case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message):
+                error = ERROR_CLASSES[kind](message) if kind else None
+                self.barriers.restore(name, frozenset(participants), error)
+        self._journal.clear()
+
+    def reset_liveness(self, now: float) -> None:
+        """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
+        for member in self._members.values():
+            member.calls = member.sessions = 0
+            member.last_seen = now
 
     # Registration.
     @property
@@ -185,12 +219,14 @@ class ClusterState:
             if holder.status in (Status.JOINING, Status.ALIVE) and (holder.calls or holder.sessions):
                 raise _taken(r, holder.registration)
             if self.topology is not None:
+                self._journal.append(journal.Registered(r, now))
                 return self._restart(r, holder, now)
             del self._members[holder_uid]  # a dead registration before publication: the newcomer replaces it
         elif self.topology is not None:
             raise ClusterMismatch(f"the cluster is complete: all {self.config.num_processes} processes registered "
                                   f"and generation {self.topology.generation} is published; {r.describe()} is not "
                                   "one of them")
+        self._journal.append(journal.Registered(r, now))
         self._members[r.client_uid] = Member(r, Status.JOINING, now)
         self._holder[claim] = r.client_uid
         self._missing_ids.discard(r.process_id)  # type: ignore[arg-type]
@@ -259,10 +295,11 @@ class ClusterState:
             return []
         if member.status is Status.JOINING:
             return self._forget(member, "left before the topology was published")
+        self._journal.append(journal.Left(client_uid))
         pid = self._process_ids[_claim(member.registration)]
         member.status, member.reason = Status.LEFT, "left"
         self._down[pid] = "left"
-        return [Notify(ProcessLeft(pid)), *self.barriers.fail_including(pid, "left"),
+        return [Notify(ProcessLeft(pid)), *self._finished(self.barriers.fail_including(pid, "left")),
                 *self._drop_if_elastic(pid, "left")]
 
     def tick(self, now: float) -> list[Effect]:
@@ -280,7 +317,7 @@ class ClusterState:
             why = (f"sent no heartbeat for {silent:.1f}s" if member.sessions else
                    f"lost its connection and did not come back within {timeout:g}s")
             effects += self._fail(member, why)
-        effects += self.barriers.expire(now, self.describe_process)
+        effects += self._finished(self.barriers.expire(now, self.describe_process))
         return effects
 
     # Barriers and key-values.
@@ -295,6 +332,23 @@ class ClusterState:
                                   f"topology (process ids 0..{self.config.num_processes - 1})")
         down = {p: self._down[p] for p in participants & self._down.keys()}
         _, effects = self.barriers.arrive(name, pid, participants, timeout_s, now, down)
+        return self._finished(effects)
+
+    def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool) -> bool:
+        """Stores a value for a live process; returns whether anything changed."""
+        self.process_id_of(client_uid)
+        changed = self.kv.set(key, value, allow_overwrite)
+        if changed:
+            self._journal.append(journal.KeySet(key, value))
+        return changed
+
+    def _finished(self, effects: list[BarrierResolved]) -> list[Effect]:
+        for e in effects:
+            barrier = self.barriers.get(e.name)
+            assert barrier is not None
+            self._journal.append(journal.BarrierFinished(
+                e.name, tuple(sorted(barrier.participants)), type(e.error).__name__ if e.error else "",
+                str(e.error) if e.error else ""))
         return list(effects)
 
     def process_id_of(self, client_uid: str) -> int:
@@ -394,13 +448,14 @@ class ClusterState:
         self._members[r.client_uid] = member
         self._holder[claim] = r.client_uid
         self._down.pop(pid, None)
-        effects: list[Effect] = [*self.barriers.fail_including(pid, "restarted"),
+        effects: list[Effect] = [*self._finished(self.barriers.fail_including(pid, "restarted")),
                                  Notify(ProcessRestarted(pid, member.incarnation))]
         self._in_topology.add(pid)
         effects += self._republish_if_changed()
         return Published(pid, self.topology), effects  # type: ignore[arg-type]
 
     def _fail(self, member: Member, why: str) -> list[Effect]:
+        self._journal.append(journal.Failed(member.registration.client_uid, why))
         pid = self._process_ids[_claim(member.registration)]
         member.status, member.reason = Status.FAILED, why
         self._down[pid] = f"failed: {why}"
@@ -411,8 +466,8 @@ class ClusterState:
         if self.config.on_failure is FailurePolicy.ELASTIC and not dropped:
             why += (f"; only {len(self._in_topology) - 1} processes would remain, fewer than --min-processes "
                     f"{self.config.min_processes}: the cluster cannot continue")
-        return [Notify(ProcessFailed(pid, why)), *self.barriers.fail_including(pid, f"failed: {why}"), *effects,
-                *dropped]
+        return [Notify(ProcessFailed(pid, why)), *self._finished(self.barriers.fail_including(pid, f"failed: {why}")),
+                *effects, *dropped]
 
     def _drop_if_elastic(self, pid: int, what: str) -> list[Effect]:
         if self.config.on_failure is not FailurePolicy.ELASTIC or pid not in self._in_topology:
@@ -424,6 +479,7 @@ class ClusterState:
 
     def _forget(self, member: Member, why: str) -> list[Effect]:
         r = member.registration
+        self._journal.append(journal.Forgot(r.client_uid, why))
         claim = _claim(r)
         if self._holder.get(claim) == r.client_uid:
             del self._holder[claim]

@@ -129,6 +129,10 @@ class Client:
         wildcard = host in ("", "0.0.0.0", "::")
         return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None)
 
+    def wait_attached(self, timeout: float) -> bool:
+        """Waits until the live session is attached (events flow); returns whether it is."""
+        return self._session is not None and self._session.attached.wait(timeout)
+
     @property
     def process_id(self) -> int:
         if self.topology is None:

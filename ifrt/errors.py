@@ -104,7 +104,8 @@ def _all_subclasses(cls: type[IfrtError]) -> list[type[IfrtError]]:
     return [c for sub in cls.__subclasses__() for c in (sub, *_all_subclasses(sub))]
 
 
-_BY_NAME: dict[str, type[IfrtError]] = {cls.__name__: cls for cls in _all_subclasses(IfrtError)}
+ERROR_CLASSES: dict[str, type[IfrtError]] = {cls.__name__: cls for cls in _all_subclasses(IfrtError)}
+"""Every error class by name (how errors travel in the ``ifrt-error`` trailer and in the journal)."""
 _BY_CODE: dict[grpc.StatusCode, type[IfrtError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
@@ -122,7 +123,7 @@ def from_rpc_error(error: grpc.RpcError, where: str) -> IfrtError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
     trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
-    cls = _BY_NAME.get(trailers.get(ERROR_TRAILER, "")) or _BY_CODE.get(code)
+    cls = ERROR_CLASSES.get(trailers.get(ERROR_TRAILER, "")) or _BY_CODE.get(code)
     if cls is None:
         cls = CoordinatorUnavailable if code in _RETRYABLE_CODES else IfrtError
     return cls(f"coordinator {where}: {details} ({code.name})")

@@ -42,6 +42,8 @@ class Session:
         self._interval_s = FIRST_HEARTBEAT_INTERVAL_S
         self._call: grpc.Future | None = None
         self._lost = False
+        self.attached = threading.Event()
+        """Set while the coordinator has acknowledged this session."""
         self._thread = threading.Thread(target=self._run, name="ifrt-session", daemon=True)
 
     def start(self) -> None:
@@ -78,6 +80,7 @@ class Session:
                 self._lose(str(error))
             finally:
                 stream_done.set()
+                self.attached.clear()
             if self._lost:
                 self._client.rotate(target)
                 self._closed.wait(self._client.backoff.next())
@@ -91,6 +94,7 @@ class Session:
     def _handle(self, event: pb.SessionEvent, target: str) -> None:
         kind = event.WhichOneof("kind")
         if kind == "attached":
+            self.attached.set()
             self._interval_s = event.attached.heartbeat_interval_ms / 1000
             self._client.backoff.reset()
             if self._lost:
@@ -113,6 +117,7 @@ class Session:
             self._lose(event.shutdown.reason)
 
     def _lose(self, reason: str) -> None:
+        self.attached.clear()
         if not self._lost:
             self._lost = True
             log.warning("lost the coordinator: %s; reconnecting", reason)

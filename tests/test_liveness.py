@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,10 +26,11 @@ WORKER = Path(__file__).with_name("live_worker.py")
 class Worker:
     """tests/live_worker.py in its own process; its JSON lines arrive on ``lines``."""
 
-    def __init__(self, address: str, process_id: int, num_processes: int, *args: str, devices: int = 2):
+    def __init__(self, address: str, process_id: int, num_processes: int, *args: str, devices: int = 2,
+                 transfer_port: int = 0):
         env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
         env.update(IFRT_COORDINATOR=address, IFRT_PROCESS_ID=str(process_id), IFRT_NUM_PROCESSES=str(num_processes),
-                   IFRT_CPU_DEVICE_COUNT=str(devices))
+                   IFRT_CPU_DEVICE_COUNT=str(devices), IFRT_TRANSFER_BIND=f"127.0.0.1:{transfer_port}")
         self.process = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
@@ -67,10 +69,16 @@ class Worker:
 
 @pytest.fixture
 def workers():
+    """Starts workers; a process id keeps its transfer port across restarts, as a job's fixed port would."""
     started: list[Worker] = []
+    ports: dict[int, int] = {}
 
-    def start(*args, **kwargs) -> Worker:
-        worker = Worker(*args, **kwargs)
+    def start(address: str, process_id: int, *args, **kwargs) -> Worker:
+        if process_id not in ports:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports[process_id] = s.getsockname()[1]
+        worker = Worker(address, process_id, *args, transfer_port=ports[process_id], **kwargs)
         started.append(worker)
         return worker
 
@@ -220,6 +228,7 @@ def test_graceful_close_is_reported_as_left(start_coordinator, workers):
 
 def test_coordinator_sigterm_is_seen_at_once(start_coordinator, workers):
     coordinator, client, received, (w1, _) = cluster(start_coordinator, workers)
+    assert client.wait_attached(10)
     os.kill(coordinator.pid, signal.SIGTERM)
     stopped_at = time.monotonic()
     at, lost = next_event(received, events.CoordinatorLost, timeout=10)

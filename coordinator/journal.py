@@ -1,0 +1,94 @@
+"""The durable decisions of the state machine, as records a store keeps in order and a new leader replays.
+
+Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
+registrations, key-values and finished barriers. Liveness (heartbeats, open calls) is not: after a replay,
+every process gets a grace period to re-attach.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from coordinator.registration import Registration
+from ifrt.records import LocalDevice
+
+
+@dataclass(frozen=True)
+class Registered:
+    registration: Registration
+    now: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    client_uid: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Left:
+    client_uid: str
+
+
+@dataclass(frozen=True)
+class Forgot:
+    client_uid: str
+    why: str
+
+
+@dataclass(frozen=True)
+class KeySet:
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True)
+class BarrierFinished:
+    name: str
+    participants: tuple[int, ...]
+    error_type: str  # "" when it completed
+    error: str
+
+
+Entry = Registered | Failed | Left | Forgot | KeySet | BarrierFinished
+_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished)}
+
+
+def encode(entry: Entry) -> bytes:
+    """One entry as compact JSON."""
+    if isinstance(entry, Registered):
+        r = entry.registration
+        fields: dict[str, Any] = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+        fields.update(devices=[_device(d) for d in r.devices], now=entry.now)
+    elif isinstance(entry, KeySet):
+        fields = {"key": entry.key, "value": base64.b64encode(entry.value).decode()}
+    else:
+        fields = asdict(entry)
+    return json.dumps({"type": type(entry).__name__, **fields}, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> Entry:
+    """The entry ``encode`` wrote; ValueError if it is not one."""
+    fields = json.loads(raw)
+    kind = _TYPES.get(fields.pop("type", None))
+    if kind is None:
+        raise ValueError(f"unknown journal entry {raw[:80]!r}")
+    if kind is Registered:
+        now = fields.pop("now")
+        devices = tuple(LocalDevice(d["local_id"], d["platform"], d["kind"], d["slice_key"], tuple(d["coordinates"]),
+                                    d["attributes"]) for d in fields.pop("devices"))
+        return Registered(Registration(**fields, devices=devices), now)
+    if kind is KeySet:
+        return KeySet(fields["key"], base64.b64decode(fields["value"]))
+    if kind is BarrierFinished:
+        fields["participants"] = tuple(fields["participants"])
+    return kind(**fields)
+
+
+def _device(d: LocalDevice) -> dict[str, Any]:
+    return {"local_id": d.local_id, "platform": d.platform, "kind": d.kind, "slice_key": d.slice_key,
+            "coordinates": list(d.coordinates), "attributes": dict(d.attributes)}

@@ -1,0 +1,222 @@
+"""Where the coordinator's journal lives, and who may write it.
+
+The contract, the same for every backend (tests/test_store.py runs one suite against each):
+
+- ``acquire(advertise)`` returns once this replica leads; ``advertise`` is what followers report.
+- ``load()`` returns every journal entry, oldest first.
+- ``append(entries)`` makes entries durable, after all earlier ones, or raises ``StoreError``: the store is
+  unreachable (``retryable``), or this replica no longer leads (``lost`` is then set). An append is
+  fenced: a deposed leader's append fails; it never lands.
+- ``release()`` gives up leadership at once (a standby takes over without waiting for a lease to expire).
+
+``memory`` keeps the journal in the process (nothing survives it; the default). ``etcd`` keeps it under
+``/ifrt/<cluster-id>/`` in etcd, elects the leader with a lease, and fences every append with a
+transaction on the leader key, so two coordinators can never both publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Protocol
+
+log = logging.getLogger("ifrt.coordinator")
+
+ETCD_SCHEME = "etcd://"
+MAX_TXN_OPS = 64
+"""Entries per etcd transaction (etcd allows 128 operations; each entry needs a put and a compare)."""
+
+
+class StoreError(RuntimeError):
+    """The journal could not be read or written; ``retryable`` unless leadership was lost."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Store(Protocol):
+    description: str
+    lost: asyncio.Event
+
+    async def acquire(self, advertise: str) -> None: ...
+    async def load(self) -> list[bytes]: ...
+    async def append(self, entries: list[bytes]) -> None: ...
+    async def release(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class MemoryStore:
+    """The journal in this process: one coordinator, nothing survives it."""
+
+    description = "memory"
+
+    def __init__(self) -> None:
+        self.lost = asyncio.Event()
+        self._entries: list[bytes] = []
+
+    async def acquire(self, advertise: str) -> None:
+        return None
+
+    async def load(self) -> list[bytes]:
+        return list(self._entries)
+
+    async def append(self, entries: list[bytes]) -> None:
+        self._entries.extend(entries)
+
+    async def release(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class EtcdStore:
+    """The journal in etcd, one key per entry; leadership through a lease on ``leader``."""
+
+    def __init__(self, endpoints: list[str], cluster_id: str, *, lease_ttl_s: int = 5,
+                 timeout_s: float = 3.0) -> None:
+        from etcd3aio import Etcd3Client  # the optional extra ifrt-topology[etcd]
+
+        self.description = f"etcd {','.join(endpoints)} under /ifrt/{cluster_id}/"
+        self.lost = asyncio.Event()
+        self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints])
+        self._prefix = f"/ifrt/{cluster_id}/".encode()
+        self._leader_key = self._prefix + b"leader"
+        self._journal_prefix = self._prefix + b"journal/"
+        self._ttl = lease_ttl_s
+        self._timeout = timeout_s
+        self._lease = 0
+        self._leader_revision = 0
+        self._next = 0
+        self._keepalive: asyncio.Task | None = None
+        self._connected = False
+
+    async def _kv(self):  # etcd3aio KVService
+        if not self._connected:
+            await self._client.connect()
+            self._connected = True
+        return self._client.kv
+
+    async def acquire(self, advertise: str) -> None:
+        """Campaigns until this replica holds the leader key; logs who leads meanwhile."""
+        from etcd3aio import EtcdError
+
+        kv = await self._kv()
+        reported = None
+        while True:
+            try:
+                lease = await self._client.lease.grant(self._ttl, timeout=self._timeout)
+                won = await kv.txn(
+                    [kv.txn_compare_create_revision(self._leader_key, 0)],
+                    [kv.txn_op_put(self._leader_key, advertise.encode(), lease=lease.ID)],
+                    [kv.txn_op_get(self._leader_key)],
+                    timeout=self._timeout, max_attempts=1)
+                if won.succeeded:
+                    self._lease, self._leader_revision = lease.ID, won.header.revision
+                    self.lost.clear()
+                    self._keepalive = asyncio.create_task(self._keep_alive())
+                    log.info("leading cluster (%s)", self.description)
+                    return
+                await self._client.lease.revoke(lease.ID, timeout=self._timeout)
+                holders = won.responses[0].response_range.kvs
+                leader = holders[0].value.decode() if holders else "?"
+                if leader != reported:
+                    log.info("standing by: the coordinator at %s leads (%s)", leader, self.description)
+                    reported = leader
+            except EtcdError as e:
+                if reported != "unreachable":
+                    log.error("etcd is unreachable (%s): %s; retrying", self.description, e)
+                    reported = "unreachable"
+            await asyncio.sleep(0.25)
+
+    async def load(self) -> list[bytes]:
+        from etcd3aio import EtcdError, prefix_range_end
+
+        kv = await self._kv()
+        try:
+            found = await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix), timeout=self._timeout)
+        except EtcdError as e:
+            raise StoreError(f"cannot read the journal from {self.description}: {e}") from e
+        entries = sorted((bytes(item.key), bytes(item.value)) for item in found.kvs)
+        self._next = len(entries)
+        return [value for _, value in entries]
+
+    async def append(self, entries: list[bytes]) -> None:
+        from etcd3aio import EtcdError
+
+        kv = await self._kv()
+        for start in range(0, len(entries), MAX_TXN_OPS):
+            batch = entries[start:start + MAX_TXN_OPS]
+            keys = [self._journal_prefix + f"{self._next + i:016d}".encode() for i in range(len(batch))]
+            fence = [kv.txn_compare_create_revision(self._leader_key, self._leader_revision),
+                     *(kv.txn_compare_version(key, 0) for key in keys)]
+            try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
+                done = await kv.txn(fence, [kv.txn_op_put(k, v) for k, v in zip(keys, batch, strict=True)],
+                                    timeout=self._timeout, max_attempts=1)
+            except EtcdError as e:
+                raise StoreError(f"cannot write the journal to {self.description}: {e}") from e
+            if not done.succeeded:
+                self.lost.set()
+                raise StoreError("this coordinator no longer leads (the leader key changed): stepping down",
+                                 retryable=False)
+            self._next += len(batch)
+
+    async def release(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        if self._lease:
+            try:
+                await self._client.lease.revoke(self._lease, timeout=self._timeout)
+            except Exception as e:  # the lease then expires on its own
+                log.warning("could not give up leadership at once: %s", e)
+            self._lease = 0
+
+    async def close(self) -> None:
+        await self.release()
+        if self._connected:
+            await self._client.close()
+
+    async def _keep_alive(self) -> None:
+        """Renews the lease every third of its TTL; sets ``lost`` once it may have expired."""
+        loop = asyncio.get_running_loop()
+        renewed = loop.time()
+        while True:
+            await asyncio.sleep(self._ttl / 3)
+            try:
+                async for answer in self._client.lease.keep_alive(self._lease):
+                    if answer.TTL <= 0:
+                        break
+                    renewed = loop.time()
+                    break
+            except Exception as e:
+                log.warning("lease renewal failed: %s", e)
+            if loop.time() - renewed > self._ttl - 0.5:  # margin: stop before another replica may lead
+                log.error("leadership lost: the lease was not renewed for %.1fs", loop.time() - renewed)
+                self.lost.set()
+                return
+
+
+def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5) -> Store:
+    """``memory`` or ``etcd://host:port[,host:port...]``; ValueError naming the expected forms."""
+    if spec == "memory":
+        return MemoryStore()
+    if spec.startswith(ETCD_SCHEME):
+        endpoints = [e for e in spec[len(ETCD_SCHEME):].split(",") if e]
+        if not endpoints or any(":" not in e for e in endpoints):
+            raise ValueError(f"--store {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
+        try:
+            return EtcdStore(endpoints, cluster_id, lease_ttl_s=lease_ttl_s)
+        except ImportError:
+            raise ValueError("--store etcd needs the etcd client: pip install 'ifrt-topology[etcd]'") from None
+    raise ValueError(f"--store {spec!r}: expected memory or etcd://HOST:PORT[,HOST:PORT...]")
+
+
+def _ip_endpoint(endpoint: str) -> str:
+    """``etcd1:2379`` -> ``10.0.0.5:2379``: the etcd client dials IP literals only."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return f"{socket.gethostbyname(host)}:{port}"
+    except OSError:
+        return endpoint
