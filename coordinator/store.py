@@ -101,7 +101,7 @@ class EtcdStore:
 
     async def acquire(self, advertise: str) -> None:
         """Campaigns until this replica holds the leader key; logs who leads meanwhile."""
-        from etcd3aio import EtcdError
+        from etcd3aio import EtcdError, prefix_range_end
 
         kv = await self._kv()
         reported = None
@@ -115,6 +115,8 @@ class EtcdStore:
                     timeout=self._timeout, max_attempts=1)
                 if won.succeeded:
                     self._lease, self._leader_revision = lease.ID, won.header.revision
+                    self._next = (await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix),
+                                               count_only=True, timeout=self._timeout)).count
                     self.lost.clear()
                     self._keepalive = asyncio.create_task(self._keep_alive())
                     log.info("leading cluster (%s)", self.description)

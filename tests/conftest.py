@@ -58,3 +58,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A real single-member etcd on free loopback ports, stopped afterwards."""
+    from tests.etcd_cluster import EtcdCluster, skip_without_etcd
+
+    skip_without_etcd()
+    with EtcdCluster.start(1, tmp_path=tmp_path) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def etcd3(tmp_path):
+    """A real three-member etcd cluster on free loopback ports, stopped afterwards."""
+    from tests.etcd_cluster import EtcdCluster, skip_without_etcd
+
+    skip_without_etcd()
+    with EtcdCluster.start(3, tmp_path=tmp_path) as cluster:
+        yield cluster

@@ -32,11 +32,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--barrier")
     p.add_argument("--barrier-timeout", type=float, default=60)
+    p.add_argument("--barrier-delay", type=float, default=0, help="wait this long before arriving")
     p.add_argument("--kv-set")
     p.add_argument("--kv-get")
     args = p.parse_args()
 
-    client = ifrt.Client(timeout=60)
+    client = ifrt.Client(timeout=90)
     client.on_event(lambda e: say(**describe(e)))
     topology = client.discover()
     say(topology=topology.fingerprint, generation=topology.generation, process_id=topology.process_id)
@@ -48,6 +49,7 @@ def main() -> None:
         say(kv_get=args.kv_get, value=client.kv_get(args.kv_get, timeout=30).decode())
     if args.barrier:
         def arrive() -> None:
+            time.sleep(args.barrier_delay)
             try:
                 client.barrier(args.barrier, timeout=args.barrier_timeout)
                 say(barrier="ok")

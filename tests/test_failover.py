@@ -1,0 +1,243 @@
+"""Coordinator state in etcd: a kill -9 of the leader at any point loses nothing, etcd outages are survived.
+
+Processes 1 and 2 are worker processes; process 0 is a Client in this test. Every scenario ends with every
+process holding the topology a run without any kill produces: the same bytes, generation 1.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+import ifrt
+from coordinator.local import LocalCoordinator
+from tests.conftest import discover_process, finish
+from tests.test_liveness import Worker
+
+NUM = 3
+LEADER_TTL = "2"
+HEARTBEAT = "3"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def two_devices_here(monkeypatch):
+    """Process 0 (in this test) has 2 devices, like the workers."""
+    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "2")
+
+
+@pytest.fixture
+def ports():
+    """Fixed transfer ports per process id, so every run describes the same processes."""
+    return {pid: free_port() for pid in range(NUM)}
+
+
+def reference_fingerprint(ports: dict[int, int], cluster_id: str = "job") -> str:
+    """The topology of the same processes against a plain in-memory coordinator, with no kill."""
+    with LocalCoordinator("--cluster-id", cluster_id, num_processes=NUM) as coordinator:
+        children = [discover_process(coordinator.address, "--process-id", str(pid), "--transfer-bind",
+                                     f"127.0.0.1:{ports[pid]}", devices=2) for pid in range(NUM)]
+        outputs = [finish(c) for c in children]
+    assert all(code == 0 for code, _, _ in outputs), outputs
+    return json.loads(outputs[0][1])["fingerprint"]
+
+
+class Replicas:
+    """Two coordinator replicas on one etcd: ``leader`` serves, the other stands by."""
+
+    def __init__(self, etcd, cluster_id: str = "job") -> None:
+        args = ("--store", etcd.url, "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", HEARTBEAT,
+                "--cluster-id", cluster_id)
+        self.all = [LocalCoordinator(*args, num_processes=NUM) for _ in range(2)]
+        self.addresses = ",".join(c.address for c in self.all)
+        self.leader = self.wait_leader()
+
+    def wait_leader(self, timeout: float = 30, exclude: LocalCoordinator | None = None) -> LocalCoordinator:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for c in self.all:
+                if c is not exclude and c.process.poll() is None and "serving:" in c.log:
+                    return c
+            time.sleep(0.05)
+        raise AssertionError("no replica serves:\n" + "\n---\n".join(c.log for c in self.all))
+
+    def kill_leader(self) -> LocalCoordinator:
+        dead = self.leader
+        dead.stop(signal.SIGKILL)
+        self.leader = self.wait_leader(exclude=dead)
+        return dead
+
+    def close(self) -> None:
+        for c in self.all:
+            c.close()
+
+
+@pytest.fixture
+def replicas(etcd):
+    r = Replicas(etcd)
+    yield r
+    r.close()
+
+
+def start_worker(replicas: Replicas, pid: int, ports: dict[int, int], *args: str) -> Worker:
+    return Worker(replicas.addresses, pid, NUM, *args, transfer_port=ports[pid])
+
+
+def client0(replicas: Replicas, ports: dict[int, int]) -> ifrt.Client:
+    return ifrt.Client(replicas.addresses, process_id=0, num_processes=NUM, timeout=90,
+                       transfer_bind=f"127.0.0.1:{ports[0]}")
+
+
+def discover_in_thread(client: ifrt.Client) -> dict:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("topology", client.discover()))
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def finish_all(client_result: dict, workers: list[Worker]) -> set[str]:
+    client_result["thread"].join(90)
+    fingerprints = {client_result["topology"].fingerprint}
+    for w in workers:
+        line = w.expect("topology", timeout=90)
+        assert line["generation"] == 1
+        fingerprints.add(line["topology"])
+    return fingerprints
+
+
+def test_leader_killed_before_any_registration(replicas, ports):
+    expected = reference_fingerprint(ports)
+    replicas.kill_leader()
+    workers = [start_worker(replicas, pid, ports) for pid in (1, 2)]
+    with client0(replicas, ports) as client:
+        assert finish_all(discover_in_thread(client), workers) == {expected}
+    for w in workers:
+        w.stop()
+
+
+def test_leader_killed_mid_registration(replicas, ports):
+    expected = reference_fingerprint(ports)
+    first = start_worker(replicas, 1, ports)
+    replicas.leader.wait_for_log("registered process 1")
+    dead = replicas.kill_leader()
+    assert "registered process 1" not in replicas.leader.log  # it learnt process 1 from the journal, not a retry
+    second = start_worker(replicas, 2, ports)
+    with client0(replicas, ports) as client:
+        assert finish_all(discover_in_thread(client), [first, second]) == {expected}
+    assert "replayed 1 journal entries" in replicas.leader.log, (replicas.leader.log, dead.log)
+    for w in (first, second):
+        w.stop()
+
+
+def test_leader_killed_after_publication(replicas, ports):
+    expected = reference_fingerprint(ports)
+    workers = [start_worker(replicas, 1, ports, "--kv-set", "nccl/id=abc"), start_worker(replicas, 2, ports)]
+    with client0(replicas, ports) as client:
+        lost, restored = threading.Event(), threading.Event()
+        client.on_event(lambda e: (lost if isinstance(e, ifrt.events.CoordinatorLost) else restored).set()
+                        if isinstance(e, ifrt.events.CoordinatorLost | ifrt.events.CoordinatorRestored) else None)
+        assert finish_all(discover_in_thread(client), workers) == {expected}
+        workers[0].expect("kv_set")
+        assert client.wait_attached(10)
+        replicas.kill_leader()
+        assert lost.wait(20) and restored.wait(30)
+        assert client.kv_get("nccl/id", timeout=30) == b"abc"  # acknowledged before the kill, so kept
+        assert client.topology.fingerprint == expected and client.topology.generation == 1
+        time.sleep(float(HEARTBEAT) + 1)  # past the grace: nobody was declared failed
+        assert "failed" not in replicas.leader.log
+    for w in workers:
+        w.stop()
+
+
+def test_leader_killed_during_a_barrier(replicas, ports):
+    expected = reference_fingerprint(ports)
+    workers = [start_worker(replicas, 1, ports, "--barrier", "step-1"),
+               start_worker(replicas, 2, ports, "--barrier", "step-1", "--barrier-delay", "8")]
+    with client0(replicas, ports) as client:
+        assert finish_all(discover_in_thread(client), workers) == {expected}
+        arrived = threading.Event()
+        outcome: list = []
+
+        def arrive():
+            arrived.set()
+            try:
+                client.barrier("step-1", timeout=60)
+                outcome.append("ok")
+            except ifrt.IfrtError as e:
+                outcome.append(e)
+
+        thread = threading.Thread(target=arrive)
+        thread.start()
+        arrived.wait(5)
+        time.sleep(0.5)
+        replicas.kill_leader()  # processes 0 and 1 wait in the barrier; 2 arrives after the takeover
+        thread.join(60)
+        assert outcome == ["ok"]
+        for w in workers:
+            assert w.expect("barrier", timeout=60)["barrier"] == "ok"
+    for w in workers:
+        w.stop()
+
+
+def test_one_etcd_member_down_of_three(etcd3, ports):
+    expected = reference_fingerprint(ports)
+    leader = etcd3.leader(timeout=5)
+    etcd3.kill(leader if leader is not None else 0)
+    replicas = Replicas(etcd3)
+    try:
+        workers = [start_worker(replicas, pid, ports) for pid in (1, 2)]
+        with client0(replicas, ports) as client:
+            assert finish_all(discover_in_thread(client), workers) == {expected}
+        for w in workers:
+            w.stop()
+    finally:
+        replicas.close()
+
+
+def test_etcd_outage_is_reported_then_survived(etcd, ports):
+    expected = reference_fingerprint(ports)
+    coordinator = LocalCoordinator("--store", etcd.url, "--leader-ttl", LEADER_TTL, "--cluster-id", "job",
+                                   num_processes=NUM)
+    try:
+        coordinator.wait_for_log("serving:")
+        first = Worker(coordinator.address, 1, NUM, transfer_port=ports[1])
+        coordinator.wait_for_log("registered process 1")
+        etcd.stop_all()
+        second = Worker(coordinator.address, 2, NUM, transfer_port=ports[2])
+        coordinator.wait_for_log("stepping down: the store failed: cannot write the journal to etcd")
+        coordinator.wait_for_log("etcd is unreachable")
+        etcd.restart_all()
+        client = ifrt.Client(coordinator.address, process_id=0, num_processes=NUM, timeout=90,
+                             transfer_bind=f"127.0.0.1:{ports[0]}")
+        with client:
+            assert finish_all(discover_in_thread(client), [first, second]) == {expected}
+        for w in (first, second):
+            w.stop()
+    finally:
+        coordinator.close()
+
+
+def test_clusters_with_different_ids_share_one_etcd(etcd):
+    a = LocalCoordinator("--store", etcd.url, "--cluster-id", "job-a", num_processes=1)
+    b = LocalCoordinator("--store", etcd.url, "--cluster-id", "job-b", num_processes=1)
+    try:
+        a.wait_for_log("serving:")
+        b.wait_for_log("serving:")  # each cluster has its own leader
+        outputs = [finish(discover_process(c.address, "--process-id", "0")) for c in (a, b)]
+        assert all(code == 0 for code, _, _ in outputs), outputs
+        topologies = [json.loads(out) for _, out, _ in outputs]
+        assert [t["cluster_id"] for t in topologies] == ["job-a", "job-b"]
+    finally:
+        a.close()
+        b.close()

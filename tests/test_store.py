@@ -1,0 +1,142 @@
+"""The store contract, one suite for every backend: memory, and etcd against a real etcd server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator import journal
+from coordinator.registration import Registration
+from coordinator.state import ClusterConfig, ClusterState
+from coordinator.store import EtcdStore, MemoryStore, StoreError, open_store
+from ifrt import wire
+from ifrt.records import LocalDevice
+
+
+def run(coro, timeout: float = 30):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def make_store(request):
+    """A factory of stores of one backend, all on the same journal (the same etcd and cluster id)."""
+    if request.param == "memory":
+        shared = MemoryStore()
+        return lambda cluster_id="job": shared
+    cluster = request.getfixturevalue("etcd")
+    return lambda cluster_id="job": EtcdStore(cluster.endpoints, cluster_id, lease_ttl_s=2, timeout_s=2)
+
+
+def test_appended_entries_load_back_in_order(make_store):
+    async def scenario():
+        store = make_store()
+        await store.acquire("c1:8476")
+        await store.append([b"a", b"b"])
+        await store.append([b"c", *(f"n{i}".encode() for i in range(150))])  # more than one transaction holds
+        await store.close()
+        again = make_store()
+        await again.acquire("c1:8476")
+        loaded = await again.load()
+        await again.close()
+        return loaded
+
+    assert run(scenario()) == [b"a", b"b", b"c", *(f"n{i}".encode() for i in range(150))]
+
+
+def test_journal_replays_to_the_same_topology(make_store):
+    """What a coordinator journals, another rebuilds byte for byte."""
+    config = ClusterConfig(num_processes=2, cluster_id="job")
+    original = ClusterState(config)
+    for pid in (1, 0):
+        original.register(Registration(f"uid{pid}", "", 2, pid, f"h{pid}", "10.0.0.1", 0, f"h{pid}:9",
+                                       (LocalDevice(0, "cpu", "cpu", "s0", (pid,), {"k": "v"}),), "cpu"), 1.0)
+    original.kv_set("uid0", "nccl/id", b"\x00\x01", False)
+
+    async def scenario():
+        store = make_store()
+        await store.acquire("c1:8476")
+        await store.append([journal.encode(e) for e in original.take_journal()])
+        loaded = await store.load()
+        await store.close()
+        return loaded
+
+    rebuilt = ClusterState(config)
+    for raw in run(scenario()):
+        rebuilt.replay(journal.decode(raw))
+    assert wire.encode(rebuilt.topology) == wire.encode(original.topology)
+    assert rebuilt.kv.get("nccl/id") == b"\x00\x01"
+
+
+def test_a_deposed_leader_cannot_append(etcd):
+    async def scenario():
+        first = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        second = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await first.acquire("c1:8476")
+        waiting = asyncio.create_task(second.acquire("c2:8476"))
+        await asyncio.sleep(1.0)
+        assert not waiting.done()  # one leader at a time
+        await first.append([b"from first"])
+        await first.release()  # e.g. its lease expired
+        await asyncio.wait_for(waiting, 10)
+        await second.append([b"from second"])
+        with pytest.raises(StoreError, match="no longer leads") as info:
+            await first.append([b"stale write"])
+        assert not info.value.retryable and first.lost.is_set()
+        loaded = await second.load()
+        await first.close()
+        await second.close()
+        return loaded
+
+    assert run(scenario()) == [b"from first", b"from second"]
+
+
+def test_a_dead_leader_is_replaced_when_its_lease_expires(etcd):
+    async def scenario():
+        first = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await first.acquire("c1:8476")
+        first._keepalive.cancel()  # as if the process froze or died: the lease is no longer renewed
+        second = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        started = asyncio.get_running_loop().time()
+        await second.acquire("c2:8476")
+        took = asyncio.get_running_loop().time() - started
+        await second.close()
+        return took
+
+    assert run(scenario()) < 10
+
+
+def test_clusters_do_not_see_each_other(etcd):
+    async def scenario():
+        a, b = (EtcdStore(etcd.endpoints, name, lease_ttl_s=2, timeout_s=2) for name in ("job-a", "job-b"))
+        await a.acquire("a:1")
+        await b.acquire("b:1")  # each cluster has its own leader
+        await a.append([b"a1"])
+        await b.append([b"b1", b"b2"])
+        loaded = await a.load(), await b.load()
+        await a.close()
+        await b.close()
+        return loaded
+
+    assert run(scenario()) == ([b"a1"], [b"b1", b"b2"])
+
+
+def test_unreachable_etcd_is_a_retryable_error_naming_it(etcd):
+    async def scenario():
+        store = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=1)
+        await store.acquire("c1:8476")
+        etcd.stop_all()
+        with pytest.raises(StoreError, match="cannot write the journal to etcd") as info:
+            await store.append([b"x"])
+        assert info.value.retryable
+        store._lease = 0  # nothing to revoke on a stopped etcd
+        await store.close()
+
+    run(scenario())
+
+
+def test_bad_store_specs_say_what_is_expected():
+    with pytest.raises(ValueError, match="expected memory or etcd://HOST:PORT"):
+        open_store("redis://x:1", "job")
+    with pytest.raises(ValueError, match="expected etcd://HOST:PORT"):
+        open_store("etcd://", "job")
