@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.local import LocalCoordinator
+from coordinator.main import parser
 
 COORDINATOR = str(Path(sys.executable).parent / "ifrt-coordinator")
 
@@ -19,15 +20,28 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_help_explains_every_flag():
     out = run("--help").stdout
-    for flag in ("--num-processes", "--bind", "--cluster-id", "--int64-ids", "--max-request-bytes",
-                 "--progress-interval", "--ready-file", "--log-level"):
+    flags = [a.option_strings[-1] for a in parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 15
+    for action in parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
+    for flag in flags:
         assert flag in out
+
+
+def test_ifrt_cli_help_explains_every_flag():
+    for sub in ("discover", "plugins", "env"):
+        result = subprocess.run([str(Path(sys.executable).parent / "ifrt"), sub, "--help"], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0 and "usage: ifrt " + sub in result.stdout
 
 
 @pytest.mark.parametrize(("args", "message"), [
     ((), "--num-processes"),
     (("--num-processes", "0"), "num_processes 0 is out of range"),
     (("--num-processes", "20000"), "expected 1 <= num_processes <= 16384"),
+    (("--num-processes", "2", "--min-processes", "1"), "--min-processes applies only with --on-failure elastic"),
+    (("--num-processes", "2", "--on-failure", "elastic", "--min-processes", "3"), "min_processes 3 is out of range"),
+    (("--num-processes", "2", "--store", "redis://db:6379"), "expected memory or etcd://HOST:PORT"),
 ])
 def test_bad_flags_exit_with_a_usage_error(args, message):
     result = run(*args)
