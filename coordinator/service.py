@@ -103,6 +103,14 @@ class CoordinatorService:
         except NotServing as e:
             await _abort(context, CoordinatorUnavailable(str(e)), what, level=logging.DEBUG)
 
+    async def _caller(self, context: grpc.aio.ServicerContext, client_uid: str, what: str) -> int:
+        """The process id of a live, published caller; aborts the call otherwise."""
+        await self._serving(context, what)
+        try:
+            return self.state.process_id_of(client_uid)
+        except IfrtError as e:
+            await _abort(context, e, what)
+
     async def _commit(self, context: grpc.aio.ServicerContext, what: str) -> None:
         try:
             await self.replica.commit()
@@ -317,11 +325,7 @@ class CoordinatorService:
 
     async def kv_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueGetRequest, raw, context)
-        await self._serving(context, "key-value get")
-        try:
-            self.state.process_id_of(request.client_uid)
-        except IfrtError as e:
-            await _abort(context, e, f"key-value get of {request.key!r}")
+        await self._caller(context, request.client_uid, f"key-value get of {request.key!r}")
         value = self.state.kv.get(request.key)
         if value is None:
             wait_s = min(request.wait_ms / 1000, self._max_wait_s)
@@ -336,11 +340,7 @@ class CoordinatorService:
 
     async def kv_dir(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueDirRequest, raw, context)
-        await self._serving(context, "key-value dir")
-        try:
-            self.state.process_id_of(request.client_uid)
-        except IfrtError as e:
-            await _abort(context, e, f"key-value dir of {request.prefix!r}")
+        await self._caller(context, request.client_uid, f"key-value dir of {request.prefix!r}")
         entries = [pb.KeyValueEntry(key=k, value=v) for k, v in self.state.kv.dir(request.prefix)]
         return pb.KeyValueDirResponse(entries=entries).SerializeToString()
 
