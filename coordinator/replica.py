@@ -31,7 +31,7 @@ class Replica:
         self.state = ClusterState(config)
         self.epoch = 0
         self.serving = False
-        self.reason = f"starting: waiting to lead ({store.description})"
+        self.reason = f"this replica stands by ({store.description})"
         self._advertise = advertise
         self._clock = clock
         self._on_serving = on_serving
@@ -43,7 +43,8 @@ class Replica:
     def check(self) -> None:
         """Raises NotServing (saying why) unless this replica leads and has replayed its journal."""
         if not self.serving:
-            raise NotServing(self.reason)
+            leader = self.store.leader
+            raise NotServing(f"{self.reason}; the coordinator at {leader} leads" if leader else self.reason)
 
     async def run(self) -> None:
         """Leads whenever it can, until cancelled."""

@@ -39,6 +39,8 @@ class StoreError(RuntimeError):
 class Store(Protocol):
     description: str
     lost: asyncio.Event
+    leader: str | None
+    """The address the current leader advertised, when another replica leads."""
 
     async def acquire(self, advertise: str) -> None: ...
     async def load(self) -> list[bytes]: ...
@@ -51,6 +53,7 @@ class MemoryStore:
     """The journal in this process: one coordinator, nothing survives it."""
 
     description = "memory"
+    leader = None
 
     def __init__(self) -> None:
         self.lost = asyncio.Event()
@@ -81,6 +84,7 @@ class EtcdStore:
 
         self.description = f"etcd {','.join(endpoints)} under /ifrt/{cluster_id}/"
         self.lost = asyncio.Event()
+        self.leader: str | None = None
         self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints])
         self._prefix = f"/ifrt/{cluster_id}/".encode()
         self._leader_key = self._prefix + b"leader"
@@ -114,7 +118,7 @@ class EtcdStore:
                     [kv.txn_op_get(self._leader_key)],
                     timeout=self._timeout, max_attempts=1)
                 if won.succeeded:
-                    self._lease, self._leader_revision = lease.ID, won.header.revision
+                    self._lease, self._leader_revision, self.leader = lease.ID, won.header.revision, advertise
                     self._next = (await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix),
                                                count_only=True, timeout=self._timeout)).count
                     self.lost.clear()
@@ -123,11 +127,12 @@ class EtcdStore:
                     return
                 await self._client.lease.revoke(lease.ID, timeout=self._timeout)
                 holders = won.responses[0].response_range.kvs
-                leader = holders[0].value.decode() if holders else "?"
+                leader = self.leader = holders[0].value.decode() if holders else None
                 if leader != reported:
                     log.info("standing by: the coordinator at %s leads (%s)", leader, self.description)
                     reported = leader
             except EtcdError as e:
+                self.leader = None
                 if reported != "unreachable":
                     log.error("etcd is unreachable (%s): %s; retrying", self.description, e)
                     reported = "unreachable"

@@ -12,10 +12,12 @@ import socket
 import threading
 import time
 
+import grpc
 import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
+from ifrt._generated import coordinator_pb2 as pb
 from tests.conftest import discover_process, finish
 from tests.test_liveness import Worker
 
@@ -241,3 +243,12 @@ def test_clusters_with_different_ids_share_one_etcd(etcd):
     finally:
         a.close()
         b.close()
+
+
+def test_a_standby_names_the_leader(replicas):
+    standby = next(c for c in replicas.all if c is not replicas.leader)
+    request = pb.RegisterRequest(client_uid="u", hostname="h", process_id=0, plugin="cpu").SerializeToString()
+    with grpc.insecure_channel(standby.address) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary("/ifrt.topology.v1.Coordinator/Register")(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"the coordinator at {replicas.leader.address} leads" in info.value.details()
