@@ -131,7 +131,7 @@ class EtcdStore:
                 if leader != reported:
                     log.info("standing by: the coordinator at %s leads (%s)", leader, self.description)
                     reported = leader
-            except EtcdError as e:
+            except (EtcdError, TimeoutError) as e:
                 self.leader = None
                 if reported != "unreachable":
                     log.error("etcd is unreachable (%s): %s; retrying", self.description, e)
@@ -144,7 +144,7 @@ class EtcdStore:
         kv = await self._kv()
         try:
             found = await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix), timeout=self._timeout)
-        except EtcdError as e:
+        except (EtcdError, TimeoutError) as e:  # etcd3aio times out with the builtin TimeoutError
             raise StoreError(f"cannot read the journal from {self.description}: {e}") from e
         entries = sorted((bytes(item.key), bytes(item.value)) for item in found.kvs)
         self._next = len(entries)
@@ -162,7 +162,7 @@ class EtcdStore:
             try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
                 done = await kv.txn(fence, [kv.txn_op_put(k, v) for k, v in zip(keys, batch, strict=True)],
                                     timeout=self._timeout, max_attempts=1)
-            except EtcdError as e:
+            except (EtcdError, TimeoutError) as e:
                 raise StoreError(f"cannot write the journal to {self.description}: {e}") from e
             if not done.succeeded:
                 self.lost.set()

@@ -159,9 +159,12 @@ class EtcdCluster:
         for attempt in range(1, attempts + 1):
             cluster = cls._create(members, Path(tmp_path), binary)
             try:
+                t0 = time.monotonic()
                 for i in range(members):
                     cluster._spawn(i, "new")
-                cluster.wait_all_healthy(timeout)
+                    if members > 1:  # one after the other: see _wait_peer_serving
+                        cluster._wait_peer_serving(i, timeout - (time.monotonic() - t0))
+                cluster.wait_all_healthy(timeout - (time.monotonic() - t0))
                 return cluster
             except BaseException as e:
                 cluster.close()
@@ -183,6 +186,25 @@ class EtcdCluster:
             for i in range(members)
         ]
         return cls(layout, token, directory, binary)
+
+    def _wait_peer_serving(self, i: int, timeout: float) -> None:
+        """Waits until new member ``i`` answers on its peer URL, before the next member is started.
+
+        A new member of a multi-member cluster first asks every other member's peer URL whether it is already
+        part of a running cluster, giving each one second. A member that was started a moment earlier has bound
+        its peer port but does not answer on it yet, so starting all three at once costs two such seconds about
+        half the time; a member that answers (or a port that refuses) costs nothing.
+        """
+        member = self._members[i]
+        deadline = time.monotonic() + timeout
+        while True:
+            if not member.running:
+                raise RuntimeError(self._describe(i, "exited"))
+            with contextlib.suppress(OSError), _opener.open(f"{member.peer_url}/version", timeout=0.1):
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(self._describe(i, f"not answering on its peer URL within {timeout:.1f}s"))
+            time.sleep(0.02)
 
     def _command(self, member: _Member, state: str) -> list[str]:
         """The etcd command line of ``member`` with --initial-cluster-state ``state`` ("new" or "existing")."""
@@ -243,6 +265,11 @@ class EtcdCluster:
         member = self._members[i]
         return member.process.pid if member.running else None
 
+    def exit_code(self, i: int) -> int | None:
+        """Exit code of member ``i``'s last process once it has exited (-9 after SIGKILL), else None."""
+        process = self._members[i].process
+        return process.poll() if process is not None else None
+
     def running(self, i: int) -> bool:
         """Whether member ``i``'s process is alive."""
         return self._members[i].running
@@ -284,7 +311,12 @@ class EtcdCluster:
         while True:
             if not member.running:
                 raise RuntimeError(self._describe(i, "exited" if member.process else "is not started"))
-            ok, last = self._health(i, timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            # A member that is not ready yet accepts the connection and answers nothing, so tries must be short
+            # to notice readiness quickly; /health itself is a read through raft (up to 1 s on a slow disk), so
+            # each try may take half the time waited so far, between 0.25 s and 2 s.
+            now = time.monotonic()
+            per_try = min(max(0.25, (now - t0) / 2), 2.0, max(0.05, deadline - now))
+            ok, last = self._health(i, timeout=per_try)
             if ok:
                 return time.monotonic() - t0
             if time.monotonic() >= deadline:
@@ -354,21 +386,31 @@ class EtcdCluster:
         self._stop([i], grace)
 
     def stop_all(self, grace: float = STOP_GRACE) -> None:
-        """SIGTERMs every running member at once, then SIGKILLs those still running after ``grace`` seconds."""
-        self._stop(range(self.size), grace)
+        """SIGTERMs every running member (followers first, then the leader), SIGKILLing any still up after ``grace``."""
+        self._stop(list(range(self.size)), grace)
 
-    def _stop(self, indices: range | list[int], grace: float) -> None:
-        """SIGTERM, wait up to ``grace`` seconds for all, SIGKILL the rest; only these members' own pids."""
-        processes = [self._members[i].process for i in indices if self._members[i].running]
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for process in processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()  # a member without quorum can ignore SIGTERM for more than ten seconds
-                process.wait(timeout=10)
+    def _stop(self, indices: list[int], grace: float) -> None:
+        """SIGTERM, wait up to ``grace`` seconds, SIGKILL the rest; only these members' own pids.
+
+        Followers go first and the leader last, a few heartbeats later: a leader that gets SIGTERM hands
+        leadership to a follower it believes connected, and waits (six seconds with our timeouts) when that
+        follower is in fact gone.
+        """
+        indices = [i for i in indices if self._members[i].running]
+        leader = self.leader(timeout=0.25) if len(indices) > 1 else None
+        for batch in ([i for i in indices if i != leader], [i for i in indices if i == leader]):
+            if batch and leader in batch and len(indices) > 1:
+                time.sleep(3 * HEARTBEAT_MS / 1000)  # until the leader's heartbeats find the followers gone
+            processes = [self._members[i].process for i in batch]
+            for process in processes:
+                process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for process in processes:
+                try:
+                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()  # a member without quorum can ignore SIGTERM for more than ten seconds
+                    process.wait(timeout=10)
 
     def restart(self, i: int, timeout: float = 10.0) -> float:
         """Starts stopped member ``i`` again (same data and ports, --initial-cluster-state existing) and waits.
