@@ -192,11 +192,11 @@ class EtcdStore:
         while True:
             await asyncio.sleep(self._ttl / 3)
             try:
-                async for answer in self._client.lease.keep_alive(self._lease):
-                    if answer.TTL <= 0:
+                async with asyncio.timeout(self._timeout):  # etcd without a majority does not answer at all
+                    async for answer in self._client.lease.keep_alive(self._lease):
+                        if answer.TTL > 0:
+                            renewed = loop.time()
                         break
-                    renewed = loop.time()
-                    break
             except Exception as e:
                 log.warning("lease renewal failed: %s", e)
             if loop.time() - renewed > self._ttl - 0.5:  # margin: stop before another replica may lead
