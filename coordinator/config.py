@@ -16,8 +16,15 @@ class CoordinatorConfig:
     """Largest RegisterRequest accepted: 2**17 devices with a few attributes each fit; larger is refused."""
     max_wait_s: float = 30.0
     """Longest one Register call is held open waiting for the topology; clients call again after it."""
-    tick_interval_s: float = 0.1
-    """How often silent processes and overdue barriers are looked for (bounds detection slack)."""
+    tick_interval_s: float | None = None
+    """How often silent processes and overdue barriers are looked for; None: a tenth of the heartbeat timeout
+    (between 0.05 and 1 s), so detection is late by at most 10% and an idle large cluster costs little."""
+
+    @property
+    def tick_s(self) -> float:
+        if self.tick_interval_s is not None:
+            return self.tick_interval_s
+        return min(1.0, max(0.05, self.cluster.heartbeat_timeout_s / 10))
     progress_interval_s: float = 10.0
     """How often the log names who is still missing while the cluster is incomplete."""
     shutdown_grace_s: float = 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(cluster=cluster, bind=args.bind, max_request_bytes=args.max_request_bytes,
                                progress_interval_s=args.progress_interval, ready_file=args.ready_file,
                                store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise)
+    gc.freeze()  # what start-up allocated is never garbage: keep the collector off it under load
     try:
         asyncio.run(serve(config))
     except BindError as e:

@@ -49,7 +49,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         _write_atomically(config.ready_file, address)
     background = [asyncio.create_task(service.replica.run()),
                   asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
-                  asyncio.create_task(service.tick_every(config.tick_interval_s))]
+                  asyncio.create_task(service.tick_every(config.tick_s))]
     try:
         await stop.wait()
     finally:

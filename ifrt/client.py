@@ -42,9 +42,10 @@ SLACK_S = 5.0
 """How much longer than the coordinator's own wait a call may take before the client gives up on it."""
 LEAVE_TIMEOUT_S = 2.0
 CHANNEL_OPTIONS = (
-    # Reconnect to a coordinator that is not up yet within ~100 ms of it starting (gRPC's default: ~1 s, growing).
+    # Reconnect to a coordinator that is not up yet within ~100 ms of it starting (gRPC's default: ~1 s, growing);
+    # gRPC adds up to 20% jitter to the cap.
     ("grpc.initial_reconnect_backoff_ms", 10),
-    ("grpc.max_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 80),
     # Notice a coordinator that vanished without closing the connection (host down, partition).
     ("grpc.keepalive_time_ms", 5000),
     ("grpc.keepalive_timeout_ms", 5000),

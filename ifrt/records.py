@@ -6,8 +6,12 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+_EMPTY: Mapping[str, str] = types.MappingProxyType({})
+
 
 def _frozen(attributes: Mapping[str, str]) -> Mapping[str, str]:
+    if not attributes:
+        return _EMPTY  # most devices have none; one shared mapping keeps thousands of records cheap
     return types.MappingProxyType(dict(sorted(attributes.items())))
 
 

@@ -247,6 +247,7 @@ def test_clusters_with_different_ids_share_one_etcd(etcd):
 
 def test_a_standby_names_the_leader(replicas):
     standby = next(c for c in replicas.all if c is not replicas.leader)
+    standby.wait_for_log(f"standing by: the coordinator at {replicas.leader.address} leads")
     request = pb.RegisterRequest(client_uid="u", hostname="h", process_id=0, plugin="cpu").SerializeToString()
     with grpc.insecure_channel(standby.address) as channel, pytest.raises(grpc.RpcError) as info:
         channel.unary_unary("/ifrt.topology.v1.Coordinator/Register")(request, timeout=10)
