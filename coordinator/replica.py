@@ -99,6 +99,10 @@ class Replica:
             for _, done in batch:
                 done.set_result(None)
 
+    def stop_serving(self, why: str) -> None:
+        """Refuses new calls from now on (on shutdown); writes already queued still complete."""
+        self.serving, self.reason = False, why
+
     async def _rebuild(self) -> None:
         entries = await self.store.load()
         state = ClusterState(self.config)

@@ -53,13 +53,16 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     try:
         await stop.wait()
     finally:
-        for task in background:
-            task.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("shutting down: %s", service.status())
+        # New calls are refused from here on; calls in flight still get their journal writes.
+        service.replica.stop_serving("the coordinator is shutting down")
         await service.shutdown_sessions("the coordinator is shutting down", config.shutdown_grace_s)
         await server.stop(config.shutdown_grace_s)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         await store.close()  # gives up leadership at once: a standby takes over without waiting for the lease
         log.info("stopped")
 
