@@ -1,5 +1,5 @@
 """Array transfer throughput between two processes on loopback: ifrt.transfer.Channels side by side with a
-plain TCP socket moving the same bytes (the floor any framing adds to).
+plain TCP socket moving the same bytes into reused buffers (the floor any framing and allocation add to).
 
     .venv/bin/python bench/transfer.py [--sizes 1K,1M,64M] [--seconds 3]
 
@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+CHUNK = 4 << 20  # the receive size ifrt.transfer uses
 
 
 def parse_size(text: str) -> int:
@@ -39,23 +40,24 @@ def echo_ifrt() -> None:
 
 def echo_raw(port: int) -> None:
     """The baseline's echo: length-prefixed messages back to the sender, until a zero length."""
+    buffers: dict[int, bytearray] = {}
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while size := int.from_bytes(_read(sock, 8), "big"):
-            payload = _read(sock, size)
+        while size := int.from_bytes(_read(sock, 8, buffers), "big"):
+            payload = _read(sock, size, buffers)
             sock.sendall(size.to_bytes(8, "big"))
             sock.sendall(payload)
 
 
-def _read(sock: socket.socket, size: int) -> bytearray:
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
+def _read(sock: socket.socket, size: int, buffers: dict[int, bytearray]) -> memoryview:
+    """``size`` bytes into a buffer reused for every message of that size (the cheapest possible receive)."""
+    view, got = memoryview(buffers.setdefault(size, bytearray(size))), 0
     while got < size:
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], min(CHUNK, size - got))
         if not n:
             raise EOFError("peer closed")
         got += n
-    return buffer
+    return view
 
 
 def timed(round_trip, seconds: float) -> tuple[int, float]:
@@ -94,6 +96,7 @@ def bench_ifrt(sizes: list[int], seconds: float) -> list[dict]:
 
 def bench_raw(sizes: list[int], seconds: float) -> list[dict]:
     results = []
+    buffers: dict[int, bytearray] = {}
     with socket.create_server(("127.0.0.1", 0)) as server:
         echo = subprocess.Popen([sys.executable, __file__, "--echo-raw", str(server.getsockname()[1])])
         sock, _ = server.accept()
@@ -105,8 +108,8 @@ def bench_raw(sizes: list[int], seconds: float) -> list[dict]:
                 def round_trip(payload=payload, size=size) -> None:
                     sock.sendall(size.to_bytes(8, "big"))
                     sock.sendall(memoryview(payload))
-                    _read(sock, 8)
-                    _read(sock, size)
+                    _read(sock, 8, buffers)
+                    _read(sock, size, buffers)
 
                 results.append(_result("raw socket", size, *timed(round_trip, seconds)))
             sock.sendall((0).to_bytes(8, "big"))
