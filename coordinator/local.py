@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -19,11 +20,12 @@ class LocalCoordinator:
     """
 
     def __init__(self, *args: str, num_processes: int, bind: str = "127.0.0.1:0", start_timeout: float = 20.0,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", wrapper: Sequence[str] = ()) -> None:
+        """``wrapper`` prefixes the command (e.g. ``ip netns exec NS`` to run it on another test host)."""
         self._dir = tempfile.TemporaryDirectory(prefix="ifrt-coordinator-")
         ready = Path(self._dir.name, "address")
         self.log_path = Path(self._dir.name, "coordinator.log")
-        command = [_console_script("ifrt-coordinator"), "--bind", bind, "--num-processes", str(num_processes),
+        command = [*wrapper, _console_script("ifrt-coordinator"), "--bind", bind, "--num-processes", str(num_processes),
                    "--ready-file", str(ready), "--log-level", log_level, *args]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -26,13 +26,16 @@ WORKER = Path(__file__).with_name("live_worker.py")
 class Worker:
     """tests/live_worker.py in its own process; its JSON lines arrive on ``lines``."""
 
-    def __init__(self, address: str, process_id: int, num_processes: int, *args: str, devices: int = 2,
-                 transfer_port: int = 0):
+    def __init__(self, address: str, process_id: int | None, num_processes: int, *args: str, devices: int = 2,
+                 transfer_port: int | None = 0, wrapper: list[str] | tuple[str, ...] = ()):
         env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
-        env.update(IFRT_COORDINATOR=address, IFRT_PROCESS_ID=str(process_id), IFRT_NUM_PROCESSES=str(num_processes),
-                   IFRT_CPU_DEVICE_COUNT=str(devices), IFRT_TRANSFER_BIND=f"127.0.0.1:{transfer_port}")
-        self.process = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        env.update(IFRT_COORDINATOR=address, IFRT_NUM_PROCESSES=str(num_processes), IFRT_CPU_DEVICE_COUNT=str(devices))
+        if process_id is not None:
+            env["IFRT_PROCESS_ID"] = str(process_id)
+        if transfer_port is not None:
+            env["IFRT_TRANSFER_BIND"] = f"127.0.0.1:{transfer_port}"
+        self.process = subprocess.Popen([*wrapper, sys.executable, str(WORKER), *args], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
