@@ -9,9 +9,11 @@ import signal
 import socket
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from coordinator.config import CoordinatorConfig
-from coordinator.service import CoordinatorService
+from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import open_store
 
 log = logging.getLogger("ifrt.coordinator")
@@ -39,6 +41,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
                                      else f"{socket.gethostname()}:{port}")
     service = CoordinatorService(config.cluster, store, advertise=advertise, max_wait_s=config.max_wait_s)
     server.add_generic_rpc_handlers((service.handlers(),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -48,6 +52,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     if config.ready_file:
         _write_atomically(config.ready_file, address)
     background = [asyncio.create_task(service.replica.run()),
+                  asyncio.create_task(_report_health(service, health)),
                   asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
                   asyncio.create_task(service.tick_every(config.tick_s))]
     try:
@@ -58,6 +63,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         log.info("shutting down: %s", service.status())
         # New calls are refused from here on; calls in flight still get their journal writes.
         service.replica.stop_serving("the coordinator is shutting down")
+        await health.enter_graceful_shutdown()
         await service.shutdown_sessions("the coordinator is shutting down", config.shutdown_grace_s)
         await server.stop(config.shutdown_grace_s)
         for task in background:
@@ -65,6 +71,20 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         await asyncio.gather(*background, return_exceptions=True)
         await store.close()  # gives up leadership at once: a standby takes over without waiting for the lease
         log.info("stopped")
+
+
+async def _report_health(service: CoordinatorService, health: health_aio.HealthServicer, interval_s: float = 0.1,
+                         ) -> None:
+    """The standard gRPC health service says SERVING only while this replica leads and has its state."""
+    reported = None
+    while True:
+        serving = service.replica.serving
+        if serving != reported:
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE):
+                await health.set(name, status)
+            reported = serving
+        await asyncio.sleep(interval_s)
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ifrt
 from coordinator.local import LocalCoordinator
@@ -24,6 +25,21 @@ from tests.test_liveness import Worker
 NUM = 3
 LEADER_TTL = "2"
 HEARTBEAT = "3"
+
+
+def health(address: str) -> str:
+    """What the standard gRPC health service says about the coordinator service at ``address``."""
+    with grpc.insecure_channel(address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="ifrt.topology.v1.Coordinator"), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+
+def wait_health(address: str, status: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while (seen := health(address)) != status:
+        assert time.monotonic() < deadline, f"{address} stayed {seen}, expected {status}"
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -219,11 +235,13 @@ def test_etcd_outage_is_reported_then_survived(etcd, ports):
         second = Worker(coordinator.address, 2, NUM, transfer_port=ports[2])
         coordinator.wait_for_log("stepping down: the store failed: cannot write the journal to etcd")
         coordinator.wait_for_log("etcd is unreachable")
+        wait_health(coordinator.address, "NOT_SERVING")
         etcd.restart_all()
         client = ifrt.Client(coordinator.address, process_id=0, num_processes=NUM, timeout=90,
                              transfer_bind=f"127.0.0.1:{ports[0]}")
         with client:
             assert finish_all(discover_in_thread(client), [first, second]) == {expected}
+        assert health(coordinator.address) == "SERVING"
         for w in (first, second):
             w.stop()
     finally:
@@ -243,6 +261,14 @@ def test_clusters_with_different_ids_share_one_etcd(etcd):
     finally:
         a.close()
         b.close()
+
+
+def test_health_says_who_serves(replicas):
+    standby = next(c for c in replicas.all if c is not replicas.leader)
+    wait_health(replicas.leader.address, "SERVING")
+    wait_health(standby.address, "NOT_SERVING")
+    replicas.kill_leader()
+    wait_health(standby.address, "SERVING")
 
 
 def test_a_standby_names_the_leader(replicas):
