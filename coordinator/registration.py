@@ -48,28 +48,31 @@ class Registration:
         return replace(self, host_address=other.host_address) == other
 
 
-def _text(value: str, what: str, *, required: bool = False) -> str:
+def _text(value: str, what: str, *, where: str = "", required: bool = False) -> str:
+    """``value`` if it is an acceptable string; the message (``where`` ``what``) is built only on failure."""
     if required and not value:
-        raise InvalidArgument(f"{what} is empty: expected a non-empty string")
-    if len(value.encode()) > MAX_STRING:
-        raise InvalidArgument(f"{what} is {len(value.encode())} bytes long: expected at most {MAX_STRING}")
+        raise InvalidArgument(f"{where}{what} is empty: expected a non-empty string")
+    # Checked by characters first: UTF-8 needs at most 4 bytes a character, so most strings are never encoded.
+    if len(value) > MAX_STRING // 4 and len(value.encode()) > MAX_STRING:
+        raise InvalidArgument(f"{where}{what} is {len(value.encode())} bytes long: expected at most {MAX_STRING}")
     return value
 
 
 def _device(d: pb.LocalDevice, index: int) -> LocalDevice:
-    where = f"device #{index} (local id {d.local_id})"
+    """One checked device; runs for every device of every registration, so it formats messages only on failure."""
     if not 0 <= d.local_id < MAX_LOCAL_DEVICES:
         raise InvalidArgument(f"local device id {d.local_id} is out of range: expected 0 <= local_id < "
                               f"{MAX_LOCAL_DEVICES} (2**17)")
+    where = f"device #{index} (local id {d.local_id}) "
     if len(d.attributes) > MAX_ATTRIBUTES:
-        raise InvalidArgument(f"{where} has {len(d.attributes)} attributes: expected at most {MAX_ATTRIBUTES}")
+        raise InvalidArgument(f"{where}has {len(d.attributes)} attributes: expected at most {MAX_ATTRIBUTES}")
     for key, value in d.attributes.items():
-        _text(key, f"{where} attribute key", required=True)
-        _text(value, f"{where} attribute {key!r}")
+        _text(key, "attribute key", where=where, required=True)
+        _text(value, f"attribute {key!r}", where=where)
     if len(d.coordinates) > MAX_COORDINATE_RANK:
-        raise InvalidArgument(f"{where} has {len(d.coordinates)} coordinates: expected at most {MAX_COORDINATE_RANK}")
-    return LocalDevice(d.local_id, _text(d.platform, f"{where} platform", required=True),
-                       _text(d.kind, f"{where} kind"), _text(d.slice_key, f"{where} slice key"),
+        raise InvalidArgument(f"{where}has {len(d.coordinates)} coordinates: expected at most {MAX_COORDINATE_RANK}")
+    return LocalDevice(d.local_id, _text(d.platform, "platform", where=where, required=True),
+                       _text(d.kind, "kind", where=where), _text(d.slice_key, "slice key", where=where),
                        tuple(d.coordinates), dict(d.attributes))
 
 

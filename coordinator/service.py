@@ -377,7 +377,8 @@ class CoordinatorService:
                         self._broadcast(self._topology_event)
                 case Evict(client_uid=uid, reason=reason):
                     for queue in self._sessions.get(uid, ()):
-                        queue.put_nowait(_Evicted(_declared_failed(reason)))
+                        queue.put_nowait(_Evicted(ProcessDeclaredFailed(f"this process was {reason}; restart it "
+                                                                        "to rejoin")))
                 case Forgotten(who=who, reason=reason):
                     log.warning("forgot the registration of %s: it %s", who, reason)
                 case BarrierResolved(name=name, error=error):
@@ -401,10 +402,6 @@ class CoordinatorService:
             await asyncio.sleep(interval_s)
             if self.replica.serving and self.state.registered and self.state.topology is None:
                 log.info("waiting: %s", self.status())
-
-
-def _declared_failed(reason: str) -> IfrtError:
-    return ProcessDeclaredFailed(f"this process was {reason}; restart it to rejoin")
 
 
 M = TypeVar("M", bound=Message)
