@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 
 from coordinator.registration import Registration
 
 
 def assign_process_ids(registrations: Iterable[Registration]) -> dict[str, int]:
-    """client_uid -> process id: explicit ids as given, else ranks of the sorted stable keys."""
+    """client_uid -> process id: explicit ids as given, else ranks in ``assignment_order``."""
     registrations = list(registrations)
     if all(r.process_id is not None for r in registrations):
         return {r.client_uid: r.process_id for r in registrations}  # type: ignore[misc]
-    ordered = sorted(registrations, key=lambda r: r.stable_key)
+    ordered = sorted(registrations, key=assignment_order)
     return {r.client_uid: i for i, r in enumerate(ordered)}
+
+
+def assignment_order(r: Registration) -> tuple:
+    """Hostname, then host address as an address (10.0.0.2 before 10.0.0.10; IPv4 before IPv6), then local rank.
+
+    Total on admitted registrations: two with the same stable key are refused before ids are assigned.
+    """
+    return r.hostname, address_order(r.host_address), r.local_rank
+
+
+def address_order(address: str) -> tuple[int, int, str]:
+    """Sort key for a host address: numeric for IPv4 and IPv6, after them any other text, by the text."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return 7, 0, address
+    return ip.version, int(ip), address

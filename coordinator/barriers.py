@@ -41,6 +41,13 @@ class Barriers:
     def get(self, name: str) -> Barrier | None:
         return self._by_name.get(name)
 
+    def outcome(self, name: str) -> BarrierResolved | None:
+        """How barrier ``name`` ended; None while it is pending or was never started."""
+        barrier = self._by_name.get(name)
+        if barrier is None or barrier.pending:
+            return None
+        return BarrierResolved(name, barrier.error)
+
     def restore(self, name: str, participants: frozenset[int], error: IfrtError | None) -> None:
         """Puts back a finished barrier (from the journal), so late arrivals get its result."""
         self._by_name[name] = Barrier(name, participants, 0.0, 0.0, done=error is None, error=error)

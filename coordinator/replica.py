@@ -2,13 +2,17 @@
 when the store is lost, then start over. Writes reach the store in the order the state machine made them.
 
     standby ──(acquire)──▶ replaying ──(journal replayed)──▶ serving ──(store lost / append failed)──▶ standby
+
+Durability before visibility: ``commit()`` returns only once every journal entry made so far, by any call,
+is durable. Every answer (a topology, a key-value, a barrier result, an event) is sent after a ``commit()``,
+so nothing a process holds can be missing from the journal the next leader replays.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from coordinator import journal
 from coordinator.state import ClusterConfig, ClusterState
@@ -21,11 +25,16 @@ class NotServing(RuntimeError):
     """This replica cannot answer now (a standby, or it lost its store); clients should try another."""
 
 
+async def _no_report(serving: bool) -> None:
+    return None
+
+
 class Replica:
     """Holds the current ``state`` while this replica leads; ``epoch`` changes whenever the state is rebuilt."""
 
     def __init__(self, config: ClusterConfig, store: Store, advertise: str, clock: Callable[[], float],
-                 on_serving: Callable[[], None], on_step_down: Callable[[str], None]) -> None:
+                 on_serving: Callable[[], None], on_step_down: Callable[[str], None],
+                 report: Callable[[bool], Awaitable[None]] = _no_report) -> None:
         self.config = config
         self.store = store
         self.state = ClusterState(config)
@@ -36,15 +45,25 @@ class Replica:
         self._clock = clock
         self._on_serving = on_serving
         self._on_step_down = on_step_down
-        self._queue: list[tuple[list[bytes], asyncio.Future]] = []
+        self._report = report
+        self._pending: list[bytes] = []  # encoded entries not yet handed to the store
+        self._enqueued = 0  # entries of this epoch handed to the writer, in order
+        self._durable = 0  # of those, how many the store has made durable
+        self._waiters: list[tuple[int, asyncio.Future]] = []  # (entries that must be durable, future)
         self._wake = asyncio.Event()
         self._down = asyncio.Event()
 
     def check(self) -> None:
         """Raises NotServing (saying why) unless this replica leads and has replayed its journal."""
         if not self.serving:
-            leader = self.store.leader
-            raise NotServing(f"{self.reason}; the coordinator at {leader} leads" if leader else self.reason)
+            raise NotServing(self.not_serving_reason())
+
+    def not_serving_reason(self) -> str:
+        """Why this replica does not answer, naming the leader when it is known."""
+        leader = self.store.leader
+        if leader and leader != self._advertise:
+            return f"{self.reason}; the coordinator at {leader} leads"
+        return self.reason
 
     async def run(self) -> None:
         """Leads whenever it can, until cancelled."""
@@ -63,65 +82,88 @@ class Replica:
                 for task in waits:
                     task.cancel()
                 await self._step_down("leadership lost")
-                self._down.clear()
         finally:
             writer.cancel()
 
     async def commit(self) -> None:
-        """Makes the state machine's new journal entries durable; NotServing if the store failed (the state
-        that made them is then discarded, so nothing unpersisted is ever answered from)."""
-        entries = self.state.take_journal()
-        if not entries:
-            return
+        """Returns once every journal entry the state machine has made so far (by this call or any other) is
+        durable. NotServing if the store failed meanwhile: the state that made them is then discarded, so
+        nothing unpersisted is ever answered from."""
         epoch = self.epoch
-        done = asyncio.get_running_loop().create_future()
-        self._queue.append(([journal.encode(e) for e in entries], done))
-        self._wake.set()
-        await done
-        if epoch != self.epoch:
-            raise NotServing(self.reason)
+        while True:
+            if epoch != self.epoch:
+                raise NotServing(self.not_serving_reason())
+            entries = self.state.take_journal()
+            if entries:
+                self._pending.extend(journal.encode(e) for e in entries)
+                self._enqueued += len(entries)
+                self._wake.set()
+            if self._durable == self._enqueued:
+                return
+            done = asyncio.get_running_loop().create_future()
+            self._waiters.append((self._enqueued, done))
+            await done  # then look again: other calls may have made entries while this one waited
 
     async def _write(self) -> None:
-        """Appends queued entries in order, many calls' worth per store write."""
+        """Appends pending entries in order, many calls' worth per store write."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._queue = self._queue, []
+            batch, self._pending = self._pending, []
             if not batch:
                 continue
+            epoch = self.epoch
             try:
-                await self.store.append([entry for entries, _ in batch for entry in entries])
-            except StoreError as e:
+                await self.store.append(batch)
+            except Exception as e:  # whatever went wrong, these entries are not known to be durable
+                if not isinstance(e, StoreError):
+                    log.exception("unexpected error while writing the journal")
                 await self._step_down(f"the store failed: {e}")
-                for _, done in batch:
-                    done.set_exception(NotServing(self.reason))
                 continue
-            for _, done in batch:
-                done.set_result(None)
+            if epoch != self.epoch:  # stepped down while writing: the waiters were failed already
+                continue
+            self._durable += len(batch)
+            ready = [done for target, done in self._waiters if target <= self._durable]
+            self._waiters = [(target, done) for target, done in self._waiters if target > self._durable]
+            for done in ready:
+                if not done.done():
+                    done.set_result(None)
 
     def stop_serving(self, why: str) -> None:
         """Refuses new calls from now on (on shutdown); writes already queued still complete."""
         self.serving, self.reason = False, why
 
     async def _rebuild(self) -> None:
+        self._down.clear()
         entries = await self.store.load()
         state = ClusterState(self.config)
         for raw in entries:
             state.replay(journal.decode(raw))
         state.reset_liveness(self._clock())
-        self.state, self.epoch, self.serving = state, self.epoch + 1, True
+        self.state, self.epoch = state, self.epoch + 1
+        self._pending, self._enqueued, self._durable = [], 0, 0
+        await self._report(True)  # health says SERVING no later than the first answer
+        self.serving = True
         topology = state.topology
         log.info("serving: replayed %d journal entries (%s)", len(entries),
                  f"generation {topology.generation} published" if topology else f"{state.registered} registered")
         self._on_serving()
 
     async def _step_down(self, why: str) -> None:
-        if not self.serving:
+        if not self.serving and self.reason.startswith("this coordinator stepped down"):
             return
+        was_serving = self.serving
         self.serving, self.epoch = False, self.epoch + 1
         self.reason = f"this coordinator stepped down ({why}); another replica may lead"
         self.state = ClusterState(self.config)
-        log.error("stepping down: %s", why)
+        self._pending, self._enqueued, self._durable = [], 0, 0
+        waiters, self._waiters = self._waiters, []
+        for _, done in waiters:
+            if not done.done():
+                done.set_result(None)  # each waiter finds the epoch changed and raises NotServing
+        if was_serving:
+            log.error("stepping down: %s", why)
+        await self._report(False)
         self._on_step_down(why)
         self._down.set()
         await self.store.release()

@@ -14,7 +14,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from coordinator.config import CoordinatorConfig
 from coordinator.service import SERVICE, CoordinatorService
-from coordinator.store import open_store
+from coordinator.store import Store, open_store
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -23,10 +23,11 @@ class BindError(RuntimeError):
     """The coordinator could not listen on the address it was given."""
 
 
-async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) -> None:
-    """Serves until ``stop`` is set or the process gets SIGTERM/SIGINT, then shuts down cleanly."""
+async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, store: Store | None = None) -> None:
+    """Serves until ``stop`` is set or the process gets SIGTERM/SIGINT, then shuts down cleanly. ``store``
+    replaces the one ``config.store`` names (for tests that wrap a real store)."""
     stop = stop or asyncio.Event()
-    store = open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s)
+    store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s)
     server = grpc.aio.server(options=[*config.grpc_options,
                                       ("grpc.max_receive_message_length", config.max_request_bytes),
                                       ("grpc.max_send_message_length", -1)])
@@ -39,9 +40,18 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     address = f"{config.bind.rpartition(':')[0]}:{port}"
     advertise = config.advertise or (address if not address.startswith("0.0.0.0:")
                                      else f"{socket.gethostname()}:{port}")
-    service = CoordinatorService(config.cluster, store, advertise=advertise, max_wait_s=config.max_wait_s)
-    server.add_generic_rpc_handlers((service.handlers(),))
     health = health_aio.HealthServicer()
+
+    async def report(serving: bool) -> None:
+        """The standard gRPC health service says SERVING exactly while this replica leads with its state."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await health.set(name, status)
+
+    await report(False)  # the servicer starts out SERVING for ""; nothing is served before the journal is replayed
+    service = CoordinatorService(config.cluster, store, advertise=advertise, max_wait_s=config.max_wait_s,
+                                 report=report)
+    server.add_generic_rpc_handlers((service.handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -52,7 +62,6 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
     if config.ready_file:
         _write_atomically(config.ready_file, address)
     background = [asyncio.create_task(service.replica.run()),
-                  asyncio.create_task(_report_health(service, health)),
                   asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
                   asyncio.create_task(service.tick_every(config.tick_s))]
     try:
@@ -71,20 +80,6 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None) ->
         await asyncio.gather(*background, return_exceptions=True)
         await store.close()  # gives up leadership at once: a standby takes over without waiting for the lease
         log.info("stopped")
-
-
-async def _report_health(service: CoordinatorService, health: health_aio.HealthServicer, interval_s: float = 0.1,
-                         ) -> None:
-    """The standard gRPC health service says SERVING only while this replica leads and has its state."""
-    reported = None
-    while True:
-        serving = service.replica.serving
-        if serving != reported:
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", SERVICE):
-                await health.set(name, status)
-            reported = serving
-        await asyncio.sleep(interval_s)
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

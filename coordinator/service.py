@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import wraps
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -30,11 +31,13 @@ from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import (
     ERROR_TRAILER,
+    BarrierTimeout,
     CoordinatorUnavailable,
     IfrtError,
     InvalidArgument,
     KeyValueTimeout,
     ProcessDeclaredFailed,
+    UnknownClient,
 )
 from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
 
@@ -71,8 +74,10 @@ class CoordinatorService:
     """
 
     def __init__(self, config: ClusterConfig, store: Store, *, advertise: str, max_wait_s: float,
-                 clock: Callable[[], float] = time.monotonic):
-        self.replica = Replica(config, store, advertise, clock, self._on_serving, self._on_step_down)
+                 clock: Callable[[], float] = time.monotonic,
+                 report: Callable[[bool], Awaitable[None]] | None = None):
+        self.replica = Replica(config, store, advertise, clock, self._on_serving, self._on_step_down,
+                               **({"report": report} if report else {}))
         self._clock = clock
         self._max_wait_s = max_wait_s
         self._published = asyncio.Event()
@@ -94,22 +99,24 @@ class CoordinatorService:
         self._sync_generation()
 
     def _on_step_down(self, why: str) -> None:
-        self._published.set()  # wake waiting registrations: they find the replica not serving
+        # Wake every waiting call at once: each finds the replica not serving and answers UNAVAILABLE, so its
+        # client moves on to the new leader instead of waiting out its own timeout here.
+        self._published.set()
+        for events in (self._barrier_done, self._kv_set):
+            for event in events.values():
+                event.set()
+            events.clear()
         self._close_sessions(f"the coordinator stepped down ({why})")
 
-    async def _serving(self, context: grpc.aio.ServicerContext, what: str) -> None:
+    async def _serving(self, context: grpc.aio.ServicerContext, what: str, epoch: int | None = None) -> None:
+        """Aborts with UNAVAILABLE unless this replica serves (and, given ``epoch``, still from the same state)."""
         try:
             self.replica.check()
         except NotServing as e:
             await _abort(context, CoordinatorUnavailable(str(e)), what, level=logging.DEBUG)
-
-    async def _caller(self, context: grpc.aio.ServicerContext, client_uid: str, what: str) -> int:
-        """The process id of a live, published caller; aborts the call otherwise."""
-        await self._serving(context, what)
-        try:
-            return self.state.process_id_of(client_uid)
-        except IfrtError as e:
-            await _abort(context, e, what)
+        if epoch is not None and epoch != self.replica.epoch:
+            await _abort(context, CoordinatorUnavailable(f"the coordinator rebuilt its state while {what} waited: "
+                                                         "call again"), what, level=logging.DEBUG)
 
     async def _commit(self, context: grpc.aio.ServicerContext, what: str) -> None:
         try:
@@ -119,10 +126,12 @@ class CoordinatorService:
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """Method handlers taking and returning raw bytes: answers are pre-serialized."""
-        unary = grpc.unary_unary_rpc_method_handler
+        def unary(method):
+            return grpc.unary_unary_rpc_method_handler(_internal_errors(method))
+
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Register": unary(self.register),
-            "Session": grpc.stream_stream_rpc_method_handler(self.session),
+            "Session": grpc.stream_stream_rpc_method_handler(_internal_errors(self.session)),
             "Leave": unary(self.leave),
             "Barrier": unary(self.barrier),
             "KeyValueSet": unary(self.kv_set),
@@ -141,6 +150,7 @@ class CoordinatorService:
             outcome, effects = state.register(registration, self._clock())
         except IfrtError as e:
             await _abort(context, e, f"registration from {context.peer()}")
+        epoch = self.replica.epoch
         await self._commit(context, "registration")
         if state.registered > before and isinstance(outcome, Waiting):
             self._log_admitted(registration)
@@ -152,19 +162,20 @@ class CoordinatorService:
         try:
             await asyncio.wait_for(self._published.wait(), min(request.wait_ms / 1000, self._max_wait_s))
         except TimeoutError:
-            return self._progress_answer()
+            pass
         finally:
             state.call_ended(uid, self._clock())
-        await self._serving(context, "registration")
-        if state is not self.state:  # the replica stepped down and came back while this call waited
-            await _abort(context, CoordinatorUnavailable("the coordinator restarted its state: register again"),
-                         "registration")
+        await self._serving(context, "registration", epoch)
         try:
-            outcome, _ = state.register(registration, self._clock())
+            outcome = state.answer(uid, self._clock())
+        except UnknownClient:  # forgotten while it waited: its next call registers it again
+            outcome = None
         except IfrtError as e:  # failed or replaced while it waited
             await _abort(context, e, f"registration from {context.peer()}")
-        assert isinstance(outcome, Published)
-        return self._answer(outcome.process_id)
+        await self._commit(context, "registration")
+        if isinstance(outcome, Published):
+            return self._answer(outcome.process_id)
+        return self._progress_answer()
 
     def _answer(self, process_id: int) -> bytes:
         self._sync_generation()
@@ -236,7 +247,7 @@ class CoordinatorService:
         reader = asyncio.create_task(self._read_heartbeats(state, uid, requests, queue))
         log.debug("session of process %d attached", process_id)
         try:
-            interval_ms = max(1, int(state.config.heartbeat_timeout_s * 1000 / 4))
+            interval_ms = max(1, int(state.config.heartbeat_interval_s * 1000))
             await context.write(pb.SessionEvent(attached=pb.Attached(
                 heartbeat_interval_ms=interval_ms, generation=self._generation)).SerializeToString())
             if opening.open.generation != self._generation:
@@ -292,23 +303,30 @@ class CoordinatorService:
     async def barrier(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.BarrierRequest, raw, context)
         await self._serving(context, f"barrier {request.name!r}")
+        what = f"barrier {request.name!r}"
         timeout_s = request.timeout_ms / 1000
+        state, epoch = self.state, self.replica.epoch
         try:
-            effects = self.state.arrive(request.client_uid, request.name, frozenset(request.process_ids), timeout_s,
-                                        self._clock())
+            outcome, effects = state.arrive(request.client_uid, request.name, frozenset(request.process_ids),
+                                            timeout_s, self._clock())
         except IfrtError as e:
-            await _abort(context, e, f"barrier {request.name!r}")
-        barrier = self.state.barriers.get(request.name)
-        await self._commit(context, f"barrier {request.name!r}")
+            await _abort(context, e, what)
+        await self._commit(context, what)
         self._apply(effects)
-        assert barrier is not None
-        if barrier.pending:
+        if outcome is None:
             done = self._barrier_done.setdefault(request.name, asyncio.Event())
             # The state machine's tick fails the barrier at its deadline; the slack only guards against a stall.
-            await asyncio.wait_for(done.wait(), timeout_s + 5)
-            await self._serving(context, f"barrier {request.name!r}")
-        if barrier.error is not None:
-            await _abort(context, barrier.error, f"barrier {request.name!r}", level=logging.DEBUG)
+            try:
+                await asyncio.wait_for(done.wait(), timeout_s + 5)
+            except TimeoutError:
+                await _abort(context, BarrierTimeout(f"{what} did not resolve within {timeout_s + 5:.1f}s"), what)
+            await self._serving(context, what, epoch)
+            outcome = state.barrier_outcome(request.name)
+            await self._commit(context, what)
+        if outcome is None:  # woken without a result: only a stall of the tick gets here
+            await _abort(context, BarrierTimeout(f"{what} is still pending after {timeout_s:.1f}s"), what)
+        if outcome.error is not None:
+            await _abort(context, outcome.error, what, level=logging.DEBUG)
         return b""
 
     async def kv_set(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -325,24 +343,39 @@ class CoordinatorService:
 
     async def kv_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueGetRequest, raw, context)
-        await self._caller(context, request.client_uid, f"key-value get of {request.key!r}")
-        value = self.state.kv.get(request.key)
+        what = f"key-value get of {request.key!r}"
+        await self._serving(context, what)
+        state, epoch = self.state, self.replica.epoch
+        value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key))
         if value is None:
             wait_s = min(request.wait_ms / 1000, self._max_wait_s)
             try:
                 await asyncio.wait_for(self._kv_set.setdefault(request.key, asyncio.Event()).wait(), wait_s)
             except TimeoutError:
                 await _abort(context, KeyValueTimeout(f"key {request.key!r} was not set within {wait_s:.1f}s"),
-                             "key-value get", level=logging.DEBUG)
-            await self._serving(context, "key-value get")
-            value = self.state.kv.get(request.key)
+                             what, level=logging.DEBUG)
+            await self._serving(context, what, epoch)
+            value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key))
+            if value is None:
+                await _abort(context, CoordinatorUnavailable(f"{what} was woken without a value: call again"), what)
         return pb.KeyValueGetResponse(value=value).SerializeToString()
 
     async def kv_dir(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueDirRequest, raw, context)
-        await self._caller(context, request.client_uid, f"key-value dir of {request.prefix!r}")
-        entries = [pb.KeyValueEntry(key=k, value=v) for k, v in self.state.kv.dir(request.prefix)]
+        what = f"key-value dir of {request.prefix!r}"
+        await self._serving(context, what)
+        state = self.state
+        found = await self._read(context, what, lambda: state.kv_dir(request.client_uid, request.prefix))
+        entries = [pb.KeyValueEntry(key=k, value=v) for k, v in found]
         return pb.KeyValueDirResponse(entries=entries).SerializeToString()
+
+    async def _read(self, context: grpc.aio.ServicerContext, what: str, query: Callable[[], R]) -> R:
+        """Answers ``query`` from durable state only: every journal entry made before the read is durable first."""
+        await self._commit(context, what)
+        try:
+            return query()  # no await since the commit: nothing newer than what is durable can be read
+        except IfrtError as e:
+            await _abort(context, e, what)
 
     # Time and effects.
     async def tick_every(self, interval_s: float) -> None:
@@ -405,6 +438,7 @@ class CoordinatorService:
 
 
 M = TypeVar("M", bound=Message)
+R = TypeVar("R")
 
 
 async def _parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:
@@ -412,6 +446,21 @@ async def _parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) ->
         return cls.FromString(raw)
     except DecodeError as e:
         await _abort(context, InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name}: {e}"), "request")
+
+
+def _internal_errors(handler):
+    """Turns an unexpected exception into INTERNAL (logged with its traceback) instead of gRPC's bare UNKNOWN."""
+    @wraps(handler)
+    async def guarded(request, context: grpc.aio.ServicerContext):
+        try:
+            return await handler(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            log.exception("internal error in %s from %s", handler.__name__, context.peer())
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal coordinator error in {handler.__name__}: "
+                                f"{type(e).__name__}: {e}")
+    return guarded
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: IfrtError, what: str,

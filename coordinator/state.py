@@ -76,6 +76,11 @@ class ClusterConfig:
         if not self.heartbeat_timeout_s > 0:
             raise InvalidArgument(f"heartbeat timeout {self.heartbeat_timeout_s} is not positive: expected seconds > 0")
 
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often a session sends a heartbeat: four chances before the timeout, so one late beat is no failure."""
+        return self.heartbeat_timeout_s / 4
+
 
 class Status(enum.Enum):
     JOINING = "joining"
@@ -152,8 +157,8 @@ class ClusterState:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self.barriers = Barriers()
-        self.kv = KeyValueStore(config.kv_max_value_bytes)
+        self._barriers = Barriers()
+        self._kv = KeyValueStore(config.kv_max_value_bytes)
         self.topology: TopologyContent | None = None
         self._members: dict[str, Member] = {}  # by client uid, including failed and replaced incarnations
         self._holder: dict[object, str] = {}  # claim (process id or stable key) -> uid of its current incarnation
@@ -184,10 +189,10 @@ class ClusterState:
             case journal.Forgot(client_uid=uid, why=why):
                 self._forget(self._members[uid], why)
             case journal.KeySet(key=key, value=value):
-                self.kv.set(key, value, allow_overwrite=True)
+                self._kv.set(key, value, allow_overwrite=True)
             case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message):
                 error = ERROR_CLASSES[kind](message) if kind else None
-                self.barriers.restore(name, frozenset(participants), error)
+                self._barriers.restore(name, frozenset(participants), error)
         self._journal.clear()
 
     def reset_liveness(self, now: float) -> None:
@@ -236,6 +241,17 @@ class ClusterState:
         if len(self._holder) == self.config.num_processes:
             self._publish_first()
         return self._answer(r), []
+
+    def answer(self, client_uid: str, now: float) -> Waiting | Published:
+        """What a registered process's waiting call answers now; UnknownClient if it was forgotten meanwhile,
+        ProcessDeclaredFailed if it failed or was replaced while it waited."""
+        member = self._members.get(client_uid)
+        if member is None:
+            raise UnknownClient(f"client {client_uid} is not registered (its registration was forgotten): register "
+                                "again")
+        self._check_usable(member)
+        member.last_seen = now
+        return self._answer(member.registration)
 
     def progress(self, now: float) -> Progress:
         """Who has registered and who is missing, as of ``now``."""
@@ -299,7 +315,7 @@ class ClusterState:
         pid = self._process_ids[_claim(member.registration)]
         member.status, member.reason = Status.LEFT, "left"
         self._down[pid] = "left"
-        return [Notify(ProcessLeft(pid)), *self._finished(self.barriers.fail_including(pid, "left")),
+        return [Notify(ProcessLeft(pid)), *self._finished(self._barriers.fail_including(pid, "left")),
                 *self._drop_if_elastic(pid, "left")]
 
     def tick(self, now: float) -> list[Effect]:
@@ -317,13 +333,14 @@ class ClusterState:
             why = (f"sent no heartbeat for {silent:.1f}s" if member.sessions else
                    f"lost its connection and did not come back within {timeout:g}s")
             effects += self._fail(member, why)
-        effects += self._finished(self.barriers.expire(now, self.describe_process))
+        effects += self._finished(self._barriers.expire(now, self.describe_process))
         return effects
 
     # Barriers and key-values.
     def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float,
-               now: float) -> list[Effect]:
-        """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty)."""
+               now: float) -> tuple[BarrierResolved | None, list[Effect]]:
+        """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty).
+        Returns the barrier's result once it is resolved (None while others are awaited) and the effects."""
         pid = self.process_id_of(client_uid)
         participants = process_ids or frozenset(self._in_topology)
         unknown = participants - self._claims.keys()
@@ -331,20 +348,34 @@ class ClusterState:
             raise InvalidArgument(f"barrier {name!r} names process ids {sorted(unknown)} that are not in the "
                                   f"topology (process ids 0..{self.config.num_processes - 1})")
         down = {p: self._down[p] for p in participants & self._down.keys()}
-        _, effects = self.barriers.arrive(name, pid, participants, timeout_s, now, down)
-        return self._finished(effects)
+        _, effects = self._barriers.arrive(name, pid, participants, timeout_s, now, down)
+        return self._barriers.outcome(name), self._finished(effects)
+
+    def barrier_outcome(self, name: str) -> BarrierResolved | None:
+        """How barrier ``name`` ended, or None while it is pending (or unknown)."""
+        return self._barriers.outcome(name)
 
     def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool) -> bool:
         """Stores a value for a live process; returns whether anything changed."""
         self.process_id_of(client_uid)
-        changed = self.kv.set(key, value, allow_overwrite)
+        changed = self._kv.set(key, value, allow_overwrite)
         if changed:
             self._journal.append(journal.KeySet(key, value))
         return changed
 
+    def kv_get(self, client_uid: str, key: str) -> bytes | None:
+        """The value of ``key`` for a live process, None while it is unset."""
+        self.process_id_of(client_uid)
+        return self._kv.get(key)
+
+    def kv_dir(self, client_uid: str, prefix: str) -> list[tuple[str, bytes]]:
+        """Every (key, value) under ``prefix``, sorted by key, for a live process."""
+        self.process_id_of(client_uid)
+        return self._kv.dir(prefix)
+
     def _finished(self, effects: list[BarrierResolved]) -> list[Effect]:
         for e in effects:
-            barrier = self.barriers.get(e.name)
+            barrier = self._barriers.get(e.name)
             assert barrier is not None
             self._journal.append(journal.BarrierFinished(
                 e.name, tuple(sorted(barrier.participants)), type(e.error).__name__ if e.error else "",
@@ -448,7 +479,7 @@ class ClusterState:
         self._members[r.client_uid] = member
         self._holder[claim] = r.client_uid
         self._down.pop(pid, None)
-        effects: list[Effect] = [*self._finished(self.barriers.fail_including(pid, "restarted")),
+        effects: list[Effect] = [*self._finished(self._barriers.fail_including(pid, "restarted")),
                                  Notify(ProcessRestarted(pid, member.incarnation))]
         self._in_topology.add(pid)
         effects += self._republish_if_changed()
@@ -466,7 +497,7 @@ class ClusterState:
         if self.config.on_failure is FailurePolicy.ELASTIC and not dropped:
             why += (f"; only {len(self._in_topology) - 1} processes would remain, fewer than --min-processes "
                     f"{self.config.min_processes}: the cluster cannot continue")
-        return [Notify(ProcessFailed(pid, why)), *self._finished(self.barriers.fail_including(pid, f"failed: {why}")),
+        return [Notify(ProcessFailed(pid, why)), *self._finished(self._barriers.fail_including(pid, f"failed: {why}")),
                 *effects, *dropped]
 
     def _drop_if_elastic(self, pid: int, what: str) -> list[Effect]:
@@ -494,8 +525,9 @@ def _platform(r: Registration) -> tuple[str, frozenset[str]]:
 
 
 def _natural(key: str) -> tuple:
-    """Sort key that puts "slice-2" before "slice-10"."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key))
+    """Sort key that puts "slice-2" before "slice-10"; total: keys equal as numbers ("slice-1", "slice-01") fall
+    back to the text itself, so no order is left to set iteration (which changes with the hash seed)."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)), key
 
 
 def _claim(r: Registration) -> object:

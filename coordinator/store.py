@@ -171,14 +171,17 @@ class EtcdStore:
             self._next += len(batch)
 
     async def release(self) -> None:
+        self.leader = None
+        lease, self._lease = self._lease, 0  # the renewal loop ends when it sees the lease is no longer held
         if self._keepalive is not None:
             self._keepalive.cancel()
-        if self._lease:
+            self._keepalive = None
+        if lease:
             try:
-                await self._client.lease.revoke(self._lease, timeout=self._timeout)
+                async with asyncio.timeout(self._timeout):  # etcd's client retries on its own; bound it all
+                    await self._client.lease.revoke(lease, timeout=self._timeout, max_attempts=1)
             except Exception as e:  # the lease then expires on its own
                 log.warning("could not give up leadership at once: %s", e)
-            self._lease = 0
 
     async def close(self) -> None:
         await self.release()
@@ -189,16 +192,21 @@ class EtcdStore:
         """Renews the lease every third of its TTL; sets ``lost`` once it may have expired."""
         loop = asyncio.get_running_loop()
         renewed = loop.time()
+        lease = self._lease
         while True:
             await asyncio.sleep(self._ttl / 3)
+            if self._lease != lease:  # released (the client library may swallow a cancellation)
+                return
             try:
                 async with asyncio.timeout(self._timeout):  # etcd without a majority does not answer at all
-                    async for answer in self._client.lease.keep_alive(self._lease):
+                    async for answer in self._client.lease.keep_alive(lease):
                         if answer.TTL > 0:
                             renewed = loop.time()
                         break
             except Exception as e:
                 log.warning("lease renewal failed: %s", e)
+            if self._lease != lease:
+                return
             if loop.time() - renewed > self._ttl - 0.5:  # margin: stop before another replica may lead
                 log.error("leadership lost: the lease was not renewed for %.1fs", loop.time() - renewed)
                 self.lost.set()

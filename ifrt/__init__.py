@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ifrt import events
-from ifrt.client import Client
 from ifrt.errors import (
     BarrierFailed,
     BarrierTimeout,
@@ -22,22 +23,45 @@ from ifrt.errors import (
     InvalidArgument,
     KeyExists,
     KeyValueTimeout,
+    PluginError,
     ProcessDeclaredFailed,
     ProcessIdTaken,
     TopologyError,
     UnknownClient,
 )
 from ifrt.ids import global_device_id, split_global_id
-from ifrt.mesh import Mesh
 from ifrt.records import Device, LocalDevice, Process
-from ifrt.topology import Topology
+
+if TYPE_CHECKING:
+    from ifrt.client import Client
+    from ifrt.mesh import Mesh
+    from ifrt.topology import Topology
 
 __all__ = [
     "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable", "Device",
     "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh",
-    "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError", "UnknownClient", "discover",
-    "events", "global_device_id", "split_global_id",
+    "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError",
+    "UnknownClient", "discover", "events", "global_device_id", "split_global_id",
 ]
+
+_LAZY = {"Client": "ifrt.client", "Mesh": "ifrt.mesh", "Topology": "ifrt.topology"}
+"""Names whose modules need grpc or numpy: imported on first use, so ``import ifrt.records`` (as plugins and the
+coordinator's plain parts do) loads neither."""
+
+
+def __getattr__(name: str) -> Any:
+    """``ifrt.Client``, ``ifrt.Mesh``, ``ifrt.Topology``: imported from their modules on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ifrt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 _default_client: Client | None = None
 _default_lock = threading.Lock()
@@ -59,6 +83,8 @@ def discover(
     The process keeps this client as its default one; it is closed at exit.
     """
     global _default_client
+    from ifrt.client import Client
+
     client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
                     local_device_ids=local_device_ids, timeout=timeout)
     with _default_lock:

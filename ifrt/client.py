@@ -21,8 +21,8 @@ from ifrt.errors import (
     CoordinatorUnavailable,
     DiscoveryTimeout,
     IfrtError,
-    InvalidArgument,
     KeyValueTimeout,
+    PluginError,
     from_rpc_error,
 )
 from ifrt.events import Event
@@ -154,23 +154,24 @@ class Client:
             return True
 
     def _build_request(self) -> pb.RegisterRequest:
-        from plugins import get_plugin  # here, not at the top: plugins import ifrt's value types
+        """This process's registration; PluginError naming the plugin and its error if the plugin fails."""
+        from plugins import get_plugin  # loaded when a process registers, not by every import of ifrt.client
 
         s = self.settings
-        try:
-            plugin = get_plugin(s.plugin)
-            plugin.configure_process(s.local_rank, s.local_world_size)
-            devices = plugin.local_devices(s.local_device_ids)
-        except ValueError as e:
-            raise InvalidArgument(f"device plugin {s.plugin!r}: {e}") from e
+        plugin = get_plugin(s.plugin)  # PluginError naming it if it is unknown or does not load
         request = pb.RegisterRequest(cluster_id=s.cluster_id, num_processes=s.num_processes or 0,
                                      client_uid=self.client_uid, hostname=s.hostname, local_rank=s.local_rank,
                                      plugin=plugin.name, address=self.endpoint.address if self.endpoint else "")
         if s.process_id is not None:
             request.process_id = s.process_id
-        for d in devices:
-            request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
-                                coordinates=d.coordinates, attributes=d.attributes)
+        try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
+            plugin.configure_process(s.local_rank, s.local_world_size)
+            for d in plugin.local_devices(s.local_device_ids):
+                request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
+                                    coordinates=d.coordinates, attributes=d.attributes)
+        except Exception as e:
+            why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+            raise PluginError(f"device plugin {s.plugin!r}: {why}") from e
         return request
 
     def _register(self, request: pb.RegisterRequest, timeout: float) -> Topology:

@@ -2,97 +2,119 @@
 
 The coordinator raises these; the client turns a failed call back into the same class, so a caller can
 ``except ifrt.ProcessIdTaken`` whether the check happened locally or on the coordinator.
+
+Each class names its status (``status = "INVALID_ARGUMENT"``); ``cls.code`` is the matching
+``grpc.StatusCode``, looked up on first use, so that plugins and other plain-value users can import these
+errors without importing grpc.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-import grpc
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ifrt.progress import Progress
 
+if TYPE_CHECKING:
+    import grpc
+
 ERROR_TRAILER = "ifrt-error"
+
+
+class _StatusCode:
+    """``error.code``: the ``grpc.StatusCode`` its class's ``status`` names (grpc is imported only here)."""
+
+    def __get__(self, instance: object, owner: type[IfrtError]) -> grpc.StatusCode:
+        import grpc
+
+        return grpc.StatusCode[owner.status]
 
 
 class IfrtError(Exception):
     """Base class of every error ifrt raises on purpose."""
 
-    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    status: ClassVar[str] = "UNKNOWN"
+    """The name of this error's one gRPC status code (a ``grpc.StatusCode`` member)."""
+    code = _StatusCode()
     retryable: ClassVar[bool] = False
 
 
 class InvalidArgument(IfrtError, ValueError):
     """A value is out of range or malformed; the message names the value and the expected range."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    status = "INVALID_ARGUMENT"
+
+
+class PluginError(InvalidArgument):
+    """The device plugin is unknown, failed to load, or failed to list this process's devices; names it and why."""
+
+    status = "INVALID_ARGUMENT"
 
 
 class ProcessIdTaken(IfrtError):
     """Another process already holds this process id (or this stable key, with assigned ids)."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    status = "ALREADY_EXISTS"
 
 
 class ClusterMismatch(IfrtError):
     """The request does not fit this cluster: cluster id, process count, id mode, or the cluster is full."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = "FAILED_PRECONDITION"
 
 
 class UnknownClient(IfrtError):
     """The coordinator does not know this client (it restarted without a store); register again."""
 
-    code = grpc.StatusCode.NOT_FOUND
+    status = "NOT_FOUND"
 
 
 class ProcessDeclaredFailed(IfrtError):
     """The coordinator declared this process failed (or replaced it by a restart); restart the process."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    status = "FAILED_PRECONDITION"
 
 
 class BarrierFailed(IfrtError):
     """A barrier participant failed or left before everyone arrived; the message names it and why."""
 
-    code = grpc.StatusCode.ABORTED
+    status = "ABORTED"
 
 
 class BarrierTimeout(BarrierFailed, TimeoutError):
     """A barrier participant's timeout passed; the message names the processes that did not arrive."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
 
 
 class KeyExists(IfrtError):
     """The key already holds another value and overwriting was not asked for."""
 
-    code = grpc.StatusCode.ALREADY_EXISTS
+    status = "ALREADY_EXISTS"
 
 
 class KeyValueTimeout(IfrtError, TimeoutError):
     """``kv_get`` waited its whole timeout and the key was never set."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
 
 
 class TopologyError(IfrtError):
     """Topology bytes or a topology dict are corrupt or inconsistent (e.g. the fingerprint does not match)."""
 
-    code = grpc.StatusCode.DATA_LOSS
+    status = "DATA_LOSS"
 
 
 class CoordinatorUnavailable(IfrtError):
     """The coordinator could not be reached or dropped the call; retrying may help."""
 
-    code = grpc.StatusCode.UNAVAILABLE
+    status = "UNAVAILABLE"
     retryable = True
 
 
 class DiscoveryTimeout(IfrtError, TimeoutError):
     """discover() ran out of time; the message names who is missing and how long it waited."""
 
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    status = "DEADLINE_EXCEEDED"
 
     def __init__(self, message: str, progress: Progress | None = None) -> None:
         super().__init__(message)
@@ -106,25 +128,31 @@ def _all_subclasses(cls: type[IfrtError]) -> list[type[IfrtError]]:
 
 ERROR_CLASSES: dict[str, type[IfrtError]] = {cls.__name__: cls for cls in _all_subclasses(IfrtError)}
 """Every error class by name (how errors travel in the ``ifrt-error`` trailer and in the journal)."""
-_BY_CODE: dict[grpc.StatusCode, type[IfrtError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidArgument,
-    grpc.StatusCode.ALREADY_EXISTS: ProcessIdTaken,
-    grpc.StatusCode.FAILED_PRECONDITION: ClusterMismatch,
+_BY_STATUS: dict[str, type[IfrtError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "RESOURCE_EXHAUSTED": InvalidArgument,
+    "ALREADY_EXISTS": ProcessIdTaken,
+    "FAILED_PRECONDITION": ClusterMismatch,
 }
+"""The class for a failed call that carries no ``ifrt-error`` trailer (refused by gRPC itself, or an old peer)."""
+_RETRYABLE_STATUSES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
 
-_RETRYABLE_CODES = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
+
+def __getattr__(name: str) -> Any:
+    """``_BY_CODE``: ``_BY_STATUS`` keyed by ``grpc.StatusCode``, built on first use (imports grpc)."""
+    if name == "_BY_CODE":
+        import grpc
+
+        return {grpc.StatusCode[status]: cls for status, cls in _BY_STATUS.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def from_rpc_error(error: grpc.RpcError, where: str) -> IfrtError:
     """The typed error for a failed call; ``where`` names the coordinator for the message."""
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    status = error.code().name if hasattr(error, "code") else "UNKNOWN"
     details = error.details() if hasattr(error, "details") else str(error)
     trailers = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
-    cls = ERROR_CLASSES.get(trailers.get(ERROR_TRAILER, "")) or _BY_CODE.get(code)
+    cls = ERROR_CLASSES.get(trailers.get(ERROR_TRAILER, "")) or _BY_STATUS.get(status)
     if cls is None:
-        cls = CoordinatorUnavailable if code in _RETRYABLE_CODES else IfrtError
-    return cls(f"coordinator {where}: {details} ({code.name})")
-
+        cls = CoordinatorUnavailable if status in _RETRYABLE_STATUSES else IfrtError
+    return cls(f"coordinator {where}: {details} ({status})")

@@ -6,12 +6,16 @@ first use and reused; a transfer between two devices of the same process never t
 
 A frame is a fixed header (magic, version, sequence number, source and destination device, dtype, shape,
 payload length) followed by the raw array bytes. Sequence numbers run per (source, destination) pair, so a
-lost, repeated or reordered frame is an error, as is a bad header or a peer that goes away mid-frame.
+lost, repeated or reordered frame is an error, as is a bad header or a peer that goes away mid-frame. A
+sender numbers and writes a frame in one step under the lock of its destination process, so threads sending
+on the same pair put frames on the wire in sequence order. Every receive waits a finite time.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import queue
 import socket
 import struct
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from ifrt.errors import IfrtError
+from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.ids import LOCAL_ID_BITS
 
 if TYPE_CHECKING:
@@ -37,6 +41,8 @@ HEADER = struct.Struct("!4sBBBBQqqQ")
 MAX_NDIM = 32
 ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing to unpickle
 CHUNK = 4 << 20
+RECV_TIMEOUT_S = 60.0
+"""How long a receive waits when not told (``timeout=None``): no wait is unbounded."""
 
 
 class TransferError(IfrtError):
@@ -45,6 +51,15 @@ class TransferError(IfrtError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """Nothing arrived from the named device within the timeout."""
+
+
+def wait_seconds(timeout: float | None, default: float) -> float:
+    """The seconds a receive waits: ``default`` for None; InvalidArgument for a negative or unbounded value."""
+    given = default if timeout is None else timeout
+    if not (isinstance(given, numbers.Real) and math.isfinite(given) and given >= 0):
+        raise InvalidArgument(f"receive timeout {given!r} is not a finite number of seconds: expected "
+                              "0 <= timeout < inf (None waits the default)")
+    return float(given)
 
 
 def _recv_exactly(sock: socket.socket, buffer: memoryview, what: str) -> None:
@@ -97,8 +112,9 @@ class Endpoint:
                                 "discovered by this process, with transfers enabled?")
         return endpoint
 
-    def receive(self, src: int, dst: int, src_process: int, timeout: float | None) -> np.ndarray:
-        """The next array sent from device ``src`` to device ``dst``."""
+    def receive(self, src: int, dst: int, src_process: int, timeout: float) -> np.ndarray:
+        """The next array sent from device ``src`` to device ``dst``; TransferTimeout after ``timeout`` seconds."""
+        timeout = wait_seconds(timeout, RECV_TIMEOUT_S)
         arrivals = self._queue(src, dst)
         with self._lock:
             failure = self._failed.get(src_process)
@@ -205,12 +221,15 @@ class Endpoint:
 class Channels:
     """Send and receive numpy arrays between devices of the topology; close it (or use ``with``) when done."""
 
-    def __init__(self, topology: Topology, endpoint: Endpoint | None = None, connect_timeout: float = 30.0) -> None:
+    def __init__(self, topology: Topology, endpoint: Endpoint | None = None, connect_timeout: float = 30.0,
+                 recv_timeout: float = RECV_TIMEOUT_S) -> None:
         self.topology = topology
         self.endpoint = endpoint or Endpoint.at(topology.process(topology.process_id).address)
         self._connect_timeout = connect_timeout
+        self.recv_timeout = wait_seconds(recv_timeout, RECV_TIMEOUT_S)
+        """How long ``recv`` waits when called without a timeout."""
         self._out: dict[int, socket.socket] = {}
-        self._out_locks: dict[int, threading.Lock] = {}
+        self._out_locks: dict[int, threading.Lock] = {}  # process -> held while a frame is numbered and written
         self._seq: dict[tuple[int, int], int] = {}
         self._local: dict[tuple[int, int], queue.Queue] = {}
         self._lock = threading.Lock()
@@ -226,11 +245,12 @@ class Channels:
             self._local_queue(src, dst.id).put(array.copy())
             return
         with self._lock:
-            seq = self._seq.get((src, dst.id), 0)
-            self._seq[(src, dst.id)] = seq + 1
             lock = self._out_locks.setdefault(dst.process_id, threading.Lock())
-        with lock:
+        with lock:  # number and write in one step: a frame numbered later never reaches the wire first
             sock = self._connection(dst.process_id)
+            with self._lock:
+                seq = self._seq.get((src, dst.id), 0)
+                self._seq[(src, dst.id)] = seq + 1
             try:
                 sock.sendall(encode_header(ARRAY, seq, src, dst.id, array))
                 sock.sendall(memoryview(array.reshape(-1).view(np.uint8)))
@@ -238,8 +258,13 @@ class Channels:
                 raise TransferError(f"sending to device {dst.id} (process {dst.process_id} at "
                                     f"{self.topology.process(dst.process_id).address}) failed: {e}") from e
 
-    def recv(self, src_device: int, dst_device: int | None = None, timeout: float | None = 60.0) -> np.ndarray:
-        """The next array ``src_device`` sent to ``dst_device`` (default: this process's first device)."""
+    def recv(self, src_device: int, dst_device: int | None = None, timeout: float | None = None) -> np.ndarray:
+        """The next array ``src_device`` sent to ``dst_device`` (default: this process's first device).
+
+        Waits at most ``timeout`` seconds (None: ``recv_timeout``, 60 s by default), then raises TransferTimeout
+        naming the source device; a wait is never unbounded.
+        """
+        timeout = wait_seconds(timeout, self.recv_timeout)
         dst = self._local_device(dst_device)
         src = self.topology.device(src_device)
         if src.process_id == self.topology.process_id:

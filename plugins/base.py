@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
+from ifrt.errors import InvalidArgument
 from ifrt.records import LocalDevice
 
 DEFAULT_PROPERTIES: Mapping[str, object] = MappingProxyType({
@@ -49,12 +50,12 @@ class DevicePlugin:
 
 
 def select(devices: list[LocalDevice], local_device_ids: Sequence[int] | None) -> list[LocalDevice]:
-    """The devices whose local ids are in ``local_device_ids`` (all when None); ValueError names unknown ids."""
+    """The devices whose local ids are in ``local_device_ids`` (all when None); InvalidArgument names unknown ids."""
     if local_device_ids is None:
         return devices
     wanted = set(local_device_ids)
     unknown = wanted - {d.local_id for d in devices}
     if unknown:
-        raise ValueError(f"local device ids {sorted(unknown)} do not exist here: this process has local ids "
-                         f"{[d.local_id for d in devices]}")
+        raise InvalidArgument(f"local device ids {sorted(unknown)} do not exist here: this process has local ids "
+                              f"{[d.local_id for d in devices]}")
     return [d for d in devices if d.local_id in wanted]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES
 from ifrt.records import LocalDevice
 from plugins.base import DevicePlugin, select
@@ -22,8 +23,9 @@ class CpuPlugin(DevicePlugin):
         try:
             count = int(raw)
         except ValueError:
-            raise ValueError(f"{DEVICE_COUNT_ENV}={raw!r} is not an integer: expected 0 <= count <= "
-                             f"{MAX_LOCAL_DEVICES}") from None
+            raise InvalidArgument(f"{DEVICE_COUNT_ENV}={raw!r} is not an integer: expected 0 <= count <= "
+                                  f"{MAX_LOCAL_DEVICES}") from None
         if not 0 <= count <= MAX_LOCAL_DEVICES:
-            raise ValueError(f"{DEVICE_COUNT_ENV}={count} is out of range: expected 0 <= count <= {MAX_LOCAL_DEVICES}")
+            raise InvalidArgument(f"{DEVICE_COUNT_ENV}={count} is out of range: expected 0 <= count <= "
+                                  f"{MAX_LOCAL_DEVICES}")
         return select([LocalDevice(i, "cpu", "cpu") for i in range(count)], local_device_ids)

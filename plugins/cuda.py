@@ -1,21 +1,122 @@
 """The ``cuda`` plugin: NVIDIA GPUs through NVML (package nvidia-ml-py, extra ``ifrt-topology[cuda]``).
 
-Reports each visible GPU (``CUDA_VISIBLE_DEVICES`` by index or UUID, e.g. ``0,2`` or ``GPU-8a1c...``) with
-its name as kind, UUID, memory, PCI bus id and the PCI bus ids of its active NVLink peers. Local ids are
-positions among the visible GPUs, as the CUDA runtime numbers them.
+Reports each visible GPU with its name as kind, UUID, memory, PCI bus id and the PCI bus ids of the GPUs it
+reaches over active NVLinks. Local ids are positions among the visible GPUs, as the CUDA runtime numbers them.
+
+``CUDA_VISIBLE_DEVICES`` is read as CUDA reads it, e.g. ``0,2`` (NVML indices, which are CUDA's with
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``GPU-8a1c4f2e-...`` (a UUID) or ``GPU-8a1c`` (a prefix naming one GPU);
+a negative index such as ``0,2,-1,1`` ends the list. Where CUDA would silently drop the rest of the list (an
+entry that names no GPU, or names one twice), this plugin raises an error naming the entry instead.
+
+With several processes on a host (``IFRT_LOCAL_WORLD_SIZE``) and no ``CUDA_VISIBLE_DEVICES``, each process
+gets a contiguous share of the GPUs (8 GPUs over 3 processes: 3, 3, 2), set by UUID; more processes than GPUs
+is an error naming both counts.
+
+The decisions are the pure functions below (``split_gpus``, ``visible_share``, ``visible_gpus``,
+``nvlink_gpu_peers``); the NVML calls around them only read the hardware.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
+from ifrt.errors import InvalidArgument
 from ifrt.records import LocalDevice
 from plugins.base import DevicePlugin, select
 
-VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"  # e.g. CUDA_VISIBLE_DEVICES=0,2 or GPU-8a1c4f2e or "" (no GPU)
+UUID_PREFIX = "GPU-"  # as nvidia-smi -L prints them: GPU-8932f937-d72c-4106-c12f-20bd9faed9f6
 MAX_NVLINKS = 18
+
+
+def split_gpus(gpu_count: int, local_rank: int, local_world_size: int) -> list[int]:
+    """The GPU indices of one of ``local_world_size`` processes sharing a host: contiguous, every GPU used once.
+
+    The first ``gpu_count % local_world_size`` ranks get one GPU more, so no GPU is left idle and no process
+    is left without one; InvalidArgument (naming both counts) when there are more processes than GPUs.
+    """
+    if local_world_size < 1:
+        raise InvalidArgument(f"local world size {local_world_size} is out of range: expected at least 1 process")
+    if not 0 <= local_rank < local_world_size:
+        raise InvalidArgument(f"local rank {local_rank} is out of range: expected 0 <= local_rank < "
+                              f"{local_world_size} (the local world size)")
+    if gpu_count < local_world_size:
+        raise InvalidArgument(f"{local_world_size} processes on this host but only {gpu_count} GPUs: expected at "
+                              f"most one process per GPU (or set {VISIBLE_ENV} for each process)")
+    share, extra = divmod(gpu_count, local_world_size)
+    start = local_rank * share + min(local_rank, extra)
+    return list(range(start, start + share + (local_rank < extra)))
+
+
+def visible_share(uuids: Sequence[str], local_rank: int, local_world_size: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that gives a local rank its share (``split_gpus``), by UUID.
+
+    UUIDs name GPUs exactly whatever ``CUDA_DEVICE_ORDER`` says, where indices could mean other GPUs to CUDA.
+    """
+    return ",".join(uuids[i] for i in split_gpus(len(uuids), local_rank, local_world_size))
+
+
+def visible_gpus(raw: str | None, uuids: Sequence[str]) -> list[int]:
+    """The NVML indices CUDA numbers 0, 1, ... under ``CUDA_VISIBLE_DEVICES=raw``, given every GPU's UUID.
+
+    Unset means every GPU. InvalidArgument naming the entry when one names no GPU, several (an ambiguous UUID
+    prefix) or a GPU listed before (CUDA would silently drop the rest of the list), and when no GPU is visible.
+    """
+    if raw is None:
+        chosen = list(range(len(uuids)))
+    else:
+        chosen = []
+        for entry in (part.strip() for part in raw.split(",")):
+            if not entry:
+                continue  # "0,1," and "0, 1" mean 0 and 1
+            if re.fullmatch(r"-\d+", entry):
+                break  # CUDA's documented end of the list: 0,2,-1,1 makes 0 and 2 visible
+            matches = _matching_gpus(entry, uuids)
+            if not matches:
+                raise InvalidArgument(f"{VISIBLE_ENV}={raw!r}: {entry!r} names no GPU here: expected an index below "
+                                      f"{len(uuids)} or a UUID (or the start of one) of {_listing(uuids)}")
+            if len(matches) > 1:
+                raise InvalidArgument(f"{VISIBLE_ENV}={raw!r}: {entry!r} starts the UUIDs of GPUs {matches}: "
+                                      "expected enough characters to name one GPU")
+            if matches[0] in chosen:
+                raise InvalidArgument(f"{VISIBLE_ENV}={raw!r}: {entry!r} names GPU {matches[0]} again: expected "
+                                      "each GPU at most once")
+            chosen.append(matches[0])
+    if not chosen:
+        where = f"{VISIBLE_ENV}={raw!r} hides every GPU" if raw is not None and uuids else "NVML sees no GPU"
+        raise InvalidArgument(f"no GPU is visible to this process ({where}): expected at least one for the cuda "
+                              "plugin (use the cpu plugin for a process without GPUs)")
+    return chosen
+
+
+def _matching_gpus(entry: str, uuids: Sequence[str]) -> list[int]:
+    """The indices of the GPUs ``entry`` names: an NVML index, a UUID, or the start of a UUID (GPU-...)."""
+    if entry.isdigit():
+        return [int(entry)] if int(entry) < len(uuids) else []
+    if not entry.upper().startswith(UUID_PREFIX):
+        return []  # MIG-... entries and anything else name no GPU this plugin lists
+    return [i for i, uuid in enumerate(uuids) if uuid.lower().startswith(entry.lower())]
+
+
+def _listing(uuids: Sequence[str]) -> str:
+    return ", ".join(uuids) if uuids else "no GPU (NVML sees none)"
+
+
+def nvlink_gpu_peers(own_bus_id: str, remote_bus_ids: Iterable[str], gpu_bus_ids: Iterable[str]) -> list[str]:
+    """The PCI bus ids of the other GPUs among a GPU's NVLink remote ends, sorted and distinct.
+
+    A remote end that is no GPU of this host (an NVSwitch, a CPU's NVLink port) or the GPU itself is no peer.
+    Bus ids are compared without case and returned as ``gpu_bus_ids`` spells them (as each GPU's pci_bus_id).
+    """
+    remote = {_bus(b) for b in remote_bus_ids} - {_bus(own_bus_id)}
+    return sorted({b for b in gpu_bus_ids if _bus(b) in remote})
+
+
+def _bus(bus_id: str) -> str:
+    return bus_id.strip().lower()
 
 
 def _nvml() -> Any:
@@ -47,19 +148,21 @@ class CudaPlugin(DevicePlugin):
     def local_devices(self, local_device_ids: Sequence[int] | None = None) -> list[LocalDevice]:
         reason = self.check()
         if reason is not None:
-            raise ValueError(f"the cuda plugin cannot list GPUs here: {reason}")
+            raise InvalidArgument(f"the cuda plugin cannot list GPUs here: {reason}")
         nvml = _nvml()
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
+        bus_ids = [_text(nvml.nvmlDeviceGetPciInfo(h).busId) for h in handles]
         devices = []
-        for local_id, (index, handle) in enumerate(self._visible(nvml, handles)):
-            pci = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+        for local_id, index in enumerate(visible_gpus(os.environ.get(VISIBLE_ENV), uuids)):
+            handle = handles[index]
             attributes = {
-                "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
+                "uuid": uuids[index],
                 "memory_bytes": str(nvml.nvmlDeviceGetMemoryInfo(handle).total),
-                "pci_bus_id": pci,
+                "pci_bus_id": bus_ids[index],
                 "nvml_index": str(index),
             }
-            peers = self._nvlink_peers(nvml, handle)
+            peers = nvlink_gpu_peers(bus_ids[index], self._nvlink_remote_bus_ids(nvml, handle), bus_ids)
             if peers:
                 attributes["nvlink_peers"] = ",".join(peers)
             devices.append(LocalDevice(local_id, "cuda", _text(nvml.nvmlDeviceGetName(handle)),
@@ -70,34 +173,19 @@ class CudaPlugin(DevicePlugin):
         """With several processes per host and no CUDA_VISIBLE_DEVICES, gives each its share of the GPUs."""
         if local_world_size <= 1 or VISIBLE_ENV in os.environ or not self.is_available():
             return
-        count = _nvml().nvmlDeviceGetCount()
-        share = max(1, count // local_world_size)
-        mine = range(local_rank * share, min(count, (local_rank + 1) * share))
-        os.environ[VISIBLE_ENV] = ",".join(map(str, mine))
+        nvml = _nvml()
+        uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
+                 for i in range(nvml.nvmlDeviceGetCount())]
+        os.environ[VISIBLE_ENV] = visible_share(uuids, local_rank, local_world_size)
 
     @staticmethod
-    def _visible(nvml: Any, handles: list[Any]) -> list[tuple[int, Any]]:
-        raw = os.environ.get(VISIBLE_ENV)
-        if raw is None:
-            return list(enumerate(handles))
-        uuids = {_text(nvml.nvmlDeviceGetUUID(h)): i for i, h in enumerate(handles)}
-        chosen = []
-        for item in filter(None, (s.strip() for s in raw.split(","))):
-            if item.isdigit() and int(item) < len(handles):
-                chosen.append(int(item))
-            elif item in uuids:
-                chosen.append(uuids[item])
-            else:
-                break  # CUDA stops at the first invalid entry
-        return [(i, handles[i]) for i in chosen]
-
-    @staticmethod
-    def _nvlink_peers(nvml: Any, handle: Any) -> list[str]:
-        peers = []
+    def _nvlink_remote_bus_ids(nvml: Any, handle: Any) -> list[str]:
+        """The PCI bus ids at the far end of this GPU's active NVLinks (GPUs, switches or CPUs alike)."""
+        remote = []
         for link in range(MAX_NVLINKS):
             try:
                 if nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED:
-                    peers.append(_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId))
+                    remote.append(_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId))
             except nvml.NVMLError:
                 break  # no such link, or NVLink not supported
-        return sorted(set(peers))
+        return remote

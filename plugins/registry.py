@@ -5,7 +5,8 @@ A third-party package adds a device type without changing this project:
     [project.entry-points."ifrt.plugins"]
     mydevice = "mypackage.ifrt_plugin:MyDevicePlugin"
 
-A plugin that fails to load is reported with its name and error; it never breaks another plugin.
+A plugin that fails to load, or whose ``check()`` raises, is reported with its name and error; it never breaks
+another plugin or the listing.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import metadata
 
+from ifrt.errors import PluginError
 from plugins.base import DevicePlugin
 from plugins.cpu import CpuPlugin
 from plugins.cuda import CudaPlugin
@@ -21,10 +23,6 @@ from plugins.sim import SimPlugin
 
 ENTRY_POINT_GROUP = "ifrt.plugins"
 BUILTIN: dict[str, type[DevicePlugin]] = {p.name: p for p in (CpuPlugin, SimPlugin, CudaPlugin, JaxPlugin)}
-
-
-class PluginError(ValueError):
-    """A plugin is unknown or could not be loaded; the message names it and why."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +36,15 @@ class PluginInfo:
 
     @property
     def status(self) -> str:
+        """``available``, ``unavailable: why`` (from ``check()``), or ``broken: error`` (it failed to load or check)."""
         if self.error is not None:
             return f"broken: {self.error}"
-        reason = self.plugin.check() if self.plugin is not None else "not loaded"
+        if self.plugin is None:
+            return "unavailable: not loaded"
+        try:
+            reason = self.plugin.check()
+        except Exception as e:  # a plugin's bug is shown, never raised: one broken plugin hides nothing else
+            return f"broken: plugin {self.name!r}: check() raised {type(e).__name__}: {e}"
         return "available" if reason is None else f"unavailable: {reason}"
 
 

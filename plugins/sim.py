@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES
 from ifrt.records import LocalDevice
 from plugins.base import DevicePlugin, select
@@ -27,17 +28,17 @@ _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_spec(spec: str) -> dict[str, str]:
-    """``"kind=tpu-v5e,devices=8"`` -> ``{"kind": "tpu-v5e", "devices": "8"}``; ValueError names a bad item."""
+    """``"kind=tpu-v5e,devices=8"`` -> ``{"kind": "tpu-v5e", "devices": "8"}``; InvalidArgument names a bad item."""
     fields: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not value.strip():
-            raise ValueError(f"{SPEC_ENV}: {item!r} is not key=value")
+            raise InvalidArgument(f"{SPEC_ENV}: {item!r} is not key=value")
         if key not in KEYS:
-            raise ValueError(f"{SPEC_ENV}: unknown key {key!r}: expected one of {', '.join(KEYS)}")
+            raise InvalidArgument(f"{SPEC_ENV}: unknown key {key!r}: expected one of {', '.join(KEYS)}")
         if key in fields:
-            raise ValueError(f"{SPEC_ENV}: {key!r} is given twice")
+            raise InvalidArgument(f"{SPEC_ENV}: {key!r} is given twice")
         fields[key] = value.strip()
     return fields
 
@@ -45,33 +46,33 @@ def parse_spec(spec: str) -> dict[str, str]:
 def _count(fields: Mapping[str, str], key: str, default: int, maximum: int) -> int:
     raw = fields.get(key, str(default))
     if not raw.isdigit() or not 1 <= int(raw) <= maximum:
-        raise ValueError(f"{SPEC_ENV}: {key}={raw} is not a whole number from 1 to {maximum}")
+        raise InvalidArgument(f"{SPEC_ENV}: {key}={raw} is not a whole number from 1 to {maximum}")
     return int(raw)
 
 
 def devices_from_spec(spec: str) -> list[LocalDevice]:
-    """The devices a spec describes; ValueError saying which key is wrong and what it expects."""
+    """The devices a spec describes; InvalidArgument saying which key is wrong and what it expects."""
     fields = parse_spec(spec)
     count = _count(fields, "devices", 1, MAX_LOCAL_DEVICES)
     if "slices" in fields and "slice" in fields:
-        raise ValueError(f"{SPEC_ENV}: give slices (split local devices) or slice (one slice for all), not both")
+        raise InvalidArgument(f"{SPEC_ENV}: give slices (split local devices) or slice (one slice for all), not both")
     slices = _count(fields, "slices", 1, count)
     if count % slices:
-        raise ValueError(f"{SPEC_ENV}: devices={count} do not split into slices={slices} equal slices")
+        raise InvalidArgument(f"{SPEC_ENV}: devices={count} do not split into slices={slices} equal slices")
     per_slice = count // slices
     grid: tuple[int, ...] = ()
     if "coords" in fields:
         if not re.fullmatch(r"\d+(x\d+)*", fields["coords"]):
-            raise ValueError(f"{SPEC_ENV}: coords={fields['coords']} is not a grid such as 2x4")
+            raise InvalidArgument(f"{SPEC_ENV}: coords={fields['coords']} is not a grid such as 2x4")
         grid = tuple(int(n) for n in fields["coords"].split("x"))
         if math.prod(grid) != count:
-            raise ValueError(f"{SPEC_ENV}: coords={fields['coords']} has {math.prod(grid)} points for "
-                             f"devices={count}: expected as many points as devices")
+            raise InvalidArgument(f"{SPEC_ENV}: coords={fields['coords']} has {math.prod(grid)} points for "
+                                  f"devices={count}: expected as many points as devices")
     attributes = {}
     if "memory" in fields:
         match = re.fullmatch(r"(\d+)([KMGT]?)", fields["memory"].upper())
         if not match:
-            raise ValueError(f"{SPEC_ENV}: memory={fields['memory']} is not a byte count such as 16G")
+            raise InvalidArgument(f"{SPEC_ENV}: memory={fields['memory']} is not a byte count such as 16G")
         attributes["memory_bytes"] = str(int(match[1]) * _SUFFIX[match[2]])
     kind, platform = fields.get("kind", "sim"), fields.get("platform", "sim")
     return [

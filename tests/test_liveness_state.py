@@ -137,11 +137,12 @@ def test_leave_is_reported_as_left():
 
 def test_barrier_completes_when_everyone_arrived():
     s = published()
-    assert s.arrive("p0", "step-1", frozenset(), 10, 0.1) == []
-    assert s.arrive("p2", "step-1", frozenset(), 10, 0.2) == []
-    assert s.arrive("p1", "step-1", frozenset(), 10, 0.3) == [BarrierResolved("step-1", None)]
-    assert s.arrive("p1", "step-1", frozenset(), 10, 0.4) == []  # a retry sees it done
-    assert s.barriers.get("step-1").done
+    assert s.arrive("p0", "step-1", frozenset(), 10, 0.1) == (None, [])
+    assert s.arrive("p2", "step-1", frozenset(), 10, 0.2) == (None, [])
+    done = BarrierResolved("step-1", None)
+    assert s.arrive("p1", "step-1", frozenset(), 10, 0.3) == (done, [done])
+    assert s.arrive("p1", "step-1", frozenset(), 10, 0.4) == (done, [])  # a retry sees it done, nothing new
+    assert s.barrier_outcome("step-1") == done
 
 
 def test_barrier_fails_at_once_when_a_participant_fails():
@@ -152,8 +153,9 @@ def test_barrier_fails_at_once_when_a_participant_fails():
     [resolved] = [e for e in effects if isinstance(e, BarrierResolved)]
     assert isinstance(resolved.error, BarrierFailed)
     assert "process 1 failed: sent no heartbeat" in str(resolved.error)
-    s.arrive("p0", "later", frozenset({0, 1}), 60, 1.6)
-    assert "process 1 failed" in str(s.barriers.get("later").error)
+    outcome, _ = s.arrive("p0", "later", frozenset({0, 1}), 60, 1.6)
+    assert isinstance(outcome.error, BarrierFailed)
+    assert "process 1 failed" in str(s.barrier_outcome("later").error)
 
 
 def test_barrier_timeout_names_who_did_not_arrive():
@@ -180,19 +182,23 @@ def test_barrier_misuse_is_an_invalid_argument():
 
 def test_key_values():
     s = published()
-    assert s.kv.set("nccl/id", b"abc")
-    assert not s.kv.set("nccl/id", b"abc")  # same value again: a retry
+    assert s.kv_set("p0", "nccl/id", b"abc", allow_overwrite=False)
+    assert not s.kv_set("p1", "nccl/id", b"abc", allow_overwrite=False)  # same value again: a retry
     with pytest.raises(KeyExists, match="already holds another value"):
-        s.kv.set("nccl/id", b"xyz")
-    assert s.kv.set("nccl/id", b"xyz", allow_overwrite=True)
-    s.kv.set("nccl/other", b"1")
-    s.kv.set("other", b"2")
-    assert s.kv.dir("nccl/") == [("nccl/id", b"xyz"), ("nccl/other", b"1")]
-    assert s.kv.get("missing") is None
+        s.kv_set("p1", "nccl/id", b"xyz", allow_overwrite=False)
+    assert s.kv_set("p1", "nccl/id", b"xyz", allow_overwrite=True)
+    s.kv_set("p0", "nccl/other", b"1", allow_overwrite=False)
+    s.kv_set("p0", "other", b"2", allow_overwrite=False)
+    assert s.kv_dir("p2", "nccl/") == [("nccl/id", b"xyz"), ("nccl/other", b"1")]
+    assert s.kv_get("p2", "missing") is None
+    with pytest.raises(UnknownClient):
+        s.kv_get("stranger", "nccl/id")
 
 
 def test_oversized_value_is_refused_and_stores_nothing():
     s = published(kv_max_value_bytes=8)
+    s.take_journal()
     with pytest.raises(InvalidArgument, match="9 bytes: expected at most 8"):
-        s.kv.set("k", b"x" * 9)
-    assert s.kv.get("k") is None
+        s.kv_set("p0", "k", b"x" * 9, allow_overwrite=False)
+    assert s.kv_get("p0", "k") is None
+    assert s.take_journal() == []

@@ -1,6 +1,8 @@
 """Device plugins: built-ins, third-party plugins through entry points, and the `ifrt plugins` listing."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +11,17 @@ import pytest
 
 import ifrt
 from ifrt.records import LocalDevice
-from plugins import DEFAULT_PROPERTIES, PluginError, all_plugins, get_plugin
+from plugins import PluginError, all_plugins, get_plugin
 from plugins.cpu import CpuPlugin
 from plugins.cuda import CudaPlugin
 from plugins.sim import devices_from_spec
 from tests.conftest import discover_process, finish
 
 FIXTURES = Path(__file__).with_name("fixture_plugins")
+ROOT = Path(__file__).parents[1]
+CHILD_PATH = os.pathsep.join([str(FIXTURES), str(ROOT)])
+"""PYTHONPATH for a child: the fixture distributions, and this tree's own ifrt and plugins."""
+NVML_INSTALLED = importlib.util.find_spec("pynvml") is not None
 
 
 @pytest.fixture
@@ -127,9 +133,20 @@ def test_jax_plugin_reports_the_devices_jax_has(tmp_path):
 
 # properties
 def test_device_properties_have_defaults_and_plugin_overrides():
-    assert get_plugin("cpu").device_properties("cpu") == dict(DEFAULT_PROPERTIES)
-    sim = get_plugin("sim").device_properties("tpu-v5e")
-    assert sim["interconnect"] == "ici" and sim["cores_per_chip"] == 1
+    assert get_plugin("cpu").device_properties("cpu") == {
+        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "none", "direct_transfer": False}
+    assert get_plugin("sim").device_properties("tpu-v5e") == {
+        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "ici", "direct_transfer": True}
+    assert get_plugin("cuda").device_properties("NVIDIA H100 80GB HBM3") == {
+        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "pcie", "direct_transfer": True}
+
+
+def test_a_kinds_properties_override_the_plugins(third_party):
+    plugin = get_plugin("fake-accel")
+    assert plugin.device_properties("fa-1") == {
+        "memory_bytes": 1 << 34, "cores_per_chip": 1, "interconnect": "fabric", "direct_transfer": False}
+    assert plugin.device_properties("fa-2") == {
+        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "none", "direct_transfer": False}
 
 
 # third-party plugins
@@ -155,21 +172,66 @@ def test_unknown_plugin_lists_the_known_ones(third_party):
 
 
 def test_ifrt_plugins_lists_everything_and_exits_zero():
-    env = {"PYTHONPATH": str(FIXTURES), "PATH": "/usr/bin"}
+    env = {"PYTHONPATH": CHILD_PATH, "PATH": "/usr/bin"}
     out = subprocess.run([str(Path(sys.executable).parent / "ifrt"), "plugins", "--json"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     listed = {row["name"]: row for row in map(json.loads, out.stdout.splitlines())}
-    assert {"cpu", "sim", "cuda", "jax", "fake-accel", "broken"} <= set(listed)
+    assert {"cpu", "sim", "cuda", "jax", "fake-accel", "broken", "faulty-check", "faulty-devices"} <= set(listed)
+    assert listed["cpu"]["status"] == "available"
     assert listed["fake-accel"]["status"] == "available"
+    assert listed["faulty-devices"]["status"] == "available"  # its bug shows only when it lists devices
     assert "ModuleNotFoundError" in listed["broken"]["status"]
-    assert listed["cuda"]["status"].startswith(("unavailable", "available"))
+    assert listed["faulty-check"]["status"] == (
+        "broken: plugin 'faulty-check': check() raised RuntimeError: the accelerator driver crashed")
+    cuda = listed["cuda"]["status"]
+    if NVML_INSTALLED:  # then it depends on the driver, and only one of two things may be said
+        assert cuda == "available" or cuda.startswith("unavailable: NVML did not start ("), cuda
+    else:
+        assert cuda == "unavailable: nvidia-ml-py is not installed (pip install 'ifrt-topology[cuda]')"
+
+
+def test_a_plugin_whose_check_raises_is_listed_with_its_error(third_party):
+    infos = {i.name: i for i in all_plugins()}
+    assert infos["faulty-check"].status == (
+        "broken: plugin 'faulty-check': check() raised RuntimeError: the accelerator driver crashed")
+    assert infos["fake-accel"].status == "available"
+    assert infos["cpu"].status == "available"
+
+
+def test_a_plugin_raising_while_listing_devices_is_a_plugin_error(start_coordinator, third_party):
+    coordinator = start_coordinator(num_processes=1)
+    with ifrt.Client(coordinator.address, process_id=0, plugin="faulty-devices", timeout=30) as client, \
+            pytest.raises(ifrt.PluginError) as info:
+        client.discover()
+    assert str(info.value) == "device plugin 'faulty-devices': KeyError: 'fabric_id'"
+    assert isinstance(info.value, ifrt.InvalidArgument)
+    assert isinstance(info.value.__cause__, KeyError)
+    with ifrt.Client(coordinator.address, process_id=0, timeout=30) as client:  # the coordinator is unaffected
+        assert len(client.discover().devices) == 1
+
+
+def test_a_plugins_value_error_is_a_plugin_error_naming_it(start_coordinator, monkeypatch):
+    coordinator = start_coordinator(num_processes=1)
+    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "many")
+    with ifrt.Client(coordinator.address, process_id=0, plugin="cpu", timeout=30) as client, pytest.raises(
+            ifrt.PluginError, match=r"^device plugin 'cpu': IFRT_CPU_DEVICE_COUNT='many' is not an integer: "
+                                    r"expected 0 <= count <= 131072$"):
+        client.discover()
+
+
+def test_ifrt_discover_reports_a_raising_plugin_as_a_typed_error(start_coordinator):
+    coordinator = start_coordinator(num_processes=1)
+    code, out, err = finish(discover_process(coordinator.address, "--process-id", "0", "--plugin", "faulty-devices",
+                                             env={"PYTHONPATH": CHILD_PATH}))
+    assert (code, out) == (1, "")
+    assert err.strip() == "ifrt discover: PluginError: device plugin 'faulty-devices': KeyError: 'fabric_id'"
 
 
 def test_third_party_plugin_through_discover(start_coordinator):
     coordinator = start_coordinator(num_processes=1)
     code, out, err = finish(discover_process(coordinator.address, "--process-id", "0", "--plugin", "fake-accel",
-                                             env={"PYTHONPATH": str(FIXTURES)}))
+                                             env={"PYTHONPATH": CHILD_PATH}))
     assert code == 0, err
     topology = ifrt.Topology.from_dict(json.loads(out))
     assert [(d.kind, d.plugin, d.attributes["serial"]) for d in topology.devices] == [

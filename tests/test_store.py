@@ -65,7 +65,7 @@ def test_journal_replays_to_the_same_topology(make_store):
     for raw in run(scenario()):
         rebuilt.replay(journal.decode(raw))
     assert wire.encode(rebuilt.topology) == wire.encode(original.topology)
-    assert rebuilt.kv.get("nccl/id") == b"\x00\x01"
+    assert rebuilt.kv_get("uid0", "nccl/id") == b"\x00\x01"
 
 
 def test_a_deposed_leader_cannot_append(etcd):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 import ifrt
-from ifrt.transfer import ARRAY, HELLO, Channels, TransferError, TransferTimeout, encode_header
+from ifrt.errors import InvalidArgument
+from ifrt.transfer import ARRAY, HELLO, Channels, TransferError, TransferTimeout, encode_header, wait_seconds
 
 ECHO = Path(__file__).with_name("echo_worker.py")
 DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -105,18 +107,26 @@ def raw_peer(topology: ifrt.Topology) -> socket.socket:
 
 
 @pytest.fixture
-def half(start_coordinator):
-    """Process 0 here; process 1 registered (so the topology has it) but speaking through raw sockets."""
+def two_clients(start_coordinator):
+    """Processes 0 and 1 as two clients here, each with its own endpoint listening on a real socket."""
     coordinator = start_coordinator(num_processes=2)
     other = ifrt.Client(coordinator.address, process_id=1, num_processes=2, timeout=30)
     client = ifrt.Client(coordinator.address, process_id=0, num_processes=2, timeout=30)
     t = threading.Thread(target=other.discover)
     t.start()
-    topology = client.discover()
+    client.discover()
     t.join(30)
-    yield client, topology
+    assert other.topology is not None, "process 1 did not discover within 30s"
+    yield client, other
     client.close()
     other.close()
+
+
+@pytest.fixture
+def half(two_clients):
+    """Process 0 here; process 1 registered (so the topology has it) but speaking through raw sockets."""
+    client, _ = two_clients
+    return client, client.topology
 
 
 def test_peer_dying_mid_frame_is_a_clear_error(half):
@@ -164,3 +174,70 @@ def test_nothing_arriving_times_out_naming_the_source(half):
     with Channels(topology, client.endpoint) as channels, pytest.raises(
             TransferTimeout, match="nothing arrived from device 131072 \\(process 1\\)"):
         channels.recv(1 << 17, timeout=0.2)
+
+
+def test_threads_sending_on_one_pair_put_frames_on_the_wire_in_order(two_clients):
+    sender, receiver = two_clients
+    src, dst = sender.topology.local_devices[0].id, receiver.topology.local_devices[0].id
+    threads, per_thread = 8, 300
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: races show up at once
+    start = threading.Barrier(threads)
+    failures: list[BaseException] = []
+
+    def send_all(thread: int) -> None:
+        try:
+            start.wait(timeout=30)
+            for i in range(per_thread):
+                out.send(np.array([thread, i]), dst, src_device=src)
+        except BaseException as e:  # reported by the main thread
+            failures.append(e)
+
+    try:
+        with Channels(sender.topology, sender.endpoint) as out, \
+                Channels(receiver.topology, receiver.endpoint) as into:
+            senders = [threading.Thread(target=send_all, args=(t,)) for t in range(threads)]
+            for t in senders:
+                t.start()
+            got = [into.recv(src, dst_device=dst, timeout=30).tolist() for _ in range(threads * per_thread)]
+            for t in senders:
+                t.join(30)
+    finally:
+        sys.setswitchinterval(previous)
+    assert not failures
+    for thread in range(threads):  # each thread's frames arrive all, in the order it sent them
+        assert [i for t, i in got if t == thread] == list(range(per_thread))
+
+
+def test_recv_without_a_timeout_waits_the_finite_default(half):
+    client, topology = half
+    with Channels(topology, client.endpoint, recv_timeout=0.2) as channels, pytest.raises(
+            TransferTimeout, match=r"nothing arrived from device 131072 \(process 1\) for device 0 within 0\.2s"):
+        channels.recv(1 << 17, timeout=None)
+
+
+def test_recv_from_a_local_device_without_a_timeout_waits_the_finite_default(start_coordinator, monkeypatch):
+    coordinator = start_coordinator(num_processes=1)
+    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "2")
+    with ifrt.Client(coordinator.address, process_id=0, timeout=30) as client:
+        topology = client.discover()
+        with Channels(topology, client.endpoint, recv_timeout=0.2) as channels, pytest.raises(
+                TransferTimeout, match=r"nothing arrived from local device 1 within 0\.2s"):
+            channels.recv(1, dst_device=0)
+
+
+@pytest.mark.parametrize(("timeout", "default", "seconds"), [
+    (None, 60.0, 60.0),
+    (None, 0.5, 0.5),
+    (0, 60.0, 0.0),
+    (2.5, 60.0, 2.5),
+    (np.int64(3), 60.0, 3.0),
+])
+def test_wait_seconds_are_finite(timeout, default, seconds):
+    assert wait_seconds(timeout, default) == seconds
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, -1.0, "10", [1]])
+def test_unbounded_or_malformed_timeouts_are_refused(timeout):
+    with pytest.raises(InvalidArgument, match=r"receive timeout .* is not a finite number of seconds"):
+        wait_seconds(timeout, 60.0)

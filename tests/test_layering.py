@@ -1,0 +1,106 @@
+"""Layers: plain values, ids, errors and plugins import without grpc or numpy; each error keeps its gRPC status."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+import ifrt
+from ifrt.errors import ERROR_CLASSES
+
+ROOT = Path(__file__).parents[1]
+
+
+def run_fresh(code: str) -> dict:
+    """Runs ``code`` in a fresh interpreter on this tree; returns the JSON object it prints last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+HEAVY = ("grpc", "numpy", "google.protobuf", "ifrt.client", "ifrt._generated")
+
+
+def test_values_ids_errors_and_plugins_import_without_grpc_or_numpy():
+    seen = run_fresh(
+        "import json, sys\n"
+        "import ifrt.records, ifrt.ids, ifrt.errors, plugins\n"
+        f"heavy = {HEAVY!r}\n"
+        "print(json.dumps({'loaded': sorted(m for m in sys.modules if m.startswith(heavy))}))\n"
+    )
+    assert seen == {"loaded": []}
+
+
+def test_the_package_still_offers_discover_client_topology_and_mesh():
+    seen = run_fresh(
+        "import json, sys\n"
+        "import ifrt\n"
+        "names = {'discover': ifrt.discover.__module__, 'Client': ifrt.Client.__module__,\n"
+        "         'Topology': ifrt.Topology.__module__, 'Mesh': ifrt.Mesh.__module__}\n"
+        "star = {}\n"
+        "exec('from ifrt import *', star)\n"
+        "print(json.dumps({'names': names, 'star': sorted(set(star) - {'__builtins__'}),\n"
+        "                  'grpc': 'grpc' in sys.modules}))\n"
+    )
+    assert seen["names"] == {"discover": "ifrt", "Client": "ifrt.client", "Topology": "ifrt.topology",
+                             "Mesh": "ifrt.mesh"}
+    assert seen["star"] == sorted(ifrt.__all__)
+    assert seen["grpc"] is True  # ifrt.Client brought it in, when it was asked for
+
+
+def test_an_unknown_name_is_still_an_attribute_error():
+    with pytest.raises(AttributeError, match="module 'ifrt' has no attribute 'Clinet'"):
+        ifrt.Clinet  # noqa: B018
+
+
+STATUS = {
+    "InvalidArgument": "INVALID_ARGUMENT",
+    "PluginError": "INVALID_ARGUMENT",
+    "ProcessIdTaken": "ALREADY_EXISTS",
+    "ClusterMismatch": "FAILED_PRECONDITION",
+    "UnknownClient": "NOT_FOUND",
+    "ProcessDeclaredFailed": "FAILED_PRECONDITION",
+    "BarrierFailed": "ABORTED",
+    "BarrierTimeout": "DEADLINE_EXCEEDED",
+    "KeyExists": "ALREADY_EXISTS",
+    "KeyValueTimeout": "DEADLINE_EXCEEDED",
+    "TopologyError": "DATA_LOSS",
+    "CoordinatorUnavailable": "UNAVAILABLE",
+    "DiscoveryTimeout": "DEADLINE_EXCEEDED",
+}
+
+
+@pytest.mark.parametrize("name", sorted(STATUS))
+def test_each_error_has_its_one_grpc_status(name):
+    cls = ERROR_CLASSES[name]
+    assert cls.status == STATUS[name]
+    assert cls.code is getattr(grpc.StatusCode, STATUS[name])
+    assert cls("x").code is getattr(grpc.StatusCode, STATUS[name])
+
+
+def test_every_error_class_is_in_the_status_table():
+    assert set(ERROR_CLASSES) == set(STATUS)
+    assert ifrt.IfrtError.code is grpc.StatusCode.UNKNOWN
+
+
+def test_a_status_without_a_trailer_still_maps_to_its_class():
+    by_code = ifrt.errors._BY_CODE  # what the client falls back on, keyed by grpc.StatusCode
+    assert by_code == {
+        grpc.StatusCode.INVALID_ARGUMENT: ifrt.InvalidArgument,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: ifrt.InvalidArgument,
+        grpc.StatusCode.ALREADY_EXISTS: ifrt.ProcessIdTaken,
+        grpc.StatusCode.FAILED_PRECONDITION: ifrt.ClusterMismatch,
+    }
+
+
+def test_an_error_raised_by_the_coordinator_arrives_as_its_class(start_coordinator):
+    coordinator = start_coordinator(num_processes=2)
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=3, timeout=30) as client, pytest.raises(
+            ifrt.ClusterMismatch, match=r"\(FAILED_PRECONDITION\)$"):
+        client.discover()
