@@ -314,6 +314,7 @@ class CoordinatorService:
         await self._commit(context, what)
         self._apply(effects)
         if outcome is None:
+            log.debug("%s: a process arrived and waits for the others", what)
             done = self._barrier_done.setdefault(request.name, asyncio.Event())
             # The state machine's tick fails the barrier at its deadline; the slack only guards against a stall.
             try:
@@ -349,6 +350,7 @@ class CoordinatorService:
         value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key))
         if value is None:
             wait_s = min(request.wait_ms / 1000, self._max_wait_s)
+            log.debug("%s waits up to %.1fs for the key to be set", what, wait_s)
             try:
                 await asyncio.wait_for(self._kv_set.setdefault(request.key, asyncio.Event()).wait(), wait_s)
             except TimeoutError:

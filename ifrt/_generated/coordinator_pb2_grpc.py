@@ -26,7 +26,19 @@ if _version_not_supported:
 
 
 class CoordinatorStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every RPC may also answer:
+    UNAVAILABLE          this replica does not lead (a standby, it stepped down,
+    its store is unreachable, or it is shutting down); the
+    message names the leader when known. Calls waiting on
+    a replica that steps down get it at once. Retry, on
+    the next replica of the client's list.
+    INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
+    INTERNAL             a bug in the coordinator (logged with its traceback);
+    nothing is answered from a state it could not persist.
+    Nothing is answered before every journal entry made before the answer is
+    durable in the coordinator's store. Errors carry trailing metadata
+    "ifrt-error" naming the error class.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -72,7 +84,19 @@ class CoordinatorStub:
 
 
 class CoordinatorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every RPC may also answer:
+    UNAVAILABLE          this replica does not lead (a standby, it stepped down,
+    its store is unreachable, or it is shutting down); the
+    message names the leader when known. Calls waiting on
+    a replica that steps down get it at once. Retry, on
+    the next replica of the client's list.
+    INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
+    INTERNAL             a bug in the coordinator (logged with its traceback);
+    nothing is answered from a state it could not persist.
+    Nothing is answered before every journal entry made before the answer is
+    durable in the coordinator's store. Errors carry trailing metadata
+    "ifrt-error" naming the error class.
+    """
 
     def Register(self, request, context):
         """Registers one process and waits up to wait_ms for the complete topology.
@@ -85,7 +109,8 @@ class CoordinatorServicer:
         process count, explicit and assigned ids mixed,
         cluster already full).
         RESOURCE_EXHAUSTED   the request is larger than the coordinator accepts.
-        Errors carry trailing metadata "ifrt-error" naming the error class.
+        FAILED_PRECONDITION  also: this process was declared failed or replaced
+        while it waited.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,11 +136,18 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Barrier(self, request, context):
-        """Waits until every named process arrived at the barrier.
+        """Barrier and the key-value calls are for processes of the published
+        topology; for any other caller they answer:
+        NOT_FOUND            the client is not a registered process of the
+        published topology.
+        FAILED_PRECONDITION  this process was declared failed or has left.
+
+        Waits until every named process arrived at the barrier.
         DEADLINE_EXCEEDED    a participant's timeout passed (names who is missing).
         ABORTED              a participant failed or left.
-        INVALID_ARGUMENT     the name is reused with other participants, or the
-        caller is not one of them.
+        INVALID_ARGUMENT     the name is empty or reused with other participants,
+        names ids outside the topology, or the caller is not
+        one of the participants.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -190,7 +222,19 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Coordinator:
-    """Missing associated documentation comment in .proto file."""
+    """Every RPC may also answer:
+    UNAVAILABLE          this replica does not lead (a standby, it stepped down,
+    its store is unreachable, or it is shutting down); the
+    message names the leader when known. Calls waiting on
+    a replica that steps down get it at once. Retry, on
+    the next replica of the client's list.
+    INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
+    INTERNAL             a bug in the coordinator (logged with its traceback);
+    nothing is answered from a state it could not persist.
+    Nothing is answered before every journal entry made before the answer is
+    durable in the coordinator's store. Errors carry trailing metadata
+    "ifrt-error" naming the error class.
+    """
 
     @staticmethod
     def Register(request,

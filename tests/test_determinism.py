@@ -1,0 +1,103 @@
+"""Same events, same bytes: a journal replayed under any hash seed, in any replica, publishes one topology.
+
+Orders that reach the wire must be total; set or dict iteration (which follows ``PYTHONHASHSEED`` for strings)
+must never break a tie. Each replay runs in its own interpreter with its own hash seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinator import journal
+from coordinator.assignment import assign_process_ids
+from coordinator.registration import Registration
+from ifrt.records import LocalDevice
+
+SEEDS = ("0", "1", "2", "3", "4", "5")
+REPLAY = """
+import json, sys
+from coordinator import journal
+from coordinator.state import ClusterConfig, ClusterState
+from ifrt import wire
+out = []
+for scenario in json.load(sys.stdin):
+    state = ClusterState(ClusterConfig(num_processes=scenario["n"], cluster_id="job"))
+    for entry in scenario["journal"]:
+        state.replay(journal.decode(entry.encode()))
+    out.append(wire.encode(state.topology).hex() if state.topology else None)
+print(json.dumps(out))
+"""
+
+
+def registration(uid: str, *, host: str = "node", ip: str = "10.0.0.1", rank: int = 0,
+                 slices: tuple[str, ...] = ("",), pid: int | None = None) -> Registration:
+    devices = tuple(LocalDevice(i, "cpu", "cpu", slice_key=key) for i, key in enumerate(slices))
+    return Registration(uid, "", 0, pid, host, ip, rank, f"{host}:9000", devices, "cpu")
+
+
+def replayed_under_each_seed(scenarios: list[dict]) -> dict[str, list[str | None]]:
+    """The canonical topology bytes (hex) of each scenario, replayed in a fresh interpreter per hash seed."""
+    results = {}
+    for seed in SEEDS:
+        done = subprocess.run([sys.executable, "-c", REPLAY], input=json.dumps(scenarios), capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.returncode == 0, done.stderr
+        results[seed] = json.loads(done.stdout)
+    return results
+
+
+def journal_of(registrations: list[Registration]) -> list[str]:
+    return [journal.encode(journal.Registered(r, float(i))).decode() for i, r in enumerate(registrations)]
+
+
+def test_slice_keys_equal_as_numbers_are_numbered_the_same_under_every_hash_seed():
+    keys = ("slice-1", "slice-01", "slice-001", "slice-10", "slice-2", "slice-0001")
+    regs = [registration(f"u{i}", host=f"h{i}", slices=(key,)) for i, key in enumerate(keys)]
+    results = replayed_under_each_seed([{"n": len(regs), "journal": journal_of(regs)}])
+    assert len({json.dumps(r) for r in results.values()}) == 1, results
+    from ifrt import wire
+
+    topology = wire.decode(bytes.fromhex(results["0"][0]))
+    by_key = {keys[int(p.hostname[1:])]: topology.devices[p.process_id].slice_index for p in topology.processes}
+    # Natural order, and among keys equal as numbers, the text order: "slice-0001" < "slice-001" < ... .
+    assert by_key == {"slice-0001": 0, "slice-001": 1, "slice-01": 2, "slice-1": 3, "slice-2": 4, "slice-10": 5}
+
+
+hosts = st.sampled_from(["a", "b", "node", "node-10", "node-2"])
+addresses = st.sampled_from(["10.0.0.2", "10.0.0.10", "10.0.0.9", "::1", "fe80::2", "192.168.1.1", "host.local"])
+slice_keys = st.sampled_from(["", "s", "slice-1", "slice-01", "slice-001", "slice-2", "slice-10", "x-1-2", "x-01-2"])
+processes = st.lists(st.tuples(hosts, addresses, st.integers(0, 3), st.lists(slice_keys, min_size=1, max_size=3)),
+                     min_size=1, max_size=8, unique_by=lambda p: (p[0], p[1], p[2]))
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(processes, st.randoms(use_true_random=False)), min_size=5, max_size=10))
+def test_any_journal_replays_to_the_same_bytes_under_every_hash_seed(cases):
+    scenarios = []
+    for spec, rnd in cases:
+        regs = [registration(f"u{i}", host=h, ip=ip, rank=rank, slices=tuple(keys))
+                for i, (h, ip, rank, keys) in enumerate(spec)]
+        rnd.shuffle(regs)  # arrival order is part of the events, and must not matter either
+        scenarios.append({"n": len(regs), "journal": journal_of(regs)})
+    results = replayed_under_each_seed(scenarios)
+    assert len({json.dumps(r) for r in results.values()}) == 1, results
+    assert all(r is not None for r in results["0"])
+
+
+def test_assigned_ids_sort_host_addresses_as_addresses():
+    addresses = ["fe80::2", "10.0.0.10", "::1", "10.0.0.2", "10.0.0.9", "192.168.1.1", "host.local"]
+    regs = [registration(f"u-{a}", ip=a) for a in addresses]
+    ids = assign_process_ids(regs)
+    order = sorted(addresses, key=lambda a: ids[f"u-{a}"])
+    assert order == ["10.0.0.2", "10.0.0.9", "10.0.0.10", "192.168.1.1", "::1", "fe80::2", "host.local"]
+
+
+def test_hostname_still_comes_before_the_address():
+    regs = [registration("u1", host="b", ip="10.0.0.1"), registration("u2", host="a", ip="10.0.0.9")]
+    assert assign_process_ids(regs) == {"u2": 0, "u1": 1}
