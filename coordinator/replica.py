@@ -157,13 +157,13 @@ class Replica:
         self.reason = f"this coordinator stepped down ({why}); another replica may lead"
         self.state = ClusterState(self.config)
         self._pending, self._enqueued, self._durable = [], 0, 0
+        if was_serving:
+            log.error("stepping down: %s", why)
+        await self._report(False)  # before any caller hears of it
         waiters, self._waiters = self._waiters, []
         for _, done in waiters:
             if not done.done():
                 done.set_result(None)  # each waiter finds the epoch changed and raises NotServing
-        if was_serving:
-            log.error("stepping down: %s", why)
-        await self._report(False)
         self._on_step_down(why)
         self._down.set()
         await self.store.release()

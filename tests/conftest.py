@@ -1,4 +1,8 @@
-"""Shared fixtures: a real ifrt-coordinator daemon on loopback, and `ifrt discover` subprocesses."""
+"""Shared fixtures: a real ifrt-coordinator daemon on loopback, `ifrt discover` subprocesses, real etcd servers.
+
+What the suite needs from the machine (etcd, network namespaces, jax) is checked by tests/requirements.py's
+``require``: a failure under CI=true, a skip that says why elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -58,6 +62,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd_installed() -> str:
+    """Path of the etcd server; fails (under CI=true) or skips the test when etcd is not installed."""
+    from tests.etcd_cluster import skip_without_etcd
+
+    return skip_without_etcd()
 
 
 @pytest.fixture

@@ -19,7 +19,9 @@ leader (about half a second after start); a member without quorum does not answe
 for more than ten seconds, so ``stop`` escalates to SIGKILL; the well-known ports 2379/2380 may belong to a
 packaged etcd, so every port is picked by binding 127.0.0.1:0.
 
-Test modules skip without etcd through ``requires_etcd`` (``pytestmark = requires_etcd``).
+Tests that need etcd use the ``etcd``/``etcd3`` fixtures, ``requires_etcd`` (a mark: ``@requires_etcd`` or
+``pytestmark = requires_etcd``) or ``skip_without_etcd()``; without etcd each of them fails under ``CI=true`` and
+skips elsewhere, saying how to install it (tests/requirements.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from types import TracebackType
 
 import pytest
 
+from tests.requirements import require
+
 HOST = "127.0.0.1"
 HEARTBEAT_MS = 50
 ELECTION_MS = 500  # etcd 3.4 refuses to start unless ELECTION_MS >= 5 * HEARTBEAT_MS
@@ -52,8 +56,8 @@ START_TIMEOUT = 15.0  # seconds until every member of a new cluster must be heal
 STOP_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 LOG_TAIL = 40  # log lines quoted in errors
 
-SKIP_REASON = ("etcd is not installed (no `etcd` on PATH or at /usr/bin/etcd); scripts/test.sh installs "
-               "Debian's etcd-server, or run: apt-get install -y etcd-server")
+SKIP_REASON = ("no `etcd` on PATH or at /usr/bin/etcd; scripts/test.sh installs Debian's etcd-server as root, "
+               "or run: apt-get install -y etcd-server")
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through an http_proxy
 _live: weakref.WeakSet[EtcdCluster] = weakref.WeakSet()  # clusters to stop if the interpreter exits early
@@ -67,15 +71,16 @@ def etcd_binary() -> str | None:
     return "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
 
 
-requires_etcd = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
-
-
 def skip_without_etcd() -> str:
-    """The etcd binary's path; skips the calling test (with SKIP_REASON) when etcd is not installed."""
+    """The etcd binary's path; when etcd is not installed, fails (under CI=true) or skips the calling test."""
     binary = etcd_binary()
     if binary is None:
-        pytest.skip(SKIP_REASON)
+        require("etcd", SKIP_REASON)
     return binary
+
+
+requires_etcd = pytest.mark.usefixtures("etcd_installed")
+"""Marks a test that starts etcd itself: the ``etcd_installed`` fixture (tests/conftest.py) calls skip_without_etcd."""
 
 
 def free_ports(count: int) -> list[int]:
@@ -400,7 +405,9 @@ class EtcdCluster:
         leader = self.leader(timeout=0.25) if len(indices) > 1 else None
         for batch in ([i for i in indices if i != leader], [i for i in indices if i == leader]):
             if batch and leader in batch and len(indices) > 1:
-                time.sleep(3 * HEARTBEAT_MS / 1000)  # until the leader's heartbeats find the followers gone
+                # Deliberately three heartbeats: until the leader's heartbeats find the followers gone, which etcd
+                # shows nowhere a test could wait on.
+                time.sleep(3 * HEARTBEAT_MS / 1000)
             processes = [self._members[i].process for i in batch]
             for process in processes:
                 process.send_signal(signal.SIGTERM)

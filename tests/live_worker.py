@@ -1,8 +1,10 @@
 """A job process for liveness tests: discovers, then reports its topology and every event as JSON lines.
 
-    python tests/live_worker.py [--barrier NAME] [--kv-set KEY=VALUE] [--kv-get KEY]
+    python tests/live_worker.py [--barrier NAME [--barrier-when-told]] [--kv-set KEY=VALUE] [--kv-get KEY]
 
-Settings come from IFRT_* variables. It runs until its standard input closes (or it is killed).
+Settings come from IFRT_* variables. It runs until its standard input closes (or it is killed). With
+``--barrier-when-told`` it arrives at the barrier when the line ``arrive`` comes on its standard input, so a
+test decides when that happens instead of guessing a delay.
 """
 
 import argparse
@@ -32,7 +34,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--barrier")
     p.add_argument("--barrier-timeout", type=float, default=60)
-    p.add_argument("--barrier-delay", type=float, default=0, help="wait this long before arriving")
+    p.add_argument("--barrier-when-told", action="store_true",
+                   help="arrive at --barrier when the line 'arrive' comes on stdin, not at once")
     p.add_argument("--kv-set")
     p.add_argument("--kv-get")
     args = p.parse_args()
@@ -47,16 +50,20 @@ def main() -> None:
         say(kv_set=key)
     if args.kv_get:
         say(kv_get=args.kv_get, value=client.kv_get(args.kv_get, timeout=30).decode())
-    if args.barrier:
-        def arrive() -> None:
-            time.sleep(args.barrier_delay)
-            try:
-                client.barrier(args.barrier, timeout=args.barrier_timeout)
-                say(barrier="ok")
-            except ifrt.IfrtError as e:
-                say(barrier=type(e).__name__, error=str(e))
+
+    def arrive() -> None:
+        try:
+            client.barrier(args.barrier, timeout=args.barrier_timeout)
+            say(barrier="ok")
+        except ifrt.IfrtError as e:
+            say(barrier=type(e).__name__, error=str(e))
+
+    if args.barrier and not args.barrier_when_told:
         threading.Thread(target=arrive, daemon=True).start()
-    sys.stdin.read()
+    for line in sys.stdin:
+        if line.strip() == "arrive" and args.barrier and args.barrier_when_told:
+            say(arriving=args.barrier)
+            threading.Thread(target=arrive, daemon=True).start()
     client.close()
     say(closed=True)
 

@@ -2,7 +2,8 @@
 
 A switch namespace holds a bridge; each host namespace has eth0 = SUBNET.<i> on it and no default route,
 so traffic only goes between the namespaces this helper made. Everything is removed on close; processes
-started inside are stopped by their own pids. Needs root and iproute2 (``ip``).
+started inside are stopped by their own pids. Needs root and iproute2 (``ip``); without them
+``skip_without_netns`` fails the calling test under ``CI=true`` and skips it elsewhere (tests/requirements.py).
 """
 
 from __future__ import annotations
@@ -14,25 +15,37 @@ import signal
 import subprocess
 import time
 
-import pytest
+from tests.requirements import require
 
-SKIP_REASON = "network namespaces need root and iproute2 (scripts/test.sh installs iproute2)"
+SKIP_REASON = ("they need root and iproute2's `ip` (scripts/test.sh installs iproute2 as root, or run: "
+               "apt-get install -y iproute2)")
+CLOSE_TIMEOUT = 10.0  # seconds for the processes of a namespace to be gone after SIGKILL
 
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
 
 
+def _pids(ns: str) -> list[int]:
+    """Processes running inside namespace ``ns`` (none when it does not exist)."""
+    listed = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout
+    return [int(pid) for pid in listed.split()]
+
+
 def skip_without_netns() -> None:
-    """Skips the calling test when namespaces cannot be made here (not root, no ``ip``, no permission)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip(SKIP_REASON)
+    """Fails (under CI=true) or skips the calling test when namespaces cannot be made here: not root, no ``ip``,
+    or no permission."""
+    if os.geteuid() != 0:
+        require("network namespaces", f"not running as root (uid {os.geteuid()}); {SKIP_REASON}")
+    if shutil.which("ip") is None:
+        require("network namespaces", f"no `ip` on PATH; {SKIP_REASON}")
     probe = f"itopo-probe-{os.getpid()}"
     try:
         _ip("netns", "add", probe)
         _ip("netns", "del", probe)
     except (subprocess.CalledProcessError, OSError) as e:
-        pytest.skip(f"{SKIP_REASON}: {e}")
+        stderr = getattr(e, "stderr", "") or ""
+        require("network namespaces", f"`ip netns add` failed here ({e} {stderr.strip()}); {SKIP_REASON}")
 
 
 class Hosts:
@@ -45,17 +58,21 @@ class Hosts:
         self.switch = f"{self.prefix}-sw"
         self.names = [f"{self.prefix}-h{i}" for i in range(1, count + 1)]
         self.processes: list[subprocess.Popen] = []
-        _ip("netns", "add", self.switch)
-        _ip("-n", self.switch, "link", "set", "lo", "up")
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.names, start=1):
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, ns in enumerate(self.names, start=1):
+                _ip("netns", "add", ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+                _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
+                _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+                _ip("-n", ns, "link", "set", "eth0", "up")
+        except BaseException:
+            self.close()  # no half-made namespaces left behind
+            raise
 
     def address(self, host: int) -> str:
         return f"{self.subnet}.{host}"
@@ -72,14 +89,22 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", f"p{host}", "up")
 
     def close(self) -> None:
-        for ns in [*self.names, self.switch]:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in map(int, pids):
+        """SIGKILLs the processes still inside (by pid), waits until they are gone, and deletes the namespaces."""
+        namespaces = [*self.names, self.switch]
+        for ns in namespaces:
+            for pid in _pids(ns):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-        for ns in [*self.names, self.switch]:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        while True:  # a SIGKILLed process leaves its namespace once the kernel has torn it down
+            left = {ns: pids for ns in namespaces if (pids := _pids(ns))}
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        for ns in namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        if left:
+            raise RuntimeError(f"processes still inside namespaces {CLOSE_TIMEOUT}s after SIGKILL: {left}")
 
     def __enter__(self) -> Hosts:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -60,10 +61,33 @@ def test_four_processes_get_identical_topologies_with_correct_ids(start_coordina
     assert "published generation 1: 4 processes, 10 devices" in coordinator.log
 
 
+def wait_for_connections(listener: socket.socket, count: int, timeout: float = 30) -> None:
+    """Accepts ``count`` connections on ``listener`` and then closes them; AssertionError if they do not come in time.
+
+    A connection stays open (unanswered) until all have come, so a client cannot be counted twice for reconnecting.
+    """
+    deadline = time.monotonic() + timeout
+    connections = []
+    try:
+        while len(connections) < count:
+            listener.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                connections.append(listener.accept()[0])
+            except TimeoutError:
+                raise AssertionError(f"{len(connections)} of {count} clients connected within {timeout}s") from None
+    finally:
+        for connection in connections:
+            connection.close()
+
+
 def test_workers_started_before_the_coordinator_succeed(start_coordinator, free_port):
     address = f"127.0.0.1:{free_port}"
-    children = [discover_process(address, "--process-id", str(i), "--num-processes", "2") for i in range(2)]
-    time.sleep(1.0)
+    with socket.socket() as listener:  # stands in the coordinator's place until every worker has tried it
+        listener.bind(("127.0.0.1", free_port))
+        listener.listen()
+        children = [discover_process(address, "--process-id", str(i), "--num-processes", "2") for i in range(2)]
+        wait_for_connections(listener, 2)
+    assert [c.poll() for c in children] == [None, None]  # still waiting for a coordinator, not given up
     start_coordinator(num_processes=2, bind=address)
     results = [finish(c) for c in children]
     assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
@@ -81,9 +105,10 @@ def test_sixty_four_concurrent_clients(start_coordinator):
 def test_assigned_ids_follow_local_rank_not_arrival_order(start_coordinator):
     coordinator = start_coordinator(num_processes=3)
     children = {}
-    for rank in (2, 0, 1):  # arrive in another order than the ranks
+    for arrived, rank in enumerate((2, 0), start=1):  # arrive in another order than the ranks
         children[rank] = discover_process(coordinator.address, env={"IFRT_LOCAL_RANK": str(rank)}, devices=rank + 1)
-        time.sleep(0.2)
+        coordinator.wait_for_log(f"local rank {rank} with {rank + 1} devices: {arrived}/3 registered")
+    children[1] = discover_process(coordinator.address, env={"IFRT_LOCAL_RANK": "1"}, devices=2)  # the last one
     results = {rank: finish(child) for rank, child in children.items()}
     assert all(code == 0 for code, _, _ in results.values()), results
     for rank, (_, out, _) in results.items():
@@ -172,7 +197,15 @@ BAD_REQUESTS = {
     "assigned id in an explicit cluster": (request(None), grpc.StatusCode.FAILED_PRECONDITION,
                                            "uses explicit process ids"),
     "taken id": (request(0), grpc.StatusCode.ALREADY_EXISTS, "process id 0 is already registered by"),
-    "oversized": (request(1, hostname="x" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+    # Refused by gRPC itself (--max-request-bytes), before our handler: gRPC's own words.
+    "oversized": (request(1, hostname="x" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  f"Received message larger than max ({len(request(1, hostname='x' * (2 << 20)))} vs. 1048576)"),
+}
+
+ERROR_CLASS_NAMES = {  # the typed error each status comes back as (the "ifrt-error" trailer), written out
+    grpc.StatusCode.INVALID_ARGUMENT: "InvalidArgument",
+    grpc.StatusCode.FAILED_PRECONDITION: "ClusterMismatch",
+    grpc.StatusCode.ALREADY_EXISTS: "ProcessIdTaken",
 }
 
 
@@ -189,17 +222,21 @@ def test_bad_request_gets_a_clear_status_and_changes_nothing(start_coordinator, 
     error = raw_register(coordinator.address, payload)
     assert error.code() == code
     assert message in error.details()
-    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # refused by gRPC itself, before our handler
-        assert ("ifrt-error", ifrt.errors._BY_CODE[code].__name__) in error.trailing_metadata()
+    trailer = [value for key, value in error.trailing_metadata() or () if key == "ifrt-error"]
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # refused by gRPC itself: no typed error of ours
+        assert trailer == []
+    else:
+        assert trailer == [ERROR_CLASS_NAMES[code]]
 
     with Client(coordinator.address, process_id=1, timeout=30) as second:
         topology = second.discover()
     holder_thread.join(30)
     holder.close()
     assert holder_result and holder_result[0].canonical_bytes == topology.canonical_bytes
-    assert [p.hostname for p in topology.processes] != ["raw-host"] * 2
+    # Both processes are the two real clients of this host; nothing of the refused "raw-host" request got in.
+    assert [p.hostname for p in topology.processes] == [socket.gethostname()] * 2
     assert [p.process_id for p in topology.processes] == [0, 1]
-    assert len(topology.devices) == 2
+    assert [(d.process_id, d.local_id) for d in topology.devices] == [(0, 0), (1, 0)]
 
 
 def test_taken_id_is_a_typed_error_naming_the_holder_and_not_retried(start_coordinator):
@@ -208,8 +245,8 @@ def test_taken_id_is_a_typed_error_naming_the_holder_and_not_retried(start_coord
     coordinator.wait_for_log("registered process 0")
     started = time.monotonic()
     with pytest.raises(ifrt.ProcessIdTaken, match="process id 0 is already registered by"):
-        ifrt.discover(coordinator.address, process_id=0, timeout=30)
-    assert time.monotonic() - started < 5  # not retried until the timeout
+        ifrt.discover(coordinator.address, process_id=0, timeout=60)
+    assert time.monotonic() - started < 30  # refused at once, not retried until the 60 s timeout
     with Client(coordinator.address, process_id=1) as c:
         c.discover()
     code, _, err = finish(holder)

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
 from coordinator.server import serve
-from coordinator.state import ClusterConfig
+from coordinator.state import ClusterConfig, ClusterState
 from coordinator.store import EtcdStore
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
@@ -81,13 +81,13 @@ class Harness:
         if self._channel is not None:
             self._channel.close()
 
-    async def wait_serving(self, timeout: float = 30) -> None:
-        def serving() -> bool:
-            with grpc.insecure_channel(self.address) as channel:
-                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            return answer.status == health_pb2.HealthCheckResponse.SERVING
+    def health(self) -> str:
+        with grpc.insecure_channel(self.address) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
 
-        await until(lambda: serving(), "the coordinator to serve", timeout)
+    async def wait_serving(self, timeout: float = 30) -> None:
+        await until(lambda: self.health() == "SERVING", "the coordinator to serve", timeout)
 
     def call(self, method: str, request) -> asyncio.Task:
         """One call of ``method`` in a thread, as a task whose result is the answer or the RpcError."""
@@ -174,6 +174,7 @@ def test_a_value_is_not_read_before_it_is_durable(harness):
             await not_answered_while_held(reading, "a read of the value")
             await h.fail_the_held_append()
             assert status(await setting) == grpc.StatusCode.UNAVAILABLE
+            assert await asyncio.to_thread(h.health) == "NOT_SERVING"  # as callers hear of it
             assert status(await reading) == grpc.StatusCode.UNAVAILABLE
             await h.bring_etcd_back()
             assert not any(b"nccl/id" in entry for entry in await h.next_leaders_journal())
@@ -243,5 +244,24 @@ def test_an_unexpected_store_error_is_unavailable_not_a_hang(harness):
                 client_uid="uid-0", key="k", value=b"v")), WAIT_S)
             assert status(answer) == grpc.StatusCode.UNAVAILABLE
             assert "a bug in a store" in answer.details()
+
+    run(scenario)
+
+
+def test_a_bug_in_a_handler_is_internal_not_unknown(harness, monkeypatch):
+    async def scenario():
+        async with harness() as h:
+            await published(h)
+
+            def broken(self, client_uid: str, prefix: str):
+                raise KeyError("a bug in a handler")
+
+            monkeypatch.setattr(ClusterState, "kv_dir", broken)
+            answer = await h.call("KeyValueDir", pb.KeyValueDirRequest(client_uid="uid-0", prefix=""))
+            assert status(answer) == grpc.StatusCode.INTERNAL
+            assert "KeyError" in answer.details() and "a bug in a handler" in answer.details()
+            assert await asyncio.to_thread(h.health) == "SERVING"  # the others are still served
+            monkeypatch.undo()
+            assert status(await h.call("KeyValueDir", pb.KeyValueDirRequest(client_uid="uid-0"))) == grpc.StatusCode.OK
 
     run(scenario)

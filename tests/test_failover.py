@@ -20,7 +20,7 @@ import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from tests.conftest import discover_process, finish
-from tests.test_liveness import Worker
+from tests.test_liveness import Worker, barrier_started_for
 
 NUM = 3
 LEADER_TTL = "2"
@@ -172,8 +172,11 @@ def test_leader_killed_after_publication(replicas, ports):
         assert lost.wait(20) and restored.wait(30)
         assert client.kv_get("nccl/id", timeout=30) == b"abc"  # acknowledged before the kill, so kept
         assert client.topology.fingerprint == expected and client.topology.generation == 1
-        time.sleep(float(HEARTBEAT) + 1)  # past the grace: nobody was declared failed
+        # Deliberately let time pass: one second beyond the grace the new leader gave everyone to re-attach.
+        time.sleep(float(HEARTBEAT) + 1)
         assert "failed" not in replicas.leader.log
+        for w in workers:
+            assert [line for line in list(w.lines.queue) if line.get("event") == "ProcessFailed"] == []
     for w in workers:
         w.stop()
 
@@ -181,27 +184,29 @@ def test_leader_killed_after_publication(replicas, ports):
 def test_leader_killed_during_a_barrier(replicas, ports):
     expected = reference_fingerprint(ports)
     workers = [start_worker(replicas, 1, ports, "--barrier", "step-1"),
-               start_worker(replicas, 2, ports, "--barrier", "step-1", "--barrier-delay", "8")]
+               start_worker(replicas, 2, ports, "--barrier", "step-1", "--barrier-when-told")]
     with client0(replicas, ports) as client:
         assert finish_all(discover_in_thread(client), workers) == {expected}
-        arrived = threading.Event()
         outcome: list = []
 
         def arrive():
-            arrived.set()
             try:
-                client.barrier("step-1", timeout=60)
+                client.barrier("step-1", timeout=90)
                 outcome.append("ok")
             except ifrt.IfrtError as e:
                 outcome.append(e)
 
         thread = threading.Thread(target=arrive)
         thread.start()
-        arrived.wait(5)
-        time.sleep(0.5)
-        replicas.kill_leader()  # processes 0 and 1 wait in the barrier; 2 arrives after the takeover
-        thread.join(60)
-        assert outcome == ["ok"]
+        # The leader holds the barrier, which cannot complete: process 2 has not been told to arrive.
+        seen = barrier_started_for(replicas.leader.address, client.client_uid, "step-1")
+        assert "barrier 'step-1' was started for processes [0, 1, 2]" in seen
+        dead = replicas.kill_leader()
+        assert dead.process.returncode == -signal.SIGKILL and thread.is_alive() and outcome == []
+        workers[1].tell("arrive")  # process 2 arrives only now, at the standby that took over
+        workers[1].expect("arriving", timeout=30)
+        thread.join(90)
+        assert outcome == ["ok"]  # the call started on the dead leader completed on the standby
         for w in workers:
             assert w.expect("barrier", timeout=60)["barrier"] == "ok"
     for w in workers:

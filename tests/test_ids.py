@@ -45,6 +45,12 @@ def test_out_of_range_names_value_and_limit(process_id, local_id, named):
     assert "expected" in str(info.value)
 
 
+def test_limits_keep_global_ids_in_int32_unless_opted_out():
+    assert (MAX_PROCESSES, MAX_LOCAL_DEVICES, MAX_PROCESSES_INT64) == (16384, 131072, 70368744177664)
+    assert global_device_id(16383, 131071) == 2147483647  # the largest id: int32's maximum
+    assert global_device_id(16384, 0, MAX_PROCESSES_INT64) == 2147483648
+
+
 def test_split_rejects_ids_beyond_int32_limit():
-    with pytest.raises(ValueError, match=str(MAX_PROCESSES << 17)):
-        split_global_id(MAX_PROCESSES << 17)
+    with pytest.raises(ValueError, match="2147483648"):
+        split_global_id(2147483648)

@@ -13,13 +13,15 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 import ifrt
 from ifrt import events
+from ifrt._generated import coordinator_pb2 as pb
 
 HEARTBEAT_TIMEOUT = 1.0
-SLACK = 3.0  # scheduling on a loaded 2-core machine; detection itself is within heartbeat timeout + 0.1 s ticks
+SLACK = 5.0  # scheduling on a loaded 2-core machine; detection itself is within heartbeat timeout + 0.1 s ticks
 WORKER = Path(__file__).with_name("live_worker.py")
 
 
@@ -54,6 +56,11 @@ class Worker:
             if key in line and all(line.get(k) == v for k, v in match.items()):
                 return line
         raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s")
+
+    def tell(self, line: str) -> None:
+        """Sends ``line`` to the worker's standard input (e.g. "arrive" with --barrier-when-told)."""
+        self.process.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.process.stdin.flush()  # type: ignore[union-attr]
 
     def kill9(self) -> float:
         os.kill(self.process.pid, signal.SIGKILL)
@@ -90,6 +97,27 @@ def workers():
         worker.stop()
 
 
+def barrier_started_for(address: str, client_uid: str, name: str, timeout: float = 30) -> str:
+    """Waits until barrier ``name`` exists on the coordinator at ``address``; returns what the coordinator said.
+
+    Asks as process 0 (``client_uid``) arriving at it with participants [1, 2], a list no real call uses and that
+    leaves process 0 out: a coordinator that holds the barrier refuses that with INVALID_ARGUMENT naming the
+    barrier's own participants, one that does not hold it yet refuses it as "process 0 is not a participant";
+    neither changes anything.
+    """
+    request = pb.BarrierRequest(client_uid=client_uid, name=name, process_ids=[1, 2], timeout_ms=1000)
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/ifrt.topology.v1.Coordinator/Barrier")
+        while True:
+            with pytest.raises(grpc.RpcError) as info:
+                call(request.SerializeToString(), timeout=10)
+            if "was started for processes" in (info.value.details() or ""):
+                return info.value.details()
+            assert time.monotonic() < deadline, f"no barrier {name!r} at {address} within {timeout}s: {info.value}"
+            time.sleep(0.05)  # polling, until the caller's arrival has reached the coordinator
+
+
 def watcher(client: ifrt.Client) -> queue.Queue:
     """Every event the client receives, with the time it arrived."""
     received: queue.Queue = queue.Queue()
@@ -122,7 +150,7 @@ def cluster(start_coordinator, workers, n=3, *flags: str, worker_args=()):
 
 
 def test_kill_9_is_reported_to_every_other_process_and_fails_its_barriers(start_coordinator, workers):
-    _, client, received, (w1, w2) = cluster(start_coordinator, workers)
+    coordinator, client, received, (w1, w2) = cluster(start_coordinator, workers)
     barrier_result: queue.Queue = queue.Queue()
 
     def arrive():
@@ -133,7 +161,9 @@ def test_kill_9_is_reported_to_every_other_process_and_fails_its_barriers(start_
             barrier_result.put(e)
 
     threading.Thread(target=arrive, daemon=True).start()
-    time.sleep(0.3)
+    seen = barrier_started_for(coordinator.address, client.client_uid, "before-step-1")
+    assert "was started for processes [0, 1, 2]" in seen  # pending: processes 1 and 2 never arrive
+    assert barrier_result.empty()
     killed_at = w2.kill9()
     at, event = next_event(received, events.ProcessFailed, process_id=2)
     assert at - killed_at < HEARTBEAT_TIMEOUT + SLACK
@@ -224,7 +254,8 @@ def test_graceful_close_is_reported_as_left(start_coordinator, workers):
     _, client, received, (_, w2) = cluster(start_coordinator, workers)
     w2.stop()
     next_event(received, events.ProcessLeft, process_id=2)
-    time.sleep(HEARTBEAT_TIMEOUT + 0.5)
+    # Deliberately let time pass: twice the heartbeat timeout after which a silent process would be failed.
+    time.sleep(2 * HEARTBEAT_TIMEOUT)
     assert all(not isinstance(e, events.ProcessFailed) for _, e in list(received.queue))
     client.close()
 

@@ -50,9 +50,9 @@ def torus() -> ifrt.Topology:
 
 def test_default_order_keeps_a_process_on_the_innermost_axis(torus):
     mesh = torus.mesh((2, 4), ("data", "model"))
-    for row in mesh.devices:
-        assert len({int(d) >> 17 for d in row}) == 1  # one process per row
-    # ring (snake) order over each process's 2x2 grid: (0,0) (0,1) (1,1) (1,0)
+    # one process per row; ring (snake) order over each process's 2x2 grid: (0,0) (0,1) (1,1) (1,0), which the
+    # sim plugin numbers local ids 0, 1, 3, 2
+    assert mesh.devices.tolist() == [[0, 1, 3, 2], [131072, 131073, 131075, 131074]]
     assert [torus.device(int(d)).coordinates for d in mesh.devices[0]] == [(0, 0), (0, 1), (1, 1), (1, 0)]
 
 
@@ -93,21 +93,37 @@ global_ids = st.lists(st.tuples(st.integers(0, 2**14 - 1), st.integers(0, 2**17 
                       unique=True).map(lambda pairs: [ifrt.global_device_id(p, i) for p, i in pairs])
 
 
+def test_normalize_gives_positions_in_the_sorted_device_list():
+    tile, device_list = normalize(np.array([393216, 0, 262144, 131072]))
+    assert tile.tolist() == [3, 0, 2, 1]
+    assert device_list.tolist() == [0, 131072, 262144, 393216]
+    tile, device_list = normalize(np.array([[262145, 5], [131072, 0]]))  # the shape is kept
+    assert tile.tolist() == [[3, 1], [2, 0]]
+    assert device_list.tolist() == [0, 5, 131072, 262145]
+
+
+def test_denormalize_gives_the_global_ids_back():
+    assert denormalize(np.array([3, 0, 2, 1]), [0, 131072, 262144, 393216]).tolist() == [393216, 0, 262144, 131072]
+    # a submesh as a compiler sees it: positions 2 and 0 of the parent's device list
+    assert denormalize(np.array([2, 0]), [0, 131072, 262144, 393216]).tolist() == [262144, 0]
+    assert denormalize(np.array([[1], [0]]), [7, 9]).tolist() == [[9], [7]]
+
+
 @given(global_ids)
 def test_normalize_round_trips(ids):
     assignment = np.array(ids, dtype=np.int64)
     tile, device_list = normalize(assignment)
     assert sorted(tile.tolist()) == list(range(len(ids)))
+    assert device_list.tolist() == sorted(ids)
     assert denormalize(tile, device_list).tolist() == ids
 
 
 @given(global_ids, st.data())
 def test_submesh_ids_are_inferred_from_its_tile_assignment(ids, data):
     parent = np.array(ids, dtype=np.int64)
-    _, device_list = normalize(parent)
-    chosen = data.draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))
-    tile = np.searchsorted(device_list, np.array(chosen))  # the submesh as a compiler sees it
-    assert denormalize(tile, device_list).tolist() == chosen
+    tile, device_list = normalize(parent)
+    picked = data.draw(st.lists(st.integers(0, len(ids) - 1), min_size=1, unique=True))  # positions in the parent
+    assert denormalize(tile[picked], device_list).tolist() == [ids[i] for i in picked]
 
 
 def test_bad_tile_assignments_are_refused():
@@ -117,8 +133,8 @@ def test_bad_tile_assignments_are_refused():
         denormalize(np.array([0, 2]), [10, 20])
 
 
-# The submesh patterns runtimes hit, emulated with one numpy buffer per device.
-SUBMESHES = {"zero-indexed (devices 0,1 of 4)": (0,), "non-zero-indexed (devices 2,3 of 4)": (2,)}
+# The submesh patterns runtimes hit, emulated with one numpy buffer per device: (offset, positions in the root).
+SUBMESHES = {"zero-indexed (devices 0,1 of 4)": ((0,), [0, 1]), "non-zero-indexed (devices 2,3 of 4)": ((2,), [2, 3])}
 
 
 def shard(array: np.ndarray, mesh: ifrt.Mesh, root: ifrt.Mesh) -> list[np.ndarray | None]:
@@ -133,30 +149,38 @@ def read_back(mesh: ifrt.Mesh, handles: list) -> np.ndarray:
     return np.concatenate(mesh.select_arguments(handles))
 
 
-@pytest.mark.parametrize("offset", SUBMESHES.values(), ids=SUBMESHES.keys())
-def test_shard_both_operands_compute_and_read_back(four, offset):
+@pytest.mark.parametrize(("offset", "positions"), SUBMESHES.values(), ids=SUBMESHES.keys())
+def test_shard_both_operands_compute_and_read_back(four, offset, positions):
     root = four.mesh((4,), ("x",))
     sub = root.submesh(offset, (2,))
+    assert sub.positions.tolist() == positions
+    assert sub.devices.tolist() == [[0, 131072, 262144, 393216][p] for p in positions]
     a, b = np.arange(8.0), np.arange(8.0) * 10
     ha, hb = shard(a, sub, root), shard(b, sub, root)
+    assert [h is not None for h in ha] == [p in positions for p in range(4)]
+    assert [id(x) for x in sub.select_arguments(ha)] == [id(ha[p]) for p in positions]  # the parent's buffers
     out = [x + y for x, y in zip(sub.select_arguments(ha), sub.select_arguments(hb), strict=True)]
-    assert np.array_equal(np.concatenate(out), a + b)
+    assert np.concatenate(out).tolist() == [0, 11, 22, 33, 44, 55, 66, 77]
 
 
-@pytest.mark.parametrize("offset", SUBMESHES.values(), ids=SUBMESHES.keys())
-def test_shard_one_operand_with_a_replicated_other(four, offset):
+@pytest.mark.parametrize(("offset", "positions"), SUBMESHES.values(), ids=SUBMESHES.keys())
+def test_shard_one_operand_with_a_replicated_other(four, offset, positions):
     root = four.mesh((4,), ("x",))
     sub = root.submesh(offset, (2,))
     a, scale = np.arange(8.0), np.float64(3)
-    out = [x * scale for x in sub.select_arguments(shard(a, sub, root))]
-    assert np.array_equal(np.concatenate(out), a * scale)
+    handles = shard(a, sub, root)
+    assert [id(x) for x in sub.select_arguments(handles)] == [id(handles[p]) for p in positions]
+    out = [x * scale for x in sub.select_arguments(handles)]
+    assert np.concatenate(out).tolist() == [0, 3, 6, 9, 12, 15, 18, 21]
 
 
-@pytest.mark.parametrize("offset", SUBMESHES.values(), ids=SUBMESHES.keys())
-def test_read_back_before_and_after_an_in_place_update(four, offset):
+@pytest.mark.parametrize(("offset", "positions"), SUBMESHES.values(), ids=SUBMESHES.keys())
+def test_read_back_before_and_after_an_in_place_update(four, offset, positions):
     root = four.mesh((4,), ("x",))
     sub = root.submesh(offset, (2,))
     handles = shard(np.arange(4.0), sub, root)
+    assert [h.tolist() for h in handles if h is not None] == [[0, 1], [2, 3]]
+    assert [handles[p].tolist() for p in positions] == [[0, 1], [2, 3]]
     before = read_back(sub, handles)
     for buffer in sub.select_arguments(handles):
         buffer += 100  # in place, on each device's buffer
@@ -179,4 +203,4 @@ def test_virtual_device_stands_for_the_mesh(torus):
     mesh = torus.mesh((2, 4), ("data", "model"))
     device = mesh.virtual_device
     assert device.kind == "spmd[2x4]" and device.platform == "sim"
-    assert [d.id for d in device.members] == mesh.devices.reshape(-1).tolist()
+    assert [d.id for d in device.members] == [0, 1, 3, 2, 131072, 131073, 131075, 131074]  # in mesh order

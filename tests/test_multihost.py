@@ -43,8 +43,9 @@ def workers():
 
 def test_assigned_ids_follow_host_addresses_not_arrival(hosts, coordinator_on_h1, workers):
     coordinator = coordinator_on_h1(num_processes=2)
-    late, early = (workers(coordinator.address, None, 2, transfer_port=None, wrapper=hosts.command(h, []))
-                   for h in (3, 2))  # host 3 registers first
+    late = workers(coordinator.address, None, 2, transfer_port=None, wrapper=hosts.command(3, []))
+    coordinator.wait_for_log(f"({hosts.address(3)}) local rank 0 with 2 devices: 1/2 registered")  # host 3 first
+    early = workers(coordinator.address, None, 2, transfer_port=None, wrapper=hosts.command(2, []))
     lines = [w.expect("topology") for w in (early, late)]
     assert [line["process_id"] for line in lines] == [0, 1]  # ordered by host address: 10.x.y.2 before .3
     assert lines[0]["topology"] == lines[1]["topology"]

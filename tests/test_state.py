@@ -1,13 +1,14 @@
-"""The admission state machine, without a network: decisions, rejections that change nothing, replay."""
+"""The admission state machine, without a network: decisions, rejections that change nothing, journal replay."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordinator import journal
 from coordinator.registration import Registration
 from coordinator.state import ClusterConfig, ClusterState, Published, Waiting
 from ifrt import wire
-from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessIdTaken
+from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessDeclaredFailed, ProcessIdTaken
 from ifrt.records import LocalDevice
 
 
@@ -143,13 +144,98 @@ def test_assigned_ids_follow_host_then_address_then_local_rank():
     assert {r.client_uid: admit(s, r, 2.0).process_id for r in arrivals} == {"z": 0, "y": 1, "x": 2, "w": 3}
 
 
-def test_replaying_the_same_events_gives_the_same_bytes():
-    events = [reg(f"u{i}", i, host=f"h{i}", devices=i + 1) for i in (2, 0, 3, 1)]
+def outcomes(s, reader_uid, keys, barriers):
+    """The values of ``keys`` (as the live client ``reader_uid`` reads them) and how each of ``barriers`` ended, as
+    (error class name, message): the one place that reads a state's key-values and barrier results."""
+    def ended(name):
+        outcome = s.barrier_outcome(name)
+        if outcome is None:
+            return None
+        return (type(outcome.error).__name__, str(outcome.error)) if outcome.error else ("", "")
 
-    def replay():
-        s = state(4)
-        for t, r in enumerate(events):
-            out = admit(s, r, float(t))
-        return wire.encode(out.topology)
+    return {k: s.kv_get(reader_uid, k) for k in keys}, {name: ended(name) for name in barriers}
 
-    assert replay() == replay()
+
+def journaled_cluster():
+    """A cluster of 4 (heartbeat timeout 1 s) whose life journals every kind of record; returns it and its journal."""
+    s = state(4, heartbeat_timeout_s=1.0)
+    admit(s, reg("ghost", 3, host="ghost"), 0.0)  # registers, then goes silent before publication
+    for i in range(2):
+        admit(s, reg(f"u{i}", i, host=f"h{i}", devices=i + 1), 0.5)
+        s.call_started(f"u{i}", 0.5)  # waiting for the topology: alive
+    assert s.tick(2.0)  # the ghost is forgotten (Forgot)
+    admit(s, reg("u2", 2, host="h2", devices=3), 2.2)
+    s.call_started("u2", 2.2)
+    assert isinstance(admit(s, reg("u3", 3, host="h3", devices=2), 2.5), Published)  # another process 3
+    for i in range(3):
+        s.call_ended(f"u{i}", 2.5)
+    for i in range(4):
+        s.attach(f"u{i}", 3.0)
+    assert s.kv_set("u0", "nccl/id", b"\x00\x01", False)  # KeySet
+    assert s.kv_set("u1", "other", b"x", False)
+    for i in range(4):
+        s.arrive(f"u{i}", "step-1", frozenset(), 10, 3.0)  # completes (BarrierFinished)
+    s.arrive("u0", "lonely", frozenset({0, 1}), 0.5, 3.0)
+    for i in range(4):
+        s.heartbeat(f"u{i}", 3.6)
+    s.tick(3.6)  # "lonely" times out
+    s.arrive("u0", "sync", frozenset({0, 2}), 60, 3.7)
+    s.leave("u2", 4.0)  # Left; "sync" fails
+    s.arrive("u0", "pair", frozenset({0, 1}), 60, 4.5)
+    for uid in ("u0", "u3"):
+        s.heartbeat(uid, 5.5)
+    s.tick(5.5)  # process 1 sent no heartbeat: Failed; "pair" fails
+    outcome, _ = s.register(reg("u1-again", 1, host="h1", devices=3), 6.0)  # a restart with other devices
+    assert isinstance(outcome, Published) and outcome.topology.generation == 2
+    assert s.kv_set("u1-again", "nccl/id", b"new", True)
+    return s, s.take_journal()
+
+
+KEYS = ("nccl/id", "other", "never-set")
+BARRIERS = ("step-1", "lonely", "sync", "pair", "never-started")
+
+
+def test_replaying_the_journal_gives_the_same_topology_key_values_and_barriers():
+    original, entries = journaled_cluster()
+    assert {type(e).__name__ for e in entries} == {"Registered", "Forgot", "KeySet", "BarrierFinished", "Left",
+                                                   "Failed"}
+    raw = [journal.encode(e) for e in entries]
+    assert [journal.decode(r) for r in raw] == entries
+
+    rebuilt = state(4, heartbeat_timeout_s=1.0)
+    for r in raw:
+        rebuilt.replay(journal.decode(r))
+    assert rebuilt.take_journal() == []  # replaying journals nothing anew
+    assert wire.encode(rebuilt.topology) == wire.encode(original.topology)
+    assert rebuilt.topology.generation == 2
+    assert [(d.process_id, d.local_id) for d in rebuilt.topology.devices] == [
+        (0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0), (3, 1)]
+    assert [p.hostname for p in rebuilt.topology.processes] == ["h0", "h1", "h2", "h3"]
+    assert outcomes(rebuilt, "u0", KEYS, BARRIERS) == outcomes(original, "u0", KEYS, BARRIERS)
+    values, barriers = outcomes(rebuilt, "u0", KEYS, BARRIERS)
+    assert values == {"nccl/id": b"new", "other": b"x", "never-set": None}
+    assert barriers["step-1"] == ("", "")
+    assert barriers["lonely"] == ("BarrierTimeout", "barrier 'lonely' timed out after 0.6s: 1 of 2 processes did "
+                                                    "not arrive: 1 (h1 (10.0.0.1))")
+    assert barriers["sync"] == ("BarrierFailed", "barrier 'sync' cannot complete: process 2 left")
+    assert barriers["pair"] == ("BarrierFailed", "barrier 'pair' cannot complete: process 1 failed: sent no heartbeat "
+                                                 "for 1.9s")
+    assert barriers["never-started"] is None
+
+
+def test_replayed_state_continues_like_the_original():
+    """What the original decides next, the rebuilt state decides the same: a registration is a retry, the failed
+    and departed processes stay so, and a finished barrier answers a late arrival with its result."""
+    original, entries = journaled_cluster()
+    rebuilt = state(4, heartbeat_timeout_s=1.0)
+    for e in entries:
+        rebuilt.replay(e)
+    for s in (original, rebuilt):
+        assert s.register(reg("u3", 3, host="h3", devices=2), 7.0) == (Published(3, s.topology), [])
+        with pytest.raises(ProcessDeclaredFailed, match="sent no heartbeat"):
+            s.attach("u1", 7.0)
+        with pytest.raises(ProcessDeclaredFailed, match="was declared left"):
+            s.attach("u2", 7.0)
+        outcome, effects = s.arrive("u3", "step-1", frozenset(), 10, 7.0)  # a retry of a finished barrier
+        assert (outcome.error, effects) == (None, [])
+    assert wire.encode(rebuilt.topology) == wire.encode(original.topology)

@@ -74,7 +74,7 @@ def test_a_deposed_leader_cannot_append(etcd):
         second = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
         await first.acquire("c1:8476")
         waiting = asyncio.create_task(second.acquire("c2:8476"))
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # deliberately let time pass: the second does not become leader meanwhile
         assert not waiting.done()  # one leader at a time
         await first.append([b"from first"])
         await first.release()  # e.g. its lease expired
