@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits, shown
 from ifrt.errors import BarrierFailed, BarrierTimeout, IfrtError, InvalidArgument
 
 
@@ -32,9 +33,11 @@ class BarrierResolved:
 
 
 class Barriers:
-    """All barriers of a cluster. A name is used once; arriving again at a resolved barrier repeats its result."""
+    """All barriers of a cluster. A name is used once; arriving again at a resolved barrier repeats its result.
+    Names are at most ``limits.barrier_name_bytes`` long."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
         self._by_name: dict[str, Barrier] = {}
         self._pending: set[str] = set()
 
@@ -58,13 +61,17 @@ class Barriers:
         """Records ``process_id``'s arrival; ``unavailable`` maps failed or departed participants to why."""
         if not name:
             raise InvalidArgument("barrier name is empty: expected a name unique to this barrier")
+        if len(name.encode()) > self.limits.barrier_name_bytes:
+            raise InvalidArgument(f"barrier name {shown(name)} is {len(name.encode())} bytes long: expected at "
+                                  f"most {self.limits.barrier_name_bytes} (the coordinator's "
+                                  f"{FLAGS['barrier_name_bytes']})")
         barrier = self._by_name.get(name)
         if barrier is not None and barrier.participants != participants:
-            raise InvalidArgument(f"barrier {name!r} was started for processes {sorted(barrier.participants)}; "
-                                  f"this call names {sorted(participants)}: use a new name for other participants")
+            raise InvalidArgument(f"barrier {name!r} was started for processes {_ids(barrier.participants)}; "
+                                  f"this call names {_ids(participants)}: use a new name for other participants")
         if process_id not in participants:
             raise InvalidArgument(f"process {process_id} is not a participant of barrier {name!r} "
-                                  f"(processes {sorted(participants)})")
+                                  f"(processes {_ids(participants)})")
         if barrier is None:
             barrier = self._by_name[name] = Barrier(name, participants, now, now + timeout_s)
             self._pending.add(name)
@@ -110,3 +117,9 @@ class Barriers:
         barrier.error = error
         self._pending.discard(barrier.name)
         return [BarrierResolved(barrier.name, error)]
+
+
+def _ids(process_ids: frozenset[int], most: int = 16) -> str:
+    """``[0, 1, 2]``, or the first ``most`` ids and how many there are in all (an error must stay small)."""
+    ids = sorted(process_ids)
+    return str(ids) if len(ids) <= most else f"{str(ids[:most])[:-1]}, ...] ({len(ids)} processes)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.state import ClusterConfig
+from coordinator.store import EtcdAccess
 
 
 @dataclass(frozen=True)
@@ -12,8 +13,6 @@ class CoordinatorConfig:
     cluster: ClusterConfig
     bind: str = "0.0.0.0:8476"
     """Where to listen for processes (host:port; port 0 picks a free one, see ready_file)."""
-    max_request_bytes: int = 16 << 20
-    """Largest RegisterRequest accepted: 2**17 devices with a few attributes each fit; larger is refused."""
     max_wait_s: float = 30.0
     """Longest one Register call is held open waiting for the topology; clients call again after it."""
     tick_interval_s: float | None = None
@@ -37,6 +36,19 @@ class CoordinatorConfig:
     """The address clients reach this replica at, shown by standbys (default: the bound address)."""
     ready_file: str | None = None
     """If set, "host:port" is written here once the server accepts calls (for scripts and tests)."""
+    token: str | None = field(default=None, repr=False)
+    """If set, every Coordinator call must carry this shared secret (read from --token-file; never logged)."""
+    tls_cert: str | None = None
+    """PEM certificate (and tls_key its key) to serve TLS with; None serves plaintext."""
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    """If set, mutual TLS: every client must present a certificate signed by this CA."""
+    etcd_access: EtcdAccess = field(default_factory=EtcdAccess)
+    """With --store etcd: TLS files and a user for etcd (none by default)."""
+    metrics_port: int | None = None
+    """If set, Prometheus metrics are served over HTTP on this port (0 picks one); off by default."""
+    metrics_bind: str = "0.0.0.0"
+    """The host the metrics server listens on; keep the port inside the cluster's network."""
     grpc_options: tuple[tuple[str, int], ...] = field(default=(
         # A burst of thousands of registrations must queue, not be dropped with CANCELLED.
         ("grpc.server.max_pending_requests", 1 << 16),

@@ -2,29 +2,34 @@
 
 from __future__ import annotations
 
+from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits, shown
 from ifrt.errors import InvalidArgument, KeyExists
-
-MAX_KEY_BYTES = 1024
 
 
 class KeyValueStore:
-    """Keys are text, values bytes up to ``max_value_bytes``. Setting the same value again is a no-op."""
+    """Keys are text, values bytes, both within ``limits`` (as is the number of keys). Setting the same value
+    again is a no-op."""
 
-    def __init__(self, max_value_bytes: int = 1 << 20) -> None:
-        self.max_value_bytes = max_value_bytes
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
         self._values: dict[str, bytes] = {}
 
     def check(self, key: str, value: bytes, allow_overwrite: bool) -> None:
         """Raises what ``set`` would raise, without changing anything."""
-        if not key or len(key.encode()) > MAX_KEY_BYTES:
-            raise InvalidArgument(f"key of {len(key.encode())} bytes: expected 1 to {MAX_KEY_BYTES} bytes")
-        if len(value) > self.max_value_bytes:
-            raise InvalidArgument(f"value for key {key!r} is {len(value)} bytes: expected at most "
-                                  f"{self.max_value_bytes} (the coordinator's --kv-max-value-bytes)")
+        limits = self.limits
+        if not key or len(key.encode()) > limits.kv_key_bytes:
+            raise InvalidArgument(f"key of {len(key.encode())} bytes: expected 1 to {limits.kv_key_bytes} bytes (the "
+                                  f"coordinator's {FLAGS['kv_key_bytes']})")
+        if len(value) > limits.kv_value_bytes:
+            raise InvalidArgument(f"value for key {shown(key)} is {len(value)} bytes: expected at most "
+                                  f"{limits.kv_value_bytes} (the coordinator's {FLAGS['kv_value_bytes']})")
         old = self._values.get(key)
+        if old is None and len(self._values) >= limits.kv_keys:
+            raise InvalidArgument(f"key {shown(key)} would be key number {len(self._values) + 1} of the store: "
+                                  f"expected at most {limits.kv_keys} keys (the coordinator's {FLAGS['kv_keys']})")
         if old is not None and old != value and not allow_overwrite:
-            raise KeyExists(f"key {key!r} already holds another value ({len(old)} bytes): pass allow_overwrite=True "
-                            "to replace it")
+            raise KeyExists(f"key {shown(key)} already holds another value ({len(old)} bytes): pass "
+                            "allow_overwrite=True to replace it")
 
     def set(self, key: str, value: bytes, allow_overwrite: bool = False) -> bool:
         """Stores ``value``; returns whether anything changed."""
@@ -33,6 +38,10 @@ class KeyValueStore:
             return False
         self._values[key] = value
         return True
+
+    def restore(self, key: str, value: bytes) -> None:
+        """Puts back a value from the journal, unchecked: it was accepted under the limits of its time."""
+        self._values[key] = value
 
     def get(self, key: str) -> bytes | None:
         return self._values.get(key)

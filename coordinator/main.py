@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import logging
+import os
 import sys
 
+from coordinator import logs
 from coordinator.config import CoordinatorConfig
+from coordinator.limits import FLAGS as LIMIT_FLAGS
+from coordinator.limits import Limits
 from coordinator.server import BindError, serve
 from coordinator.state import ClusterConfig, FailurePolicy
-from coordinator.store import open_store
+from coordinator.store import EtcdAccess, open_store
 from ifrt.errors import InvalidArgument
-from ifrt.ids import MAX_PROCESSES, MAX_PROCESSES_INT64
+from ifrt.ids import MAX_LOCAL_DEVICES, MAX_PROCESSES, MAX_PROCESSES_INT64
+from ifrt.settings import read_secret_file
 
 DEFAULTS = CoordinatorConfig(cluster=ClusterConfig(num_processes=1))
 
@@ -58,31 +62,115 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-mixed-platforms", action="store_true",
                    help="let processes with different device plugins or platforms form one cluster (by default "
                         "the first process's plugin and platform are required of all)")
-    p.add_argument("--kv-max-value-bytes", type=int, default=DEFAULTS.cluster.kv_max_value_bytes, metavar="BYTES",
-                   help="largest value the key-value store accepts (default %(default)s)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULTS.max_request_bytes, metavar="BYTES",
-                   help="largest registration accepted; larger ones get RESOURCE_EXHAUSTED (default %(default)s)")
+    limits = p.add_argument_group(
+        "limits", "what callers may send; a request over a limit is refused with INVALID_ARGUMENT naming the value, "
+                  "the limit and its flag (gRPC itself refuses a message over --max-request-bytes), and changes "
+                  "nothing; sizes of text are bytes of UTF-8")
+    default = DEFAULTS.cluster.limits
+    limits.add_argument("--max-request-bytes", dest="request_bytes", type=int, default=default.request_bytes,
+                        metavar="BYTES", help="largest message of any call; gRPC refuses larger ones with "
+                                              "RESOURCE_EXHAUSTED (default %(default)s)")
+    limits.add_argument("--max-devices-per-process", dest="devices_per_process", type=int,
+                        default=default.devices_per_process, metavar="N",
+                        help=f"most devices one process may register (default %(default)s; at most "
+                             f"{MAX_LOCAL_DEVICES}, 2**17, the local ids a global id encodes)")
+    limits.add_argument("--max-attributes", dest="attributes_per_device", type=int,
+                        default=default.attributes_per_device, metavar="N",
+                        help="most attributes one device may carry (default %(default)s)")
+    limits.add_argument("--max-string-bytes", dest="string_bytes", type=int, default=default.string_bytes,
+                        metavar="BYTES", help="longest hostname, address, cluster id, plugin, platform, kind, slice "
+                                              "key, attribute key or attribute value (default %(default)s)")
+    limits.add_argument("--kv-max-value-bytes", dest="kv_value_bytes", type=int, default=default.kv_value_bytes,
+                        metavar="BYTES", help="largest value the key-value store accepts (default %(default)s)")
+    limits.add_argument("--kv-max-keys", dest="kv_keys", type=int, default=default.kv_keys, metavar="N",
+                        help="most keys the key-value store holds; a new key beyond them is refused, overwriting "
+                             "an existing one is not (default %(default)s)")
+    limits.add_argument("--kv-max-key-bytes", dest="kv_key_bytes", type=int, default=default.kv_key_bytes,
+                        metavar="BYTES", help="longest key of the key-value store (default %(default)s)")
+    limits.add_argument("--max-barrier-name-bytes", dest="barrier_name_bytes", type=int,
+                        default=default.barrier_name_bytes, metavar="BYTES",
+                        help="longest barrier name (default %(default)s)")
+    limits.add_argument("--max-concurrent-streams", dest="concurrent_streams", type=int,
+                        default=default.concurrent_streams, metavar="N",
+                        help="calls one client connection may have open at once (HTTP/2 streams; per connection, "
+                             "so a host with several connections gets this many on each); further calls wait for "
+                             "one to end instead of failing (default %(default)s: gRPC's own, no limit)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
     p.add_argument("--ready-file", metavar="PATH",
                    help="write HOST:PORT to this file once serving (useful with port 0)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="require this file's content (a shared secret) on every call: clients send it from "
+                        "IFRT_TOKEN_FILE or IFRT_TOKEN; calls without it get UNAUTHENTICATED (default: no token)")
+    p.add_argument("--tls-cert", metavar="PEM",
+                   help="serve TLS with this certificate (needs --tls-key); clients then need IFRT_TLS_CA")
+    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    p.add_argument("--tls-client-ca", metavar="PEM",
+                   help="mutual TLS: require every client to present a certificate signed by this CA "
+                        "(IFRT_TLS_CERT and IFRT_TLS_KEY on the clients; needs --tls-cert)")
+    etcd = p.add_argument_group("etcd security", "for --store etcd://...; each flag falls back to its variable")
+    etcd.add_argument("--etcd-ca", metavar="PEM", default=os.environ.get("IFRT_ETCD_CA"),
+                      help="talk TLS to etcd, trusting this CA ($IFRT_ETCD_CA)")
+    etcd.add_argument("--etcd-cert", metavar="PEM", default=os.environ.get("IFRT_ETCD_CERT"),
+                      help="client certificate for etcd's --client-cert-auth ($IFRT_ETCD_CERT; needs --etcd-key)")
+    etcd.add_argument("--etcd-key", metavar="PEM", default=os.environ.get("IFRT_ETCD_KEY"),
+                      help="the private key of --etcd-cert ($IFRT_ETCD_KEY)")
+    etcd.add_argument("--etcd-user", metavar="NAME", default=os.environ.get("IFRT_ETCD_USER"),
+                      help="log in to etcd as this user ($IFRT_ETCD_USER; needs --etcd-password-file)")
+    etcd.add_argument("--etcd-password-file", metavar="PATH", default=os.environ.get("IFRT_ETCD_PASSWORD_FILE"),
+                      help="file holding that user's password ($IFRT_ETCD_PASSWORD_FILE)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log verbosity on stderr (default %(default)s)")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="text: one readable line per record (default); json: one JSON object per line with time, "
+                        "level, message, cluster_id and, where known, event, process_id and host")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one, logged); "
+                        "off by default")
+    p.add_argument("--metrics-bind", default=DEFAULTS.metrics_bind, metavar="HOST",
+                   help="the address the metrics server listens on (default %(default)s); metrics are not "
+                        "authenticated: do not expose the port outside the cluster's network")
     return p
+
+
+def _etcd_access(args: argparse.Namespace) -> EtcdAccess:
+    """The etcd security flags, checked; InvalidArgument naming the flag that is wrong."""
+    if bool(args.etcd_cert) != bool(args.etcd_key):
+        raise InvalidArgument("--etcd-cert and --etcd-key go together: give both, or neither")
+    if args.etcd_cert and not args.etcd_ca:
+        raise InvalidArgument("--etcd-cert needs --etcd-ca: client certificates are part of TLS")
+    if bool(args.etcd_user) != bool(args.etcd_password_file):
+        raise InvalidArgument("--etcd-user and --etcd-password-file go together: give both, or neither")
+    for flag, path in (("--etcd-ca", args.etcd_ca), ("--etcd-cert", args.etcd_cert), ("--etcd-key", args.etcd_key)):
+        if path and not os.access(path, os.R_OK):
+            raise InvalidArgument(f"{flag} {path!r} is not a readable file")
+    password = read_secret_file(args.etcd_password_file, "--etcd-password-file") if args.etcd_user else None
+    return EtcdAccess(args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user, password)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, args.cluster_id)
     try:
         if args.min_processes is not None and args.on_failure != FailurePolicy.ELASTIC:
             raise InvalidArgument("--min-processes applies only with --on-failure elastic")
+        token = read_secret_file(args.token_file, "--token-file") if args.token_file else None
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise InvalidArgument("--tls-cert and --tls-key go together: give both, or neither for plaintext")
+        if args.tls_client_ca and not args.tls_cert:
+            raise InvalidArgument("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+        for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
+                           ("--tls-client-ca", args.tls_client_ca)):
+            if path and not os.access(path, os.R_OK):
+                raise InvalidArgument(f"{flag} {path!r} is not a readable file")
+        etcd_access = _etcd_access(args)
+        if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+            raise InvalidArgument(f"--metrics-port {args.metrics_port} is out of range: expected 0 to 65535")
         cluster = ClusterConfig(num_processes=args.num_processes, cluster_id=args.cluster_id,
                                 max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES,
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
                                 min_processes=args.min_processes or 1,
-                                kv_max_value_bytes=args.kv_max_value_bytes,
+                                limits=Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
                                 allow_mixed_platforms=args.allow_mixed_platforms)
     except InvalidArgument as e:
         print(f"ifrt-coordinator: {e}", file=sys.stderr)
@@ -92,9 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ifrt-coordinator: {e}", file=sys.stderr)
         return 2
-    config = CoordinatorConfig(cluster=cluster, bind=args.bind, max_request_bytes=args.max_request_bytes,
+    config = CoordinatorConfig(cluster=cluster, bind=args.bind,
                                progress_interval_s=args.progress_interval, ready_file=args.ready_file,
-                               store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise)
+                               store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise,
+                               metrics_port=args.metrics_port, metrics_bind=args.metrics_bind, token=token,
+                               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                               etcd_access=etcd_access)
     gc.freeze()  # what start-up allocated is never garbage: keep the collector off it under load
     try:
         asyncio.run(serve(config))

@@ -5,15 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
+from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES
 from ifrt.records import LocalDevice
 
-MAX_STRING = 1024
-"""Longest hostname, address, platform, kind, attribute key or value accepted (bytes of UTF-8 text)."""
-MAX_ATTRIBUTES = 64
-"""Most attributes one device may carry."""
+MAX_CLIENT_UID = 128
+"""Longest client uid (characters): clients send a 32-character random hex string."""
 MAX_COORDINATE_RANK = 8
 """Most coordinates one device may have."""
 
@@ -32,6 +31,9 @@ class Registration:
     address: str
     devices: tuple[LocalDevice, ...]
     plugin: str = ""
+    secret_hash: str = ""
+    """sha256 (hex) of the process secret the client registered with: later calls for this process must carry
+    the same secret. Empty when the client sent none (then its client uid alone identifies it)."""
 
     @property
     def stable_key(self) -> tuple[str, str, int]:
@@ -48,38 +50,45 @@ class Registration:
         return replace(self, host_address=other.host_address) == other
 
 
-def _text(value: str, what: str, *, where: str = "", required: bool = False) -> str:
-    """``value`` if it is an acceptable string; the message (``where`` ``what``) is built only on failure."""
+def _text(value: str, what: str, limit: int, *, where: str = "", required: bool = False) -> str:
+    """``value`` if it is an acceptable string of at most ``limit`` bytes; the message (``where`` ``what``) is
+    built only on failure."""
     if required and not value:
         raise InvalidArgument(f"{where}{what} is empty: expected a non-empty string")
     # Checked by characters first: UTF-8 needs at most 4 bytes a character, so most strings are never encoded.
-    if len(value) > MAX_STRING // 4 and len(value.encode()) > MAX_STRING:
-        raise InvalidArgument(f"{where}{what} is {len(value.encode())} bytes long: expected at most {MAX_STRING}")
+    if len(value) > limit // 4 and len(value.encode()) > limit:
+        raise InvalidArgument(f"{where}{what} is {len(value.encode())} bytes long: expected at most {limit} "
+                              f"(the coordinator's {FLAGS['string_bytes']})")
     return value
 
 
-def _device(d: pb.LocalDevice, index: int) -> LocalDevice:
+def _device(d: pb.LocalDevice, index: int, limits: Limits) -> LocalDevice:
     """One checked device; runs for every device of every registration, so it formats messages only on failure."""
     if not 0 <= d.local_id < MAX_LOCAL_DEVICES:
         raise InvalidArgument(f"local device id {d.local_id} is out of range: expected 0 <= local_id < "
                               f"{MAX_LOCAL_DEVICES} (2**17)")
     where = f"device #{index} (local id {d.local_id}) "
-    if len(d.attributes) > MAX_ATTRIBUTES:
-        raise InvalidArgument(f"{where}has {len(d.attributes)} attributes: expected at most {MAX_ATTRIBUTES}")
+    if len(d.attributes) > limits.attributes_per_device:
+        raise InvalidArgument(f"{where}has {len(d.attributes)} attributes: expected at most "
+                              f"{limits.attributes_per_device} (the coordinator's {FLAGS['attributes_per_device']})")
+    size = limits.string_bytes
     for key, value in d.attributes.items():
-        _text(key, "attribute key", where=where, required=True)
-        _text(value, f"attribute {key!r}", where=where)
+        _text(key, "attribute key", size, where=where, required=True)
+        _text(value, f"attribute {key!r}", size, where=where)
     if len(d.coordinates) > MAX_COORDINATE_RANK:
         raise InvalidArgument(f"{where}has {len(d.coordinates)} coordinates: expected at most {MAX_COORDINATE_RANK}")
-    return LocalDevice(d.local_id, _text(d.platform, "platform", where=where, required=True),
-                       _text(d.kind, "kind", where=where), _text(d.slice_key, "slice key", where=where),
+    return LocalDevice(d.local_id, _text(d.platform, "platform", size, where=where, required=True),
+                       _text(d.kind, "kind", size, where=where), _text(d.slice_key, "slice key", size, where=where),
                        tuple(d.coordinates), dict(d.attributes))
 
 
-def from_request(request: pb.RegisterRequest, host_address: str) -> Registration:
-    """The registration a request describes; InvalidArgument (naming value and limit) if it is malformed."""
-    if not request.client_uid or len(request.client_uid) > 128:
-        raise InvalidArgument(f"client_uid {request.client_uid!r} is invalid: expected 1 to 128 characters")
+def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits = DEFAULT_LIMITS) -> Registration:
+    """The registration a request describes; InvalidArgument (naming the value, the limit and the flag that
+    raises it) if it is malformed or over one of ``limits``. Pure: nothing is changed either way."""
+    if not request.client_uid or len(request.client_uid) > MAX_CLIENT_UID:
+        long = len(request.client_uid) > MAX_CLIENT_UID
+        shown = f"of {len(request.client_uid)} characters" if long else repr(request.client_uid)
+        raise InvalidArgument(f"client_uid {shown} is invalid: expected 1 to {MAX_CLIENT_UID} characters")
     if request.num_processes < 0:
         raise InvalidArgument(f"num_processes {request.num_processes} is negative: expected >= 1, or 0 to accept "
                               "the coordinator's")
@@ -87,9 +96,10 @@ def from_request(request: pb.RegisterRequest, host_address: str) -> Registration
         raise InvalidArgument(f"process id {request.process_id} is negative: expected 0 <= process_id")
     if request.local_rank < 0:
         raise InvalidArgument(f"local rank {request.local_rank} is negative: expected >= 0")
-    if len(request.devices) > MAX_LOCAL_DEVICES:
-        raise InvalidArgument(f"{len(request.devices)} devices in one process: expected at most {MAX_LOCAL_DEVICES}")
-    devices = tuple(sorted((_device(d, i) for i, d in enumerate(request.devices)), key=lambda d: d.local_id))
+    if len(request.devices) > limits.devices_per_process:
+        raise InvalidArgument(f"{len(request.devices)} devices in one process: expected at most "
+                              f"{limits.devices_per_process} (the coordinator's {FLAGS['devices_per_process']})")
+    devices = tuple(sorted((_device(d, i, limits) for i, d in enumerate(request.devices)), key=lambda d: d.local_id))
     for a, b in pairwise(devices):
         if a.local_id == b.local_id:
             raise InvalidArgument(f"local device id {a.local_id} is listed twice: expected distinct local ids")
@@ -98,13 +108,13 @@ def from_request(request: pb.RegisterRequest, host_address: str) -> Registration
                               "expected the same number of coordinates for every device of a process")
     return Registration(
         client_uid=request.client_uid,
-        cluster_id=_text(request.cluster_id, "cluster_id"),
+        cluster_id=_text(request.cluster_id, "cluster_id", limits.string_bytes),
         num_processes=request.num_processes,
         process_id=request.process_id if request.HasField("process_id") else None,
-        hostname=_text(request.hostname, "hostname", required=True),
+        hostname=_text(request.hostname, "hostname", limits.string_bytes, required=True),
         host_address=host_address,
         local_rank=request.local_rank,
-        address=_text(request.address, "address"),
+        address=_text(request.address, "address", limits.string_bytes),
         devices=devices,
-        plugin=_text(request.plugin, "plugin"),
+        plugin=_text(request.plugin, "plugin", limits.string_bytes),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from coordinator import journal
@@ -26,6 +27,10 @@ class NotServing(RuntimeError):
 
 
 async def _no_report(serving: bool) -> None:
+    return None
+
+
+def _ignore(seconds: float) -> None:
     return None
 
 
@@ -52,6 +57,8 @@ class Replica:
         self._waiters: list[tuple[int, asyncio.Future]] = []  # (entries that must be durable, future)
         self._wake = asyncio.Event()
         self._down = asyncio.Event()
+        self.on_append: Callable[[float], None] = _ignore
+        """Called with the seconds each successful store append took (metrics)."""
 
     def check(self) -> None:
         """Raises NotServing (saying why) unless this replica leads and has replayed its journal."""
@@ -113,6 +120,7 @@ class Replica:
             if not batch:
                 continue
             epoch = self.epoch
+            started = time.perf_counter()
             try:
                 await self.store.append(batch)
             except Exception as e:  # whatever went wrong, these entries are not known to be durable
@@ -120,6 +128,7 @@ class Replica:
                     log.exception("unexpected error while writing the journal")
                 await self._step_down(f"the store failed: {e}")
                 continue
+            self.on_append(time.perf_counter() - started)
             if epoch != self.epoch:  # stepped down while writing: the waiters were failed already
                 continue
             self._durable += len(batch)
@@ -158,7 +167,7 @@ class Replica:
         self.state = ClusterState(self.config)
         self._pending, self._enqueued, self._durable = [], 0, 0
         if was_serving:
-            log.error("stepping down: %s", why)
+            log.error("stepping down: %s", why, extra={"event": "stepping_down", "reason": why})
         await self._report(False)  # before any caller hears of it
         waiters, self._waiters = self._waiters, []
         for _, done in waiters:

@@ -12,7 +12,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
+from coordinator.metrics import Metrics, MetricsBindError
 from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import Store, open_store
 
@@ -27,12 +29,22 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     """Serves until ``stop`` is set or the process gets SIGTERM/SIGINT, then shuts down cleanly. ``store``
     replaces the one ``config.store`` names (for tests that wrap a real store)."""
     stop = stop or asyncio.Event()
-    store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s)
-    server = grpc.aio.server(options=[*config.grpc_options,
-                                      ("grpc.max_receive_message_length", config.max_request_bytes),
-                                      ("grpc.max_send_message_length", -1)])
+    store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s, config.etcd_access)
+    metrics = Metrics() if config.metrics_port is not None else None
+    interceptors = [TokenCheck(config.token, SERVICE)] if config.token else []
+    if metrics is not None:
+        interceptors.insert(0, metrics.interceptor())  # counts refused calls too
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[*config.grpc_options,
+                                      ("grpc.max_receive_message_length", config.cluster.limits.request_bytes),
+                                      ("grpc.max_send_message_length", -1),
+                                      *_stream_limit(config.cluster.limits.concurrent_streams)])
     try:
-        port = server.add_insecure_port(config.bind)
+        if config.tls_cert and config.tls_key:
+            credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            port = server.add_secure_port(config.bind, credentials)
+        else:
+            port = server.add_insecure_port(config.bind)
     except RuntimeError as e:
         raise BindError(f"cannot listen on {config.bind}: {e}") from e
     if not port:
@@ -53,12 +65,21 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
                                  report=report)
     server.add_generic_rpc_handlers((service.handlers(),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if metrics is not None:
+        metrics.watch(service)
+        try:
+            metrics_port = metrics.serve(config.metrics_bind, config.metrics_port or 0)
+        except MetricsBindError as e:
+            raise BindError(str(e)) from e
+        log.info("serving metrics on http://%s:%d/metrics", config.metrics_bind, metrics_port)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
-    log.info("ifrt-coordinator listening on %s for cluster %r of %d processes (pid %d, store %s)", address,
-             config.cluster.cluster_id, config.cluster.num_processes, os.getpid(), store.description)
+    security = ("mutual TLS" if config.tls_client_ca else "TLS" if config.tls_cert else "plaintext") + (
+        ", token required" if config.token else ", no token")
+    log.info("ifrt-coordinator listening on %s for cluster %r of %d processes (pid %d, store %s, %s)", address,
+             config.cluster.cluster_id, config.cluster.num_processes, os.getpid(), store.description, security)
     if config.ready_file:
         _write_atomically(config.ready_file, address)
     background = [asyncio.create_task(service.replica.run()),
@@ -70,6 +91,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("shutting down: %s", service.status())
+        if metrics is not None:
+            metrics.close()
         # New calls are refused from here on; calls in flight still get their journal writes.
         service.replica.stop_serving("the coordinator is shutting down")
         await health.enter_graceful_shutdown()
@@ -80,6 +103,11 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
         await asyncio.gather(*background, return_exceptions=True)
         await store.close()  # gives up leadership at once: a standby takes over without waiting for the lease
         log.info("stopped")
+
+
+def _stream_limit(streams: int) -> list[tuple[str, int]]:
+    """gRPC's per-connection HTTP/2 stream limit (SETTINGS_MAX_CONCURRENT_STREAMS); 0 keeps gRPC's default."""
+    return [("grpc.max_concurrent_streams", streams)] if streams else []
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from functools import wraps
 from typing import NoReturn, TypeVar
 
@@ -13,9 +15,11 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from coordinator import registration as reg
+from coordinator import status as status_view
 from coordinator.barriers import BarrierResolved
 from coordinator.replica import NotServing, Replica
 from coordinator.state import (
+    FIRST_GENERATION,
     ClusterConfig,
     ClusterState,
     Effect,
@@ -24,7 +28,6 @@ from coordinator.state import (
     Notify,
     Published,
     Republish,
-    Waiting,
 )
 from coordinator.store import Store
 from ifrt import wire
@@ -40,6 +43,7 @@ from ifrt.errors import (
     UnknownClient,
 )
 from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
+from ifrt.security import SECRET_METADATA, proof_of
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -80,6 +84,10 @@ class CoordinatorService:
                                **({"report": report} if report else {}))
         self._clock = clock
         self._max_wait_s = max_wait_s
+        self._advertise = advertise
+        self._fingerprint = ""  # of the current generation
+        self.time_to_publish_s: float | None = None
+        """From the first registration to generation 1, when this replica published it (not replayed it)."""
         self._published = asyncio.Event()
         self._generation = 0
         self._answer_tail = b""  # Register answer minus process_id, for the current generation
@@ -96,7 +104,8 @@ class CoordinatorService:
     def _on_serving(self) -> None:
         self._generation = 0  # serialize the replayed generation anew
         self._published = asyncio.Event()
-        self._sync_generation()
+        self.time_to_publish_s = None
+        self._sync_generation(replayed=True)
 
     def _on_step_down(self, why: str) -> None:
         # Wake every waiting call at once: each finds the replica not serving and answers UNAVAILABLE, so its
@@ -137,6 +146,7 @@ class CoordinatorService:
             "KeyValueSet": unary(self.kv_set),
             "KeyValueGet": unary(self.kv_get),
             "KeyValueDir": unary(self.kv_dir),
+            "Status": unary(self.status_rpc),
         })
 
     # Register.
@@ -145,14 +155,15 @@ class CoordinatorService:
         await self._serving(context, "registration")
         state = self.state
         try:
-            registration = reg.from_request(request, peer_host(context.peer()))
+            registration = replace(reg.from_request(request, peer_host(context.peer()), state.config.limits),
+                                   secret_hash=_proof(context))
             before = state.registered
             outcome, effects = state.register(registration, self._clock())
         except IfrtError as e:
             await _abort(context, e, f"registration from {context.peer()}")
         epoch = self.replica.epoch
         await self._commit(context, "registration")
-        if state.registered > before and isinstance(outcome, Waiting):
+        if state.registered > before:  # the last one too: every admitted process is logged once
             self._log_admitted(registration)
         self._apply(effects)
         if isinstance(outcome, Published):
@@ -182,7 +193,7 @@ class CoordinatorService:
         # Concatenated protobuf messages parse as one: the per-process field, then the shared bytes.
         return pb.RegisterResponse(process_id=process_id).SerializeToString() + self._answer_tail
 
-    def _sync_generation(self) -> bool:
+    def _sync_generation(self, replayed: bool = False) -> bool:
         """Serializes the current generation once, when it is new; returns whether it was."""
         topology = self.state.topology
         if topology is None or topology.generation == self._generation:
@@ -195,10 +206,14 @@ class CoordinatorService:
         self._answer_tail = shared.SerializeToString()
         self._topology_event = pb.SessionEvent(topology_changed=shared).SerializeToString()
         self._generation = topology.generation
+        self._fingerprint = fingerprint
         self._published.set()
+        if topology.generation == FIRST_GENERATION and not replayed:
+            self.time_to_publish_s = self.state.progress(self._clock()).waited_seconds
         log.info("published generation %d: %d processes, %d devices, %d bytes (%d sent), fingerprint %s",
                  topology.generation, len(topology.processes), len(topology.devices), len(canonical), len(payload),
-                 fingerprint[:16])
+                 fingerprint[:16], extra={"event": "published", "generation": topology.generation,
+                                          "fingerprint": fingerprint})
         return True
 
     def _progress_answer(self) -> bytes:
@@ -225,7 +240,9 @@ class CoordinatorService:
         else:
             waiting = f"waiting for {missing} more"
         log.info("registered %s on %s with %d devices: %d/%d registered, %s", who, r.describe(), len(r.devices),
-                 state.registered, state.config.num_processes, waiting)
+                 state.registered, state.config.num_processes, waiting,
+                 extra={"event": "registered", "process_id": r.process_id, "host": r.hostname,
+                        "host_address": r.host_address})
 
     # Session.
     async def session(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -239,7 +256,7 @@ class CoordinatorService:
         await self._serving(context, f"session of client {uid}")
         state = self.state
         try:
-            process_id = state.attach(uid, self._clock())
+            process_id = state.attach(uid, self._clock(), proof=_proof(context))
         except IfrtError as e:
             await _abort(context, e, f"session of client {uid}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -295,7 +312,10 @@ class CoordinatorService:
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.LeaveRequest, raw, context)
         await self._serving(context, "leave")
-        effects = self.state.leave(request.client_uid, self._clock())
+        try:
+            effects = self.state.leave(request.client_uid, self._clock(), proof=_proof(context))
+        except IfrtError as e:
+            await _abort(context, e, "leave")
         await self._commit(context, "leave")
         self._apply(effects)
         return b""
@@ -308,7 +328,7 @@ class CoordinatorService:
         state, epoch = self.state, self.replica.epoch
         try:
             outcome, effects = state.arrive(request.client_uid, request.name, frozenset(request.process_ids),
-                                            timeout_s, self._clock())
+                                            timeout_s, self._clock(), proof=_proof(context))
         except IfrtError as e:
             await _abort(context, e, what)
         await self._commit(context, what)
@@ -334,7 +354,8 @@ class CoordinatorService:
         request = await _parse(pb.KeyValueSetRequest, raw, context)
         await self._serving(context, "key-value set")
         try:
-            changed = self.state.kv_set(request.client_uid, request.key, request.value, request.allow_overwrite)
+            changed = self.state.kv_set(request.client_uid, request.key, request.value, request.allow_overwrite,
+                                        proof=_proof(context))
         except IfrtError as e:
             await _abort(context, e, f"key-value set of {request.key!r}")
         await self._commit(context, f"key-value set of {request.key!r}")
@@ -347,7 +368,8 @@ class CoordinatorService:
         what = f"key-value get of {request.key!r}"
         await self._serving(context, what)
         state, epoch = self.state, self.replica.epoch
-        value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key))
+        proof = _proof(context)
+        value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key, proof=proof))
         if value is None:
             wait_s = min(request.wait_ms / 1000, self._max_wait_s)
             log.debug("%s waits up to %.1fs for the key to be set", what, wait_s)
@@ -357,7 +379,8 @@ class CoordinatorService:
                 await _abort(context, KeyValueTimeout(f"key {request.key!r} was not set within {wait_s:.1f}s"),
                              what, level=logging.DEBUG)
             await self._serving(context, what, epoch)
-            value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key))
+            value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key,
+                                                                         proof=proof))
             if value is None:
                 await _abort(context, CoordinatorUnavailable(f"{what} was woken without a value: call again"), what)
         return pb.KeyValueGetResponse(value=value).SerializeToString()
@@ -367,7 +390,8 @@ class CoordinatorService:
         what = f"key-value dir of {request.prefix!r}"
         await self._serving(context, what)
         state = self.state
-        found = await self._read(context, what, lambda: state.kv_dir(request.client_uid, request.prefix))
+        proof = _proof(context)
+        found = await self._read(context, what, lambda: state.kv_dir(request.client_uid, request.prefix, proof=proof))
         entries = [pb.KeyValueEntry(key=k, value=v) for k, v in found]
         return pb.KeyValueDirResponse(entries=entries).SerializeToString()
 
@@ -397,15 +421,18 @@ class CoordinatorService:
         for effect in effects:
             match effect:
                 case Notify(event=ProcessFailed(process_id=pid, reason=reason)):
-                    log.warning("process %s failed: %s", self.state.describe_process(pid), reason)
+                    log.warning("process %s failed: %s", self.state.describe_process(pid), reason,
+                                extra=self._about(pid, "process_failed", reason=reason))
                     self._broadcast(pb.SessionEvent(process_failed=pb.ProcessEvent(
                         process_id=pid, reason=reason)).SerializeToString())
                 case Notify(event=ProcessRestarted(process_id=pid, incarnation=incarnation)):
-                    log.info("process %s restarted (incarnation %d)", self.state.describe_process(pid), incarnation)
+                    log.info("process %s restarted (incarnation %d)", self.state.describe_process(pid), incarnation,
+                             extra=self._about(pid, "process_restarted", incarnation=incarnation))
                     self._broadcast(pb.SessionEvent(process_restarted=pb.ProcessEvent(
                         process_id=pid, incarnation=incarnation)).SerializeToString())
                 case Notify(event=ProcessLeft(process_id=pid)):
-                    log.info("process %s left", self.state.describe_process(pid))
+                    log.info("process %s left", self.state.describe_process(pid),
+                             extra=self._about(pid, "process_left"))
                     self._broadcast(pb.SessionEvent(process_left=pb.ProcessEvent(process_id=pid)).SerializeToString())
                 case Republish():
                     if self._sync_generation():
@@ -415,12 +442,41 @@ class CoordinatorService:
                         queue.put_nowait(_Evicted(ProcessDeclaredFailed(f"this process was {reason}; restart it "
                                                                         "to rejoin")))
                 case Forgotten(who=who, reason=reason):
-                    log.warning("forgot the registration of %s: it %s", who, reason)
+                    log.warning("forgot the registration of %s: it %s", who, reason,
+                                extra={"event": "registration_forgotten", "reason": reason})
                 case BarrierResolved(name=name, error=error):
                     if error is not None:
                         log.info("%s", error)
                     if (event := self._barrier_done.pop(name, None)) is not None:
                         event.set()
+
+    def _about(self, process_id: int, event: str, **fields: object) -> dict[str, object]:
+        """``extra`` for a log line about one process: the event, its id and host (for --log-format json)."""
+        r = self.state.registration_of(process_id)
+        where = {"host": r.hostname, "host_address": r.host_address} if r is not None else {}
+        return {"event": event, "process_id": process_id, **where, **fields}
+
+    async def status_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """The operator's view (``ifrt status``); a standby answers it too, naming the leader."""
+        await _parse(pb.StatusRequest, raw, context)
+        if self.replica.serving:
+            with contextlib.suppress(NotServing):  # then this replica answers as a standby
+                await self.replica.commit()  # report only what is durable
+        replica, config = self.replica, self.replica.config
+        if not replica.serving:
+            answer = status_view.standby_answer(cluster_id=config.cluster_id, expected=config.num_processes,
+                                                replica=self._advertise, leader=replica.store.leader,
+                                                store=replica.store.description, reason=replica.not_serving_reason())
+            return answer.SerializeToString()
+        self._sync_generation()  # no await since the commit: the report and the fingerprint are of one state
+        return status_view.leader_answer(self.state.report(self._clock()), fingerprint=self._fingerprint,
+                                         replica=self._advertise, leader=replica.store.leader or self._advertise,
+                                         store=replica.store.description,
+                                         time_to_publish_s=self.time_to_publish_s).SerializeToString()
+
+    def report(self) -> status_view.StatusReport | None:
+        """The state machine's report as of now (for metrics); None while this replica does not serve."""
+        return self.state.report(self._clock()) if self.replica.serving else None
 
     def status(self) -> str:
         """One line for operators: the published generation, or who is still missing."""
@@ -448,6 +504,12 @@ async def _parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) ->
         return cls.FromString(raw)
     except DecodeError as e:
         await _abort(context, InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name}: {e}"), "request")
+
+
+def _proof(context: grpc.aio.ServicerContext) -> str:
+    """The hash of the process secret the call carries ("" without one): what the state machine compares."""
+    secret = next((v for k, v in context.invocation_metadata() or () if k == SECRET_METADATA), "")
+    return proof_of(secret if isinstance(secret, str) else secret.decode(errors="replace"))
 
 
 def _internal_errors(handler):

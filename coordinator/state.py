@@ -17,6 +17,7 @@ gives the same state and byte-identical topologies, on this coordinator or on th
 from __future__ import annotations
 
 import enum
+import hmac
 import re
 from dataclasses import dataclass, replace
 
@@ -24,11 +25,14 @@ from coordinator import journal
 from coordinator.assignment import assign_process_ids
 from coordinator.barriers import BarrierResolved, Barriers
 from coordinator.kv import KeyValueStore
+from coordinator.limits import DEFAULT_LIMITS, Limits
 from coordinator.registration import Registration
+from coordinator.status import DEGRADED, PUBLISHED, WAITING, ProcessReport, StatusReport
 from ifrt.errors import (
     ERROR_CLASSES,
     ClusterMismatch,
     InvalidArgument,
+    PermissionDenied,
     ProcessDeclaredFailed,
     ProcessIdTaken,
     UnknownClient,
@@ -62,7 +66,8 @@ class ClusterConfig:
     on_failure: FailurePolicy = FailurePolicy.PROPAGATE
     min_processes: int = 1
     """With the elastic policy: fewest processes a new generation may have."""
-    kv_max_value_bytes: int = 1 << 20
+    limits: Limits = DEFAULT_LIMITS
+    """What callers may send: sizes and counts of requests, registrations, key-values and barrier names."""
     allow_mixed_platforms: bool = False
     """Whether processes with different device plugins or platforms may form one cluster."""
 
@@ -157,8 +162,8 @@ class ClusterState:
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self._barriers = Barriers()
-        self._kv = KeyValueStore(config.kv_max_value_bytes)
+        self._barriers = Barriers(config.limits)
+        self._kv = KeyValueStore(config.limits)
         self.topology: TopologyContent | None = None
         self._members: dict[str, Member] = {}  # by client uid, including failed and replaced incarnations
         self._holder: dict[object, str] = {}  # claim (process id or stable key) -> uid of its current incarnation
@@ -185,11 +190,11 @@ class ClusterState:
             case journal.Failed(client_uid=uid, why=why):
                 self._fail(self._members[uid], why)
             case journal.Left(client_uid=uid):
-                self.leave(uid, 0.0)
+                self._leave(self._members[uid])
             case journal.Forgot(client_uid=uid, why=why):
                 self._forget(self._members[uid], why)
             case journal.KeySet(key=key, value=value):
-                self._kv.set(key, value, allow_overwrite=True)
+                self._kv.restore(key, value)
             case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message):
                 error = ERROR_CLASSES[kind](message) if kind else None
                 self._barriers.restore(name, frozenset(participants), error)
@@ -210,6 +215,7 @@ class ClusterState:
         """Admits a process, recognizes its retry, or takes over the id of a dead one (a restart)."""
         known = self._members.get(r.client_uid)
         if known is not None:
+            self._check_owner(known, r.secret_hash)
             if not r.is_retry_of(known.registration):
                 raise ClusterMismatch(f"client {r.client_uid} registered again with a different request (first from "
                                       f"{known.registration.describe()}): a retry must repeat the first registration")
@@ -281,12 +287,14 @@ class ClusterState:
             member.calls = max(0, member.calls - 1)
             member.last_seen = now
 
-    def attach(self, client_uid: str, now: float) -> int:
-        """A session opened; returns the process id. UnknownClient or ProcessDeclaredFailed if it may not."""
+    def attach(self, client_uid: str, now: float, *, proof: str = "") -> int:
+        """A session opened; returns the process id. UnknownClient, PermissionDenied or ProcessDeclaredFailed if it
+        may not."""
         member = self._members.get(client_uid)
         if member is None or self.topology is None or member.status is Status.JOINING:
             raise UnknownClient(f"client {client_uid} is not a registered process of the published topology "
                                 "(the coordinator may have restarted): register again")
+        self._check_owner(member, proof)
         self._check_usable(member)
         member.sessions += 1
         member.last_seen = now
@@ -304,10 +312,19 @@ class ClusterState:
             member.sessions = max(0, member.sessions - 1)
             member.last_seen = now
 
-    def leave(self, client_uid: str, now: float) -> list[Effect]:
-        """A graceful exit: the process is reported as left (and dropped, with the elastic policy)."""
+    def leave(self, client_uid: str, now: float, *, proof: str = "") -> list[Effect]:
+        """A graceful exit: the process is reported as left (and dropped, with the elastic policy). Leaving again
+        is a no-op; UnknownClient for a client that never registered, PermissionDenied for a caller that does
+        not own the process."""
         member = self._members.get(client_uid)
-        if member is None or member.status in (Status.FAILED, Status.LEFT):
+        if member is None:
+            raise UnknownClient(f"client {client_uid} is not a registered process: nothing to leave")
+        self._check_owner(member, proof)
+        return self._leave(member)
+
+    def _leave(self, member: Member) -> list[Effect]:
+        client_uid = member.registration.client_uid
+        if member.status in (Status.FAILED, Status.LEFT):
             return []
         if member.status is Status.JOINING:
             return self._forget(member, "left before the topology was published")
@@ -338,10 +355,10 @@ class ClusterState:
 
     # Barriers and key-values.
     def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float,
-               now: float) -> tuple[BarrierResolved | None, list[Effect]]:
+               now: float, *, proof: str = "") -> tuple[BarrierResolved | None, list[Effect]]:
         """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty).
         Returns the barrier's result once it is resolved (None while others are awaited) and the effects."""
-        pid = self.process_id_of(client_uid)
+        pid = self.process_id_of(client_uid, proof=proof)
         participants = process_ids or frozenset(self._in_topology)
         unknown = participants - self._claims.keys()
         if unknown:
@@ -355,22 +372,22 @@ class ClusterState:
         """How barrier ``name`` ended, or None while it is pending (or unknown)."""
         return self._barriers.outcome(name)
 
-    def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool) -> bool:
+    def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, *, proof: str = "") -> bool:
         """Stores a value for a live process; returns whether anything changed."""
-        self.process_id_of(client_uid)
+        self.process_id_of(client_uid, proof=proof)
         changed = self._kv.set(key, value, allow_overwrite)
         if changed:
             self._journal.append(journal.KeySet(key, value))
         return changed
 
-    def kv_get(self, client_uid: str, key: str) -> bytes | None:
+    def kv_get(self, client_uid: str, key: str, *, proof: str = "") -> bytes | None:
         """The value of ``key`` for a live process, None while it is unset."""
-        self.process_id_of(client_uid)
+        self.process_id_of(client_uid, proof=proof)
         return self._kv.get(key)
 
-    def kv_dir(self, client_uid: str, prefix: str) -> list[tuple[str, bytes]]:
+    def kv_dir(self, client_uid: str, prefix: str, *, proof: str = "") -> list[tuple[str, bytes]]:
         """Every (key, value) under ``prefix``, sorted by key, for a live process."""
-        self.process_id_of(client_uid)
+        self.process_id_of(client_uid, proof=proof)
         return self._kv.dir(prefix)
 
     def _finished(self, effects: list[BarrierResolved]) -> list[Effect]:
@@ -382,13 +399,46 @@ class ClusterState:
                 str(e.error) if e.error else ""))
         return list(effects)
 
-    def process_id_of(self, client_uid: str) -> int:
-        """The process id of a live, published client; UnknownClient or ProcessDeclaredFailed otherwise."""
+    def process_id_of(self, client_uid: str, *, proof: str = "") -> int:
+        """The process id of a live, published client that proves it owns the registration (``proof``: the hash
+        of its process secret); UnknownClient, PermissionDenied or ProcessDeclaredFailed otherwise."""
         member = self._members.get(client_uid)
         if member is None or self.topology is None or member.status is Status.JOINING:
             raise UnknownClient(f"client {client_uid} is not a registered process of the published topology")
+        self._check_owner(member, proof)
         self._check_usable(member)
         return self._process_ids[_claim(member.registration)]
+
+    def report(self, now: float) -> StatusReport:
+        """The cluster as an operator sees it at ``now``: its state, every current process and its liveness."""
+        config = self.config
+        processes = []
+        for claim, uid in self._holder.items():
+            member = self._members[uid]
+            r = member.registration
+            pid = self._process_ids.get(claim, r.process_id)
+            age = 0.0 if member.calls else max(0.0, now - member.last_seen)
+            processes.append(ProcessReport(pid, r.hostname, r.host_address, r.local_rank, r.address, len(r.devices),
+                                           member.status.value, member.reason, member.incarnation, age,
+                                           member.sessions > 0))
+        processes.sort(key=lambda p: (p.process_id is None, p.process_id or 0, p.hostname, p.host_address,
+                                      p.local_rank))
+        if self.topology is None:
+            state = WAITING
+        else:
+            state = DEGRADED if any(p.phase == Status.FAILED.value for p in processes) else PUBLISHED
+        return StatusReport(
+            cluster_id=config.cluster_id, state=state, generation=self.topology.generation if self.topology else 0,
+            registered=len(self._holder), expected=config.num_processes,
+            missing_process_ids=tuple(sorted(self._missing_ids)) if self._explicit else (),
+            waited_s=0.0 if self._first_registration_at is None else max(0.0, now - self._first_registration_at),
+            processes=tuple(processes), sessions_open=sum(m.sessions for m in self._members.values()),
+            heartbeat_timeout_s=config.heartbeat_timeout_s)
+
+    def registration_of(self, process_id: int) -> Registration | None:
+        """The registration of the current incarnation of ``process_id`` (None if no process holds it)."""
+        claim = self._claims.get(process_id)
+        return None if claim is None else self._members[self._holder[claim]].registration
 
     def describe_process(self, process_id: int) -> str:
         """``2 (host-c (10.0.0.3))``, for messages."""
@@ -425,6 +475,16 @@ class ClusterState:
                                       "ids: give every process an id, or none")
             raise ClusterMismatch(f"{r.describe()} sent process id {r.process_id}, but this cluster assigns process "
                                   "ids: give every process an id, or none")
+
+    def _check_owner(self, member: Member, proof: str) -> None:
+        """PermissionDenied unless ``proof`` matches the secret the process registered with (if it gave one)."""
+        expected = member.registration.secret_hash
+        if expected and not hmac.compare_digest(expected, proof):
+            pid = self._process_ids.get(_claim(member.registration))
+            who = f"process {pid}" if pid is not None else member.registration.describe()
+            raise PermissionDenied(f"this call acts for {who} but does not carry its process secret "
+                                   f"({'none was sent' if not proof else 'another was sent'}): only the process "
+                                   "that registered may act for it")
 
     @staticmethod
     def _check_usable(member: Member) -> None:

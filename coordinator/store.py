@@ -19,7 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import grpc
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -75,17 +78,39 @@ class MemoryStore:
         return None
 
 
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach etcd when it is secured: TLS (``ca``, and ``cert``/``key`` for client certificates) and a
+    user with its password. All optional: none means plaintext without authentication."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        return ", ".join(filter(None, ["TLS" if self.ca else "", "client certificate" if self.cert else "",
+                                       f"user {self.user}" if self.user else ""])) or "plaintext"
+
+
 class EtcdStore:
     """The journal in etcd, one key per entry; leadership through a lease on ``leader``."""
 
     def __init__(self, endpoints: list[str], cluster_id: str, *, lease_ttl_s: int = 5,
-                 timeout_s: float = 3.0) -> None:
+                 timeout_s: float = 3.0, access: EtcdAccess = EtcdAccess()) -> None:
         from etcd3aio import Etcd3Client  # the optional extra ifrt-topology[etcd]
 
         self.description = f"etcd {','.join(endpoints)} under /ifrt/{cluster_id}/"
         self.lost = asyncio.Event()
         self.leader: str | None = None
-        self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints])
+        tls: dict = {}
+        if access.ca:
+            tls = {"ca_cert": _read(access.ca), "cert_key": _read(access.key), "cert_chain": _read(access.cert)}
+            # Endpoints are dialled by IP (one channel for all): check certificates against the first name given.
+            tls["tls_server_name"] = endpoints[0].rpartition(":")[0].strip("[]")
+        self._access = access
+        self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints], **tls)
         self._prefix = f"/ifrt/{cluster_id}/".encode()
         self._leader_key = self._prefix + b"leader"
         self._journal_prefix = self._prefix + b"journal/"
@@ -101,16 +126,31 @@ class EtcdStore:
         if not self._connected:
             await self._client.connect()
             self._connected = True
+            if self._access.user:
+                await self._authenticate()
         return self._client.kv
+
+    async def _authenticate(self) -> None:
+        """Logs in as the configured user; the token then goes with every call (etcd renews it while in use)."""
+        from etcd3aio import EtcdError
+
+        try:
+            answer = await self._client.auth.authenticate(self._access.user, self._access.password or "",
+                                                          timeout=self._timeout)
+        except (EtcdError, TimeoutError, grpc.RpcError) as e:
+            self._connected = False
+            await self._client.close()
+            raise StoreError(f"etcd refused user {self._access.user!r} ({self.description}): {e}") from e
+        self._client.set_token(answer.token)
 
     async def acquire(self, advertise: str) -> None:
         """Campaigns until this replica holds the leader key; logs who leads meanwhile."""
         from etcd3aio import EtcdError, prefix_range_end
 
-        kv = await self._kv()
         reported = None
         while True:
             try:
+                kv = await self._kv()
                 lease = await self._client.lease.grant(self._ttl, timeout=self._timeout)
                 won = await kv.txn(
                     [kv.txn_compare_create_revision(self._leader_key, 0)],
@@ -131,11 +171,13 @@ class EtcdStore:
                 if leader != reported:
                     log.info("standing by: the coordinator at %s leads (%s)", leader, self.description)
                     reported = leader
-            except (EtcdError, TimeoutError) as e:
+            except (EtcdError, TimeoutError, grpc.RpcError, StoreError) as e:
                 self.leader = None
                 if reported != "unreachable":
                     log.error("etcd is unreachable (%s): %s; retrying", self.description, e)
                     reported = "unreachable"
+                if _auth_expired(e):
+                    self._connected = False  # log in again on the next attempt
             await asyncio.sleep(0.25)
 
     async def load(self) -> list[bytes]:
@@ -144,7 +186,7 @@ class EtcdStore:
         kv = await self._kv()
         try:
             found = await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix), timeout=self._timeout)
-        except (EtcdError, TimeoutError) as e:  # etcd3aio times out with the builtin TimeoutError
+        except (EtcdError, TimeoutError, grpc.RpcError) as e:  # etcd3aio times out with the builtin TimeoutError
             raise StoreError(f"cannot read the journal from {self.description}: {e}") from e
         entries = sorted((bytes(item.key), bytes(item.value)) for item in found.kvs)
         self._next = len(entries)
@@ -162,7 +204,7 @@ class EtcdStore:
             try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
                 done = await kv.txn(fence, [kv.txn_op_put(k, v) for k, v in zip(keys, batch, strict=True)],
                                     timeout=self._timeout, max_attempts=1)
-            except (EtcdError, TimeoutError) as e:
+            except (EtcdError, TimeoutError, grpc.RpcError) as e:
                 raise StoreError(f"cannot write the journal to {self.description}: {e}") from e
             if not done.succeeded:
                 self.lost.set()
@@ -213,7 +255,7 @@ class EtcdStore:
                 return
 
 
-def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5) -> Store:
+def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAccess | None = None) -> Store:
     """``memory`` or ``etcd://host:port[,host:port...]``; ValueError naming the expected forms."""
     if spec == "memory":
         return MemoryStore()
@@ -222,10 +264,21 @@ def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5) -> Store:
         if not endpoints or any(":" not in e for e in endpoints):
             raise ValueError(f"--store {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
         try:
-            return EtcdStore(endpoints, cluster_id, lease_ttl_s=lease_ttl_s)
+            return EtcdStore(endpoints, cluster_id, lease_ttl_s=lease_ttl_s, access=access or EtcdAccess())
         except ImportError:
             raise ValueError("--store etcd needs the etcd client: pip install 'ifrt-topology[etcd]'") from None
     raise ValueError(f"--store {spec!r}: expected memory or etcd://HOST:PORT[,HOST:PORT...]")
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _auth_expired(error: Exception) -> bool:
+    return "auth token" in str(error).lower()
 
 
 def _ip_endpoint(endpoint: str) -> str:

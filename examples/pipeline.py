@@ -1,12 +1,17 @@
-"""Pipeline parallelism over the topology: stage i of a small numpy MLP runs on process i, and activations move
+"""Pipeline parallelism over the topology: stage i of a small MLP runs on process i, and activations move
 between stages with ``ifrt.transfer.Channels`` over the endpoints the topology carries.
 
-    python examples/pipeline.py --processes 4
+    python examples/pipeline.py --processes 4                   # numpy stages
+    python examples/pipeline.py --processes 4 --runtime jax     # JAX stages started by ifrt.jax.initialize()
 
 starts a coordinator and N stage processes on loopback, runs the batch once whole and once in microbatches
 (so stages work concurrently), and prints ``pipeline: outputs match reference ...`` when the last stage's
-output equals the single-process reference (within 1e-12 relative: microbatches change matmul batch shapes,
-which may change float rounding); it exits non-zero on a mismatch.
+output equals the single-process numpy reference: every element within 1e-12 of the output's largest value
+(microbatches change matmul batch shapes, and JAX's matmul sums in another order than numpy's, which may change
+float rounding); it exits non-zero on a mismatch.
+
+With ``--runtime jax`` each process has 2 CPU devices; its layers are one ``jax.jit`` (float64) on its own row
+of a (stage, batch) mesh of the topology, with the batch split over its 2 devices.
 """
 
 from __future__ import annotations
@@ -18,12 +23,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from ifrt.topology import Topology
+
 WIDTH, LAYERS_PER_STAGE, BATCH, SEED = 512, 2, 1024, 1234
 TOLERANCE = 1e-12
+JAX_DEVICES = 2  # CPU devices per stage process with --runtime jax
 
 
 def weights(num_stages: int) -> list[np.ndarray]:
@@ -42,14 +54,64 @@ def apply(layers: list[np.ndarray], x: np.ndarray) -> np.ndarray:
     return x
 
 
-def run_stage(microbatches: int, out: Path) -> None:
+def jax_layers(topology: Topology, layers: list[np.ndarray],
+               row_counts: set[int]) -> Callable[[np.ndarray], np.ndarray]:
+    """This stage's layers as one ``jax.jit`` on this process's devices: its row of the (stage, batch) mesh."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import ifrt.jax
+
+    per_stage = len(topology.local_devices)
+    whole = topology.mesh((topology.num_processes, per_stage), ("stage", "batch"))
+    row = whole.submesh((topology.process_id, 0), (1, per_stage))
+    if {d.process_id for d in row.device_records()} != {topology.process_id}:
+        raise RuntimeError(f"row {topology.process_id} of the mesh {whole.devices.tolist()} is not this process's")
+    mesh = ifrt.jax.mesh(row)
+    rows, replicated = NamedSharding(mesh, P("batch", None)), NamedSharding(mesh, P())
+    placed = [jax.device_put(w, replicated) for w in layers]
+
+    @jax.jit
+    def forward(x, ws):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return x
+
+    def compute(x: np.ndarray) -> np.ndarray:
+        return np.asarray(forward(jax.device_put(x, rows), placed))
+
+    for count in row_counts:  # compile every batch shape before the clock starts
+        compute(np.zeros((count, WIDTH)))
+    return compute
+
+
+def run_stage(runtime: str, microbatches: int, out: Path) -> None:
     """One pipeline stage: receive from the previous stage's device, compute, send to the next one's."""
     import ifrt
 
-    with ifrt.Client(timeout=60) as client, client.channels() as channels:
-        topology = client.discover()
+    with ExitStack() as stack:
+        if runtime == "jax":
+            import jax
+
+            import ifrt.jax
+
+            jax.config.update("jax_enable_x64", True)  # float64, as the numpy reference
+            topology = ifrt.jax.initialize(timeout=120)
+            client = ifrt.jax.client()
+        else:
+            client = stack.enter_context(ifrt.Client(timeout=60))
+            topology = client.discover()
+        channels = stack.enter_context(client.channels())
         stage, stages = topology.process_id, topology.num_processes
         mine = weights(stages)[stage * LAYERS_PER_STAGE:(stage + 1) * LAYERS_PER_STAGE]
+        if runtime == "jax":
+            shapes = {len(c) for count in (1, microbatches) for c in np.array_split(inputs(), count)}
+            compute = jax_layers(topology, mine, shapes)
+        else:
+            def compute(x: np.ndarray) -> np.ndarray:
+                return apply(mine, x)
         first_device = {p.process_id: min(d.id for d in topology.devices if d.process_id == p.process_id)
                         for p in topology.processes}
         prev, nxt = first_device.get(stage - 1), first_device.get(stage + 1)
@@ -60,7 +122,7 @@ def run_stage(microbatches: int, out: Path) -> None:
             outputs = []
             for chunk in (np.array_split(inputs(), count) if stage == 0 else range(count)):
                 x = chunk if stage == 0 else channels.recv(prev, timeout=60)
-                y = apply(mine, x)
+                y = compute(x)
                 if nxt is None:
                     outputs.append(y)
                 else:
@@ -77,12 +139,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--processes", type=int, default=4, help="pipeline stages, one process each (default %(default)s)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per batch (default %(default)s)")
+    p.add_argument("--runtime", choices=("numpy", "jax"), default="numpy",
+                   help="what computes each stage's layers (default %(default)s)")
     p.add_argument("--stage", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stage:
-        run_stage(args.microbatches, args.out)
+        run_stage(args.runtime, args.microbatches, args.out)
         return 0
+    if args.runtime == "jax" and BATCH % (args.microbatches * JAX_DEVICES):
+        p.error(f"--runtime jax splits each microbatch over {JAX_DEVICES} devices: --microbatches must divide "
+                f"{BATCH // JAX_DEVICES}")
 
     from coordinator.local import LocalCoordinator
 
@@ -93,8 +160,10 @@ def main() -> int:
         for stage in range(args.processes):
             env = dict(os.environ, IFRT_COORDINATOR=coordinator.address, IFRT_PROCESS_ID=str(stage),
                        IFRT_NUM_PROCESSES=str(args.processes), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-            stages.append(subprocess.Popen([sys.executable, __file__, "--stage", "--microbatches",
-                                            str(args.microbatches), "--out", tmp], env=env))
+            if args.runtime == "jax":
+                env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(JAX_DEVICES), IFRT_PLUGIN="jax")
+            stages.append(subprocess.Popen([sys.executable, __file__, "--stage", "--runtime", args.runtime,
+                                            "--microbatches", str(args.microbatches), "--out", tmp], env=env))
         codes = [s.wait(timeout=300) for s in stages]
         if any(codes):
             print(f"pipeline: stage exit codes {codes}; coordinator log:\n{coordinator.log}", file=sys.stderr)
@@ -103,13 +172,15 @@ def main() -> int:
         results = {int(k): np.load(out / f"output-{k}.npy") for k in timings}
 
     reference = apply(weights(args.processes), inputs())
-    worst = max(float(np.max(np.abs(r - reference) / np.maximum(np.abs(reference), 1e-300))) for r in results.values())
+    scale = float(np.max(np.abs(reference)))
+    worst = max(float(np.max(np.abs(r - reference))) / scale for r in results.values())
     rows = BATCH / np.array([timings[str(k)]["seconds"] for k in sorted(results)])
     if worst > TOLERANCE:
         print(f"pipeline: MISMATCH: largest relative error {worst:.3g} > {TOLERANCE}", file=sys.stderr)
         return 1
     print(f"pipeline: outputs match reference (largest relative error {worst:.2g}, tolerance {TOLERANCE:g}) "
-          f"over {args.processes} stages of {LAYERS_PER_STAGE} layers, batch {BATCH}x{WIDTH}")
+          f"over {args.processes} stages of {LAYERS_PER_STAGE} layers, batch {BATCH}x{WIDTH}"
+          + (", jax runtime" if args.runtime == "jax" else ""))
     print(f"pipeline: throughput {rows[0]:.0f} rows/s without microbatching, {rows[-1]:.0f} rows/s with "
           f"{args.microbatches} microbatches ({rows[-1] / rows[0]:.2f}x)")
     return 0

@@ -23,10 +23,13 @@ from ifrt.errors import (
     InvalidArgument,
     KeyExists,
     KeyValueTimeout,
+    PermissionDenied,
     PluginError,
     ProcessDeclaredFailed,
     ProcessIdTaken,
     TopologyError,
+    TransportMismatch,
+    Unauthenticated,
     UnknownClient,
 )
 from ifrt.ids import global_device_id, split_global_id
@@ -40,8 +43,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable", "Device",
     "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh",
-    "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError",
-    "UnknownClient", "discover", "events", "global_device_id", "split_global_id",
+    "PermissionDenied", "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology",
+    "TopologyError", "TransportMismatch", "Unauthenticated", "UnknownClient", "discover", "events",
+    "global_device_id", "split_global_id",
 ]
 
 _LAZY = {"Client": "ifrt.client", "Mesh": "ifrt.mesh", "Topology": "ifrt.topology"}
@@ -75,18 +79,19 @@ def discover(
     plugin: str | None = None,
     local_device_ids: Sequence[int] | None = None,
     timeout: float = 300.0,
+    token: str | None = None,
 ) -> Topology:
     """Registers this process's devices with the coordinator and returns the published topology.
 
     Each argument falls back to ``IFRT_COORDINATOR`` (comma-separated replicas allowed), ``IFRT_PROCESS_ID``
-    (unset: the coordinator assigns ids), ``IFRT_NUM_PROCESSES`` and ``IFRT_PLUGIN`` (default ``cpu``).
-    The process keeps this client as its default one; it is closed at exit.
+    (unset: the coordinator assigns ids), ``IFRT_NUM_PROCESSES``, ``IFRT_PLUGIN`` (default ``cpu``) and
+    ``IFRT_TOKEN`` / ``IFRT_TOKEN_FILE``. The process keeps this client as its default one; it is closed at exit.
     """
     global _default_client
     from ifrt.client import Client
 
     client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
-                    local_device_ids=local_device_ids, timeout=timeout)
+                    local_device_ids=local_device_ids, timeout=timeout, token=token)
     with _default_lock:
         previous, _default_client = _default_client, client
     if previous is not None:

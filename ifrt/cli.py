@@ -1,4 +1,4 @@
-"""``ifrt``: the process side from a shell (``ifrt discover``, ``ifrt plugins``, ``ifrt env``)."""
+"""``ifrt``: the process side from a shell (``ifrt discover``, ``ifrt doctor``, ``ifrt plugins``, ``ifrt env``)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--transfer-bind", metavar="HOST:PORT",
                    help="where this process's transfer endpoint listens, advertised in the topology (default "
                         "$IFRT_TRANSFER_BIND, else an ephemeral port on the address that reaches the coordinator)")
+    d.add_argument("--token-file", metavar="PATH",
+                   help="file holding the cluster's token, if the coordinator requires one (default "
+                        "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself)")
     d.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="give up after this long, naming who is missing (default %(default)s)")
     d.add_argument("--json", action="store_true", help="print the topology as one JSON object (Topology.to_dict)")
@@ -44,6 +47,52 @@ def parser() -> argparse.ArgumentParser:
     commands.add_parser("env", help="show the settings discover() would use here, and where each comes from",
                         description="Shows the launcher environments found (torchrun, Open MPI, SLURM, Kubernetes) "
                                     "and the settings discover() would resolve from them and IFRT_* variables.")
+    dr = commands.add_parser(
+        "doctor", help="pre-flight: can every process of the job reach its peers' transfer endpoints?",
+        description="Run on every host of the job at once, with the job's settings: each process registers like "
+                    "`ifrt discover`, then probes its peers' transfer endpoints (every pair up to 64 processes, "
+                    "above that a ring plus 8 random peers each), the results are gathered through the "
+                    "coordinator, and every process prints the same report: each unreachable pair by process "
+                    "id, host and address, and why. Exits 0 when every endpoint probed is reachable, 1 otherwise.")
+    dr.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                    help=f"coordinator address(es) (default ${COORDINATOR_ENV})")
+    dr.add_argument("--process-id", type=int, metavar="I",
+                    help=f"this process's id (default ${PROCESS_ID_ENV}; unset: the coordinator assigns one)")
+    dr.add_argument("--num-processes", type=int, metavar="N",
+                    help=f"expected process count, checked against the coordinator's (default ${NUM_PROCESSES_ENV})")
+    dr.add_argument("--plugin", metavar="NAME", help=f"device plugin (default ${PLUGIN_ENV}, else cpu)")
+    dr.add_argument("--transfer-bind", metavar="HOST:PORT",
+                    help="where this process's transfer endpoint listens: the job's own setting, so that the "
+                         "check probes what the job will use (default $IFRT_TRANSFER_BIND, else ephemeral)")
+    dr.add_argument("--token-file", metavar="PATH",
+                    help="file holding the cluster's token, if the coordinator requires one (default "
+                         "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself)")
+    dr.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                    help="discovery timeout: give up after this long, naming who is missing (default %(default)s)")
+    dr.add_argument("--check-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="how long the check may take once discovered, waiting for the other processes' results "
+                         "(default %(default)s; one probe waits at most 2 s)")
+    dr.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    dr.add_argument("--verbose", "-v", action="store_true", help="log progress while waiting")
+    st = commands.add_parser(
+        "status", help="ask the coordinator how the cluster is doing",
+        description="Asks every coordinator replica at once and prints the leader's view: cluster state (waiting, "
+                    "published, degraded, or standby when no replica asked leads), generation and fingerprint, "
+                    "who registered and who is missing, failed processes with the reason, each process's host and "
+                    "the age of its last heartbeat, and which replica leads. Exits non-zero when no replica answers.")
+    st.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                    help=f"coordinator address(es); every replica is asked (default ${COORDINATOR_ENV})")
+    st.add_argument("--json", action="store_true",
+                    help="print one JSON object (keys include state, registered, expected, missing, failed, "
+                         "generation, fingerprint, processes, leader, replicas)")
+    st.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                    help="print the status again every SECONDS (default 2) until interrupted (Ctrl-C)")
+    st.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N reports")
+    st.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                    help="how long to wait for the replicas' answers (default %(default)s)")
+    st.add_argument("--token-file", metavar="PATH",
+                    help="file holding the cluster's token (default $IFRT_TOKEN_FILE or $IFRT_TOKEN; TLS from "
+                         "$IFRT_TLS_CA, $IFRT_TLS_CERT, $IFRT_TLS_KEY)")
     return p
 
 
@@ -70,21 +119,78 @@ def _env() -> int:
         print(f"discover() would fail: {e}")
         return 1
     for field, value in vars(settings).items():
+        if field == "token":  # the secret itself is never shown
+            value = "set" if value else "not set"
         print(f"{field}: {value}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.command == "plugins":
-        return _plugins(args.json)
-    if args.command == "env":
-        return _env()
+def _status(args: argparse.Namespace) -> int:
+    import time
+
+    from ifrt import status  # imports grpc: only for this command
+
+    if args.count is not None and (args.watch is None or args.count < 1):
+        print("ifrt status: --count N needs --watch and N >= 1", file=sys.stderr)
+        return 2
+    try:
+        settings = resolve(args.coordinator, token_file=args.token_file)
+    except IfrtError as e:
+        print(f"ifrt status: {e}", file=sys.stderr)
+        return 2
+    reports = 0
+    try:
+        while True:
+            try:
+                view = status.query(settings, args.timeout)
+            except IfrtError as e:
+                print(f"ifrt status: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                if args.watch is None:
+                    return 1
+            else:
+                if args.watch is not None and not args.json:
+                    print(f"--- {time.strftime('%H:%M:%S')}")
+                print(json.dumps(view) if args.json else status.render(view), flush=True)
+            reports += 1
+            if args.watch is None or (args.count is not None and reports >= args.count):
+                return 0
+            time.sleep(args.watch)  # the pace of the display, not a wait for anything
+    except KeyboardInterrupt:
+        return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,
-                    plugin=args.plugin, timeout=args.timeout, transfer_bind=args.transfer_bind) as client:
+                    plugin=args.plugin, timeout=args.timeout, transfer_bind=args.transfer_bind,
+                    token_file=args.token_file) as client:
+            client.discover()
+            report = client.preflight(args.check_timeout)
+    except IfrtError as e:
+        print(f"ifrt doctor: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_dict()) if args.json else report.describe(), flush=True)
+    return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "plugins":
+        return _plugins(args.json)
+    if args.command == "env":
+        return _env()
+    if args.command == "doctor":
+        return _doctor(args)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,
+                    plugin=args.plugin, timeout=args.timeout, transfer_bind=args.transfer_bind,
+                    token_file=args.token_file) as client:
             topology = client.discover()
     except IfrtError as e:
         print(f"ifrt discover: {type(e).__name__}: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from ifrt import preflight as _preflight
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
@@ -23,10 +24,12 @@ from ifrt.errors import (
     IfrtError,
     KeyValueTimeout,
     PluginError,
+    TransportMismatch,
     from_rpc_error,
 )
 from ifrt.events import Event
 from ifrt.progress import Progress
+from ifrt.security import new_process_secret, open_channel, transport_mismatch
 from ifrt.session import Session
 from ifrt.settings import Settings, resolve
 from ifrt.topology import Topology
@@ -85,6 +88,9 @@ class Client:
         self.endpoint: Endpoint | None = None
         self._want_transfer = transfer
         self.client_uid = uuid.uuid4().hex
+        self.process_secret = new_process_secret()
+        """Sent on every call: only this client may act for the process it registers (never logged or shown)."""
+        self._answered: set[str] = set()  # coordinators that answered: their transport is known to match
         self.topology: Topology | None = None
         self.backoff = Backoff()
         self._want_session = session
@@ -113,7 +119,16 @@ class Client:
             if self._want_session:
                 self._session = Session(self, self._emit)
                 self._session.start()
+            _preflight.run_if_requested(self)  # IFRT_PREFLIGHT=1: PreflightFailed names the unreachable pairs
         return self.topology
+
+    def preflight(self, timeout: float = _preflight.DEFAULT_TIMEOUT_S) -> _preflight.PreflightReport:
+        """Probes the peers' transfer endpoints and gathers every process's results through the coordinator.
+
+        Every process of the job must call it; each gets the same report, naming every unreachable pair by process
+        id, host and address (see ``ifrt.preflight``). BarrierTimeout names a process that did not take part.
+        """
+        return _preflight.run(self, timeout)
 
     def channels(self) -> Channels:
         """Array transfers to and from the devices of the topology, over this process's endpoint."""
@@ -125,10 +140,11 @@ class Client:
     def _bind_endpoint(self) -> Endpoint:
         bind = self.settings.transfer_bind
         if bind is None:
-            return Endpoint(f"{local_address_toward(self.settings.coordinators)}:0")
+            return Endpoint(f"{local_address_toward(self.settings.coordinators)}:0", token=self.settings.token)
         host = bind.rpartition(":")[0].strip("[]")
         wildcard = host in ("", "0.0.0.0", "::")
-        return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None)
+        return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None,
+                        token=self.settings.token)
 
     def wait_attached(self, timeout: float) -> bool:
         """Waits until the live session is attached (events flow); returns whether it is."""
@@ -190,6 +206,7 @@ class Client:
             except grpc.RpcError as e:
                 last_error = self._retryable(e, target)
                 continue
+            self._answered.add(target)
             self.backoff.reset()
             if response.topology:
                 canonical = wire.decompress(response.encoding, response.topology)
@@ -296,10 +313,13 @@ class Client:
         while (remaining := deadline - time.monotonic()) > 0:
             target = self.current_coordinator()
             try:
-                return getattr(self.stub(target), method)(request(remaining), timeout=remaining + slack,
-                                                          wait_for_ready=wait_for_ready)
+                answer = getattr(self.stub(target), method)(request(remaining), timeout=remaining + slack,
+                                                            wait_for_ready=wait_for_ready)
             except grpc.RpcError as e:
                 last_error = self._retryable(e, target)
+                continue
+            self._answered.add(target)
+            return answer
         raise CoordinatorUnavailable(f"{method} did not reach the coordinator ({', '.join(self.settings.coordinators)})"
                                      f" in time; last error: {last_error}")
 
@@ -314,18 +334,33 @@ class Client:
                 self._current += 1
 
     def stub(self, target: str) -> CoordinatorStub:
+        """The stub for ``target``; TransportMismatch at once when it speaks TLS and this process plaintext, or the
+        reverse (instead of retrying until the timeout)."""
+        with self._lock:
+            stub = self._stubs.get(target)
+        if stub is not None:
+            return stub
+        self._check_transport(target)
         with self._lock:
             stub = self._stubs.get(target)
             if stub is None:
-                self._channels[target] = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+                self._channels[target] = open_channel(target, self.settings, self.process_secret, CHANNEL_OPTIONS)
                 stub = self._stubs[target] = CoordinatorStub(self._channels[target])
             return stub
+
+    def _check_transport(self, target: str) -> None:
+        if target in self._answered:
+            return
+        mismatch = transport_mismatch(target, self.settings.tls, client_cert=self.settings.tls_cert is not None)
+        if mismatch is not None:
+            raise TransportMismatch(mismatch)
 
     def _retryable(self, error: grpc.RpcError, target: str) -> IfrtError:
         """The typed error, raised if retrying cannot fix it; else returned after a backoff pause."""
         typed = from_rpc_error(error, target)
         if not typed.retryable:
             raise typed from None
+        self._check_transport(target)
         self.rotate(target)
         if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             time.sleep(self.backoff.next())

@@ -98,6 +98,24 @@ class KeyValueTimeout(IfrtError, TimeoutError):
     status = "DEADLINE_EXCEEDED"
 
 
+class Unauthenticated(IfrtError):
+    """The coordinator wants the cluster's token and the call had none or another; the message says which."""
+
+    status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(IfrtError):
+    """The call acts for a process it does not own (its process secret is missing or wrong)."""
+
+    status = "PERMISSION_DENIED"
+
+
+class TransportMismatch(IfrtError):
+    """One side speaks TLS and the other plaintext; the message says which side wants what."""
+
+    status = "UNAVAILABLE"
+
+
 class TopologyError(IfrtError):
     """Topology bytes or a topology dict are corrupt or inconsistent (e.g. the fingerprint does not match)."""
 
@@ -133,6 +151,8 @@ _BY_STATUS: dict[str, type[IfrtError]] = {
     "RESOURCE_EXHAUSTED": InvalidArgument,
     "ALREADY_EXISTS": ProcessIdTaken,
     "FAILED_PRECONDITION": ClusterMismatch,
+    "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied,
 }
 """The class for a failed call that carries no ``ifrt-error`` trailer (refused by gRPC itself, or an old peer)."""
 _RETRYABLE_STATUSES = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})

@@ -11,7 +11,7 @@ import grpc
 
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.errors import ProcessDeclaredFailed, UnknownClient, from_rpc_error
+from ifrt.errors import IfrtError, ProcessDeclaredFailed, UnknownClient, from_rpc_error
 from ifrt.events import (
     CoordinatorLost,
     CoordinatorRestored,
@@ -66,10 +66,10 @@ class Session:
                     self._handle(event, target)
                 if not self._closed.is_set():
                     self._lose("the coordinator closed the session")
-            except grpc.RpcError as e:
+            except (grpc.RpcError, IfrtError) as e:
                 if self._closed.is_set():
                     break
-                error = from_rpc_error(e, target)
+                error = e if isinstance(e, IfrtError) else from_rpc_error(e, target)
                 if isinstance(error, UnknownClient):
                     log.warning("coordinator %s does not know this process (restarted?): registering again", target)
                     self._rejoin()

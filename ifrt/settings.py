@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ifrt import clusters
 from ifrt.errors import InvalidArgument
@@ -26,6 +26,11 @@ LOCAL_RANK_ENV = "IFRT_LOCAL_RANK"  # "0"; orders processes of one host when ids
 LOCAL_WORLD_SIZE_ENV = "IFRT_LOCAL_WORLD_SIZE"  # "8"; processes on this host (plugins split devices by it)
 CLUSTER_ID_ENV = "IFRT_CLUSTER_ID"  # unset: join whatever cluster the coordinator serves
 TRANSFER_BIND_ENV = "IFRT_TRANSFER_BIND"  # "0.0.0.0:9000"; unset: an ephemeral port on this host's address
+TOKEN_ENV = "IFRT_TOKEN"  # the cluster's shared secret itself (prefer IFRT_TOKEN_FILE: environments leak)
+TOKEN_FILE_ENV = "IFRT_TOKEN_FILE"  # "/run/secrets/ifrt-token": a file holding the token
+TLS_CA_ENV = "IFRT_TLS_CA"  # "/etc/ifrt/ca.pem": trust the coordinator's certificate through this CA (turns TLS on)
+TLS_CERT_ENV = "IFRT_TLS_CERT"  # "/etc/ifrt/client.pem": this process's certificate, for mutual TLS
+TLS_KEY_ENV = "IFRT_TLS_KEY"  # "/etc/ifrt/client-key.pem": its private key
 
 DEFAULT_PLUGIN = "cpu"
 
@@ -48,6 +53,16 @@ class Settings:
     """Where this process's transfer endpoint listens (None: an ephemeral port on the host's address)."""
     launcher: str | None = None
     """The launcher environment values were taken from (e.g. "slurm"), if any."""
+    token: str | None = field(default=None, repr=False)
+    """The cluster's shared secret, sent on every call (never printed or logged)."""
+    tls_ca: str | None = None
+    """PEM file of the CA that signed the coordinator's certificate; set (or tls_cert) means TLS."""
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca or self.tls_cert)
 
 
 def parse_coordinators(value: str) -> tuple[str, ...]:
@@ -88,6 +103,11 @@ def resolve(
     local_rank: int | None = None,
     cluster_id: str | None = None,
     transfer_bind: str | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """The settings for one process; InvalidArgument naming the variable or argument that is wrong."""
@@ -124,6 +144,12 @@ def resolve(
         raise InvalidArgument(f"timeout={timeout!r} is not positive: expected seconds > 0")
     if launcher is not None:
         log.info("launcher environment: %s (%s)", launcher.source, ", ".join(launcher.variables))
+    tls = {name: _readable(value or env.get(var, "").strip() or None, name if value else var)
+           for name, value, var in (("tls_ca", tls_ca, TLS_CA_ENV), ("tls_cert", tls_cert, TLS_CERT_ENV),
+                                    ("tls_key", tls_key, TLS_KEY_ENV))}
+    if bool(tls["tls_cert"]) != bool(tls["tls_key"]):
+        raise InvalidArgument(f"a client certificate needs its key and a key its certificate: set both {TLS_CERT_ENV} "
+                              f"and {TLS_KEY_ENV}, or neither")
     return Settings(
         coordinators=coordinators,
         process_id=pid,
@@ -137,4 +163,44 @@ def resolve(
         hostname=socket.gethostname(),
         transfer_bind=transfer_bind or env.get(TRANSFER_BIND_ENV, "").strip() or None,
         launcher=None if launcher is None else launcher.source,
+        token=_token(token, token_file, env),
+        **tls,
     )
+
+
+def _token(token: str | None, token_file: str | None, env: Mapping[str, str]) -> str | None:
+    """The token from the argument, the file argument, IFRT_TOKEN, then IFRT_TOKEN_FILE; errors never show it."""
+    if token is not None:
+        value, origin = token, "token="
+    elif token_file is not None:
+        value, origin = read_secret_file(token_file, "token_file="), "token_file="
+    elif env.get(TOKEN_ENV):
+        value, origin = env[TOKEN_ENV], TOKEN_ENV
+    elif env.get(TOKEN_FILE_ENV, "").strip():
+        value, origin = read_secret_file(env[TOKEN_FILE_ENV].strip(), TOKEN_FILE_ENV), TOKEN_FILE_ENV
+    else:
+        return None
+    value = value.strip()
+    if not value:
+        raise InvalidArgument(f"the token from {origin} is empty: expected the cluster's shared secret")
+    return value
+
+
+def read_secret_file(path: str, origin: str) -> str:
+    """The secret held by ``path`` (surrounding whitespace removed); InvalidArgument naming the file, never its
+    content."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"cannot read {path!r} ({origin}): {e}") from None
+    if not value:
+        raise InvalidArgument(f"{path!r} ({origin}) is empty: expected a secret")
+    return value
+
+
+def _readable(path: str | None, origin: str) -> str | None:
+    """``path`` if it names a readable file; InvalidArgument naming the setting otherwise."""
+    if path is not None and not os.access(path, os.R_OK):
+        raise InvalidArgument(f"{origin}={path!r} is not a readable file")
+    return path

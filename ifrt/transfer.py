@@ -9,13 +9,19 @@ payload length) followed by the raw array bytes. Sequence numbers run per (sourc
 lost, repeated or reordered frame is an error, as is a bad header or a peer that goes away mid-frame. A
 sender numbers and writes a frame in one step under the lock of its destination process, so threads sending
 on the same pair put frames on the wire in sequence order. Every receive waits a finite time.
+
+With the cluster's token, a new connection is challenged before its first frame: the endpoint sends a random
+nonce and the connecting process answers with an HMAC of it under the token; a stranger is logged and closed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
 import numbers
+import os
 import queue
 import socket
 import struct
@@ -41,6 +47,8 @@ HEADER = struct.Struct("!4sBBBBQqqQ")
 MAX_NDIM = 32
 ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing to unpickle
 CHUNK = 4 << 20
+CHALLENGE_BYTES = 32  # the token challenge, and its HMAC-SHA256 answer, are both this long
+HANDSHAKE_TIMEOUT_S = 10.0
 RECV_TIMEOUT_S = 60.0
 """How long a receive waits when not told (``timeout=None``): no wait is unbounded."""
 
@@ -86,7 +94,11 @@ class Endpoint:
     _bound: ClassVar[dict[str, Endpoint]] = {}  # address -> endpoint, so Channels(topology) finds its own
     _bound_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, bind: str = "127.0.0.1:0", advertise_host: str | None = None) -> None:
+    def __init__(self, bind: str = "127.0.0.1:0", advertise_host: str | None = None,
+                 token: str | None = None) -> None:
+        """With ``token`` (the cluster's), a connecting peer must prove it holds the same token before any frame
+        is accepted, and this process proves it to the peers it connects to."""
+        self.auth_key = token.encode() if token else None
         host, _, port = bind.rpartition(":")
         try:
             self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=128)
@@ -147,7 +159,7 @@ class Endpoint:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -156,13 +168,15 @@ class Endpoint:
                     conn.close()
                     return
                 self._peers.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="ifrt-transfer-recv", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name="ifrt-transfer-recv", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: object = None) -> None:
         src_process = -1
         expected: dict[tuple[int, int], int] = {}
         try:
             _, _, src_process, _, _ = self._read_frame(conn, hello=True)
+            if self.auth_key is not None and not self._admit(conn, peer, src_process):
+                return
             while True:
                 header = conn.recv(HEADER.size, socket.MSG_PEEK)
                 if not header:
@@ -187,6 +201,26 @@ class Endpoint:
                 q.put(error)
         finally:
             conn.close()
+
+    def _admit(self, conn: socket.socket, peer: object, src_process: int) -> bool:
+        """Challenges a new connection to prove it holds the cluster's token; refuses (and logs) it if not."""
+        challenge = os.urandom(CHALLENGE_BYTES)
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            conn.sendall(challenge)
+            answer = bytearray(CHALLENGE_BYTES)
+            _recv_exactly(conn, memoryview(answer), "the answer to the token challenge")
+        except (OSError, TransferError) as e:
+            log.warning("refused a transfer connection from %s (says process %d): no answer to the token "
+                        "challenge: %s", peer, src_process, e)
+            return False
+        finally:
+            conn.settimeout(None)
+        if not hmac.compare_digest(bytes(answer), token_proof(self.auth_key, challenge)):  # type: ignore[arg-type]
+            log.warning("refused a transfer connection from %s (says process %d): it does not hold the cluster's "
+                        "token", peer, src_process)
+            return False
+        return True
 
     @staticmethod
     def _read_frame(conn: socket.socket, hello: bool) -> tuple[int, int, int, int, np.ndarray | None]:
@@ -318,12 +352,26 @@ class Channels:
             sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self._connect_timeout)
         except OSError as e:
             raise TransferError(f"cannot connect to process {process_id} at {address}: {e}") from e
-        sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(encode_header(HELLO, 0, self.topology.process_id, process_id))
+        try:
+            sock.sendall(encode_header(HELLO, 0, self.topology.process_id, process_id))
+            if self.endpoint.auth_key is not None:
+                challenge = bytearray(CHALLENGE_BYTES)
+                _recv_exactly(sock, memoryview(challenge), f"process {process_id}'s token challenge")
+                sock.sendall(token_proof(self.endpoint.auth_key, bytes(challenge)))
+        except (OSError, TransferError) as e:
+            sock.close()
+            raise TransferError(f"process {process_id} at {address} did not complete the token handshake (does it "
+                                f"run with the same cluster token?): {e}") from e
+        sock.settimeout(None)
         with self._lock:
             self._out[process_id] = sock
         return sock
+
+
+def token_proof(key: bytes, challenge: bytes) -> bytes:
+    """What answers a challenge: an HMAC of it under the cluster token (the token itself never crosses the wire)."""
+    return hmac.new(key, b"ifrt-transfer:" + challenge, hashlib.sha256).digest()
 
 
 def local_address_toward(targets: Sequence[str]) -> str:

@@ -199,7 +199,7 @@ def test_leader_killed_during_a_barrier(replicas, ports):
         thread = threading.Thread(target=arrive)
         thread.start()
         # The leader holds the barrier, which cannot complete: process 2 has not been told to arrive.
-        seen = barrier_started_for(replicas.leader.address, client.client_uid, "step-1")
+        seen = barrier_started_for(replicas.leader.address, client, "step-1")
         assert "barrier 'step-1' was started for processes [0, 1, 2]" in seen
         dead = replicas.kill_leader()
         assert dead.process.returncode == -signal.SIGKILL and thread.is_alive() and outcome == []

@@ -73,6 +73,9 @@ STATUS = {
     "TopologyError": "DATA_LOSS",
     "CoordinatorUnavailable": "UNAVAILABLE",
     "DiscoveryTimeout": "DEADLINE_EXCEEDED",
+    "Unauthenticated": "UNAUTHENTICATED",
+    "PermissionDenied": "PERMISSION_DENIED",
+    "TransportMismatch": "UNAVAILABLE",
 }
 
 
@@ -96,6 +99,8 @@ def test_a_status_without_a_trailer_still_maps_to_its_class():
         grpc.StatusCode.RESOURCE_EXHAUSTED: ifrt.InvalidArgument,
         grpc.StatusCode.ALREADY_EXISTS: ifrt.ProcessIdTaken,
         grpc.StatusCode.FAILED_PRECONDITION: ifrt.ClusterMismatch,
+        grpc.StatusCode.UNAUTHENTICATED: ifrt.Unauthenticated,
+        grpc.StatusCode.PERMISSION_DENIED: ifrt.PermissionDenied,
     }
 
 

@@ -19,6 +19,7 @@ import pytest
 import ifrt
 from ifrt import events
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.security import SECRET_METADATA
 
 HEARTBEAT_TIMEOUT = 1.0
 SLACK = 5.0  # scheduling on a loaded 2-core machine; detection itself is within heartbeat timeout + 0.1 s ticks
@@ -97,21 +98,22 @@ def workers():
         worker.stop()
 
 
-def barrier_started_for(address: str, client_uid: str, name: str, timeout: float = 30) -> str:
+def barrier_started_for(address: str, client: ifrt.Client, name: str, timeout: float = 30) -> str:
     """Waits until barrier ``name`` exists on the coordinator at ``address``; returns what the coordinator said.
 
-    Asks as process 0 (``client_uid``) arriving at it with participants [1, 2], a list no real call uses and that
-    leaves process 0 out: a coordinator that holds the barrier refuses that with INVALID_ARGUMENT naming the
-    barrier's own participants, one that does not hold it yet refuses it as "process 0 is not a participant";
-    neither changes anything.
+    Asks as process 0 (``client``, with its process secret) arriving at it with participants [1, 2], a list no
+    real call uses and that leaves process 0 out: a coordinator that holds the barrier refuses that with
+    INVALID_ARGUMENT naming the barrier's own participants, one that does not hold it yet refuses it as
+    "process 0 is not a participant"; neither changes anything.
     """
-    request = pb.BarrierRequest(client_uid=client_uid, name=name, process_ids=[1, 2], timeout_ms=1000)
+    request = pb.BarrierRequest(client_uid=client.client_uid, name=name, process_ids=[1, 2], timeout_ms=1000)
+    metadata = ((SECRET_METADATA, client.process_secret),)
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary("/ifrt.topology.v1.Coordinator/Barrier")
         while True:
             with pytest.raises(grpc.RpcError) as info:
-                call(request.SerializeToString(), timeout=10)
+                call(request.SerializeToString(), timeout=10, metadata=metadata)
             if "was started for processes" in (info.value.details() or ""):
                 return info.value.details()
             assert time.monotonic() < deadline, f"no barrier {name!r} at {address} within {timeout}s: {info.value}"
@@ -161,7 +163,7 @@ def test_kill_9_is_reported_to_every_other_process_and_fails_its_barriers(start_
             barrier_result.put(e)
 
     threading.Thread(target=arrive, daemon=True).start()
-    seen = barrier_started_for(coordinator.address, client.client_uid, "before-step-1")
+    seen = barrier_started_for(coordinator.address, client, "before-step-1")
     assert "was started for processes [0, 1, 2]" in seen  # pending: processes 1 and 2 never arrive
     assert barrier_result.empty()
     killed_at = w2.kill9()

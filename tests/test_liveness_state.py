@@ -3,6 +3,7 @@
 import pytest
 
 from coordinator.barriers import BarrierResolved
+from coordinator.limits import Limits
 from coordinator.state import ClusterConfig, ClusterState, Evict, FailurePolicy, Forgotten, Notify, Republish
 from ifrt.errors import (
     BarrierFailed,
@@ -196,7 +197,7 @@ def test_key_values():
 
 
 def test_oversized_value_is_refused_and_stores_nothing():
-    s = published(kv_max_value_bytes=8)
+    s = published(limits=Limits(kv_value_bytes=8))
     s.take_journal()
     with pytest.raises(InvalidArgument, match="9 bytes: expected at most 8"):
         s.kv_set("p0", "k", b"x" * 9, allow_overwrite=False)

@@ -11,8 +11,34 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_RAW: _ClassVar[Encoding]
     ENCODING_ZLIB: _ClassVar[Encoding]
+
+class ClusterPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CLUSTER_PHASE_UNSPECIFIED: _ClassVar[ClusterPhase]
+    CLUSTER_PHASE_WAITING: _ClassVar[ClusterPhase]
+    CLUSTER_PHASE_PUBLISHED: _ClassVar[ClusterPhase]
+    CLUSTER_PHASE_DEGRADED: _ClassVar[ClusterPhase]
+    CLUSTER_PHASE_STANDBY: _ClassVar[ClusterPhase]
+
+class ProcessPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROCESS_PHASE_UNSPECIFIED: _ClassVar[ProcessPhase]
+    PROCESS_PHASE_JOINING: _ClassVar[ProcessPhase]
+    PROCESS_PHASE_ALIVE: _ClassVar[ProcessPhase]
+    PROCESS_PHASE_FAILED: _ClassVar[ProcessPhase]
+    PROCESS_PHASE_LEFT: _ClassVar[ProcessPhase]
 ENCODING_RAW: Encoding
 ENCODING_ZLIB: Encoding
+CLUSTER_PHASE_UNSPECIFIED: ClusterPhase
+CLUSTER_PHASE_WAITING: ClusterPhase
+CLUSTER_PHASE_PUBLISHED: ClusterPhase
+CLUSTER_PHASE_DEGRADED: ClusterPhase
+CLUSTER_PHASE_STANDBY: ClusterPhase
+PROCESS_PHASE_UNSPECIFIED: ProcessPhase
+PROCESS_PHASE_JOINING: ProcessPhase
+PROCESS_PHASE_ALIVE: ProcessPhase
+PROCESS_PHASE_FAILED: ProcessPhase
+PROCESS_PHASE_LEFT: ProcessPhase
 
 class LocalDevice(_message.Message):
     __slots__ = ("local_id", "platform", "kind", "slice_key", "attributes", "coordinates")
@@ -280,3 +306,71 @@ class KeyValueDirResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[KeyValueEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[KeyValueEntry, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProcessStatus(_message.Message):
+    __slots__ = ("process_id", "hostname", "host_address", "local_rank", "address", "devices", "phase", "reason", "incarnation", "heartbeat_age_seconds", "attached")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    hostname: str
+    host_address: str
+    local_rank: int
+    address: str
+    devices: int
+    phase: ProcessPhase
+    reason: str
+    incarnation: int
+    heartbeat_age_seconds: float
+    attached: bool
+    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_PUBLISH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    state: ClusterPhase
+    generation: int
+    fingerprint: str
+    registered: int
+    expected: int
+    missing_process_ids: _containers.RepeatedScalarFieldContainer[int]
+    missing: int
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessStatus]
+    leader: str
+    replica: str
+    store: str
+    reason: str
+    waited_seconds: float
+    time_to_publish_seconds: float
+    sessions_open: int
+    heartbeat_timeout_seconds: float
+    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ...) -> None: ...

@@ -35,6 +35,13 @@ class CoordinatorStub:
     INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
     INTERNAL             a bug in the coordinator (logged with its traceback);
     nothing is answered from a state it could not persist.
+    UNAUTHENTICATED      the coordinator runs with --token-file and the call's
+    "ifrt-token" metadata is missing or wrong (the health
+    service needs no token).
+    Calls made for a registered process carry its "ifrt-process-secret"
+    metadata: the secret it registered with. Calls for a process made without
+    that secret (Register again, Session, Leave, Barrier, KeyValue*) answer
+    PERMISSION_DENIED    the call acts for a process it does not own.
     Nothing is answered before every journal entry made before the answer is
     durable in the coordinator's store. Errors carry trailing metadata
     "ifrt-error" naming the error class.
@@ -81,6 +88,11 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/Status',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -93,6 +105,13 @@ class CoordinatorServicer:
     INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
     INTERNAL             a bug in the coordinator (logged with its traceback);
     nothing is answered from a state it could not persist.
+    UNAUTHENTICATED      the coordinator runs with --token-file and the call's
+    "ifrt-token" metadata is missing or wrong (the health
+    service needs no token).
+    Calls made for a registered process carry its "ifrt-process-secret"
+    metadata: the secret it registered with. Calls for a process made without
+    that secret (Register again, Session, Leave, Barrier, KeyValue*) answer
+    PERMISSION_DENIED    the call acts for a process it does not own.
     Nothing is answered before every journal entry made before the answer is
     durable in the coordinator's store. Errors carry trailing metadata
     "ifrt-error" naming the error class.
@@ -129,7 +148,9 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
-        """A graceful exit: peers see ProcessLeft instead of ProcessFailed.
+        """A graceful exit: peers see ProcessLeft instead of ProcessFailed. Leaving
+        again is OK.
+        NOT_FOUND            no process registered with this client_uid.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +196,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """The cluster as an operator sees it (`ifrt status`): its state, who has
+        registered, who is missing or failed, each process's host and the age of
+        its last sign of life, and which replica leads. Unlike every other RPC, a
+        replica that does not lead answers it too (state STANDBY, naming the
+        leader its store knows) instead of UNAVAILABLE.
+        OK                   always, from the leader and from a standby; what
+        the leader reports is durable in its store.
+        INVALID_ARGUMENT     the request bytes are not a StatusRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +248,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.SerializeToString,
             ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'ifrt.topology.v1.Coordinator', rpc_method_handlers)
@@ -231,6 +271,13 @@ class Coordinator:
     INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
     INTERNAL             a bug in the coordinator (logged with its traceback);
     nothing is answered from a state it could not persist.
+    UNAUTHENTICATED      the coordinator runs with --token-file and the call's
+    "ifrt-token" metadata is missing or wrong (the health
+    service needs no token).
+    Calls made for a registered process carry its "ifrt-process-secret"
+    metadata: the secret it registered with. Calls for a process made without
+    that secret (Register again, Session, Leave, Barrier, KeyValue*) answer
+    PERMISSION_DENIED    the call acts for a process it does not own.
     Nothing is answered before every journal entry made before the answer is
     durable in the coordinator's store. Errors carry trailing metadata
     "ifrt-error" naming the error class.
@@ -415,6 +462,33 @@ class Coordinator:
             '/ifrt.topology.v1.Coordinator/KeyValueDir',
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/Status',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

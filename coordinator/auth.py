@@ -1,0 +1,63 @@
+"""Who may call the coordinator: the cluster token checked in front of every Coordinator RPC, and TLS credentials.
+
+The health service stays open (probes carry no token); everything else without the token is refused with
+UNAUTHENTICATED, logged with the caller's address, before any handler runs, so nothing changes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from ifrt.errors import ERROR_TRAILER, Unauthenticated
+from ifrt.security import TOKEN_METADATA
+
+log = logging.getLogger("ifrt.coordinator")
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuses calls to ``service`` whose ``ifrt-token`` metadata is missing or differs (constant-time compare)."""
+
+    def __init__(self, token: str, service: str) -> None:
+        self._token = token.encode()
+        self._prefix = f"/{service}/"
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
+                                details: grpc.HandlerCallDetails):
+        if not details.method.startswith(self._prefix):
+            return await continuation(details)
+        given = next((v for k, v in details.invocation_metadata or () if k == TOKEN_METADATA), None)
+        if given is not None and hmac.compare_digest(given.encode() if isinstance(given, str) else given,
+                                                     self._token):
+            return await continuation(details)
+        handler = await continuation(details)
+        why = "carries no token" if given is None else "carries a wrong token"
+        return _refusal(handler, details.method.rpartition("/")[2], why)
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, method: str, why: str) -> grpc.RpcMethodHandler:
+    message = (f"this coordinator requires the cluster's token and the call {why}: set IFRT_TOKEN_FILE (or "
+               "IFRT_TOKEN) to the file the coordinator's --token-file names")
+
+    async def refuse(request, context: grpc.aio.ServicerContext) -> None:
+        log.warning("refused %s from %s: the call %s", method, context.peer(), why)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message,
+                            trailing_metadata=((ERROR_TRAILER, Unauthenticated.__name__),))
+
+    if handler is not None and handler.request_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
+    """TLS with this certificate and key; with ``client_ca``, every client must present a certificate it signed."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_server_credentials([(read(key), read(cert))],
+                                       root_certificates=read(client_ca) if client_ca else None,
+                                       require_client_auth=client_ca is not None)

@@ -1,0 +1,440 @@
+"""JAX started from ifrt's topology: ifrt assigns the process ids and the device order, JAX computes on them.
+
+    topology = ifrt.jax.initialize()                      # instead of jax.distributed.initialize(...)
+    mesh = ifrt.jax.mesh(topology.mesh((2, 4), ("data", "model")))
+    jax.jit(f, in_shardings=NamedSharding(mesh, P("data", "model")))
+
+``initialize`` does, in order:
+
+1. ``ifrt`` discovery; this process's devices are listed by the ``jax`` plugin, which never creates a JAX
+   backend (``plugins.jax_plugin``: from configuration on CPU, else in a short-lived child process).
+2. A start-up exchange in ifrt's key-value store, under keys scoped to the topology's generation and to a
+   fresh nonce of process 0: process 0 reserves a free port on its advertised address and publishes it; each
+   process answers with its own nonce and the devices its JAX will have; process 0 publishes everyone's answer.
+   A process accepts only an answer that carries its own fresh nonce, so a job restarted against a durable
+   journal never dials the previous attempt's address.
+3. A check of every process's JAX devices against the topology (same count, same platform): a mismatch is one
+   ``TopologyError`` naming the process and both device lists, raised in every process before JAX starts.
+4. ``jax.distributed.initialize`` with the topology's process ids and count, then the check again on the
+   devices JAX reports (``jax.devices()``).
+
+Devices are matched by (process, local order), never by JAX's numbering of device ids, which differs between
+JAX versions (``process << 17 | local`` like ifrt in JAX 0.4.x, ``process << 11 | local`` on CPU in JAX 0.10).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:
+    import jax
+except ImportError as e:  # the optional extra is missing
+    raise ImportError(f"ifrt.jax needs jax: pip install 'ifrt-topology[jax]' ({e})") from e
+
+from ifrt import events
+from ifrt.client import Backoff, Client
+from ifrt.errors import BarrierFailed, DiscoveryTimeout, IfrtError, KeyValueTimeout, TopologyError
+from ifrt.mesh import Mesh
+from ifrt.settings import PLUGIN_ENV
+from ifrt.topology import Topology
+from ifrt.transfer import local_address_toward
+from plugins import jax_plugin
+
+log = logging.getLogger("ifrt.jax")
+
+KEY_PREFIX = "ifrt/jax"
+"""Key-value prefix of the start-up exchange: ``ifrt/jax/g<generation>/...``."""
+RECHECK_S = 1.0
+"""How often a waiting process re-reads process 0's address record and checks for failed peers."""
+
+
+class BackendAlreadyInitialized(IfrtError, RuntimeError):
+    """JAX's backend (or ``jax.distributed``) already exists in this process, so ifrt cannot start JAX."""
+
+
+@dataclass(frozen=True)
+class _Started:
+    client: Client
+    topology: Topology
+    jax_devices: Mapping[int, Any]  # global id -> jax.Device
+
+
+_started: _Started | None = None
+_lock = threading.Lock()
+
+
+# Start-up.
+def initialize(
+    coordinator: str | Sequence[str] | None = None,
+    *,
+    process_id: int | None = None,
+    num_processes: int | None = None,
+    plugin: str | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    timeout: float = 300.0,
+) -> Topology:
+    """Discovers the topology with ifrt, then starts ``jax.distributed`` with its process ids; returns it.
+
+    Same arguments as ``ifrt.discover`` (the plugin defaults to ``jax``). Calling it again returns the same
+    topology. BackendAlreadyInitialized if JAX's backend exists already; TopologyError, raised in every
+    process, if some process's JAX devices differ from what it registered; DiscoveryTimeout after ``timeout``.
+    """
+    global _started
+    with _lock:
+        if _started is not None:
+            return _started.topology
+        _refuse_if_started()
+        deadline = time.monotonic() + timeout
+        plugin = plugin or os.environ.get(PLUGIN_ENV, "").strip() or "jax"
+        jax_view = _jax_view(local_device_ids)
+        client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
+                        local_device_ids=local_device_ids, timeout=timeout)
+        exchange = None
+        try:
+            topology = client.discover()
+            exchange = StartupExchange(client, topology, deadline)
+            address = exchange.run(jax_view)
+            check_devices(topology, exchange.views, what="will have")
+            by_id = _start_jax(topology, address, exchange, local_device_ids, deadline)
+        except BaseException:
+            client.close()
+            raise
+        finally:
+            if exchange is not None:
+                exchange.release_port()
+        _started = _Started(client, topology, by_id)
+        return topology
+
+
+def is_initialized() -> bool:
+    """Whether ``initialize`` completed in this process."""
+    return _started is not None
+
+
+def client() -> Client:
+    """The ifrt client ``initialize`` started (for ``kv_set``/``kv_get``, ``barrier``, ``channels()``, events)."""
+    return _state().client
+
+
+def topology() -> Topology:
+    """The topology ``initialize`` returned."""
+    return _state().topology
+
+
+def _refuse_if_started() -> None:
+    if jax_plugin.backend_exists():
+        raise BackendAlreadyInitialized(
+            "JAX's backend already exists in this process, so jax.distributed can no longer start: call "
+            "ifrt.jax.initialize() before any JAX computation or device query (jax.devices(), jax.device_put, "
+            "jax.numpy arrays), e.g. first thing in main()")
+    from jax._src import distributed
+
+    if getattr(distributed.global_state, "client", None) is not None:
+        raise BackendAlreadyInitialized(
+            "jax.distributed is already initialized in this process: ifrt.jax.initialize() starts it itself "
+            "with the topology's process ids; remove the other jax.distributed.initialize() call")
+
+
+def _jax_view(local_device_ids: Sequence[int] | None) -> list[dict[str, Any]]:
+    """The devices this process's JAX will have, listed without creating a backend."""
+    devices = jax_plugin.visible_devices()
+    if local_device_ids is not None and any(d.platform != "cpu" for d in devices):
+        # jax.distributed makes only these devices visible (GPU); on CPU it ignores local_device_ids
+        wanted = set(local_device_ids)
+        devices = [d for d in devices if d.local_id in wanted]
+    return [{"platform": d.platform, "kind": d.kind} for d in devices]
+
+
+def _start_jax(topology: Topology, address: str, exchange: StartupExchange, local_device_ids: Sequence[int] | None,
+               deadline: float) -> dict[int, Any]:
+    platform = topology.local_devices[0].platform if topology.local_devices else "cpu"
+    if platform == "cpu":
+        _use_gloo()
+    if local_device_ids is None:  # explicit ids keep JAX from guessing them from a launcher's environment
+        local_device_ids = range(len(exchange.views[topology.process_id]))
+    exchange.release_port()  # JAX's service binds it next
+    if topology.process_id != 0:
+        exchange.wait_listening(address)
+    jax.distributed.initialize(address, num_processes=topology.num_processes, process_id=topology.process_id,
+                               local_device_ids=list(local_device_ids),
+                               initialization_timeout=max(1, int(deadline - time.monotonic())))
+    devices = jax.devices()
+    if jax.process_index() != topology.process_id or jax.process_count() != topology.num_processes:
+        raise TopologyError(f"JAX started as process {jax.process_index()} of {jax.process_count()}, the topology "
+                            f"says process {topology.process_id} of {topology.num_processes}")
+    views: dict[int, list[dict[str, Any]]] = {p.process_id: [] for p in topology.processes}
+    for d in devices:
+        views.setdefault(d.process_index, []).append({"platform": d.platform, "kind": d.device_kind})
+    check_devices(topology, views, what="has")
+    return match_devices(topology, devices)
+
+
+def _use_gloo() -> None:
+    """CPU collectives across processes: gloo (JAX 0.10's default; 0.4.x defaults to none)."""
+    missing = object()
+    chosen = jax_plugin.jax_config("jax_cpu_collectives_implementation", missing)
+    if chosen is missing:  # only the older boolean option exists
+        if jax_plugin.jax_config("jax_cpu_enable_gloo_collectives") is False:
+            jax.config.update("jax_cpu_enable_gloo_collectives", True)
+    elif chosen in (None, "none"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+class StartupExchange:
+    """The start-up exchange in ifrt's key-value store (see the module doc), with a timeout on every wait.
+
+    Keys, for generation G and process 0's fresh nonce N0:
+      ``ifrt/jax/gG/address``         process 0: {"address", "nonce": N0}, overwritten by every start
+      ``ifrt/jax/gG/N0/join/<p>``     process p: {"nonce": Np, "devices": [...]}
+      ``ifrt/jax/gG/N0/ready``        process 0: {"address", "nonces": {p: Np}, "devices": {p: [...]}}
+    """
+
+    def __init__(self, client: Client, topology: Topology, deadline: float) -> None:
+        self.client, self.topology, self.deadline = client, topology, deadline
+        self.prefix = f"{KEY_PREFIX}/g{topology.generation}"
+        self.nonce = uuid.uuid4().hex
+        self.views: dict[int, list[dict[str, Any]]] = {}
+        self.leader_nonce: str | None = None
+        """Process 0's nonce for the start this process took part in, once ``run`` returned."""
+        self._port: socket.socket | None = None
+        self._failed: dict[int, str] = {}
+        client.on_event(self._on_event)
+
+    def run(self, jax_view: list[dict[str, Any]]) -> str:
+        """JAX's coordinator address, once every process has answered this start; fills ``views``."""
+        if self.topology.process_id == 0:
+            return self._lead(jax_view)
+        return self._follow(jax_view)
+
+    def wait_listening(self, address: str) -> None:
+        """Waits until JAX's service in process 0 accepts connections: a JAX client that dials too early retries
+        only after about a second."""
+        host, _, port = address.rpartition(":")
+        pause = Backoff(0.002, 0.05)
+        while True:
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, self._remaining())):
+                    return
+            except OSError:
+                self._check_deadline(lambda: f"JAX's coordination service at {address} (process 0) is not listening")
+                time.sleep(min(pause.next(), max(0.0, self._remaining())))
+
+    def release_port(self) -> None:
+        if self._port is not None:
+            self._port.close()
+            self._port = None
+
+    def _lead(self, jax_view: list[dict[str, Any]]) -> str:
+        self._port = _reserve_port()
+        address = _join_host_port(self._advertised_host(), self._port.getsockname()[1])
+        self._set(f"{self.prefix}/address", _dump({"address": address, "nonce": self.nonce}))
+        views, nonces = {0: jax_view}, {0: self.nonce}
+        for p in range(1, self.topology.num_processes):
+            answer = self._wait(f"{self.prefix}/{self.nonce}/join/{p}", lambda: self._missing_joins())
+            views[p], nonces[p] = answer["devices"], answer["nonce"]
+        ready = {"address": address, "nonces": {str(p): n for p, n in nonces.items()},
+                 "devices": {str(p): v for p, v in views.items()}}
+        self._set(f"{self.prefix}/{self.nonce}/ready", _dump(ready), overwrite=False)
+        self.views, self.leader_nonce = views, self.nonce
+        return address
+
+    def _follow(self, jax_view: list[dict[str, Any]]) -> str:
+        me = str(self.topology.process_id)
+        mine = _dump({"nonce": self.nonce, "devices": jax_view})
+        stale: set[str] = set()  # process 0 nonces of earlier starts, whose records are still in the store
+        pause = Backoff(0.01, 0.2)
+
+        def no_address() -> str:
+            return "process 0 has not published JAX's coordinator address" + (
+                " for this start (the store holds only a previous start's)" if stale else "")
+
+        while True:
+            leader = self._wait(f"{self.prefix}/address", no_address)["nonce"]
+            if leader in stale:  # process 0 of this start has not overwritten the record yet
+                self._check_deadline(no_address)
+                time.sleep(min(pause.next(), max(0.0, self._remaining())))
+                continue
+            self._set(f"{self.prefix}/{leader}/join/{me}", mine)
+            try:
+                ready = self._get(f"{self.prefix}/{leader}/ready", min(RECHECK_S, self._remaining()))
+            except KeyValueTimeout:
+                self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
+                                     f"{self._missing_joins(leader)}")
+                continue  # process 0 may have been restarted meanwhile: read its address again
+            if ready["nonces"].get(me) != self.nonce:
+                stale.add(leader)
+                continue
+            self.views, self.leader_nonce = {int(p): v for p, v in ready["devices"].items()}, leader
+            return ready["address"]
+
+    def _set(self, key: str, value: bytes, overwrite: bool = True) -> None:
+        self.client.kv_set(key, value, allow_overwrite=overwrite, timeout=max(1.0, self._remaining()))
+
+    def _wait(self, key: str, what_is_missing: Callable[[], str]) -> dict[str, Any]:
+        """The record at ``key``, checking for failed peers every RECHECK_S; DiscoveryTimeout at the deadline."""
+        while True:
+            try:
+                return self._get(key, min(RECHECK_S, self._remaining()))
+            except KeyValueTimeout:
+                self._check_deadline(what_is_missing)
+
+    def _get(self, key: str, timeout: float) -> dict[str, Any]:
+        self._check_failures()
+        if timeout <= 0:
+            raise KeyValueTimeout(f"key {key!r}: no time left")
+        return json.loads(self.client.kv_get(key, timeout=timeout))
+
+    def _check_deadline(self, what_is_missing: Callable[[], str]) -> None:
+        self._check_failures()
+        if self._remaining() <= 0:
+            raise DiscoveryTimeout(f"JAX start-up of process {self.topology.process_id} timed out: "
+                                   f"{what_is_missing()} (topology generation {self.topology.generation})")
+
+    def _check_failures(self) -> None:
+        failed = dict(self._failed)  # the session thread adds to it
+        if failed:
+            p, why = min(failed.items())
+            raise BarrierFailed(f"JAX start-up cannot complete: process {p} {why}")
+
+    def _missing_joins(self, leader: str | None = None) -> str:
+        joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}
+        missing = sorted(set(range(1, self.topology.num_processes)) - joined)
+        return f"processes {missing} did not answer" if missing else "every process answered"
+
+    def _on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.ProcessFailed):
+            self._failed[event.process_id] = f"failed: {event.reason}"
+        elif isinstance(event, events.ProcessRestarted):
+            self._failed.pop(event.process_id, None)
+
+    def _advertised_host(self) -> str:
+        address = self.topology.process(0).address
+        if address:
+            return address.rpartition(":")[0].strip("[]")
+        return local_address_toward(self.client.settings.coordinators)
+
+    def _remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _reserve_port() -> socket.socket:
+    """A bound (not listening) socket on a free port of every address, held until JAX's service binds it."""
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue
+        try:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((host, 0))
+            return sock
+        except OSError:
+            sock.close()
+    raise OSError("cannot bind a free TCP port for JAX's coordinator on this host")
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+# Checks and mapping: pure functions over the topology and JAX's devices.
+def check_devices(topology: Topology, views: Mapping[int, Sequence[Mapping[str, str]]], what: str = "has") -> None:
+    """TopologyError naming each process whose JAX devices (``views``: process id -> [{platform, kind}]) differ
+    in count or platform from the topology's, with both device lists."""
+    problems = []
+    for process in topology.processes:
+        ours = [d for d in topology.devices if d.process_id == process.process_id]
+        theirs = list(views.get(process.process_id, ()))
+        if len(ours) == len(theirs) and all(o.platform == t["platform"] for o, t in zip(ours, theirs, strict=True)):
+            continue
+        problems.append(
+            f"process {process.process_id} ({process.hostname}): ifrt's topology has {_count(ours)} "
+            f"[{', '.join(_name(d.platform, d.local_id) for d in ours)}] but its JAX {what} {_count(theirs)} "
+            f"[{', '.join(_name(t['platform'], i) for i, t in enumerate(theirs))}]")
+    if problems:
+        raise TopologyError(
+            f"JAX's devices do not match the topology (generation {topology.generation}): {'; '.join(problems)}. "
+            "Every process needs the same number of devices on the same platform in both: register the devices "
+            "JAX uses (plugin 'jax'; on CPU, JAX ignores local_device_ids and creates jax_num_cpu_devices or "
+            "--xla_force_host_platform_device_count devices)")
+
+
+def _count(items: Sequence[Any]) -> str:
+    return f"{len(items)} device" + ("" if len(items) == 1 else "s")
+
+
+def _name(platform: str, local_id: int) -> str:
+    return f"{platform}:{local_id}"
+
+
+def match_devices(topology: Topology, jax_devices: Sequence[Any]) -> dict[int, Any]:
+    """Global id -> ``jax.Device``: the k-th device (by local id) of process p is JAX's k-th device (by id) of
+    process p; never by JAX's own id numbering."""
+    by_process: dict[int, list[Any]] = {}
+    for d in jax_devices:
+        by_process.setdefault(d.process_index, []).append(d)
+    matched = {}
+    for process in topology.processes:
+        ours = sorted((d for d in topology.devices if d.process_id == process.process_id), key=lambda d: d.local_id)
+        theirs = sorted(by_process.get(process.process_id, ()), key=lambda d: d.id)
+        if len(ours) != len(theirs):
+            raise TopologyError(f"process {process.process_id}: ifrt's topology has {len(ours)} devices, JAX has "
+                                f"{len(theirs)}")
+        matched.update((o.id, t) for o, t in zip(ours, theirs, strict=True))
+    return matched
+
+
+# Devices and meshes.
+def device(global_id: int) -> Any:
+    """The ``jax.Device`` for an ifrt global id; KeyError naming the id if the topology has no such device."""
+    try:
+        return _state().jax_devices[int(global_id)]
+    except KeyError:
+        raise KeyError(f"no device with global id {global_id} in topology generation "
+                       f"{_state().topology.generation}") from None
+
+
+def devices(ids_or_mesh: Mesh | np.ndarray | Sequence[int]) -> Any:
+    """The ``jax.Device`` for each global id: a numpy array of the same shape for a Mesh or an array, else a list."""
+    if isinstance(ids_or_mesh, Mesh):
+        ids_or_mesh = ids_or_mesh.devices
+    if isinstance(ids_or_mesh, np.ndarray):
+        found = np.empty(ids_or_mesh.shape, dtype=object)
+        for index, global_id in np.ndenumerate(ids_or_mesh):
+            found[index] = device(int(global_id))
+        return found
+    return [device(int(i)) for i in ids_or_mesh]
+
+
+def mesh(ifrt_mesh: Mesh) -> jax.sharding.Mesh:
+    """The ``jax.sharding.Mesh`` with the ifrt mesh's shape, axis names and device order (submeshes too)."""
+    return jax.sharding.Mesh(devices(ifrt_mesh), ifrt_mesh.axis_names)
+
+
+@atexit.register
+def _close() -> None:
+    if _started is not None:
+        _started.client.close()
+
+
+def _state() -> _Started:
+    if _started is None:
+        raise RuntimeError("ifrt.jax is not initialized in this process: call ifrt.jax.initialize() first")
+    return _started

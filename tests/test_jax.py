@@ -1,0 +1,260 @@
+"""ifrt.jax: JAX started from the topology, in real JAX processes (CPU, gloo) against a real coordinator."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("jax") is None:
+    if os.environ.get("CI") == "true":
+        pytest.fail("jax is required under CI (CI=true): install the jax extra, e.g. scripts/test.sh does "
+                    "(pip install '.[jax]')", pytrace=False)
+    pytest.skip("jax is not installed (pip install 'ifrt-topology[jax]'; scripts/test.sh installs it)",
+                allow_module_level=True)
+
+import ifrt
+import ifrt.jax
+from ifrt import wire
+from ifrt.records import Device, Process
+from ifrt.topology import Topology
+
+WORKER = Path(__file__).with_name("jax_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 90
+OLD_JAX_PYTHON_ENV = "IFRT_TEST_JAX04_PYTHON"  # e.g. /tmp/venv-jax04/bin/python, with jax 0.4.30, grpcio, protobuf
+
+
+def start_workers(address: str, count: int, scenario: str, devices: int = 2,
+                  extra_env: dict[int, dict[str, str]] | None = None,
+                  python: str = sys.executable) -> list[subprocess.Popen]:
+    """``count`` JAX processes of ``devices`` CPU devices each, with assigned ids (no IFRT_PROCESS_ID)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
+    # XLA_FLAGS as well as JAX_NUM_CPU_DEVICES: JAX before 0.4.3x reads only the flag
+    base.update(IFRT_COORDINATOR=address, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", OMP_NUM_THREADS="1",
+                OPENBLAS_NUM_THREADS="1")
+    if python != sys.executable:
+        base["PYTHONPATH"] = str(ROOT)
+    workers = []
+    for rank in range(count):
+        env = dict(base, IFRT_LOCAL_RANK=str(rank), **(extra_env or {}).get(rank, {}))
+        workers.append(subprocess.Popen([python, str(WORKER), scenario], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+    return workers
+
+
+def results(workers: list[subprocess.Popen]) -> list[dict]:
+    """Each worker's JSON answer (its last stdout line), in process order; fails naming a worker that failed."""
+    answers = []
+    for worker in workers:
+        try:
+            out, err = worker.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            out, err = worker.communicate()
+            pytest.fail(f"JAX worker {worker.pid} did not finish within {TIMEOUT}s; stderr:\n{err[-3000:]}")
+        assert worker.returncode == 0, f"JAX worker {worker.pid} exited {worker.returncode}:\n{err[-3000:]}"
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    return answers
+
+
+@pytest.mark.slow
+def test_four_processes_start_jax_with_assigned_ids_and_compute_across_them(start_coordinator):
+    coordinator = start_coordinator(num_processes=4, log_level="WARNING")
+    answers = sorted(results(start_workers(coordinator.address, 4, "mesh")), key=lambda a: a["process_id"])
+
+    assert [a["process_id"] for a in answers] == [0, 1, 2, 3]
+    assert [a["jax_process_index"] for a in answers] == [0, 1, 2, 3]
+    assert len({a["fingerprint"] for a in answers}) == 1
+    assert all(a["same_topology_again"] for a in answers)
+    for a in answers:
+        # the topology's order reaches JAX: same shape and axes, one process's devices adjacent on "model"
+        assert a["axis_names"] == ["data", "model"]
+        assert a["ifrt_mesh"] == [[0, 1, 1 << 17, 1 << 17 | 1], [2 << 17, 2 << 17 | 1, 3 << 17, 3 << 17 | 1]]
+        assert a["jax_mesh_processes"] == [[0, 0, 1, 1], [2, 2, 3, 3]]
+        assert a["submesh_ids"] == [a["jax_mesh_ids"][1]]
+        # a sum over "model" crosses processes: every process's shards equal numpy's result
+        assert a["result_matches_reference"] and a["addressable_shards"] == 2
+
+
+def check_ids_match(answers: list[dict]) -> bool:
+    """Asserts JAX's device for each ifrt id is the one of the same (process, local order); returns whether the
+    JAX ids also equal ifrt's."""
+    a = answers[0]
+    ifrt_ids = [i for row in a["ifrt_mesh"] for i in row]
+    jax_ids = [i for row in a["jax_mesh_ids"] for i in row]
+    jax_processes = [p for row in a["jax_mesh_processes"] for p in row]
+    local_ids = {b["process_id"]: b["jax_local_ids"] for b in answers}
+    for ifrt_id, jax_id, jax_process in zip(ifrt_ids, jax_ids, jax_processes, strict=True):
+        process_id, local_id = ifrt.split_global_id(ifrt_id)
+        assert jax_process == process_id
+        assert jax_id == local_ids[process_id][local_id]  # the local_id-th of that process's devices, by JAX id
+    jax_packs_like_ifrt = local_ids[1][0] == 1 << 17  # JAX 0.4.x on CPU; JAX 0.10 starts process 1 at 1 << 11
+    assert (jax_ids == ifrt_ids) == jax_packs_like_ifrt
+    assert jax_ids[0] == ifrt_ids[0] == 0  # process 0's first device: both numberings agree whatever the version
+    return jax_ids == ifrt_ids
+
+
+@pytest.mark.slow
+def test_jax_device_ids_match_ifrt_ids_by_process_and_local_order(start_coordinator):
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    check_ids_match(results(start_workers(coordinator.address, 2, "mesh")))
+
+
+@pytest.mark.slow
+def test_jax_0_4_device_ids_equal_ifrt_ids(start_coordinator):
+    python = os.environ.get(OLD_JAX_PYTHON_ENV)
+    if not python:
+        pytest.skip(f"set {OLD_JAX_PYTHON_ENV} to a Python with jax 0.4.x (which numbers CPU devices as ifrt does)")
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    # one device per process: JAX 0.4.30's CPU collectives do not support more across processes
+    assert check_ids_match(results(start_workers(coordinator.address, 2, "mesh", devices=1, python=python)))
+
+
+@pytest.mark.slow
+def test_a_process_whose_jax_sees_other_devices_fails_everywhere_within_seconds(start_coordinator):
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    # process 1 registers only device 0 with ifrt; on CPU its JAX still creates both devices
+    answers = results(start_workers(coordinator.address, 2, "narrowed", extra_env={1: {"NARROW": "0"}}))
+    for a in answers:
+        assert a["error"] == "TopologyError"
+        assert "process 1 (" in a["message"] and "process 0 (" not in a["message"]
+        assert "ifrt's topology has 1 device [cpu:0] but its JAX will have 2 devices [cpu:0, cpu:1]" in a["message"]
+        assert a["seconds"] < 10
+
+
+@pytest.mark.slow
+def test_jax_plugin_leaves_jax_distributed_free_to_start(start_coordinator):
+    coordinator = start_coordinator(num_processes=1, log_level="WARNING")
+    (a,) = results(start_workers(coordinator.address, 1, "plugin-then-jax"))
+    assert a["distributed"]
+    assert a["ifrt"] == [["cpu", "cpu", 0], ["cpu", "cpu", 1]]
+    assert a["jax"] == [["cpu", "cpu"], ["cpu", "cpu"]]
+
+
+@pytest.mark.slow
+def test_initialize_after_a_jax_computation_says_what_to_do():
+    (a,) = results(start_workers("127.0.0.1:1", 1, "backend-first"))
+    assert a["error"] == "BackendAlreadyInitialized"
+    assert "call ifrt.jax.initialize() before any JAX computation" in a["message"]
+
+
+# The start-up exchange, with plain ifrt clients standing in for JAX processes.
+def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinator):
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    view = [{"platform": "cpu", "kind": "cpu"}]
+
+    def clients() -> list[ifrt.Client]:
+        made = [ifrt.Client(coordinator.address, process_id=p, num_processes=2, transfer=False, timeout=30)
+                for p in (0, 1)]
+        both = threading.Barrier(2, timeout=30)
+        threads = [threading.Thread(target=lambda c=c: (c.discover(), both.wait())) for c in made]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return made
+
+    def exchange(members: list[ifrt.Client], deadline_s: float = 30) -> tuple[list, list[ifrt.jax.StartupExchange]]:
+        runs = [ifrt.jax.StartupExchange(c, c.topology, time.monotonic() + deadline_s) for c in members]
+        got: dict[int, object] = {}
+
+        def run(i: int) -> None:
+            try:
+                got[i] = runs[i].run(view)
+            except Exception as e:
+                got[i] = e
+            finally:
+                runs[i].release_port()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(members))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=deadline_s + 10)
+        return [got[i] for i in range(len(members))], runs
+
+    first = clients()
+    (address, same), (lead, follow) = exchange(first)
+    assert address == same and follow.leader_nonce == lead.nonce
+    generation = first[0].topology.generation
+    for c in first:
+        c.close()
+
+    second = clients()  # the same processes again: same ids, same topology, the old records still in the store
+    assert second[0].topology.generation == generation
+    (alone,), _ = exchange(second[1:], deadline_s=1.5)  # process 0 has not written yet: only old records exist
+    assert isinstance(alone, ifrt.DiscoveryTimeout) and "previous start" in str(alone)
+    (fresh, seen), (lead_again, follow_again) = exchange(second)
+    assert fresh == seen and follow_again.leader_nonce == lead_again.nonce != lead.nonce
+    for c in second:
+        c.close()
+
+
+def test_a_process_that_dies_during_start_up_ends_the_others_wait(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
+    dies = ("import os, ifrt\n"
+            f"ifrt.Client({coordinator.address!r}, process_id=1, num_processes=2, transfer=False).discover()\n"
+            "os._exit(3)  # no goodbye: the coordinator declares it failed\n")
+    doomed = subprocess.Popen([sys.executable, "-c", dies], stderr=subprocess.PIPE, text=True)
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer=False, timeout=30) as leader:
+        topology = leader.discover()
+        assert doomed.wait(timeout=30) == 3, doomed.stderr.read()
+        started = time.monotonic()
+        exchange = ifrt.jax.StartupExchange(leader, topology, time.monotonic() + 30)
+        try:
+            with pytest.raises(ifrt.BarrierFailed, match="JAX start-up cannot complete: process 1 failed"):
+                exchange.run([{"platform": "cpu", "kind": "cpu"}])
+        finally:
+            exchange.release_port()
+        assert time.monotonic() - started < 10  # the heartbeat timeout and a recheck, not the 30 s deadline
+
+
+# Checks and matching, on plain values.
+@dataclass(frozen=True)
+class FakeJaxDevice:
+    id: int
+    process_index: int
+
+
+def two_by_two() -> Topology:
+    processes = (Process(0, "a", ""), Process(1, "b", ""))
+    devices = tuple(Device(p << 17 | i, p, i, "cpu", "cpu") for p in (0, 1) for i in (0, 1))
+    return Topology(wire.encode(wire.TopologyContent("", 1, 2, processes, devices)), 0)
+
+
+@pytest.mark.parametrize("shift", [17, 11])
+def test_devices_are_matched_by_process_and_local_order_not_by_jax_numbering(shift):
+    fakes = [FakeJaxDevice(p << shift | i, p) for p in (1, 0) for i in (1, 0)]  # any order JAX lists them in
+    matched = ifrt.jax.match_devices(two_by_two(), fakes)
+    assert {g: (d.process_index, d.id) for g, d in matched.items()} == {
+        g: (g >> 17, (g >> 17) << shift | (g & 1)) for g in (0, 1, 1 << 17, 1 << 17 | 1)}
+    assert all(d.id == g for g, d in matched.items()) == (shift == 17)
+
+
+def test_device_mismatch_names_the_process_and_both_device_lists():
+    cpu = {"platform": "cpu", "kind": "cpu"}
+    views = {0: [cpu, cpu], 1: [{"platform": "cuda", "kind": "H100"}, {"platform": "cuda", "kind": "H100"}]}
+    with pytest.raises(ifrt.TopologyError, match=r"process 1 \(b\): ifrt's topology has 2 devices \[cpu:0, cpu:1\] "
+                       r"but its JAX has 2 devices \[cuda:0, cuda:1\]"):
+        ifrt.jax.check_devices(two_by_two(), views)
+    ifrt.jax.check_devices(two_by_two(), {0: [cpu, cpu], 1: [cpu, cpu]})
+
+
+@pytest.mark.slow
+def test_pipeline_example_with_jax_stages_matches_its_reference():
+    pipeline = Path(__file__).resolve().parents[1] / "examples" / "pipeline.py"
+    command = [sys.executable, str(pipeline), "--runtime", "jax", "--processes", "2", "--microbatches", "4"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT * 2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pipeline: outputs match reference" in done.stdout and "jax runtime" in done.stdout
+    assert "rows/s with 4 microbatches" in done.stdout

@@ -1,0 +1,212 @@
+"""Prometheus metrics scraped over HTTP, parsed with Prometheus's own text parser, while real clusters run."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.config import CoordinatorConfig
+from coordinator.local import LocalCoordinator
+from coordinator.server import serve
+from coordinator.state import ClusterConfig
+from ifrt._generated import coordinator_pb2 as pb
+from tests.test_liveness import Worker
+
+COORDINATOR = "ifrt.topology.v1.Coordinator"
+COORDINATOR_BIN = str(Path(sys.executable).parent / "ifrt-coordinator")
+METRICS_LINE = re.compile(r"serving metrics on http://[^ ]+:(\d+)/metrics")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Every sample the coordinator's /metrics serves, by (name, sorted labels)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def get(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+def rpcs(samples: Samples, method: str, code: str = "OK") -> float:
+    return get(samples, "ifrt_rpcs_total", service=COORDINATOR, method=method, code=code) or 0.0
+
+
+def wait_metrics(port: int, done: Callable[[Samples], bool], timeout: float = 30) -> Samples:
+    """Scrapes again until ``done(samples)``; fails naming the last scrape after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not done(samples := scrape(port)):
+        assert time.monotonic() < deadline, f"metrics never matched within {timeout}s; last: {samples}"
+        time.sleep(0.1)
+    return samples
+
+
+def metrics_port(coordinator: LocalCoordinator) -> int:
+    found = METRICS_LINE.search(coordinator.log)
+    assert found, coordinator.log
+    return int(found.group(1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def workers():
+    started: list[Worker] = []
+    yield started
+    for w in started:
+        w.stop()
+
+
+def test_metrics_follow_a_cluster_that_registers_fails_and_restarts(start_coordinator, workers):
+    coordinator = start_coordinator("--metrics-port", "0", "--metrics-bind", "127.0.0.1", "--heartbeat-timeout", "1",
+                                    num_processes=3)
+    port = metrics_port(coordinator)
+    empty = scrape(port)
+    assert {name: get(empty, name) for name in ("ifrt_leader", "ifrt_processes_expected", "ifrt_processes_registered",
+                                                "ifrt_processes_failed", "ifrt_generation", "ifrt_sessions_open")} == {
+        "ifrt_leader": 1.0, "ifrt_processes_expected": 3.0, "ifrt_processes_registered": 0.0,
+        "ifrt_processes_failed": 0.0, "ifrt_generation": 0.0, "ifrt_sessions_open": 0.0}
+    assert get(empty, "ifrt_cluster_state", state="waiting") == 1.0
+    assert get(empty, "ifrt_time_to_publish_seconds") is None  # nothing published yet
+    assert rpcs(empty, "Register") == 0.0
+
+    transfer_ports = {pid: free_port() for pid in range(3)}  # fixed, so a restarted process is the same process
+    workers += [Worker(coordinator.address, pid, 3, transfer_port=transfer_ports[pid]) for pid in range(3)]
+    for w in workers:
+        w.expect("topology")
+    running = wait_metrics(port, lambda m: get(m, "ifrt_sessions_open") == 3.0)
+    assert (get(running, "ifrt_processes_registered"), get(running, "ifrt_generation"),
+            get(running, "ifrt_processes_failed"), get(running, "ifrt_leader")) == (3.0, 1.0, 0.0, 1.0)
+    assert get(running, "ifrt_cluster_state", state="published") == 1.0
+    assert rpcs(running, "Register") >= 3.0
+    assert get(running, "ifrt_rpc_duration_seconds_count", service=COORDINATOR, method="Register",
+               code="OK") == rpcs(running, "Register")
+    assert get(running, "ifrt_journal_append_seconds_count") >= 1.0
+    assert get(running, "ifrt_time_to_publish_seconds") > 0.0
+    assert 0.0 <= get(running, "ifrt_heartbeat_age_max_seconds") < 1.0  # older than the timeout would be failed
+    registers_before = rpcs(running, "Register")
+
+    workers[1].kill9()
+    failed = wait_metrics(port, lambda m: get(m, "ifrt_processes_failed") == 1.0)
+    assert get(failed, "ifrt_cluster_state", state="degraded") == 1.0
+    assert (get(failed, "ifrt_processes_registered"), get(failed, "ifrt_generation")) == (3.0, 1.0)
+
+    workers.append(Worker(coordinator.address, 1, 3, transfer_port=transfer_ports[1]))
+    assert workers[-1].expect("topology")["generation"] == 1
+    restarted = wait_metrics(port, lambda m: get(m, "ifrt_processes_failed") == 0.0
+                             and get(m, "ifrt_sessions_open") == 3.0)
+    assert get(restarted, "ifrt_cluster_state", state="published") == 1.0
+    assert (get(restarted, "ifrt_processes_registered"), get(restarted, "ifrt_generation")) == (3.0, 1.0)
+    assert rpcs(restarted, "Register") > registers_before
+    sessions_ended = sum(v for (name, labels), v in restarted.items()
+                         if name == "ifrt_rpcs_total" and ("method", "Session") in labels)
+    assert sessions_ended >= 1.0  # the killed process's stream
+    assert get(restarted, "ifrt_leader") == 1.0
+
+
+def test_two_coordinators_in_one_process_keep_their_own_metrics(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ifrt.coordinator")
+
+    async def run() -> tuple[Samples, Samples]:
+        stop = asyncio.Event()
+        ready = [tmp_path / f"ready-{i}" for i in range(2)]
+        configs = [CoordinatorConfig(cluster=ClusterConfig(num_processes=1 + i, cluster_id=f"c{i}"),
+                                     bind="127.0.0.1:0", ready_file=str(ready[i]), metrics_port=0,
+                                     metrics_bind="127.0.0.1") for i in range(2)]
+        servers = [asyncio.create_task(serve(c, stop)) for c in configs]
+        try:
+            deadline = time.monotonic() + 20
+            while not all(r.exists() for r in ready):
+                assert time.monotonic() < deadline, caplog.text
+                await asyncio.sleep(0.02)
+            ports = [int(p) for p in METRICS_LINE.findall(caplog.text)]
+            assert len(ports) == 2
+            for address, calls in zip((r.read_text().strip() for r in ready), (3, 1), strict=True):
+                async with grpc.aio.insecure_channel(address) as channel:
+                    status = channel.unary_unary(f"/{COORDINATOR}/Status")
+                    for _ in range(calls):
+                        pb.StatusResponse.FromString(await status(b"", timeout=10))
+            # Scraped from another thread, as Prometheus's HTTP server does: the gauges are read on this loop.
+            return tuple(await asyncio.gather(*(asyncio.to_thread(scrape, p) for p in ports)))  # type: ignore
+        finally:
+            stop.set()
+            await asyncio.gather(*servers)
+
+    first, second = asyncio.run(run())
+    assert (rpcs(first, "Status"), rpcs(second, "Status")) == (3.0, 1.0)
+    assert (get(first, "ifrt_processes_expected"), get(second, "ifrt_processes_expected")) == (1.0, 2.0)
+
+
+def test_only_the_leading_replica_reports_leader_1(etcd):
+    args = ("--store", etcd.url, "--leader-ttl", "2", "--cluster-id", "job-m", "--metrics-port", "0",
+            "--metrics-bind", "127.0.0.1")
+    first = LocalCoordinator(*args, num_processes=2)
+    try:
+        first.wait_for_log("serving:")
+        second = LocalCoordinator(*args, num_processes=2)
+        try:
+            second.wait_for_log(f"standing by: the coordinator at {first.address} leads")
+            leader, standby = scrape(metrics_port(first)), scrape(metrics_port(second))
+            assert (get(leader, "ifrt_leader"), get(standby, "ifrt_leader")) == (1.0, 0.0)
+            assert get(leader, "ifrt_processes_registered") == 0.0
+            assert get(standby, "ifrt_processes_registered") is None  # a standby knows nothing of the processes
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_metrics_port_out_of_range_is_a_usage_error():
+    result = subprocess.run([COORDINATOR_BIN, "--num-processes", "1", "--metrics-port", "70000"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--metrics-port 70000 is out of range: expected 0 to 65535" in result.stderr
+
+
+def test_a_metrics_port_in_use_stops_the_daemon_with_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([COORDINATOR_BIN, "--num-processes", "1", "--bind", "127.0.0.1:0", "--metrics-port",
+                                 str(port), "--metrics-bind", "127.0.0.1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
+
+
+def test_refused_calls_are_counted_by_their_status_code(start_coordinator, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("metrics-token\n")
+    coordinator = start_coordinator("--token-file", str(token), "--metrics-port", "0", "--metrics-bind", "127.0.0.1",
+                                    num_processes=2)
+    with grpc.insecure_channel(coordinator.address) as channel:
+        status = channel.unary_unary(f"/{COORDINATOR}/Status")
+        with pytest.raises(grpc.RpcError) as no_token:
+            status(b"", timeout=10)
+        with pytest.raises(grpc.RpcError) as malformed:
+            status(b"\xff\xff", timeout=10, metadata=(("ifrt-token", "metrics-token"),))
+        answer = pb.StatusResponse.FromString(status(b"", timeout=10, metadata=(("ifrt-token", "metrics-token"),)))
+    assert no_token.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert answer.state == pb.CLUSTER_PHASE_WAITING
+    samples = scrape(metrics_port(coordinator))
+    assert [rpcs(samples, "Status", code) for code in ("UNAUTHENTICATED", "INVALID_ARGUMENT", "OK")] == [1.0, 1.0, 1.0]
