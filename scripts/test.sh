@@ -2,9 +2,16 @@
 # Sets up .venv with the test dependencies and runs the whole suite (lint, then pytest). Extra
 # arguments go to pytest, e.g. scripts/test.sh -k discover -x
 source "$(dirname "$0")/venv.sh" test,jax,etcd
-# Real parts the tests start: etcd servers, network namespaces as several hosts, and a real JAX runtime.
+# Real parts the tests start: etcd servers, network namespaces as several hosts (iptables for a firewall in one),
+# a real JAX runtime, and a Docker engine for docker-compose.yml (Compose v1, debootstrap for a local base image).
 command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || apt_install etcd-server || true
 command -v ip >/dev/null || apt_install iproute2 || true
+command -v iptables >/dev/null || apt_install iptables || true
+docker_packages=()
+command -v dockerd >/dev/null || docker_packages+=(docker.io)
+docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || docker_packages+=(docker-compose)
+command -v debootstrap >/dev/null || docker_packages+=(debootstrap)
+[ ${#docker_packages[@]} -eq 0 ] || apt_install "${docker_packages[@]}" || true
 
 # What is still missing. Under CI (CI=true) that is a failure here, before any test runs: a suite that skips
 # what it cannot run would pass without testing it. Elsewhere the tests that need it skip, each saying why
@@ -24,6 +31,18 @@ else
   else
     missing+=("network namespaces: 'ip netns add' is not permitted here (a container needs CAP_SYS_ADMIN)")
   fi
+fi
+if ! command -v iptables >/dev/null; then
+  missing+=("iptables: a firewall inside a test host; install it (as root: apt-get install -y iptables)")
+fi
+if ! command -v docker >/dev/null || ! command -v dockerd >/dev/null; then
+  missing+=("docker: no Docker engine for docker-compose.yml; install Debian's docker.io (as root: apt-get install -y docker.io)")
+fi
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+  missing+=("docker compose: neither v2 nor v1; install Debian's docker-compose (as root: apt-get install -y docker-compose)")
+fi
+if ! command -v debootstrap >/dev/null; then
+  missing+=("debootstrap: builds the compose demo's local base image; install it (as root: apt-get install -y debootstrap)")
 fi
 if ! jax_error=$(python -c 'import jax' 2>&1); then
   missing+=("jax: 'import jax' fails ($(printf '%s' "$jax_error" | tail -n 1)); the jax extra is installed by this script: see .venv/pip-install.log, or run: .venv/bin/python -m pip install -e '.[jax]'")

@@ -48,6 +48,13 @@ def skip_without_netns() -> None:
         require("network namespaces", f"`ip netns add` failed here ({e} {stderr.strip()}); {SKIP_REASON}")
 
 
+def skip_without_iptables() -> None:
+    """Fails (under CI=true) or skips the calling test when ``iptables`` is not installed."""
+    if shutil.which("iptables") is None:
+        require("iptables", "no `iptables` on PATH; scripts/test.sh installs it as root, or run: apt-get install -y "
+                            "iptables")
+
+
 class Hosts:
     """``count`` hosts h1..hN at ``subnet``.1..N; ``run`` starts a process inside one of them."""
 
@@ -87,6 +94,12 @@ class Hosts:
 
     def heal(self, host: int) -> None:
         _ip("-n", self.switch, "link", "set", f"p{host}", "up")
+
+    def block_tcp_port(self, host: int, port: int) -> None:
+        """A firewall on ``host`` drops every packet that comes in for its TCP ``port`` (no reset: senders time out).
+        Its rules live in the host's own namespace and go with it. Needs iptables (``skip_without_iptables``)."""
+        subprocess.run(self.command(host, ["iptables", "-A", "INPUT", "-p", "tcp", "--dport", str(port), "-j", "DROP"]),
+                       check=True, capture_output=True, text=True, timeout=30)
 
     def close(self) -> None:
         """SIGKILLs the processes still inside (by pid), waits until they are gone, and deletes the namespaces."""
