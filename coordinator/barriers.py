@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits, shown
-from ifrt.errors import BarrierFailed, BarrierTimeout, IfrtError, InvalidArgument
+from ifrt.errors import BarrierCancelled, BarrierFailed, BarrierTimeout, IfrtError, InvalidArgument
 
 
 @dataclass
@@ -66,6 +66,8 @@ class Barriers:
                                   f"most {self.limits.barrier_name_bytes} (the coordinator's "
                                   f"{FLAGS['barrier_name_bytes']})")
         barrier = self._by_name.get(name)
+        if barrier is not None and not barrier.participants:  # cancelled before anyone arrived: any caller hears it
+            return barrier, []
         if barrier is not None and barrier.participants != participants:
             raise InvalidArgument(f"barrier {name!r} was started for processes {_ids(barrier.participants)}; "
                                   f"this call names {_ids(participants)}: use a new name for other participants")
@@ -88,6 +90,19 @@ class Barriers:
             self._pending.discard(name)
             return barrier, [BarrierResolved(name, None)]
         return barrier, []
+
+    def cancel(self, name: str, by: str, now: float) -> tuple[bool, list[BarrierResolved]]:
+        """Fails barrier ``name`` with BarrierCancelled (naming ``by``) for every current and future waiter, also
+        before anyone arrived; False, changing nothing, when it had completed or failed already."""
+        if not name or len(name.encode()) > self.limits.barrier_name_bytes:
+            raise InvalidArgument(f"barrier name {shown(name)} is {len(name.encode())} bytes long: expected 1 to "
+                                  f"{self.limits.barrier_name_bytes} (the coordinator's {FLAGS['barrier_name_bytes']})")
+        barrier = self._by_name.get(name)
+        if barrier is None:
+            barrier = self._by_name[name] = Barrier(name, frozenset(), now, now)
+        elif not barrier.pending:
+            return False, []
+        return True, self._fail(barrier, BarrierCancelled(f"barrier {name!r} was cancelled by {by}"))
 
     def fail_including(self, process_id: int, why: str) -> list[BarrierResolved]:
         """Fails every pending barrier that ``process_id`` belongs to, with ``why`` in the message."""

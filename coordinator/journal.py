@@ -1,7 +1,8 @@
 """The durable decisions of the state machine, as records a store keeps in order and a new leader replays.
 
 Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
-registrations, key-values and finished barriers. Liveness (heartbeats, open calls) is not: after a replay,
+registrations, key-values and their deletions, finished barriers, live-set agreements, and a preemption notice
+and its sync step. Liveness (heartbeats, open calls) is not: after a replay,
 every process gets a grace period to re-attach.
 """
 
@@ -54,8 +55,47 @@ class BarrierFinished:
     error: str
 
 
-Entry = Registered | Failed | Left | Forgot | KeySet | BarrierFinished
-_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished)}
+@dataclass(frozen=True)
+class KeyIncremented:
+    """An increment: the value it left, and the call that made it (so a retry is not applied twice)."""
+
+    key: str
+    value: int
+    client_uid: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class KeysDeleted:
+    key: str
+    prefix: bool  # every key starting with ``key``
+
+
+@dataclass(frozen=True)
+class LiveSetDecided:
+    """One live-set agreement: who asked (client uid, call id) and the answer they all get."""
+
+    callers: tuple[tuple[str, str], ...]
+    members: tuple[tuple[int, int], ...]  # (process id, incarnation), sorted
+    error_type: str  # "" when it was decided
+    error: str
+
+
+@dataclass(frozen=True)
+class PreemptionNoticed:
+    process_id: int
+
+
+@dataclass(frozen=True)
+class PreemptionSyncDecided:
+    step: int
+
+
+Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeysDeleted
+         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided)
+_TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
+                                                         KeyIncremented, KeysDeleted, LiveSetDecided, PreemptionNoticed,
+                                                         PreemptionSyncDecided)}
 
 
 def encode(entry: Entry) -> bytes:
@@ -86,6 +126,9 @@ def decode(raw: bytes) -> Entry:
         return KeySet(fields["key"], base64.b64decode(fields["value"]))
     if kind is BarrierFinished:
         fields["participants"] = tuple(fields["participants"])
+    if kind is LiveSetDecided:
+        fields["callers"] = tuple(tuple(c) for c in fields["callers"])
+        fields["members"] = tuple(tuple(m) for m in fields["members"])
     return kind(**fields)
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits, shown
 from ifrt.errors import InvalidArgument, KeyExists
+
+_INTEGER = re.compile(rb"-?[0-9]{1,19}")
 
 
 class KeyValueStore:
@@ -38,6 +42,26 @@ class KeyValueStore:
             return False
         self._values[key] = value
         return True
+
+    def increment(self, key: str, amount: int) -> int:
+        """Adds ``amount`` to the decimal integer ``key`` holds (0 when unset), stores the sum as its decimal text
+        and returns it; InvalidArgument, changing nothing, if the value is no integer or the sum leaves int64."""
+        old = self._values.get(key, b"0")
+        if not _INTEGER.fullmatch(old):
+            raise InvalidArgument(f"key {shown(key)} holds {len(old)} bytes that are not a decimal integer: "
+                                  "kv_increment adds only to integers (or to an unset key)")
+        total = int(old) + amount
+        if not -(1 << 63) <= total < 1 << 63:
+            raise InvalidArgument(f"key {shown(key)}: {int(old)} + {amount} leaves the signed 64-bit range")
+        self.set(key, str(total).encode(), allow_overwrite=True)
+        return total
+
+    def delete(self, key: str, prefix: bool = False) -> list[str]:
+        """Deletes ``key``, or every key starting with it; returns the keys deleted, sorted (none is no error)."""
+        gone = sorted(k for k in self._values if k.startswith(key)) if prefix else [key] * (key in self._values)
+        for k in gone:
+            del self._values[k]
+        return gone
 
     def restore(self, key: str, value: bytes) -> None:
         """Puts back a value from the journal, unchecked: it was accepted under the limits of its time."""

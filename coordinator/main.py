@@ -38,6 +38,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-id", default=DEFAULTS.cluster.cluster_id, metavar="ID",
                    help="name of this job's cluster; processes that ask for another cluster id are refused "
                         "(default %(default)s)")
+    p.add_argument("--attempt", type=int, default=DEFAULTS.cluster.attempt, metavar="N",
+                   help="the job attempt this coordinator serves (default %(default)s): with --store etcd, a new "
+                        "attempt starts from an empty journal (no key-value or barrier result of an earlier attempt "
+                        "is seen) and fences the earlier one off; processes of another attempt (IFRT_ATTEMPT, "
+                        "TORCHELASTIC_RESTART_COUNT, SLURM_RESTART_COUNT) are refused")
     p.add_argument("--store", default=DEFAULTS.store, metavar="memory|etcd://HOST:PORT[,HOST:PORT...]",
                    help="where registrations, failures and key-values are kept: memory (default; lost when this "
                         "process ends) or etcd, which survives restarts and lets standby replicas take over "
@@ -152,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format, args.cluster_id)
     try:
+        if args.attempt < 0:
+            raise InvalidArgument(f"--attempt {args.attempt} is out of range: expected an integer >= 0")
         if args.min_processes is not None and args.on_failure != FailurePolicy.ELASTIC:
             raise InvalidArgument("--min-processes applies only with --on-failure elastic")
         token = read_secret_file(args.token_file, "--token-file") if args.token_file else None
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
                                 min_processes=args.min_processes or 1,
                                 limits=Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
-                                allow_mixed_platforms=args.allow_mixed_platforms)
+                                allow_mixed_platforms=args.allow_mixed_platforms, attempt=args.attempt)
     except InvalidArgument as e:
         print(f"ifrt-coordinator: {e}", file=sys.stderr)
         return 2

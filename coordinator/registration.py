@@ -34,6 +34,8 @@ class Registration:
     secret_hash: str = ""
     """sha256 (hex) of the process secret the client registered with: later calls for this process must carry
     the same secret. Empty when the client sent none (then its client uid alone identifies it)."""
+    attempt: int | None = None
+    """The job attempt the process belongs to (None: it did not say)."""
 
     @property
     def stable_key(self) -> tuple[str, str, int]:
@@ -117,4 +119,5 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         address=_text(request.address, "address", limits.string_bytes),
         devices=devices,
         plugin=_text(request.plugin, "plugin", limits.string_bytes),
+        attempt=request.attempt if request.HasField("attempt") else None,
     )

@@ -29,7 +29,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     """Serves until ``stop`` is set or the process gets SIGTERM/SIGINT, then shuts down cleanly. ``store``
     replaces the one ``config.store`` names (for tests that wrap a real store)."""
     stop = stop or asyncio.Event()
-    store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s, config.etcd_access)
+    store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s, config.etcd_access,
+                                attempt=config.cluster.attempt)
     metrics = Metrics() if config.metrics_port is not None else None
     interceptors = [TokenCheck(config.token, SERVICE)] if config.token else []
     if metrics is not None:

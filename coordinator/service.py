@@ -16,7 +16,9 @@ from google.protobuf.message import DecodeError, Message
 
 from coordinator import registration as reg
 from coordinator import status as status_view
+from coordinator.agreement import LiveSetResolved
 from coordinator.barriers import BarrierResolved
+from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
 from coordinator.state import (
     FIRST_GENERATION,
@@ -25,6 +27,7 @@ from coordinator.state import (
     Effect,
     Evict,
     Forgotten,
+    KeyChanged,
     Notify,
     Published,
     Republish,
@@ -42,7 +45,7 @@ from ifrt.errors import (
     ProcessDeclaredFailed,
     UnknownClient,
 )
-from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
+from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.security import SECRET_METADATA, proof_of
 
 log = logging.getLogger("ifrt.coordinator")
@@ -51,8 +54,13 @@ MAX_HOSTS_IN_PROGRESS = 32
 """Registered hosts listed in one progress answer (the count is always exact)."""
 PROGRESS_CACHE_S = 1.0
 """A progress answer is reused this long while nobody new registers (thousands may ask at once)."""
+PROGRESS_REFRESH_S = 0.1
+"""...and this long while registrations still arrive, so its count lags by at most this much."""
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+STALL_SLACK_S = 5.0
+"""How much longer than its own timeout a call waits for the tick to resolve it: only a stall needs it."""
 _END = object()
+_HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 
 
 def peer_host(peer: str) -> str:
@@ -96,12 +104,16 @@ class CoordinatorService:
         self._sessions: dict[str, set[asyncio.Queue]] = {}
         self._barrier_done: dict[str, asyncio.Event] = {}
         self._kv_set: dict[str, asyncio.Event] = {}
+        self._watches: dict[asyncio.Queue, set[str]] = {}  # session queue -> the key prefixes it watches
+        self._live_decided = asyncio.Event()  # replaced by a new one each time an agreement ends
+        self._preemption_decided = asyncio.Event()  # likewise, each time the sync point is decided or times out
 
     @property
     def state(self) -> ClusterState:
         return self.replica.state
 
     def _on_serving(self) -> None:
+        self._progress_cache = (-1e9, -1, b"")  # another state: nothing of the old one is answered
         self._generation = 0  # serialize the replayed generation anew
         self._published = asyncio.Event()
         self.time_to_publish_s = None
@@ -115,6 +127,8 @@ class CoordinatorService:
             for event in events.values():
                 event.set()
             events.clear()
+        self._live_decided = _set_and_renew(self._live_decided)
+        self._preemption_decided = _set_and_renew(self._preemption_decided)
         self._close_sessions(f"the coordinator stepped down ({why})")
 
     async def _serving(self, context: grpc.aio.ServicerContext, what: str, epoch: int | None = None) -> None:
@@ -146,6 +160,13 @@ class CoordinatorService:
             "KeyValueSet": unary(self.kv_set),
             "KeyValueGet": unary(self.kv_get),
             "KeyValueDir": unary(self.kv_dir),
+            "KeyValueTryGet": unary(self.kv_try_get),
+            "KeyValueIncrement": unary(self.kv_increment),
+            "KeyValueDelete": unary(self.kv_delete),
+            "CancelBarrier": unary(self.cancel_barrier),
+            "LiveProcesses": unary(self.live_processes),
+            "PreemptionNotice": unary(self.preemption_notice),
+            "PreemptionSync": unary(self.preemption_sync),
             "Status": unary(self.status_rpc),
         })
 
@@ -219,8 +240,9 @@ class CoordinatorService:
     def _progress_answer(self) -> bytes:
         now = self._clock()
         at, registered, answer = self._progress_cache
-        if registered == self.state.registered and now - at < PROGRESS_CACHE_S:
-            return answer
+        age = now - at
+        if age < PROGRESS_REFRESH_S or (registered == self.state.registered and age < PROGRESS_CACHE_S):
+            return answer  # building one costs O(N log N): at most a few a second, however many processes ask
         p = self.state.progress(now)
         answer = pb.RegisterResponse(progress=pb.Progress(
             registered=p.registered, expected=p.expected, missing_process_ids=p.missing_process_ids,
@@ -269,12 +291,16 @@ class CoordinatorService:
                 heartbeat_interval_ms=interval_ms, generation=self._generation)).SerializeToString())
             if opening.open.generation != self._generation:
                 await context.write(self._topology_event)
+            for notice in state.notices():  # a notice given while this session was away
+                await context.write(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
+                    process_id=notice.process_id)).SerializeToString())
             while (item := await queue.get()) is not _END:
                 if isinstance(item, _Evicted):
                     await _abort(context, item.error, f"session of process {process_id}")
                 await context.write(item)
         finally:
             reader.cancel()
+            self._watches.pop(queue, None)
             self._sessions[uid].discard(queue)
             if not self._sessions[uid]:
                 del self._sessions[uid]
@@ -283,12 +309,25 @@ class CoordinatorService:
     async def _read_heartbeats(self, state: ClusterState, uid: str, requests: AsyncIterator[bytes],
                                queue: asyncio.Queue) -> None:
         try:
-            async for _ in requests:
+            async for raw in requests:
                 state.heartbeat(uid, self._clock())
+                if raw != _HEARTBEAT:
+                    self._session_request(raw, queue)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         finally:
             queue.put_nowait(_END)
+
+    def _session_request(self, raw: bytes, queue: asyncio.Queue) -> None:
+        """A session message besides a heartbeat: a watch of a key prefix, acknowledged once changes flow."""
+        try:
+            request = pb.SessionRequest.FromString(raw)
+        except DecodeError:
+            log.warning("ignored a malformed session message of %d bytes", len(raw))
+            return
+        if request.WhichOneof("kind") == "watch":
+            self._watches.setdefault(queue, set()).add(request.watch.prefix)
+            queue.put_nowait(pb.SessionEvent(watching=request.watch).SerializeToString())
 
     def _broadcast(self, message: bytes) -> None:
         for queues in self._sessions.values():
@@ -354,13 +393,12 @@ class CoordinatorService:
         request = await _parse(pb.KeyValueSetRequest, raw, context)
         await self._serving(context, "key-value set")
         try:
-            changed = self.state.kv_set(request.client_uid, request.key, request.value, request.allow_overwrite,
+            effects = self.state.kv_set(request.client_uid, request.key, request.value, request.allow_overwrite,
                                         proof=_proof(context))
         except IfrtError as e:
             await _abort(context, e, f"key-value set of {request.key!r}")
         await self._commit(context, f"key-value set of {request.key!r}")
-        if changed and (event := self._kv_set.pop(request.key, None)) is not None:
-            event.set()
+        self._apply(effects)
         return b""
 
     async def kv_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -394,6 +432,129 @@ class CoordinatorService:
         found = await self._read(context, what, lambda: state.kv_dir(request.client_uid, request.prefix, proof=proof))
         entries = [pb.KeyValueEntry(key=k, value=v) for k, v in found]
         return pb.KeyValueDirResponse(entries=entries).SerializeToString()
+
+    async def kv_try_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueTryGetRequest, raw, context)
+        what = f"key-value try-get of {request.key!r}"
+        await self._serving(context, what)
+        state, proof = self.state, _proof(context)
+        value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key, proof=proof))
+        return pb.KeyValueTryGetResponse(found=value is not None, value=value or b"").SerializeToString()
+
+    async def kv_increment(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueIncrementRequest, raw, context)
+        what = f"key-value increment of {request.key!r}"
+        await self._serving(context, what)
+        try:
+            total, effects = self.state.kv_increment(request.client_uid, request.key, request.amount,
+                                                     request.request_id, proof=_proof(context))
+        except IfrtError as e:
+            await _abort(context, e, what)
+        await self._commit(context, what)
+        self._apply(effects)
+        return pb.KeyValueIncrementResponse(value=total).SerializeToString()
+
+    async def kv_delete(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueDeleteRequest, raw, context)
+        what = f"key-value delete of {request.key!r}{' (prefix)' if request.prefix else ''}"
+        await self._serving(context, what)
+        try:
+            deleted, effects = self.state.kv_delete(request.client_uid, request.key, request.prefix,
+                                                    proof=_proof(context))
+        except IfrtError as e:
+            await _abort(context, e, what)
+        await self._commit(context, what)
+        self._apply(effects)
+        return pb.KeyValueDeleteResponse(deleted=deleted).SerializeToString()
+
+    async def cancel_barrier(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.CancelBarrierRequest, raw, context)
+        what = f"cancel of barrier {request.name!r}"
+        await self._serving(context, what)
+        try:
+            cancelled, effects = self.state.cancel_barrier(request.client_uid, request.name, self._clock(),
+                                                           proof=_proof(context))
+        except IfrtError as e:
+            await _abort(context, e, what)
+        await self._commit(context, what)
+        self._apply(effects)
+        return pb.CancelBarrierResponse(cancelled=cancelled).SerializeToString()
+
+    async def live_processes(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.LiveProcessesRequest, raw, context)
+        what = "live_processes"
+        await self._serving(context, what)
+        timeout_s, proof = request.timeout_ms / 1000, _proof(context)
+        state, epoch = self.state, self.replica.epoch
+        try:
+            answer, effects = state.live_processes(request.client_uid, request.call_id, timeout_s, self._clock(),
+                                                   proof=proof)
+        except IfrtError as e:
+            await _abort(context, e, what)
+        decided = self._live_decided  # taken before any await: an agreement that ends meanwhile sets it
+        await self._commit(context, what)
+        self._apply(effects)
+        if answer is None:
+            await self._wait(context, decided, timeout_s, what, epoch)
+            answer = state.live_answer(request.client_uid, request.call_id)
+            await self._commit(context, what)
+        if answer is None:  # left out of the agreement: it failed or was replaced while it waited
+            try:
+                state.process_id_of(request.client_uid, proof=proof)
+            except IfrtError as e:
+                await _abort(context, e, what)
+            await _abort(context, BarrierTimeout(f"{what} is still pending after {timeout_s:.1f}s"), what)
+        if isinstance(answer, IfrtError):
+            await _abort(context, answer, what, level=logging.DEBUG)
+        return pb.LiveProcessesResponse(processes=[pb.LiveProcess(process_id=pid, incarnation=incarnation)
+                                                   for pid, incarnation in answer]).SerializeToString()
+
+    async def preemption_notice(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.PreemptionNoticeRequest, raw, context)
+        what = "preemption notice"
+        await self._serving(context, what)
+        try:
+            effects = self.state.preemption_notice(request.client_uid, self._clock(), proof=_proof(context))
+        except IfrtError as e:
+            await _abort(context, e, what)
+        await self._commit(context, what)
+        self._apply(effects)
+        return b""
+
+    async def preemption_sync(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.PreemptionSyncRequest, raw, context)
+        what = f"preemption sync at step {request.step}"
+        await self._serving(context, what)
+        timeout_s = request.timeout_ms / 1000
+        state, epoch = self.state, self.replica.epoch
+        try:
+            outcome, effects = state.preemption_sync(request.client_uid, request.step, timeout_s, self._clock(),
+                                                     proof=_proof(context))
+        except IfrtError as e:
+            await _abort(context, e, what)
+        decided = self._preemption_decided  # taken before any await, as in live_processes
+        await self._commit(context, what)
+        self._apply(effects)
+        if outcome is None:
+            await self._wait(context, decided, timeout_s, what, epoch)
+            outcome = state.preemption_outcome()
+            await self._commit(context, what)
+        if outcome is None:
+            await _abort(context, BarrierTimeout(f"{what} is still pending after {timeout_s:.1f}s"), what)
+        if isinstance(outcome, IfrtError):
+            await _abort(context, outcome, what, level=logging.DEBUG)
+        return pb.PreemptionSyncResponse(sync_step=outcome).SerializeToString()
+
+    async def _wait(self, context: grpc.aio.ServicerContext, event: asyncio.Event, timeout_s: float, what: str,
+                    epoch: int) -> None:
+        """Waits for ``event`` (the state machine's tick ends the wait at its deadline; the slack only guards
+        against a stall), then aborts with UNAVAILABLE if the replica rebuilt its state meanwhile."""
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s + STALL_SLACK_S)
+        except TimeoutError:
+            await _abort(context, BarrierTimeout(f"{what} did not resolve within {timeout_s + STALL_SLACK_S:.1f}s"),
+                         what)
+        await self._serving(context, what, epoch)
 
     async def _read(self, context: grpc.aio.ServicerContext, what: str, query: Callable[[], R]) -> R:
         """Answers ``query`` from durable state only: every journal entry made before the read is durable first."""
@@ -430,6 +591,11 @@ class CoordinatorService:
                              extra=self._about(pid, "process_restarted", incarnation=incarnation))
                     self._broadcast(pb.SessionEvent(process_restarted=pb.ProcessEvent(
                         process_id=pid, incarnation=incarnation)).SerializeToString())
+                case Notify(event=PreemptionNotice(process_id=pid)):
+                    log.warning("process %s will be preempted: every process is told", self.state.describe_process(pid),
+                                extra=self._about(pid, "preemption_notice"))
+                    self._broadcast(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
+                        process_id=pid)).SerializeToString())
                 case Notify(event=ProcessLeft(process_id=pid)):
                     log.info("process %s left", self.state.describe_process(pid),
                              extra=self._about(pid, "process_left"))
@@ -449,6 +615,28 @@ class CoordinatorService:
                         log.info("%s", error)
                     if (event := self._barrier_done.pop(name, None)) is not None:
                         event.set()
+                case KeyChanged(key=key, value=value):
+                    if value is not None and (event := self._kv_set.pop(key, None)) is not None:
+                        event.set()
+                    self._send_change(key, value)
+                case LiveSetResolved():
+                    self._live_decided = _set_and_renew(self._live_decided)
+                case PreemptionResolved(step=step, error=error):
+                    if step is not None:
+                        log.warning("preemption sync point: every process checkpoints at step %d", step,
+                                    extra={"event": "preemption_sync", "step": step})
+                    elif error is not None:
+                        log.info("%s", error)
+                    self._preemption_decided = _set_and_renew(self._preemption_decided)
+
+    def _send_change(self, key: str, value: bytes | None) -> None:
+        """Sends a key's change to every session watching a prefix of it, serialized once."""
+        message = b""
+        for queue, prefixes in self._watches.items():
+            if any(key.startswith(prefix) for prefix in prefixes):
+                message = message or pb.SessionEvent(key_changed=pb.KeyValueChange(
+                    key=key, value=value or b"", deleted=value is None)).SerializeToString()
+                queue.put_nowait(message)
 
     def _about(self, process_id: int, event: str, **fields: object) -> dict[str, object]:
         """``extra`` for a log line about one process: the event, its id and host (for --log-format json)."""
@@ -504,6 +692,12 @@ async def _parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) ->
         return cls.FromString(raw)
     except DecodeError as e:
         await _abort(context, InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name}: {e}"), "request")
+
+
+def _set_and_renew(event: asyncio.Event) -> asyncio.Event:
+    """Wakes everyone waiting on ``event``; later waiters wait on the new event returned."""
+    event.set()
+    return asyncio.Event()
 
 
 def _proof(context: grpc.aio.ServicerContext) -> str:

@@ -22,28 +22,33 @@ import re
 from dataclasses import dataclass, replace
 
 from coordinator import journal
+from coordinator.agreement import LiveSetResolved, LiveSets, Members
 from coordinator.assignment import assign_process_ids
 from coordinator.barriers import BarrierResolved, Barriers
 from coordinator.kv import KeyValueStore
 from coordinator.limits import DEFAULT_LIMITS, Limits
+from coordinator.preemption import Preemption, PreemptionResolved
 from coordinator.registration import Registration
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, ProcessReport, StatusReport
 from ifrt.errors import (
     ERROR_CLASSES,
     ClusterMismatch,
+    IfrtError,
     InvalidArgument,
     PermissionDenied,
     ProcessDeclaredFailed,
     ProcessIdTaken,
     UnknownClient,
 )
-from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
+from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.ids import MAX_PROCESSES, global_device_id
 from ifrt.progress import Progress
 from ifrt.records import Device, Process
 from ifrt.wire import TopologyContent
 
 FIRST_GENERATION = 1
+INCREMENTS_REMEMBERED = 64
+"""Increments remembered per client for its retries (a client retries only its calls in flight)."""
 
 
 class FailurePolicy(enum.StrEnum):
@@ -70,6 +75,8 @@ class ClusterConfig:
     """What callers may send: sizes and counts of requests, registrations, key-values and barrier names."""
     allow_mixed_platforms: bool = False
     """Whether processes with different device plugins or platforms may form one cluster."""
+    attempt: int = 0
+    """The job attempt this coordinator serves (``--attempt``); a process of another attempt is refused."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_processes <= self.max_processes:
@@ -128,7 +135,7 @@ class Published:
 class Notify:
     """Effect: tell every live session about ``event``."""
 
-    event: ProcessFailed | ProcessRestarted | ProcessLeft
+    event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,15 @@ class Forgotten:
     reason: str
 
 
-Effect = Notify | Republish | Evict | Forgotten | BarrierResolved
+@dataclass(frozen=True)
+class KeyChanged:
+    """Effect: ``key`` now holds ``value`` (None: deleted); tell the sessions that watch a prefix of it."""
+
+    key: str
+    value: bytes | None
+
+
+Effect = Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | PreemptionResolved
 
 
 class ClusterState:
@@ -174,6 +189,9 @@ class ClusterState:
         self._claims: dict[int, object] = {}  # process id -> claim
         self._in_topology: set[int] = set()  # process ids in the current generation
         self._down: dict[int, str] = {}  # process id -> why it is unavailable (failed or left)
+        self._live_sets = LiveSets()
+        self._increments: dict[str, dict[str, int]] = {}  # client uid -> request id -> the sum it made
+        self._preemption: Preemption | None = None
         self._journal: list[journal.Entry] = []
 
     # Journal.
@@ -198,6 +216,18 @@ class ClusterState:
             case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message):
                 error = ERROR_CLASSES[kind](message) if kind else None
                 self._barriers.restore(name, frozenset(participants), error)
+            case journal.KeyIncremented(key=key, value=value, client_uid=uid, request_id=request_id):
+                self._kv.restore(key, str(value).encode())
+                self._remember_increment(uid, request_id, value)
+            case journal.KeysDeleted(key=key, prefix=prefix):
+                self._kv.delete(key, prefix)
+            case journal.LiveSetDecided(callers=callers, members=members, error_type=kind, error=message):
+                self._live_sets.restore(callers, members, ERROR_CLASSES[kind](message) if kind else None)
+            case journal.PreemptionNoticed(process_id=pid):
+                self._preemption = Preemption(pid)
+            case journal.PreemptionSyncDecided(step=step):
+                assert self._preemption is not None
+                self._preemption.sync_step = step
         self._journal.clear()
 
     def reset_liveness(self, now: float) -> None:
@@ -320,7 +350,7 @@ class ClusterState:
         if member is None:
             raise UnknownClient(f"client {client_uid} is not a registered process: nothing to leave")
         self._check_owner(member, proof)
-        return self._leave(member)
+        return self._leave(member) + self._settle(now)
 
     def _leave(self, member: Member) -> list[Effect]:
         client_uid = member.registration.client_uid
@@ -351,7 +381,7 @@ class ClusterState:
                    f"lost its connection and did not come back within {timeout:g}s")
             effects += self._fail(member, why)
         effects += self._finished(self._barriers.expire(now, self.describe_process))
-        return effects
+        return effects + self._settle(now)
 
     # Barriers and key-values.
     def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float,
@@ -372,13 +402,130 @@ class ClusterState:
         """How barrier ``name`` ended, or None while it is pending (or unknown)."""
         return self._barriers.outcome(name)
 
-    def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, *, proof: str = "") -> bool:
-        """Stores a value for a live process; returns whether anything changed."""
+    def cancel_barrier(self, client_uid: str, name: str, now: float, *, proof: str = "") -> tuple[bool, list[Effect]]:
+        """Fails barrier ``name`` with BarrierCancelled for every current and future waiter (also before anyone
+        arrived); returns False, changing nothing, when it had completed or failed already."""
+        pid = self.process_id_of(client_uid, proof=proof)
+        cancelled, effects = self._barriers.cancel(name, f"process {self.describe_process(pid)}", now)
+        return cancelled, self._finished(effects)
+
+    # Agreement on who is alive.
+    def live_processes(self, client_uid: str, call_id: str, timeout_s: float, now: float, *,
+                       proof: str = "") -> tuple[Members | IfrtError | None, list[Effect]]:
+        """This live process asks who is alive: joins the pending agreement. Returns its answer once decided (the
+        same for every caller: {process id: incarnation} as sorted pairs, or the error) and the effects."""
+        pid = self.process_id_of(client_uid, proof=proof)
+        answer = self._live_sets.answer(client_uid, call_id)
+        if answer is not None:  # a retry of a decided call
+            return answer, []
+        self._live_sets.call(pid, client_uid, call_id, self._members[client_uid].incarnation, timeout_s, now)
+        effects = self._settle(now)
+        return self._live_sets.answer(client_uid, call_id), effects
+
+    def live_answer(self, client_uid: str, call_id: str) -> Members | IfrtError | None:
+        """The decided answer to this call, None while it is pending."""
+        return self._live_sets.answer(client_uid, call_id)
+
+    # Preemption.
+    def preemption_notice(self, client_uid: str, now: float, *, proof: str = "") -> list[Effect]:
+        """This process will be preempted: every process is told, once (a second notice changes nothing)."""
+        pid = self.process_id_of(client_uid, proof=proof)
+        if self._preemption is not None:
+            return []
+        self._journal.append(journal.PreemptionNoticed(pid))
+        self._preemption = Preemption(pid)
+        return [Notify(PreemptionNotice(pid))]
+
+    def preemption_sync(self, client_uid: str, step: int, timeout_s: float, now: float, *,
+                        proof: str = "") -> tuple[int | IfrtError | None, list[Effect]]:
+        """This process is at ``step`` after a notice (without one, this is its notice): returns the sync step once
+        every live process reported (None while waiting) and the effects."""
+        pid = self.process_id_of(client_uid, proof=proof)
+        effects = self.preemption_notice(client_uid, now, proof=proof)
+        preemption = self._preemption
+        assert preemption is not None
+        if preemption.sync_step is None:
+            preemption.report(pid, step, timeout_s, now)
+            effects += self._settle(now)
+        return self.preemption_outcome(), effects
+
+    def preemption_outcome(self) -> int | IfrtError | None:
+        """The decided sync step, the error of the waits that timed out last, or None."""
+        preemption = self._preemption
+        if preemption is None:
+            return None
+        return preemption.sync_step if preemption.sync_step is not None else preemption.expired
+
+    def notices(self) -> list[PreemptionNotice]:
+        """What a session that attaches now must hear besides the topology: a preemption notice, if one was given."""
+        return [] if self._preemption is None else [PreemptionNotice(self._preemption.noticed_by)]
+
+    def _alive(self) -> dict[int, tuple[str, int]]:
+        """Process id -> (client uid, incarnation) of every process of the topology that is not failed or left."""
+        alive = {}
+        for pid in sorted(self._in_topology - self._down.keys()):
+            uid = self._holder[self._claims[pid]]
+            alive[pid] = (uid, self._members[uid].incarnation)
+        return alive
+
+    def _settle(self, now: float) -> list[Effect]:
+        """Decides the pending live-set agreement and preemption sync point when they can be (journaled)."""
+        effects: list[Effect] = []
+        preemption = self._preemption
+        if not self._live_sets.pending and (preemption is None or not preemption.waiting):
+            return effects  # nothing waits: the tick costs nothing more
+        alive = self._alive()
+        resolved = self._live_sets.settle(alive, now, self.describe_process)
+        if resolved is not None:
+            error = resolved.error
+            self._journal.append(journal.LiveSetDecided(resolved.callers, resolved.members,
+                                                        type(error).__name__ if error else "",
+                                                        str(error) if error else ""))
+            effects.append(resolved)
+        if self._preemption is not None:
+            decided = self._preemption.settle(alive.keys(), now, self.describe_process)
+            if decided is not None:
+                if decided.step is not None:
+                    self._journal.append(journal.PreemptionSyncDecided(decided.step))
+                effects.append(decided)
+        return effects
+
+    def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, *,
+               proof: str = "") -> list[Effect]:
+        """Stores a value for a live process; returns the change (empty when the key held that value already)."""
         self.process_id_of(client_uid, proof=proof)
-        changed = self._kv.set(key, value, allow_overwrite)
-        if changed:
-            self._journal.append(journal.KeySet(key, value))
-        return changed
+        if not self._kv.set(key, value, allow_overwrite):
+            return []
+        self._journal.append(journal.KeySet(key, value))
+        return [KeyChanged(key, value)]
+
+    def kv_increment(self, client_uid: str, key: str, amount: int, request_id: str = "", *,
+                     proof: str = "") -> tuple[int, list[Effect]]:
+        """Adds ``amount`` to the integer ``key`` holds (0 when unset) for a live process; returns the sum. A retry
+        (the same ``request_id`` from the same client) is answered the sum it made, not applied again."""
+        self.process_id_of(client_uid, proof=proof)
+        done = self._increments.get(client_uid, {})
+        if request_id and request_id in done:
+            return done[request_id], []
+        total = self._kv.increment(key, amount)
+        self._journal.append(journal.KeyIncremented(key, total, client_uid, request_id))  # replayed as the value
+        self._remember_increment(client_uid, request_id, total)
+        return total, [KeyChanged(key, str(total).encode())]
+
+    def _remember_increment(self, client_uid: str, request_id: str, total: int) -> None:
+        if request_id:
+            done = self._increments.setdefault(client_uid, {})
+            done[request_id] = total
+            if len(done) > INCREMENTS_REMEMBERED:
+                del done[next(iter(done))]  # the oldest: its caller has long moved on
+
+    def kv_delete(self, client_uid: str, key: str, prefix: bool, *, proof: str = "") -> tuple[int, list[Effect]]:
+        """Deletes ``key`` (or every key starting with it) for a live process; returns how many keys went."""
+        self.process_id_of(client_uid, proof=proof)
+        deleted = self._kv.delete(key, prefix)
+        if deleted:
+            self._journal.append(journal.KeysDeleted(key, prefix))
+        return len(deleted), [KeyChanged(k, None) for k in deleted]
 
     def kv_get(self, client_uid: str, key: str, *, proof: str = "") -> bytes | None:
         """The value of ``key`` for a live process, None while it is unset."""
@@ -453,6 +600,10 @@ class ClusterState:
         if r.cluster_id and r.cluster_id != config.cluster_id:
             raise ClusterMismatch(f"{r.describe()} asked for cluster {r.cluster_id!r}; this coordinator serves "
                                   f"cluster {config.cluster_id!r}")
+        if r.attempt is not None and r.attempt != config.attempt:
+            raise ClusterMismatch(f"{r.describe()} belongs to attempt {r.attempt} of the job; this coordinator serves "
+                                  f"attempt {config.attempt} of cluster {config.cluster_id!r}: a process of another "
+                                  "attempt is refused (start it with the job's current attempt, IFRT_ATTEMPT)")
         if r.num_processes and r.num_processes != config.num_processes:
             raise ClusterMismatch(f"{r.describe()} expects {r.num_processes} processes; this coordinator's cluster "
                                   f"has {config.num_processes}")

@@ -12,6 +12,11 @@ The contract, the same for every backend (tests/test_store.py runs one suite aga
 ``memory`` keeps the journal in the process (nothing survives it; the default). ``etcd`` keeps it under
 ``/ifrt/<cluster-id>/`` in etcd, elects the leader with a lease, and fences every append with a
 transaction on the leader key, so two coordinators can never both publish.
+
+Job attempts (``--attempt N``): each attempt has its own journal (attempt 0 under ``journal/``, attempt N under
+``attempts/N/journal/``) and ``attempt`` holds the newest attempt that led. A replica of a newer attempt takes
+over with a fresh journal and deletes the older one in the same transaction; a replica of an older attempt never
+leads again, and every append also compares on ``attempt``, so the old attempt cannot write.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class EtcdStore:
     """The journal in etcd, one key per entry; leadership through a lease on ``leader``."""
 
     def __init__(self, endpoints: list[str], cluster_id: str, *, lease_ttl_s: int = 5,
-                 timeout_s: float = 3.0, access: EtcdAccess = EtcdAccess()) -> None:
+                 timeout_s: float = 3.0, access: EtcdAccess = EtcdAccess(), attempt: int = 0) -> None:
         from etcd3aio import Etcd3Client  # the optional extra ifrt-topology[etcd]
 
         self.description = f"etcd {','.join(endpoints)} under /ifrt/{cluster_id}/"
@@ -113,7 +118,11 @@ class EtcdStore:
         self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints], **tls)
         self._prefix = f"/ifrt/{cluster_id}/".encode()
         self._leader_key = self._prefix + b"leader"
-        self._journal_prefix = self._prefix + b"journal/"
+        self._attempt_key = self._prefix + b"attempt"
+        self._attempt = attempt
+        self._journal_prefix = self._journal_of(attempt)
+        if attempt:
+            self.description += f" (attempt {attempt})"
         self._ttl = lease_ttl_s
         self._timeout = timeout_s
         self._lease = 0
@@ -143,20 +152,43 @@ class EtcdStore:
             raise StoreError(f"etcd refused user {self._access.user!r} ({self.description}): {e}") from e
         self._client.set_token(answer.token)
 
+    def _journal_of(self, attempt: int) -> bytes:
+        return self._prefix + (b"journal/" if attempt == 0 else f"attempts/{attempt}/journal/".encode())
+
     async def acquire(self, advertise: str) -> None:
-        """Campaigns until this replica holds the leader key; logs who leads meanwhile."""
+        """Campaigns until this replica holds the leader key; logs who leads meanwhile. A replica of an attempt
+        older than the newest that led never leads (it logs that and keeps standing by)."""
         from etcd3aio import EtcdError, prefix_range_end
 
         reported = None
         while True:
             try:
                 kv = await self._kv()
+                found = (await kv.get(self._attempt_key, timeout=self._timeout)).kvs
+                newest = int(found[0].value) if found else None
+                if newest is not None and newest > self._attempt:
+                    if reported != "superseded":
+                        log.error("this replica serves attempt %d, but attempt %d of the job has started "
+                                  "(%s): it will not lead", self._attempt, newest, self.description)
+                        reported = "superseded"
+                    await asyncio.sleep(1.0)
+                    continue
+                same = ([kv.txn_compare_value(self._attempt_key, str(newest))] if newest is not None
+                        else [kv.txn_compare_version(self._attempt_key, 0)])
+                fresh = []
+                if newest is not None and newest < self._attempt:  # the old attempt's journal goes with it
+                    old = self._journal_of(newest)
+                    fresh = [kv.txn_op_delete(old, range_end=prefix_range_end(old))]
                 lease = await self._client.lease.grant(self._ttl, timeout=self._timeout)
                 won = await kv.txn(
-                    [kv.txn_compare_create_revision(self._leader_key, 0)],
-                    [kv.txn_op_put(self._leader_key, advertise.encode(), lease=lease.ID)],
+                    [kv.txn_compare_create_revision(self._leader_key, 0), *same],
+                    [kv.txn_op_put(self._leader_key, advertise.encode(), lease=lease.ID),
+                     kv.txn_op_put(self._attempt_key, str(self._attempt).encode()), *fresh],
                     [kv.txn_op_get(self._leader_key)],
                     timeout=self._timeout, max_attempts=1)
+                if won.succeeded and newest is not None and newest < self._attempt:
+                    log.warning("attempt %d of the job starts with an empty journal; attempt %d is fenced off "
+                                "and its journal deleted (%s)", self._attempt, newest, self.description)
                 if won.succeeded:
                     self._lease, self._leader_revision, self.leader = lease.ID, won.header.revision, advertise
                     self._next = (await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix),
@@ -200,6 +232,7 @@ class EtcdStore:
             batch = entries[start:start + MAX_TXN_OPS]
             keys = [self._journal_prefix + f"{self._next + i:016d}".encode() for i in range(len(batch))]
             fence = [kv.txn_compare_create_revision(self._leader_key, self._leader_revision),
+                     kv.txn_compare_value(self._attempt_key, str(self._attempt)),
                      *(kv.txn_compare_version(key, 0) for key in keys)]
             try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
                 done = await kv.txn(fence, [kv.txn_op_put(k, v) for k, v in zip(keys, batch, strict=True)],
@@ -255,8 +288,10 @@ class EtcdStore:
                 return
 
 
-def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAccess | None = None) -> Store:
-    """``memory`` or ``etcd://host:port[,host:port...]``; ValueError naming the expected forms."""
+def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAccess | None = None, *,
+               attempt: int = 0) -> Store:
+    """``memory`` or ``etcd://host:port[,host:port...]`` (its journal for job attempt ``attempt``); ValueError
+    naming the expected forms."""
     if spec == "memory":
         return MemoryStore()
     if spec.startswith(ETCD_SCHEME):
@@ -264,7 +299,8 @@ def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAcc
         if not endpoints or any(":" not in e for e in endpoints):
             raise ValueError(f"--store {spec!r}: expected etcd://HOST:PORT[,HOST:PORT...]")
         try:
-            return EtcdStore(endpoints, cluster_id, lease_ttl_s=lease_ttl_s, access=access or EtcdAccess())
+            return EtcdStore(endpoints, cluster_id, lease_ttl_s=lease_ttl_s, access=access or EtcdAccess(),
+                             attempt=attempt)
         except ImportError:
             raise ValueError("--store etcd needs the etcd client: pip install 'ifrt-topology[etcd]'") from None
     raise ValueError(f"--store {spec!r}: expected memory or etcd://HOST:PORT[,HOST:PORT...]")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ifrt import events
 from ifrt.errors import (
+    BarrierCancelled,
     BarrierFailed,
     BarrierTimeout,
     ClusterMismatch,
@@ -41,7 +42,8 @@ if TYPE_CHECKING:
     from ifrt.topology import Topology
 
 __all__ = [
-    "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable", "Device",
+    "BarrierCancelled", "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable",
+    "Device",
     "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh",
     "PermissionDenied", "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology",
     "TopologyError", "TransportMismatch", "Unauthenticated", "UnknownClient", "discover", "events",

@@ -11,7 +11,7 @@ import sys
 from ifrt import clusters, render
 from ifrt.client import Client
 from ifrt.errors import IfrtError
-from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PLUGIN_ENV, PROCESS_ID_ENV, resolve
+from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PLUGIN_ENV, PROCESS_ID_ENV, proxies_set, resolve
 from plugins import all_plugins
 
 
@@ -122,6 +122,11 @@ def _env() -> int:
         if field == "token":  # the secret itself is never shown
             value = "set" if value else "not set"
         print(f"{field}: {value}")
+    proxies = proxies_set(os.environ)
+    if proxies:
+        how = ("through the proxy (IFRT_USE_PROXY=1)" if settings.use_proxy else
+               "directly: ifrt ignores them (set IFRT_USE_PROXY=1 to go through the proxy)")
+        print(f"proxy: {', '.join(proxies)} set; the coordinator is dialled {how}")
     return 0
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import random
+import signal
 import threading
 import time
 import uuid
@@ -27,7 +30,7 @@ from ifrt.errors import (
     TransportMismatch,
     from_rpc_error,
 )
-from ifrt.events import Event
+from ifrt.events import Event, PreemptionNotice
 from ifrt.progress import Progress
 from ifrt.security import new_process_secret, open_channel, transport_mismatch
 from ifrt.session import Session
@@ -44,6 +47,8 @@ WARN_AFTER_S = 30.0
 SLACK_S = 5.0
 """How much longer than the coordinator's own wait a call may take before the client gives up on it."""
 LEAVE_TIMEOUT_S = 2.0
+WATCH_ACK_TIMEOUT_S = 30.0
+"""Longest kv_watch waits for the coordinator to say the watch is in place."""
 CHANNEL_OPTIONS = (
     # Reconnect to a coordinator that is not up yet within ~100 ms of it starting (gRPC's default: ~1 s, growing);
     # gRPC adds up to 20% jitter to the cap.
@@ -102,6 +107,11 @@ class Client:
         self._current = 0
         self._watchers: set[queue.Queue] = set()
         self._callbacks: list[Callable[[Event], None]] = []
+        self._key_watchers: list[tuple[str, queue.Queue]] = []
+        self._preempted = threading.Event()  # a preemption notice is known (ours or another process's)
+        self._sync_step: int | None = None
+        self._signalled: queue.SimpleQueue | None = None  # preemption signals, from the handler to the reporter
+        self._previous_handlers: dict[signal.Signals, Any] = {}
         self._closed = False
 
     # Discovery.
@@ -119,6 +129,8 @@ class Client:
             if self._want_session:
                 self._session = Session(self, self._emit)
                 self._session.start()
+            if self.settings.preemption_signals:
+                self._handle_preemption_signals()
             _preflight.run_if_requested(self)  # IFRT_PREFLIGHT=1: PreflightFailed names the unreachable pairs
         return self.topology
 
@@ -180,6 +192,8 @@ class Client:
                                      plugin=plugin.name, address=self.endpoint.address if self.endpoint else "")
         if s.process_id is not None:
             request.process_id = s.process_id
+        if s.attempt is not None:
+            request.attempt = s.attempt
         try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
             plugin.configure_process(s.local_rank, s.local_world_size)
             for d in plugin.local_devices(s.local_device_ids):
@@ -306,6 +320,147 @@ class Client:
             client_uid=self.client_uid, prefix=prefix), time.monotonic() + timeout)
         return {e.key: e.value for e in response.entries}
 
+    def kv_try_get(self, key: str, timeout: float = 60.0) -> bytes | None:
+        """The value of ``key``, or None if it is unset now (no waiting)."""
+        response = self._unary("KeyValueTryGet", lambda _: pb.KeyValueTryGetRequest(
+            client_uid=self.client_uid, key=key), time.monotonic() + timeout)
+        return response.value if response.found else None
+
+    def kv_increment(self, key: str, amount: int = 1, timeout: float = 60.0) -> int:
+        """Adds ``amount`` to the integer ``key`` holds (an unset key holds 0), atomically; returns the sum.
+
+        Exactly once, also when the call is retried on another coordinator replica. InvalidArgument if the key
+        holds something that is not a decimal integer."""
+        request = pb.KeyValueIncrementRequest(client_uid=self.client_uid, key=key, amount=amount,
+                                              request_id=uuid.uuid4().hex)
+        return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout).value
+
+    def kv_delete(self, key: str, *, prefix: bool = False, timeout: float = 60.0) -> int:
+        """Deletes ``key`` (with ``prefix=True``, every key starting with it); returns how many keys were deleted.
+        Deleting a key that is not there is no error."""
+        response = self._unary("KeyValueDelete", lambda _: pb.KeyValueDeleteRequest(
+            client_uid=self.client_uid, key=key, prefix=prefix), time.monotonic() + timeout)
+        return response.deleted
+
+    def kv_watch(self, prefix: str, timeout: float | None = None) -> Iterator[tuple[str, bytes | None]]:
+        """Every change of a key under ``prefix`` from now on, as ``(key, value)`` (``None``: deleted), until
+        ``timeout`` seconds pass or the client closes. Returns once the coordinator watches (carried on the live
+        session; changes made while the session reconnects are not replayed: re-read with ``kv_dir`` on
+        ``CoordinatorRestored``)."""
+        if self._session is None:
+            raise RuntimeError("kv_watch needs the live session: call discover() first, with session=True")
+        changes: queue.Queue = queue.Queue()
+        with self._lock:
+            self._key_watchers.append((prefix, changes))
+        if not self._session.watch(prefix).wait(WATCH_ACK_TIMEOUT_S):
+            with self._lock:
+                self._key_watchers.remove((prefix, changes))
+            raise CoordinatorUnavailable(f"the coordinator ({', '.join(self.settings.coordinators)}) did not start "
+                                         f"watching {prefix!r} within {WATCH_ACK_TIMEOUT_S:.0f}s")
+        return self._changes(prefix, changes, None if timeout is None else time.monotonic() + timeout)
+
+    def _changes(self, prefix: str, changes: queue.Queue, deadline: float | None) -> Iterator[tuple[str, bytes | None]]:
+        try:
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                try:
+                    change = changes.get(timeout=remaining)
+                except queue.Empty:
+                    return
+                if change is _CLOSED:
+                    return
+                yield change
+        finally:
+            with self._lock:
+                if (prefix, changes) in self._key_watchers:
+                    self._key_watchers.remove((prefix, changes))
+
+    def key_changed(self, key: str, value: bytes | None) -> None:
+        """From the session: ``key`` changed; hands it to every kv_watch of a prefix of it."""
+        with self._lock:
+            watchers = [changes for prefix, changes in self._key_watchers if key.startswith(prefix)]
+        for changes in watchers:
+            changes.put((key, value))
+
+    def cancel_barrier(self, name: str, timeout: float = 60.0) -> bool:
+        """Ends barrier ``name`` for every current and future waiter with BarrierCancelled (also before anyone
+        arrived). Returns False when it had completed or failed already (its result stands)."""
+        response = self._unary("CancelBarrier", lambda _: pb.CancelBarrierRequest(
+            client_uid=self.client_uid, name=name), time.monotonic() + timeout)
+        return response.cancelled
+
+    def live_processes(self, timeout: float) -> dict[int, int]:
+        """Which processes are alive, agreed: waits until every live process called this, then returns the same
+        ``{process id: incarnation}`` in each (the callers still alive). A process that dies meanwhile is left out
+        within the heartbeat timeout. BarrierTimeout names a live process that did not call within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        call_id = uuid.uuid4().hex
+        response = self._unary("LiveProcesses", lambda remaining: pb.LiveProcessesRequest(
+            client_uid=self.client_uid, call_id=call_id, timeout_ms=max(1, int(remaining * 1000))), deadline,
+            slack=SLACK_S)
+        return {p.process_id: p.incarnation for p in response.processes}
+
+    # Preemption.
+    def reached_preemption_sync_point(self, step: int, timeout: float = 300.0) -> bool:
+        """Call once per training step. False until a preemption notice; after one, True in every process at one
+        and the same step (the first every process can still reach) and after it: checkpoint then, and exit.
+
+        The first call after a notice reports this process's step and waits until every live process has
+        reported (at most one step of the slowest); BarrierTimeout names a process that did not report."""
+        if self._sync_step is not None:
+            return step >= self._sync_step
+        if not self._preempted.is_set():
+            return False
+        response = self._unary("PreemptionSync", lambda remaining: pb.PreemptionSyncRequest(
+            client_uid=self.client_uid, step=step, timeout_ms=max(1, int(remaining * 1000))),
+            time.monotonic() + timeout, slack=SLACK_S)
+        self._sync_step = response.sync_step
+        return step >= self._sync_step
+
+    def report_preemption(self, timeout: float = 60.0) -> None:
+        """Tells the coordinator this process will be preempted (what a preemption signal does): every process gets
+        PreemptionNotice and reaches the sync point together."""
+        self._preempted.set()
+        self._unary("PreemptionNotice", lambda _: pb.PreemptionNoticeRequest(client_uid=self.client_uid),
+                    time.monotonic() + timeout)
+
+    def preemption_noticed(self, process_id: int) -> None:
+        """From the session: a process reported a preemption notice."""
+        self._preempted.set()
+        self._emit(PreemptionNotice(process_id))
+
+    def _handle_preemption_signals(self) -> None:
+        """Installs handlers that turn the configured signals into a preemption notice instead of an exit."""
+        self._signalled = queue.SimpleQueue()
+        threading.Thread(target=self._report_signals, args=(self._signalled,), name="ifrt-preemption",
+                         daemon=True).start()
+        for sig in self.settings.preemption_signals:
+            try:
+                self._previous_handlers[sig] = signal.signal(sig, self._on_preemption_signal)
+            except ValueError as e:  # not the main thread
+                raise RuntimeError(f"cannot handle {sig.name} for preemption notices: {e}; call discover() from the "
+                                   "main thread, or leave IFRT_PREEMPTION_SIGNALS unset") from None
+
+    def _on_preemption_signal(self, signum: int, frame: object) -> None:
+        if self._closed:  # nobody reports any more: the signal does what it would have done without ifrt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        elif self._signalled is not None:
+            self._signalled.put(signum)  # SimpleQueue.put is safe in a signal handler; the thread does the rest
+
+    def _report_signals(self, signalled: queue.SimpleQueue) -> None:
+        while (signum := signalled.get()) is not None:
+            if self._preempted.is_set() and self._sync_step is not None:
+                continue
+            log.warning("received %s: reporting a preemption notice; this process runs on until the preemption "
+                        "sync point", signal.Signals(signum).name)
+            try:
+                self.report_preemption()
+            except IfrtError as e:
+                log.error("could not report the preemption notice: %s", e)
+
     def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0) -> Any:
         """Calls ``method``, retrying what retrying can fix until ``deadline`` (plus ``slack`` for the answer)."""
         last_error: IfrtError | None = None
@@ -388,6 +543,15 @@ class Client:
             self._stubs.clear()
         for events in watchers:
             events.put(_CLOSED)
+        with self._lock:
+            key_watchers, self._key_watchers = self._key_watchers, []
+        for _, changes in key_watchers:
+            changes.put(_CLOSED)
+        if self._signalled is not None:
+            self._signalled.put(None)
+            for sig, handler in self._previous_handlers.items():
+                with contextlib.suppress(ValueError, TypeError):  # not the main thread: the handler stays (see below)
+                    signal.signal(sig, handler)
         for channel in channels:
             channel.close()
         if self.endpoint is not None:

@@ -86,6 +86,12 @@ class BarrierTimeout(BarrierFailed, TimeoutError):
     status = "DEADLINE_EXCEEDED"
 
 
+class BarrierCancelled(BarrierFailed):
+    """A process cancelled the barrier (``cancel_barrier``): every current and future waiter gets this."""
+
+    status = "CANCELLED"
+
+
 class KeyExists(IfrtError):
     """The key already holds another value and overwriting was not asked for."""
 

@@ -53,4 +53,13 @@ class CoordinatorRestored:
     coordinator: str
 
 
-Event = ProcessFailed | ProcessRestarted | ProcessLeft | TopologyChanged | CoordinatorLost | CoordinatorRestored
+@dataclass(frozen=True)
+class PreemptionNotice:
+    """Process ``process_id`` was told it will be preempted: checkpoint at the preemption sync point
+    (``client.reached_preemption_sync_point``) and exit."""
+
+    process_id: int
+
+
+Event = (ProcessFailed | ProcessRestarted | ProcessLeft | TopologyChanged | CoordinatorLost | CoordinatorRestored
+         | PreemptionNotice)

@@ -36,7 +36,9 @@ def proof_of(secret: str) -> str:
 def open_channel(target: str, settings: Settings, process_secret: str,
                  options: Sequence[tuple[str, Any]]) -> grpc.Channel:
     """A channel to ``target`` (TLS when the settings name a CA or client certificate) whose every call carries the
-    token and the process secret."""
+    token and the process secret. It dials ``target`` directly, whatever proxy the environment names, unless the
+    settings ask for the proxy (IFRT_USE_PROXY=1): a proxy meant for other traffic must not carry the job's."""
+    options = (*options, ("grpc.enable_http_proxy", int(settings.use_proxy)))
     if settings.tls:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=_read(settings.tls_ca), private_key=_read(settings.tls_key),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -44,6 +45,10 @@ class Session:
         self._lost = False
         self.attached = threading.Event()
         """Set while the coordinator has acknowledged this session."""
+        self._watch_lock = threading.Lock()
+        self._prefixes: set[str] = set()  # key prefixes watched, sent again on every new stream
+        self._acks: dict[str, threading.Event] = {}  # prefix -> set once the coordinator watches it for us
+        self._outbox: queue.Queue | None = None  # messages for the current stream besides heartbeats
         self._thread = threading.Thread(target=self._run, name="ifrt-session", daemon=True)
 
     def start(self) -> None:
@@ -52,16 +57,30 @@ class Session:
     def close(self, timeout: float = 2.0) -> None:
         """Ends the session (without telling peers; the client sends Leave for that)."""
         self._closed.set()
+        with self._watch_lock:
+            if self._outbox is not None:
+                self._outbox.put(None)
         if self._call is not None:
             self._call.cancel()
         self._thread.join(timeout)
+
+    def watch(self, prefix: str) -> threading.Event:
+        """Asks the coordinator for every change of keys under ``prefix`` (on this stream and every later one);
+        the event returned is set once the coordinator watches it."""
+        with self._watch_lock:
+            self._prefixes.add(prefix)
+            ack = self._acks.setdefault(prefix, threading.Event())
+            if self._outbox is not None:
+                self._outbox.put(pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix)))
+        return ack
 
     def _run(self) -> None:
         while not self._closed.is_set():
             target = self._client.current_coordinator()
             stream_done = threading.Event()
+            outbox: queue.Queue = queue.Queue()
             try:
-                self._call = self._client.stub(target).Session(self._requests(stream_done))
+                self._call = self._client.stub(target).Session(self._requests(stream_done, outbox))
                 for event in self._call:  # type: ignore[attr-defined]
                     self._handle(event, target)
                 if not self._closed.is_set():
@@ -80,16 +99,28 @@ class Session:
                 self._lose(str(error))
             finally:
                 stream_done.set()
+                outbox.put(None)  # ends the request stream at once
                 self.attached.clear()
             if self._lost:
                 self._client.rotate(target)
                 self._closed.wait(self._client.backoff.next())
 
-    def _requests(self, stream_done: threading.Event) -> Iterator[pb.SessionRequest]:
+    def _requests(self, stream_done: threading.Event, outbox: queue.Queue) -> Iterator[pb.SessionRequest]:
         generation = self._client.topology.generation if self._client.topology else 0
+        with self._watch_lock:  # a watch asked for from now on goes to this outbox; earlier ones are sent below
+            self._outbox = outbox
+            prefixes = sorted(self._prefixes)
         yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._client.client_uid, generation=generation))
-        while not stream_done.wait(self._interval_s) and not self._closed.is_set():
-            yield pb.SessionRequest(heartbeat=pb.Heartbeat())
+        for prefix in prefixes:
+            yield pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix))
+        while not stream_done.is_set() and not self._closed.is_set():
+            try:
+                message = outbox.get(timeout=self._interval_s)
+            except queue.Empty:
+                message = pb.SessionRequest(heartbeat=pb.Heartbeat())
+            if message is None or stream_done.is_set() or self._closed.is_set():
+                return
+            yield message
 
     def _handle(self, event: pb.SessionEvent, target: str) -> None:
         kind = event.WhichOneof("kind")
@@ -115,6 +146,16 @@ class Session:
                 self._emit(TopologyChanged(topology))
         elif kind == "shutdown":
             self._lose(event.shutdown.reason)
+        elif kind == "key_changed":
+            change = event.key_changed
+            self._client.key_changed(change.key, None if change.deleted else change.value)
+        elif kind == "watching":
+            with self._watch_lock:
+                ack = self._acks.get(event.watching.prefix)
+            if ack is not None:
+                ack.set()
+        elif kind == "preemption_notice":
+            self._client.preemption_noticed(event.preemption_notice.process_id)
 
     def _lose(self, reason: str) -> None:
         self.attached.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,11 @@ TOKEN_FILE_ENV = "IFRT_TOKEN_FILE"  # "/run/secrets/ifrt-token": a file holding 
 TLS_CA_ENV = "IFRT_TLS_CA"  # "/etc/ifrt/ca.pem": trust the coordinator's certificate through this CA (turns TLS on)
 TLS_CERT_ENV = "IFRT_TLS_CERT"  # "/etc/ifrt/client.pem": this process's certificate, for mutual TLS
 TLS_KEY_ENV = "IFRT_TLS_KEY"  # "/etc/ifrt/client-key.pem": its private key
+ATTEMPT_ENV = "IFRT_ATTEMPT"  # "2": the job attempt (else the launcher's restart counter; unset: the coordinator's)
+PREEMPTION_SIGNALS_ENV = "IFRT_PREEMPTION_SIGNALS"  # "TERM" or "TERM,USR1": signals that announce a preemption
+USE_PROXY_ENV = "IFRT_USE_PROXY"  # "1": dial the coordinator through http_proxy/https_proxy/grpc_proxy
+PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
+"""What gRPC reads to route a channel through a proxy (ifrt's channels ignore them unless IFRT_USE_PROXY=1)."""
 
 DEFAULT_PLUGIN = "cpu"
 
@@ -59,6 +65,12 @@ class Settings:
     """PEM file of the CA that signed the coordinator's certificate; set (or tls_cert) means TLS."""
     tls_cert: str | None = None
     tls_key: str | None = None
+    attempt: int | None = None
+    """The job attempt this process belongs to (None: whatever the coordinator serves)."""
+    preemption_signals: tuple[signal.Signals, ...] = ()
+    """Signals that announce this process's preemption (reported, not fatal; see reached_preemption_sync_point)."""
+    use_proxy: bool = False
+    """Whether the coordinator is dialled through the proxy the environment names (by default: directly)."""
 
     @property
     def tls(self) -> bool:
@@ -108,6 +120,9 @@ def resolve(
     tls_ca: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    attempt: int | None = None,
+    preemption_signals: Sequence[int | str] | None = None,
+    use_proxy: bool | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """The settings for one process; InvalidArgument naming the variable or argument that is wrong."""
@@ -165,7 +180,45 @@ def resolve(
         launcher=None if launcher is None else launcher.source,
         token=_token(token, token_file, env),
         **tls,
+        attempt=pick(attempt, ATTEMPT_ENV, "attempt", 0),
+        preemption_signals=_signals(preemption_signals, env),
+        use_proxy=_use_proxy(use_proxy, env),
     )
+
+
+def parse_signal(value: int | str, origin: str) -> signal.Signals:
+    """``"TERM"``, ``"SIGTERM"``, ``"15"`` or ``signal.SIGTERM`` -> ``signal.SIGTERM``; InvalidArgument naming it."""
+    text = str(value).strip().upper()
+    try:
+        return signal.Signals(int(text)) if text.isdigit() else signal.Signals[text if text.startswith("SIG")
+                                                                                else f"SIG{text}"]
+    except (KeyError, ValueError):
+        raise InvalidArgument(f"{origin}: {value!r} is not a signal: expected a name such as TERM or USR1, or a "
+                              "number") from None
+
+
+def _signals(given: Sequence[int | str] | None, env: Mapping[str, str]) -> tuple[signal.Signals, ...]:
+    if given is not None:
+        return tuple(parse_signal(s, "preemption_signals=") for s in given)
+    raw = env.get(PREEMPTION_SIGNALS_ENV, "")
+    return tuple(parse_signal(s, PREEMPTION_SIGNALS_ENV) for s in raw.split(",") if s.strip())
+
+
+def _use_proxy(given: bool | None, env: Mapping[str, str]) -> bool:
+    if given is not None:
+        return bool(given)
+    raw = env.get(USE_PROXY_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise InvalidArgument(f"{USE_PROXY_ENV}={raw!r} is malformed: expected 1 (go through the proxy) or 0 (dial "
+                          "the coordinator directly, the default)")
+
+
+def proxies_set(env: Mapping[str, str]) -> list[str]:
+    """The proxy variables gRPC would follow that are set here, e.g. ``["https_proxy=http://proxy:3128"]``."""
+    return [f"{var}={env[var]}" for var in PROXY_VARIABLES if env.get(var, "").strip()]
 
 
 def _token(token: str | None, token_file: str | None, env: Mapping[str, str]) -> str | None:

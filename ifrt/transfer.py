@@ -16,6 +16,7 @@ nonce and the connecting process answers with an HMAC of it under the token; a s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -148,6 +149,8 @@ class Endpoint:
             peers, self._peers = self._peers, []
         with Endpoint._bound_lock:
             Endpoint._bound.pop(self.address, None)
+        with contextlib.suppress(OSError):  # wakes the accepting thread; close alone leaves the port accepting once
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for peer in peers:
             peer.close()

@@ -28,18 +28,29 @@ LIMITS = ("--max-request-bytes", str(MAX_REQUEST), "--max-devices-per-process", 
 SERVICE = "/ifrt.topology.v1.Coordinator/"
 C = grpc.StatusCode
 
-# Every status coordinator.proto documents for each RPC, written out: its own list, then those every RPC may also
-# answer (UNAVAILABLE, INVALID_ARGUMENT, INTERNAL), then OK. UNAVAILABLE (this single in-memory replica always
-# leads) and INTERNAL (documented as a coordinator bug) are left out on purpose: either one here is a finding.
+# Every status coordinator.proto documents for each RPC, written out: OK and INVALID_ARGUMENT (which every RPC may
+# answer), PERMISSION_DENIED where the call acts for a process, NOT_FOUND and FAILED_PRECONDITION where it is for
+# processes of the published topology, then the RPC's own list. Left out on purpose, though every RPC may answer
+# them: UNAVAILABLE (this single in-memory replica always leads), UNAUTHENTICATED (it runs without --token-file)
+# and INTERNAL (documented as a coordinator bug): any of them here is a finding.
 COMMON = {C.OK, C.INVALID_ARGUMENT}
+OWNED = COMMON | {C.PERMISSION_DENIED}
+MEMBERS = OWNED | {C.NOT_FOUND, C.FAILED_PRECONDITION}
 DOCUMENTED = {
-    "Register": COMMON | {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED},
-    "Session": COMMON | {C.NOT_FOUND, C.FAILED_PRECONDITION},
-    "Leave": COMMON,
-    "Barrier": COMMON | {C.NOT_FOUND, C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED, C.ABORTED},
-    "KeyValueSet": COMMON | {C.NOT_FOUND, C.FAILED_PRECONDITION, C.ALREADY_EXISTS},
-    "KeyValueGet": COMMON | {C.NOT_FOUND, C.FAILED_PRECONDITION, C.DEADLINE_EXCEEDED},
-    "KeyValueDir": COMMON | {C.NOT_FOUND, C.FAILED_PRECONDITION},
+    "Register": OWNED | {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED},
+    "Session": OWNED | {C.NOT_FOUND, C.FAILED_PRECONDITION},
+    "Leave": OWNED | {C.NOT_FOUND},
+    "Barrier": MEMBERS | {C.DEADLINE_EXCEEDED, C.ABORTED, C.CANCELLED},
+    "CancelBarrier": MEMBERS,
+    "LiveProcesses": MEMBERS | {C.DEADLINE_EXCEEDED},
+    "PreemptionNotice": MEMBERS,
+    "PreemptionSync": MEMBERS | {C.DEADLINE_EXCEEDED},
+    "KeyValueSet": MEMBERS | {C.ALREADY_EXISTS},
+    "KeyValueGet": MEMBERS | {C.DEADLINE_EXCEEDED},
+    "KeyValueTryGet": MEMBERS,
+    "KeyValueDir": MEMBERS,
+    "KeyValueIncrement": MEMBERS,
+    "KeyValueDelete": MEMBERS,
     "Status": COMMON,
 }
 METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name
@@ -172,10 +183,10 @@ class Fuzzer:
             code = e.code()
             error_class = dict(e.trailing_metadata() or ()).get("ifrt-error")
             largest = max((len(p) for p in payload), default=0) if method == "Session" else len(payload)
-            if code not in DOCUMENTED[method]:
-                why = "a status its proto does not document"
-            elif code == C.RESOURCE_EXHAUSTED and largest <= MAX_REQUEST:  # only gRPC's own size check may say it
+            if code == C.RESOURCE_EXHAUSTED and largest <= MAX_REQUEST:  # only gRPC's own size check may say it
                 why = "RESOURCE_EXHAUSTED for a request within --max-request-bytes"
+            elif code not in DOCUMENTED[method]:
+                why = "a status its proto does not document"
             elif code != C.RESOURCE_EXHAUSTED and error_class is None:
                 why = "a refusal without the coordinator's error class"
             else:
@@ -196,6 +207,14 @@ class Fuzzer:
 
     def alive(self) -> None:
         assert self.coordinator.process.poll() is None, f"the coordinator died:\n{self.coordinator.log[-3000:]}"
+
+    def state(self) -> tuple:
+        """What the coordinator's Status says about its cluster, but for times (which move on their own)."""
+        answer = pb.StatusResponse.FromString(self.channel.unary_unary(SERVICE + "Status")(b"", timeout=10))
+        processes = [(p.process_id, p.hostname, p.host_address, p.local_rank, p.address, p.devices, p.phase,
+                      p.reason, p.incarnation) for p in answer.processes]
+        return (answer.state, answer.generation, answer.registered, answer.expected,
+                list(answer.missing_process_ids), processes)
 
     def close(self) -> None:
         self.channel.close()
@@ -247,6 +266,20 @@ def topologies(children: list) -> list[dict]:
     return outputs
 
 
+LONG = "\U0001f600" * 1500
+"""6 KB of UTF-8; a status message quoting it is three times that percent-encoded, past gRPC's 8 KiB of metadata."""
+WRITTEN_OUT = {
+    **{name: [getattr(pb, method.input_type.name)(client_uid=LONG).SerializeToString()]
+       for name, method in METHODS.items() if name != "Register" and "client_uid" in method.input_type.fields_by_name},
+    "Session": [[pb.SessionRequest(open=pb.SessionOpen(client_uid=LONG)).SerializeToString()]],
+    # Another plugin with 64 platforms of 256 bytes each, in a cluster of cpu processes.
+    "Register": [plausible(pb.RegisterRequest(plugin="other", devices=[
+        pb.LocalDevice(local_id=i, platform=f"{i:02d}" + "\U0001f600" * 63) for i in range(1, 64)]))
+        .SerializeToString()],
+}
+"""Inputs whose refusal could quote a lot of the request, each sent once besides the drawn ones."""
+
+
 def fuzz(examples: int, strategy: st.SearchStrategy, check: Callable) -> None:
     """Runs ``check`` on ``examples`` inputs drawn from ``strategy`` (no shrinking database, no deadline)."""
     @settings(max_examples=examples, deadline=None, database=None,
@@ -261,6 +294,8 @@ def fuzz(examples: int, strategy: st.SearchStrategy, check: Callable) -> None:
 def test_junk_on_every_rpc_and_the_port_changes_nothing(start_coordinator):
     """Fuzzes a coordinator while processes 0 and 1 of its cluster wait in it, then lets processes 2 and 3 join.
 
+    Its Status (who registered, with what, in which phase) is the same after the fuzzing as before.
+
     Nothing the fuzzer sends may join the cluster: every registration is one the coordinator must refuse
     (``cannot_join``: the cluster uses explicit ids, so one without an id is refused, and none takes a free id),
     and every other call names a client uid that collides with none (the real processes' uids are random), so
@@ -269,42 +304,54 @@ def test_junk_on_every_rpc_and_the_port_changes_nothing(start_coordinator):
     transfer ports) against a fresh coordinator that saw no junk; any admission, replacement or lost process
     would change it, or stop it from completing.
     """
+    assert set(DOCUMENTED) == set(METHODS), "every RPC of the proto is fuzzed, with its documented statuses"
     ports = free_ports(PROCESSES)
     reference = start_coordinator("--cluster-id", CLUSTER, *LIMITS, num_processes=PROCESSES)
     expected = topologies(list(run_processes(reference.address, ports, range(PROCESSES))))
     reference.stop()
 
     coordinator = start_coordinator("--cluster-id", CLUSTER, *LIMITS, num_processes=PROCESSES)
-    waiting = list(run_processes(coordinator.address, ports, range(2)))
-    coordinator.wait_for_log("registered process 0")
-    coordinator.wait_for_log("registered process 1")
+    children = list(run_processes(coordinator.address, ports, range(2)))
     fuzzer = Fuzzer(coordinator)
     try:
+        coordinator.wait_for_log("registered process 0")
+        coordinator.wait_for_log("registered process 1")
+        before = fuzzer.state()
+        assert before[2:5] == (2, PROCESSES, [2, 3])
         for name in DOCUMENTED:
             if name == "Session":
-                fuzz(60, st.lists(st.binary(max_size=300), max_size=4), lambda b: fuzzer.call("Session", b))
-                fuzz(120, st.lists(messages(pb.SessionRequest.DESCRIPTOR).map(serialize),
+                fuzz(80, st.lists(st.binary(max_size=300), max_size=4), lambda b: fuzzer.call("Session", b))
+                fuzz(150, st.lists(messages(pb.SessionRequest.DESCRIPTOR).map(serialize),
                                    max_size=4), lambda b: fuzzer.call("Session", b))
                 continue
             request_type = METHODS[name].input_type
-            fuzz(100, st.one_of(st.binary(max_size=300), st.integers(0, 70_000).map(lambda n: b"\x0a" * n)),
+            fuzz(120, st.one_of(st.binary(max_size=300), st.integers(0, 70_000).map(lambda n: b"\x0a" * n)),
                  lambda b, name=name: fuzzer.call(name, b))
-            fuzz(300 if name == "Register" else 120, messages(request_type).map(serialize),
+            fuzz(250 if name == "Register" else 150, messages(request_type).map(serialize),
                  lambda b, name=name: fuzzer.call(name, b))
             if name == "Register":
-                fuzz(300, messages(request_type).map(plausible).map(serialize), lambda b: fuzzer.call("Register", b))
+                fuzz(250, messages(request_type).map(plausible).map(serialize), lambda b: fuzzer.call("Register", b))
+        for name, inputs in WRITTEN_OUT.items():
+            for payload in inputs:
+                fuzzer.call(name, payload)
         fuzz(300, TCP_JUNK, fuzzer.junk)
         fuzzer.call("Register", b"\xff")  # still answering after the junk connections
+        after = fuzzer.state()
+        print(f"\nfuzzed the coordinator with {sum(fuzzer.tried.values())} inputs: {dict(fuzzer.tried)}; answers: "
+              f"{dict(fuzzer.seen)}")
+        children += run_processes(coordinator.address, ports, range(2, PROCESSES))
+        outputs = topologies(children)
     finally:
         fuzzer.close()
-    total = sum(fuzzer.tried.values())
-    print(f"\nfuzzed the coordinator with {total} inputs: {dict(fuzzer.tried)}; answers: {dict(fuzzer.seen)}")
-    assert set(DOCUMENTED) == set(METHODS), "every RPC of the proto is fuzzed, with its documented statuses"
-    assert not fuzzer.findings, "\n".join(f"{method} answered {code}, {why}: {example}"
-                                          for (method, code, why), example in fuzzer.findings.items())
+        for child in children:  # only if the test failed before they finished
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
 
-    outputs = topologies(waiting + list(run_processes(coordinator.address, ports, range(2, PROCESSES))))
+    assert after == before
     assert [o["process_id"] for o in outputs] == [0, 1, 2, 3]
     assert {(o["generation"], o["fingerprint"]) for o in outputs} == {(1, expected[0]["fingerprint"])}
     assert outputs == expected
     assert coordinator.log.count("published generation") == 1
+    assert not fuzzer.findings, "\n".join(f"{method} answered {code}, {why}: {example}"
+                                          for (method, code, why), example in fuzzer.findings.items())

@@ -68,6 +68,7 @@ STATUS = {
     "ProcessDeclaredFailed": "FAILED_PRECONDITION",
     "BarrierFailed": "ABORTED",
     "BarrierTimeout": "DEADLINE_EXCEEDED",
+    "BarrierCancelled": "CANCELLED",
     "KeyExists": "ALREADY_EXISTS",
     "KeyValueTimeout": "DEADLINE_EXCEEDED",
     "TopologyError": "DATA_LOSS",

@@ -64,7 +64,7 @@ class LocalDevice(_message.Message):
     def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_key: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin")
+    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class RegisterRequest(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PLUGIN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     num_processes: int
     process_id: int
@@ -85,7 +86,8 @@ class RegisterRequest(_message.Message):
     devices: _containers.RepeatedCompositeFieldContainer[LocalDevice]
     wait_ms: int
     plugin: str
-    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("registered", "expected", "missing_process_ids", "registered_hosts", "waited_seconds")
@@ -168,12 +170,20 @@ class Attribute(_message.Message):
     def __init__(self, device: _Optional[int] = ..., key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "heartbeat")
+    __slots__ = ("open", "heartbeat", "watch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    WATCH_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     heartbeat: Heartbeat
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    watch: WatchKeys
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
+
+class WatchKeys(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("client_uid", "generation")
@@ -198,20 +208,36 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown")
+    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching")
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_LEFT_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_CHANGED_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    KEY_CHANGED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_NOTICE_FIELD_NUMBER: _ClassVar[int]
+    WATCHING_FIELD_NUMBER: _ClassVar[int]
     attached: Attached
     process_failed: ProcessEvent
     process_restarted: ProcessEvent
     process_left: ProcessEvent
     topology_changed: RegisterResponse
     shutdown: Shutdown
-    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+    key_changed: KeyValueChange
+    preemption_notice: ProcessEvent
+    watching: WatchKeys
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
+
+class KeyValueChange(_message.Message):
+    __slots__ = ("key", "value", "deleted")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: bytes
+    deleted: bool
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
 class Attached(_message.Message):
     __slots__ = ("heartbeat_interval_ms", "generation")
@@ -284,6 +310,120 @@ class KeyValueGetResponse(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     value: bytes
     def __init__(self, value: _Optional[bytes] = ...) -> None: ...
+
+class KeyValueTryGetRequest(_message.Message):
+    __slots__ = ("client_uid", "key")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    key: str
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class KeyValueTryGetResponse(_message.Message):
+    __slots__ = ("found", "value")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
+
+class KeyValueIncrementRequest(_message.Message):
+    __slots__ = ("client_uid", "key", "amount", "request_id")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    key: str
+    amount: int
+    request_id: str
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., amount: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class KeyValueIncrementResponse(_message.Message):
+    __slots__ = ("value",)
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    value: int
+    def __init__(self, value: _Optional[int] = ...) -> None: ...
+
+class KeyValueDeleteRequest(_message.Message):
+    __slots__ = ("client_uid", "key", "prefix")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    key: str
+    prefix: bool
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., prefix: _Optional[bool] = ...) -> None: ...
+
+class KeyValueDeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class CancelBarrierRequest(_message.Message):
+    __slots__ = ("client_uid", "name")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    name: str
+    def __init__(self, client_uid: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class CancelBarrierResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: bool
+    def __init__(self, cancelled: _Optional[bool] = ...) -> None: ...
+
+class LiveProcessesRequest(_message.Message):
+    __slots__ = ("client_uid", "timeout_ms", "call_id")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    timeout_ms: int
+    call_id: str
+    def __init__(self, client_uid: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
+
+class LiveProcess(_message.Message):
+    __slots__ = ("process_id", "incarnation")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    incarnation: int
+    def __init__(self, process_id: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class LiveProcessesResponse(_message.Message):
+    __slots__ = ("processes",)
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[LiveProcess]
+    def __init__(self, processes: _Optional[_Iterable[_Union[LiveProcess, _Mapping]]] = ...) -> None: ...
+
+class PreemptionNoticeRequest(_message.Message):
+    __slots__ = ("client_uid",)
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    def __init__(self, client_uid: _Optional[str] = ...) -> None: ...
+
+class PreemptionNoticeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PreemptionSyncRequest(_message.Message):
+    __slots__ = ("client_uid", "step", "timeout_ms")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    step: int
+    timeout_ms: int
+    def __init__(self, client_uid: _Optional[str] = ..., step: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PreemptionSyncResponse(_message.Message):
+    __slots__ = ("sync_step",)
+    SYNC_STEP_FIELD_NUMBER: _ClassVar[int]
+    sync_step: int
+    def __init__(self, sync_step: _Optional[int] = ...) -> None: ...
 
 class KeyValueDirRequest(_message.Message):
     __slots__ = ("client_uid", "prefix")

@@ -40,7 +40,8 @@ class CoordinatorStub:
     service needs no token).
     Calls made for a registered process carry its "ifrt-process-secret"
     metadata: the secret it registered with. Calls for a process made without
-    that secret (Register again, Session, Leave, Barrier, KeyValue*) answer
+    that secret (Register again, Session, Leave, Barrier, CancelBarrier,
+    KeyValue*, LiveProcesses, Preemption*) answer
     PERMISSION_DENIED    the call acts for a process it does not own.
     Nothing is answered before every journal entry made before the answer is
     durable in the coordinator's store. Errors carry trailing metadata
@@ -73,6 +74,26 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierResponse.FromString,
                 _registered_method=True)
+        self.CancelBarrier = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/CancelBarrier',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.CancelBarrierRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.CancelBarrierResponse.FromString,
+                _registered_method=True)
+        self.LiveProcesses = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/LiveProcesses',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LiveProcessesRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LiveProcessesResponse.FromString,
+                _registered_method=True)
+        self.PreemptionNotice = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/PreemptionNotice',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionNoticeRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionNoticeResponse.FromString,
+                _registered_method=True)
+        self.PreemptionSync = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/PreemptionSync',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionSyncRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionSyncResponse.FromString,
+                _registered_method=True)
         self.KeyValueSet = channel.unary_unary(
                 '/ifrt.topology.v1.Coordinator/KeyValueSet',
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetRequest.SerializeToString,
@@ -83,10 +104,25 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetResponse.FromString,
                 _registered_method=True)
+        self.KeyValueTryGet = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueTryGet',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueTryGetRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueTryGetResponse.FromString,
+                _registered_method=True)
         self.KeyValueDir = channel.unary_unary(
                 '/ifrt.topology.v1.Coordinator/KeyValueDir',
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
+                _registered_method=True)
+        self.KeyValueIncrement = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueIncrement',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementResponse.FromString,
+                _registered_method=True)
+        self.KeyValueDelete = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueDelete',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteResponse.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/ifrt.topology.v1.Coordinator/Status',
@@ -110,7 +146,8 @@ class CoordinatorServicer:
     service needs no token).
     Calls made for a registered process carry its "ifrt-process-secret"
     metadata: the secret it registered with. Calls for a process made without
-    that secret (Register again, Session, Leave, Barrier, KeyValue*) answer
+    that secret (Register again, Session, Leave, Barrier, CancelBarrier,
+    KeyValue*, LiveProcesses, Preemption*) answer
     PERMISSION_DENIED    the call acts for a process it does not own.
     Nothing is answered before every journal entry made before the answer is
     durable in the coordinator's store. Errors carry trailing metadata
@@ -126,7 +163,7 @@ class CoordinatorServicer:
         ALREADY_EXISTS       another process holds this process id (or stable key).
         FAILED_PRECONDITION  the request does not fit this cluster (cluster id,
         process count, explicit and assigned ids mixed,
-        cluster already full).
+        cluster already full, another job attempt).
         RESOURCE_EXHAUSTED   the request is larger than the coordinator accepts.
         FAILED_PRECONDITION  also: this process was declared failed or replaced
         while it waited.
@@ -138,7 +175,9 @@ class CoordinatorServicer:
     def Session(self, request_iterator, context):
         """The live session of a registered process: SessionOpen first, then a
         Heartbeat every heartbeat interval (the first SessionEvent says how often).
-        The coordinator streams cluster events back.
+        The coordinator streams cluster events back. WatchKeys on the stream asks
+        for every later change of keys under a prefix (KeyValueChange events),
+        acknowledged by a `watching` event once changes flow.
         NOT_FOUND            the coordinator does not know this client (it
         restarted without a store): register again.
         FAILED_PRECONDITION  this process was declared failed: restart it.
@@ -157,8 +196,9 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Barrier(self, request, context):
-        """Barrier and the key-value calls are for processes of the published
-        topology; for any other caller they answer:
+        """Barrier, CancelBarrier, LiveProcesses, Preemption* and the key-value
+        calls are for processes of the published topology; for any other caller
+        they answer:
         NOT_FOUND            the client is not a registered process of the
         published topology.
         FAILED_PRECONDITION  this process was declared failed or has left.
@@ -166,9 +206,57 @@ class CoordinatorServicer:
         Waits until every named process arrived at the barrier.
         DEADLINE_EXCEEDED    a participant's timeout passed (names who is missing).
         ABORTED              a participant failed or left.
-        INVALID_ARGUMENT     the name is empty or reused with other participants,
-        names ids outside the topology, or the caller is not
-        one of the participants.
+        CANCELLED            a process cancelled the barrier (CancelBarrier).
+        INVALID_ARGUMENT     the name is empty or too long, names ids outside the
+        topology, or the caller is not one of the
+        participants; or processes named two different
+        participant sets for it (the message names both):
+        every current waiter gets the same error at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelBarrier(self, request, context):
+        """Ends the barrier for every current and future waiter with CANCELLED, even
+        before anyone arrived.
+        OK                   cancelled is true; false when the barrier had
+        already completed or failed (its result stands).
+        INVALID_ARGUMENT     the name is empty or too long.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LiveProcesses(self, request, context):
+        """Agreement on who is alive: waits until every live process of the topology
+        called it, then answers each caller the same set (the callers still alive,
+        with their incarnations), decided once. A process that fails or leaves
+        while the others wait is left out and not waited for. A retry with the
+        same call_id gets the same answer.
+        DEADLINE_EXCEEDED    a live process did not call within the timeout
+        (names it); every waiter gets the same error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PreemptionNotice(self, request, context):
+        """This process was told it will be preempted: every session gets a
+        preemption_notice event. Noticing again is OK.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PreemptionSync(self, request, context):
+        """After a preemption notice, reports the step this process is at and waits
+        until every live process has reported one; answers the sync step, the
+        largest reported (the first step every process can still reach), the same
+        for everyone and decided once. Without a notice yet, the call is the
+        caller's own notice.
+        DEADLINE_EXCEEDED    a live process did not report within the timeout
+        (names it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -190,8 +278,34 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyValueTryGet(self, request, context):
+        """The value without waiting: found is false while the key is unset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KeyValueDir(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyValueIncrement(self, request, context):
+        """Adds amount to the decimal integer the key holds (a missing key holds 0),
+        atomically, and answers the sum (stored as its decimal text).
+        INVALID_ARGUMENT     the key holds something that is not a decimal
+        integer, the sum leaves int64, or the key is over
+        its limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyValueDelete(self, request, context):
+        """Deletes one key, or with prefix every key that starts with it; deleting
+        what does not exist is OK (deleted 0).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -233,6 +347,26 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.BarrierResponse.SerializeToString,
             ),
+            'CancelBarrier': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelBarrier,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.CancelBarrierRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.CancelBarrierResponse.SerializeToString,
+            ),
+            'LiveProcesses': grpc.unary_unary_rpc_method_handler(
+                    servicer.LiveProcesses,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LiveProcessesRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LiveProcessesResponse.SerializeToString,
+            ),
+            'PreemptionNotice': grpc.unary_unary_rpc_method_handler(
+                    servicer.PreemptionNotice,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionNoticeRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionNoticeResponse.SerializeToString,
+            ),
+            'PreemptionSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.PreemptionSync,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionSyncRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionSyncResponse.SerializeToString,
+            ),
             'KeyValueSet': grpc.unary_unary_rpc_method_handler(
                     servicer.KeyValueSet,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueSetRequest.FromString,
@@ -243,10 +377,25 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueGetResponse.SerializeToString,
             ),
+            'KeyValueTryGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueTryGet,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueTryGetRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueTryGetResponse.SerializeToString,
+            ),
             'KeyValueDir': grpc.unary_unary_rpc_method_handler(
                     servicer.KeyValueDir,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.SerializeToString,
+            ),
+            'KeyValueIncrement': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueIncrement,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementResponse.SerializeToString,
+            ),
+            'KeyValueDelete': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueDelete,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -276,7 +425,8 @@ class Coordinator:
     service needs no token).
     Calls made for a registered process carry its "ifrt-process-secret"
     metadata: the secret it registered with. Calls for a process made without
-    that secret (Register again, Session, Leave, Barrier, KeyValue*) answer
+    that secret (Register again, Session, Leave, Barrier, CancelBarrier,
+    KeyValue*, LiveProcesses, Preemption*) answer
     PERMISSION_DENIED    the call acts for a process it does not own.
     Nothing is answered before every journal entry made before the answer is
     durable in the coordinator's store. Errors carry trailing metadata
@@ -392,6 +542,114 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def CancelBarrier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/CancelBarrier',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.CancelBarrierRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.CancelBarrierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LiveProcesses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/LiveProcesses',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LiveProcessesRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LiveProcessesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreemptionNotice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/PreemptionNotice',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionNoticeRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionNoticeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PreemptionSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/PreemptionSync',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionSyncRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.PreemptionSyncResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def KeyValueSet(request,
             target,
             options=(),
@@ -446,6 +704,33 @@ class Coordinator:
             _registered_method=True)
 
     @staticmethod
+    def KeyValueTryGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueTryGet',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueTryGetRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueTryGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def KeyValueDir(request,
             target,
             options=(),
@@ -462,6 +747,60 @@ class Coordinator:
             '/ifrt.topology.v1.Coordinator/KeyValueDir',
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueIncrement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueIncrement',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueDelete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueDelete',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,

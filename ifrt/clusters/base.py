@@ -40,6 +40,8 @@ class Detected:
     """The variables read, in the order read, for messages."""
     origins: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     """(field, "VARIABLE='raw value'") for each value found, so a message can say where a value came from."""
+    attempt: int | None = None
+    """How often the launcher restarted the job (its restart counter): the job attempt."""
 
     def __post_init__(self) -> None:
         for index, count in (("process_id", "num_processes"), ("local_rank", "local_world_size")):
@@ -159,10 +161,11 @@ class EnvReader:
         num_processes: int | None = None,
         local_rank: int | None = None,
         local_world_size: int | None = None,
+        attempt: int | None = None,
     ) -> Detected:
         """The Detected for this launcher, with the variables read and the origin of each value found."""
         values = {"coordinator": coordinator, "process_id": process_id, "num_processes": num_processes,
-                  "local_rank": local_rank, "local_world_size": local_world_size}
+                  "local_rank": local_rank, "local_world_size": local_world_size, "attempt": attempt}
         return Detected(
             source=self.source,
             coordinator=coordinator,
@@ -172,6 +175,7 @@ class EnvReader:
             local_world_size=local_world_size,
             variables=tuple(self.read),
             origins=tuple((f, o) for f, o in self.origins.items() if values.get(f) is not None),
+            attempt=attempt,
         )
 
 

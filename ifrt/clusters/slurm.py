@@ -29,6 +29,7 @@ TASKS_PER_NODE_ENV = "SLURM_TASKS_PER_NODE"  # same form, the job's
 STEP_NODELIST_ENV = "SLURM_STEP_NODELIST"  # "node[001-003,007],gpu5": see ifrt.clusters.hostlist
 JOB_NODELIST_ENV = "SLURM_JOB_NODELIST"  # same form, the job's
 NODELIST_ENV = "SLURM_NODELIST"  # the older name of SLURM_JOB_NODELIST
+RESTART_COUNT_ENV = "SLURM_RESTART_COUNT"  # "1": how often the job was requeued (unset before the first requeue)
 
 _TASKS_EXPECTED = "comma-separated task counts, each optionally repeated, such as '2(x3),1'"
 
@@ -102,4 +103,5 @@ class Slurm(ClusterEnvironment):
             num_processes=num_processes,
             local_rank=local_rank,
             local_world_size=local_world_size,
+            attempt=r.integer(RESTART_COUNT_ENV, field="attempt"),
         )

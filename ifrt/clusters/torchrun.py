@@ -23,6 +23,7 @@ RANK_ENV = "RANK"  # "6": the global rank
 WORLD_SIZE_ENV = "WORLD_SIZE"  # "8": processes over all nodes
 LOCAL_RANK_ENV = "LOCAL_RANK"  # "2": rank on this node
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"  # "4": processes on this node (torchrun only)
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # "1": how often torchrun restarted the workers (the attempt)
 
 
 class Torchrun(ClusterEnvironment):
@@ -47,4 +48,5 @@ class Torchrun(ClusterEnvironment):
             num_processes=r.integer(WORLD_SIZE_ENV, field="num_processes", minimum=1, required=True),
             local_rank=r.integer(LOCAL_RANK_ENV, field="local_rank"),
             local_world_size=r.integer(LOCAL_WORLD_SIZE_ENV, field="local_world_size", minimum=1),
+            attempt=r.integer(RESTART_COUNT_ENV, field="attempt"),
         )

@@ -1,0 +1,242 @@
+"""Runtime coordination over the wire, with a real coordinator and real processes: key-value try-get, increments,
+deletes and watches; barrier cancel and participant sets; live-set agreement; the preemption sync point; proxies."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import ifrt
+from tests.conftest import BIN, discover_process, finish
+from tests.test_liveness import barrier_started_for
+
+HEARTBEAT_TIMEOUT = 1.0
+SLACK = 5.0  # scheduling on a loaded 2-core machine
+WORKER = Path(__file__).with_name("coordination_worker.py")
+
+
+class Proc:
+    """tests/coordination_worker.py in its own process; its JSON lines arrive on ``lines``."""
+
+    def __init__(self, address: str, process_id: int, num_processes: int, *args: str, **env: str) -> None:
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+        full_env.update(IFRT_COORDINATOR=address, IFRT_PROCESS_ID=str(process_id),
+                        IFRT_NUM_PROCESSES=str(num_processes), IFRT_CPU_DEVICE_COUNT="1", **env)
+        self.process = subprocess.Popen([sys.executable, str(WORKER), *args], env=full_env, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            self.lines.put(json.loads(line))
+
+    def expect(self, key: str, timeout: float = 60, **match) -> dict:
+        """The next line that has ``key`` (and the ``match`` values); every line read is kept in ``seen``."""
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if key in line and all(line.get(k) == v for k, v in match.items()):
+                return line
+        raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s; "
+                             f"it printed {self.seen[-5:]}")
+
+    def tell(self, line: str) -> None:
+        self.process.stdin.write(line + "\n")  # type: ignore[union-attr]
+        self.process.stdin.flush()  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+
+    def start(*args, **kwargs) -> Proc:
+        started.append(Proc(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def clients(address: str, n: int) -> list[ifrt.Client]:
+    """``n`` processes of one cluster as Clients in this test, discovered together."""
+    made = [ifrt.Client(address, process_id=i, num_processes=n, timeout=60) for i in range(n)]
+    threads = [threading.Thread(target=c.discover) for c in made]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(c.topology is not None for c in made)
+    return made
+
+
+def in_thread(call) -> queue.Queue:
+    """Runs ``call`` in a thread; its result (or the IfrtError it raised) arrives on the queue returned."""
+    result: queue.Queue = queue.Queue()
+
+    def run():
+        try:
+            result.put(call())
+        except ifrt.IfrtError as e:
+            result.put(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return result
+
+
+def test_try_get_increment_delete_and_a_watch_of_a_prefix(start_coordinator):
+    coordinator = start_coordinator(num_processes=2)
+    a, b = clients(coordinator.address, 2)
+    with a, b:
+        changes = a.kv_watch("cfg/", timeout=30)  # returns once the coordinator watches
+        assert a.kv_try_get("cfg/x") is None
+        b.kv_set("cfg/x", b"1")
+        assert b.kv_increment("cfg/n", 2) == 2
+        assert a.kv_increment("cfg/n") == 3
+        b.kv_set("other", b"z")  # outside the prefix: not seen
+        assert b.kv_delete("cfg/", prefix=True) == 2
+        assert b.kv_delete("missing") == 0
+        assert list(itertools.islice(changes, 5)) == [("cfg/x", b"1"), ("cfg/n", b"2"), ("cfg/n", b"3"),
+                                                      ("cfg/n", None), ("cfg/x", None)]
+        assert (a.kv_try_get("cfg/x"), a.kv_try_get("other")) == (None, b"z")
+        with pytest.raises(ifrt.InvalidArgument, match="key 'other' holds 1 bytes that are not a decimal integer"):
+            a.kv_increment("other")
+
+
+def test_eight_processes_increment_one_key_8000_times(start_coordinator, procs):
+    coordinator = start_coordinator(num_processes=8)
+    workers = [procs(coordinator.address, i, 8, "increment", "counter", "1000") for i in range(8)]
+    lasts = [w.expect("incremented", timeout=240)["last"] for w in workers]
+    assert max(lasts) == 8000  # every increment counted once: none lost, none applied twice
+
+
+def test_cancel_ends_current_and_future_waiters(start_coordinator):
+    coordinator = start_coordinator(num_processes=3)
+    c0, c1, c2 = clients(coordinator.address, 3)
+    with c0, c1, c2:
+        waiting = in_thread(lambda: c0.barrier("step-1", timeout=60))
+        barrier_started_for(coordinator.address, c0, "step-1")
+        assert c1.cancel_barrier("step-1") is True
+        error = waiting.get(timeout=10)
+        assert isinstance(error, ifrt.BarrierCancelled)
+        assert str(error).startswith("coordinator 127.0.0.1:") and "barrier 'step-1' was cancelled by process 1 (" in \
+            str(error) and str(error).endswith("(CANCELLED)")
+        with pytest.raises(ifrt.BarrierCancelled, match="was cancelled by process 1"):
+            c2.barrier("step-1", timeout=60)  # a future waiter: at once
+        assert c1.cancel_barrier("step-1") is False  # already ended
+        assert c2.cancel_barrier("not-started") is True
+        with pytest.raises(ifrt.BarrierCancelled, match="barrier 'not-started' was cancelled by process 2"):
+            c0.barrier("not-started", timeout=60, process_ids=[0, 1])
+
+
+def test_a_barrier_named_with_two_participant_sets_is_invalid_naming_both(start_coordinator):
+    coordinator = start_coordinator(num_processes=3)
+    c0, c1, c2 = clients(coordinator.address, 3)
+    with c0, c1, c2:
+        waiting = in_thread(lambda: c0.barrier("pair", timeout=60, process_ids=[0, 1]))
+        barrier_started_for(coordinator.address, c0, "pair")
+        with pytest.raises(ifrt.InvalidArgument) as info:
+            c2.barrier("pair", timeout=60, process_ids=[0, 2])
+        assert "barrier 'pair' was started for processes [0, 1]; this call names [0, 2]: use a new name for other " \
+               "participants (INVALID_ARGUMENT)" in str(info.value)
+        c1.barrier("pair", timeout=60, process_ids=[0, 1])  # the refused call changed nothing
+        assert waiting.get(timeout=10) is None
+
+
+def test_live_processes_agree_and_leave_out_a_process_killed_while_they_wait(start_coordinator, procs):
+    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), num_processes=3)
+    w1, w2 = (procs(coordinator.address, i, 3, "live", "60") for i in (1, 2))
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=3, timeout=60) as client:
+        client.discover()
+        for w in (w1, w2):
+            w.expect("topology")
+            w.tell("ask")
+        assert client.live_processes(60) == {0: 0, 1: 0, 2: 0}
+        assert w1.expect("live")["live"] == w2.expect("live")["live"] == {"0": 0, "1": 0, "2": 0}
+
+        w1.tell("ask")
+        answer = in_thread(lambda: client.live_processes(60))  # process 2 is alive and awaited
+        os.kill(w2.process.pid, signal.SIGKILL)
+        w2.process.wait()
+        killed_at = time.monotonic()
+        assert answer.get(timeout=HEARTBEAT_TIMEOUT + SLACK) == {0: 0, 1: 0}
+        line = w1.expect("live", timeout=HEARTBEAT_TIMEOUT + SLACK)
+        assert line["live"] == {"0": 0, "1": 0} and line["t"] - killed_at < HEARTBEAT_TIMEOUT + SLACK
+
+
+def test_every_process_reaches_the_preemption_sync_point_at_the_same_step(start_coordinator, procs):
+    coordinator = start_coordinator(num_processes=4)
+    speeds = (0.01, 0.02, 0.04, 0.07)  # seconds per step: four processes at different speeds
+    workers = [procs(coordinator.address, i, 4, "steps", str(s), IFRT_PREEMPTION_SIGNALS="TERM")
+               for i, s in enumerate(speeds)]
+    for w in workers:
+        w.expect("step", step=3)  # every process is stepping
+    os.kill(workers[2].process.pid, signal.SIGTERM)
+    sync_steps = []
+    for w in workers:
+        sync_steps.append(w.expect("step", reached=True)["step"])
+        w.expect("closed")
+        assert [line["step"] for line in w.seen if line.get("reached")] == [sync_steps[-1]]  # none earlier
+        assert any(line.get("event") == "PreemptionNotice" and line["process_id"] == 2 for line in w.seen)
+    assert len(set(sync_steps)) == 1, sync_steps
+    assert workers[2].process.wait(30) == 0  # the signalled process lived until it reached the sync point
+
+
+def unreachable_proxy() -> str:
+    """An http proxy URL on a loopback port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def proxy_env(proxy: str) -> dict[str, str]:
+    return {"http_proxy": proxy, "https_proxy": proxy, "grpc_proxy": proxy, "no_proxy": "", "NO_PROXY": "",
+            "no_grpc_proxy": ""}
+
+
+def test_discover_dials_the_coordinator_directly_despite_a_proxy(start_coordinator):
+    coordinator = start_coordinator(num_processes=1)
+    proxy = unreachable_proxy()
+    code, out, err = finish(discover_process(coordinator.address, env=proxy_env(proxy)))
+    assert code == 0, err
+    assert json.loads(out)["generation"] == 1
+    # Through the proxy (asked for), the same discover cannot reach the coordinator: the proxy was really set.
+    code, _, err = finish(discover_process(coordinator.address, env={**proxy_env(proxy), "IFRT_USE_PROXY": "1"},
+                                           timeout=3))
+    assert code != 0 and "no topology after" in err
+
+
+def test_ifrt_env_says_the_proxy_is_not_used():
+    proxy = unreachable_proxy()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_") and "proxy" not in k.lower()}
+    env.update(IFRT_COORDINATOR="c1:8476", https_proxy=proxy)
+    out = subprocess.run([str(BIN / "ifrt"), "env"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (f"proxy: https_proxy={proxy} set; the coordinator is dialled directly: ifrt ignores them (set "
+            "IFRT_USE_PROXY=1 to go through the proxy)") in out.stdout.splitlines()
