@@ -350,13 +350,8 @@ class CoordinatorService:
     # Leave, barriers, key-values.
     async def leave(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.LeaveRequest, raw, context)
-        await self._serving(context, "leave")
-        try:
-            effects = self.state.leave(request.client_uid, self._clock(), proof=_proof(context))
-        except IfrtError as e:
-            await _abort(context, e, "leave")
-        await self._commit(context, "leave")
-        self._apply(effects)
+        await self._command(context, "leave", lambda: (None, self.state.leave(
+            request.client_uid, self._clock(), proof=_proof(context))))
         return b""
 
     async def barrier(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -391,14 +386,8 @@ class CoordinatorService:
 
     async def kv_set(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueSetRequest, raw, context)
-        await self._serving(context, "key-value set")
-        try:
-            effects = self.state.kv_set(request.client_uid, request.key, request.value, request.allow_overwrite,
-                                        proof=_proof(context))
-        except IfrtError as e:
-            await _abort(context, e, f"key-value set of {request.key!r}")
-        await self._commit(context, f"key-value set of {request.key!r}")
-        self._apply(effects)
+        await self._command(context, f"key-value set of {request.key!r}", lambda: (None, self.state.kv_set(
+            request.client_uid, request.key, request.value, request.allow_overwrite, proof=_proof(context))))
         return b""
 
     async def kv_get(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -443,41 +432,22 @@ class CoordinatorService:
 
     async def kv_increment(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueIncrementRequest, raw, context)
-        what = f"key-value increment of {request.key!r}"
-        await self._serving(context, what)
-        try:
-            total, effects = self.state.kv_increment(request.client_uid, request.key, request.amount,
-                                                     request.request_id, proof=_proof(context))
-        except IfrtError as e:
-            await _abort(context, e, what)
-        await self._commit(context, what)
-        self._apply(effects)
+        total = await self._command(context, f"key-value increment of {request.key!r}", lambda: self.state.kv_increment(
+            request.client_uid, request.key, request.amount, request.request_id, proof=_proof(context)))
         return pb.KeyValueIncrementResponse(value=total).SerializeToString()
 
     async def kv_delete(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueDeleteRequest, raw, context)
         what = f"key-value delete of {request.key!r}{' (prefix)' if request.prefix else ''}"
-        await self._serving(context, what)
-        try:
-            deleted, effects = self.state.kv_delete(request.client_uid, request.key, request.prefix,
-                                                    proof=_proof(context))
-        except IfrtError as e:
-            await _abort(context, e, what)
-        await self._commit(context, what)
-        self._apply(effects)
+        deleted = await self._command(context, what, lambda: self.state.kv_delete(
+            request.client_uid, request.key, request.prefix, proof=_proof(context)))
         return pb.KeyValueDeleteResponse(deleted=deleted).SerializeToString()
 
     async def cancel_barrier(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.CancelBarrierRequest, raw, context)
         what = f"cancel of barrier {request.name!r}"
-        await self._serving(context, what)
-        try:
-            cancelled, effects = self.state.cancel_barrier(request.client_uid, request.name, self._clock(),
-                                                           proof=_proof(context))
-        except IfrtError as e:
-            await _abort(context, e, what)
-        await self._commit(context, what)
-        self._apply(effects)
+        cancelled = await self._command(context, what, lambda: self.state.cancel_barrier(
+            request.client_uid, request.name, self._clock(), proof=_proof(context)))
         return pb.CancelBarrierResponse(cancelled=cancelled).SerializeToString()
 
     async def live_processes(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -511,14 +481,8 @@ class CoordinatorService:
 
     async def preemption_notice(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.PreemptionNoticeRequest, raw, context)
-        what = "preemption notice"
-        await self._serving(context, what)
-        try:
-            effects = self.state.preemption_notice(request.client_uid, self._clock(), proof=_proof(context))
-        except IfrtError as e:
-            await _abort(context, e, what)
-        await self._commit(context, what)
-        self._apply(effects)
+        await self._command(context, "preemption notice", lambda: (None, self.state.preemption_notice(
+            request.client_uid, self._clock(), proof=_proof(context))))
         return b""
 
     async def preemption_sync(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -555,6 +519,19 @@ class CoordinatorService:
             await _abort(context, BarrierTimeout(f"{what} did not resolve within {timeout_s + STALL_SLACK_S:.1f}s"),
                          what)
         await self._serving(context, what, epoch)
+
+    async def _command(self, context: grpc.aio.ServicerContext, what: str,
+                       command: Callable[[], tuple[R, list[Effect]]]) -> R:
+        """Runs a state-changing command: UNAVAILABLE unless this replica serves, its typed error as the answer;
+        else its journal entries are made durable, its effects carried out, and its result returned."""
+        await self._serving(context, what)
+        try:
+            result, effects = command()
+        except IfrtError as e:
+            await _abort(context, e, what)
+        await self._commit(context, what)
+        self._apply(effects)
+        return result
 
     async def _read(self, context: grpc.aio.ServicerContext, what: str, query: Callable[[], R]) -> R:
         """Answers ``query`` from durable state only: every journal entry made before the read is durable first."""

@@ -15,6 +15,22 @@ from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PLUGIN_ENV, PROCES
 from plugins import all_plugins
 
 
+def _job_arguments(p: argparse.ArgumentParser, transfer_help: str, timeout_help: str) -> None:
+    """The settings of a job's process, shared by ``discover`` and ``doctor``."""
+    p.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                   help=f"coordinator address(es) (default ${COORDINATOR_ENV})")
+    p.add_argument("--process-id", type=int, metavar="I",
+                   help=f"this process's id (default ${PROCESS_ID_ENV}; unset: the coordinator assigns one)")
+    p.add_argument("--num-processes", type=int, metavar="N",
+                   help=f"expected process count, checked against the coordinator's (default ${NUM_PROCESSES_ENV})")
+    p.add_argument("--plugin", metavar="NAME", help=f"device plugin (default ${PLUGIN_ENV}, else cpu)")
+    p.add_argument("--transfer-bind", metavar="HOST:PORT", help=transfer_help)
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the cluster's token, if the coordinator requires one (default "
+                        "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help=timeout_help)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ifrt", description="ifrt-topology from the shell.")
     commands = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -22,21 +38,10 @@ def parser() -> argparse.ArgumentParser:
         "discover", help="register this process with the coordinator and print the published topology",
         description="Registers this process's local devices with the coordinator, waits until every process has "
                     "registered, and prints the topology. Exits non-zero, with the error on stderr, on failure.")
-    d.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
-                   help=f"coordinator address(es) (default ${COORDINATOR_ENV})")
-    d.add_argument("--process-id", type=int, metavar="I",
-                   help=f"this process's id (default ${PROCESS_ID_ENV}; unset: the coordinator assigns one)")
-    d.add_argument("--num-processes", type=int, metavar="N",
-                   help=f"expected process count, checked against the coordinator's (default ${NUM_PROCESSES_ENV})")
-    d.add_argument("--plugin", metavar="NAME", help=f"device plugin (default ${PLUGIN_ENV}, else cpu)")
-    d.add_argument("--transfer-bind", metavar="HOST:PORT",
-                   help="where this process's transfer endpoint listens, advertised in the topology (default "
-                        "$IFRT_TRANSFER_BIND, else an ephemeral port on the address that reaches the coordinator)")
-    d.add_argument("--token-file", metavar="PATH",
-                   help="file holding the cluster's token, if the coordinator requires one (default "
-                        "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself)")
-    d.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="give up after this long, naming who is missing (default %(default)s)")
+    _job_arguments(d, transfer_help="where this process's transfer endpoint listens, advertised in the topology "
+                                    "(default $IFRT_TRANSFER_BIND, else an ephemeral port on the address that "
+                                    "reaches the coordinator)",
+                   timeout_help="give up after this long, naming who is missing (default %(default)s)")
     d.add_argument("--json", action="store_true", help="print the topology as one JSON object (Topology.to_dict)")
     d.add_argument("--verbose", "-v", action="store_true", help="log progress while waiting")
     pl = commands.add_parser("plugins", help="list the device plugins found and whether each works here",
@@ -54,21 +59,11 @@ def parser() -> argparse.ArgumentParser:
                     "above that a ring plus 8 random peers each), the results are gathered through the "
                     "coordinator, and every process prints the same report: each unreachable pair by process "
                     "id, host and address, and why. Exits 0 when every endpoint probed is reachable, 1 otherwise.")
-    dr.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
-                    help=f"coordinator address(es) (default ${COORDINATOR_ENV})")
-    dr.add_argument("--process-id", type=int, metavar="I",
-                    help=f"this process's id (default ${PROCESS_ID_ENV}; unset: the coordinator assigns one)")
-    dr.add_argument("--num-processes", type=int, metavar="N",
-                    help=f"expected process count, checked against the coordinator's (default ${NUM_PROCESSES_ENV})")
-    dr.add_argument("--plugin", metavar="NAME", help=f"device plugin (default ${PLUGIN_ENV}, else cpu)")
-    dr.add_argument("--transfer-bind", metavar="HOST:PORT",
-                    help="where this process's transfer endpoint listens: the job's own setting, so that the "
-                         "check probes what the job will use (default $IFRT_TRANSFER_BIND, else ephemeral)")
-    dr.add_argument("--token-file", metavar="PATH",
-                    help="file holding the cluster's token, if the coordinator requires one (default "
-                         "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself)")
-    dr.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                    help="discovery timeout: give up after this long, naming who is missing (default %(default)s)")
+    _job_arguments(dr, transfer_help="where this process's transfer endpoint listens: the job's own setting, so "
+                                     "that the check probes what the job will use (default $IFRT_TRANSFER_BIND, "
+                                     "else ephemeral)",
+                   timeout_help="discovery timeout: give up after this long, naming who is missing (default "
+                                "%(default)s)")
     dr.add_argument("--check-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="how long the check may take once discovered, waiting for the other processes' results "
                          "(default %(default)s; one probe waits at most 2 s)")

@@ -252,17 +252,7 @@ class Client:
 
     def _drain(self, events: queue.Queue, deadline: float | None) -> Iterator[Event]:
         try:
-            while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return
-                try:
-                    event = events.get(timeout=remaining)
-                except queue.Empty:
-                    return
-                if event is _CLOSED:
-                    return
-                yield event
+            yield from _until(events, deadline)
         finally:
             with self._lock:
                 self._watchers.discard(events)
@@ -361,17 +351,7 @@ class Client:
 
     def _changes(self, prefix: str, changes: queue.Queue, deadline: float | None) -> Iterator[tuple[str, bytes | None]]:
         try:
-            while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return
-                try:
-                    change = changes.get(timeout=remaining)
-                except queue.Empty:
-                    return
-                if change is _CLOSED:
-                    return
-                yield change
+            yield from _until(changes, deadline)
         finally:
             with self._lock:
                 if (prefix, changes) in self._key_watchers:
@@ -562,6 +542,21 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _until(items: queue.Queue, deadline: float | None) -> Iterator[Any]:
+    """What arrives in ``items`` until ``deadline`` (None: no deadline) or until the client closes."""
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return
+        try:
+            item = items.get(timeout=remaining)
+        except queue.Empty:
+            return
+        if item is _CLOSED:
+            return
+        yield item
 
 
 def _progress(p: pb.Progress) -> Progress:
