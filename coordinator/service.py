@@ -56,6 +56,8 @@ PROGRESS_CACHE_S = 1.0
 """A progress answer is reused this long while nobody new registers (thousands may ask at once)."""
 PROGRESS_REFRESH_S = 0.1
 """...and this long while registrations still arrive, so its count lags by at most this much."""
+MAX_MESSAGE_BYTES = 2048
+"""Longest status message sent (and logged): the facts an operator needs fit; a caller's long input does not."""
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 STALL_SLACK_S = 5.0
 """How much longer than its own timeout a call waits for the tick to resolve it: only a stall needs it."""
@@ -693,13 +695,23 @@ def _internal_errors(handler):
             raise
         except Exception as e:
             log.exception("internal error in %s from %s", handler.__name__, context.peer())
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal coordinator error in {handler.__name__}: "
-                                f"{type(e).__name__}: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, _capped(
+                f"internal coordinator error in {handler.__name__}: {type(e).__name__}: {e}", MAX_MESSAGE_BYTES))
     return guarded
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: IfrtError, what: str,
                  level: int = logging.WARNING) -> NoReturn:
-    log.log(level, "rejected %s: %s", what, error)
-    await context.abort(error.code, str(error), trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
+    message = _capped(str(error), MAX_MESSAGE_BYTES)
+    log.log(level, "rejected %s: %s", _capped(what, MAX_MESSAGE_BYTES // 8), message)
+    await context.abort(error.code, message, trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
     raise AssertionError("context.abort returned")
+
+
+def _capped(text: str, most_bytes: int) -> str:
+    """``text`` cut to ``most_bytes`` of UTF-8: status messages travel as metadata, which clients refuse past
+    8 KiB (the caller would lose the typed error), and a log line should not carry a whole request."""
+    raw = text.encode()
+    if len(raw) <= most_bytes:
+        return text
+    return raw[:most_bytes].decode(errors="ignore") + " ... (cut)"

@@ -33,7 +33,7 @@ C = grpc.StatusCode
 # processes of the published topology, then the RPC's own list. Left out on purpose, though every RPC may answer
 # them: UNAVAILABLE (this single in-memory replica always leads), UNAUTHENTICATED (it runs without --token-file)
 # and INTERNAL (documented as a coordinator bug): any of them here is a finding.
-COMMON = {C.OK, C.INVALID_ARGUMENT}
+COMMON = {C.OK, C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED}
 OWNED = COMMON | {C.PERMISSION_DENIED}
 MEMBERS = OWNED | {C.NOT_FOUND, C.FAILED_PRECONDITION}
 DOCUMENTED = {

@@ -33,6 +33,8 @@ class CoordinatorStub:
     a replica that steps down get it at once. Retry, on
     the next replica of the client's list.
     INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
+    RESOURCE_EXHAUSTED   the request is larger than --max-request-bytes (said
+    by gRPC itself, before the coordinator reads it).
     INTERNAL             a bug in the coordinator (logged with its traceback);
     nothing is answered from a state it could not persist.
     UNAUTHENTICATED      the coordinator runs with --token-file and the call's
@@ -139,6 +141,8 @@ class CoordinatorServicer:
     a replica that steps down get it at once. Retry, on
     the next replica of the client's list.
     INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
+    RESOURCE_EXHAUSTED   the request is larger than --max-request-bytes (said
+    by gRPC itself, before the coordinator reads it).
     INTERNAL             a bug in the coordinator (logged with its traceback);
     nothing is answered from a state it could not persist.
     UNAUTHENTICATED      the coordinator runs with --token-file and the call's
@@ -159,7 +163,8 @@ class CoordinatorServicer:
 
         Status codes:
         OK                   topology (complete) or progress (still waiting).
-        INVALID_ARGUMENT     an id, count or string is out of range or malformed.
+        INVALID_ARGUMENT     an id, count or string is out of range or malformed,
+        or over a --max-* limit (the message names the flag).
         ALREADY_EXISTS       another process holds this process id (or stable key).
         FAILED_PRECONDITION  the request does not fit this cluster (cluster id,
         process count, explicit and assigned ids mixed,
@@ -265,7 +270,8 @@ class CoordinatorServicer:
     def KeyValueSet(self, request, context):
         """A small key-value store for runtime bootstrap values.
         ALREADY_EXISTS       the key holds another value and overwrite was not asked.
-        INVALID_ARGUMENT     the key or value is over its size limit.
+        INVALID_ARGUMENT     the key or value is over its size limit, or the store
+        already holds --kv-max-keys keys.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -418,6 +424,8 @@ class Coordinator:
     a replica that steps down get it at once. Retry, on
     the next replica of the client's list.
     INVALID_ARGUMENT     the request bytes are not the message the RPC takes.
+    RESOURCE_EXHAUSTED   the request is larger than --max-request-bytes (said
+    by gRPC itself, before the coordinator reads it).
     INTERNAL             a bug in the coordinator (logged with its traceback);
     nothing is answered from a state it could not persist.
     UNAUTHENTICATED      the coordinator runs with --token-file and the call's
