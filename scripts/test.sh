@@ -7,6 +7,7 @@ source "$(dirname "$0")/venv.sh" test,jax,etcd
 command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || apt_install etcd-server || true
 command -v ip >/dev/null || apt_install iproute2 || true
 command -v iptables >/dev/null || apt_install iptables || true
+command -v openssl >/dev/null || apt_install openssl || true  # the TLS tests make their certificates with it
 docker_packages=()
 command -v dockerd >/dev/null || docker_packages+=(docker.io)
 docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || docker_packages+=(docker-compose)
@@ -17,6 +18,7 @@ command -v debootstrap >/dev/null || docker_packages+=(debootstrap)
 # what it cannot run would pass without testing it. Elsewhere the tests that need it skip, each saying why
 # (tests/requirements.py applies the same rule inside the suite).
 missing=()
+command -v openssl >/dev/null || missing+=("openssl: the TLS tests make certificates with it (apt-get install -y openssl)")
 if ! command -v etcd >/dev/null && [ ! -x /usr/bin/etcd ]; then
   missing+=("etcd: no etcd server; install Debian's etcd-server (as root: apt-get install -y etcd-server)")
 fi
