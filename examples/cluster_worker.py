@@ -28,9 +28,14 @@ import threading
 import ifrt
 from ifrt import events
 
+_say = threading.Lock()
+
 
 def say(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
+    """One JSON line, whole: events arrive on the session thread while the main thread reports too."""
+    with _say:
+        sys.stdout.write(json.dumps(fields) + "\n")
+        sys.stdout.flush()
 
 
 def describe(event: events.Event) -> dict:

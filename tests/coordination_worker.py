@@ -9,6 +9,7 @@ Settings come from IFRT_* variables (IFRT_PREEMPTION_SIGNALS=TERM for ``steps``)
 
 import json
 import sys
+import threading
 import time
 
 import ifrt
@@ -17,8 +18,14 @@ from ifrt import events
 MAX_STEPS = 100_000
 
 
+_say = threading.Lock()
+
+
 def say(**fields) -> None:
-    print(json.dumps({"t": time.monotonic(), **fields}), flush=True)
+    """One JSON line, whole: events arrive on the session thread while the main thread reports too."""
+    with _say:
+        sys.stdout.write(json.dumps({"t": time.monotonic(), **fields}) + "\n")
+        sys.stdout.flush()
 
 
 def main() -> None:

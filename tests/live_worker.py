@@ -16,9 +16,14 @@ import time
 import ifrt
 from ifrt import events
 
+_say = threading.Lock()
+
 
 def say(**fields) -> None:
-    print(json.dumps({"t": time.monotonic(), **fields}), flush=True)
+    """One JSON line, whole: events arrive on the session thread while the main thread reports too."""
+    with _say:
+        sys.stdout.write(json.dumps({"t": time.monotonic(), **fields}) + "\n")
+        sys.stdout.flush()
 
 
 def describe(event) -> dict:
