@@ -70,10 +70,11 @@ class Backoff:
     def __init__(self, first: float = 0.01, cap: float = 0.1) -> None:
         self.first, self.cap = first, cap
         self._failures = 0
+        self._jitter = random.Random()  # its own: retries never draw from (or disturb) the program's global random
 
     def next(self) -> float:
         self._failures += 1
-        return random.uniform(0.5, 1.0) * min(self.cap, self.first * 2 ** min(self._failures, 16))
+        return self._jitter.uniform(0.5, 1.0) * min(self.cap, self.first * 2 ** min(self._failures, 16))
 
     def reset(self) -> None:
         self._failures = 0
