@@ -49,6 +49,7 @@ def main() -> None:
     client.on_event(lambda e: say(**describe(e)))
     topology = client.discover()
     say(topology=topology.fingerprint, generation=topology.generation, process_id=topology.process_id)
+    threading.Thread(target=lambda: say(attached=client.wait_attached(60)), daemon=True).start()
     if args.kv_set:
         key, _, value = args.kv_set.partition("=")
         client.kv_set(key, value.encode())

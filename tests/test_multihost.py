@@ -57,6 +57,8 @@ def test_a_cut_off_host_is_failed_everywhere_and_learns_it(hosts, coordinator_on
     cut_off = workers(coordinator.address, 1, 2, transfer_port=None, wrapper=hosts.command(3, []))
     survivor.expect("topology")
     cut_off.expect("topology")
+    for worker in (survivor, cut_off):  # sessions open: the survivor hears events, the coordinator misses beats
+        worker.expect("attached", attached=True)
     hosts.partition(3)
     failed = survivor.expect("event", timeout=HEARTBEAT + 10, event="ProcessFailed", process_id=1)
     assert "no heartbeat" in failed["reason"]
