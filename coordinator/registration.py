@@ -84,9 +84,11 @@ def _device(d: pb.LocalDevice, index: int, limits: Limits) -> LocalDevice:
                        tuple(d.coordinates), dict(d.attributes))
 
 
-def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits = DEFAULT_LIMITS) -> Registration:
-    """The registration a request describes; InvalidArgument (naming the value, the limit and the flag that
-    raises it) if it is malformed or over one of ``limits``. Pure: nothing is changed either way."""
+def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits = DEFAULT_LIMITS,
+                 secret_hash: str = "") -> Registration:
+    """The registration a request describes (``secret_hash``: the hash of the process secret its call carried);
+    InvalidArgument (naming the value, the limit and the flag that raises it) if it is malformed or over one of
+    ``limits``. Pure: nothing is changed either way."""
     if not request.client_uid or len(request.client_uid) > MAX_CLIENT_UID:
         long = len(request.client_uid) > MAX_CLIENT_UID
         shown = f"of {len(request.client_uid)} characters" if long else repr(request.client_uid)
@@ -120,4 +122,5 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         devices=devices,
         plugin=_text(request.plugin, "plugin", limits.string_bytes),
         attempt=request.attempt if request.HasField("attempt") else None,
+        secret_hash=secret_hash,
     )

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from functools import wraps
 from typing import NoReturn, TypeVar
 
@@ -178,8 +177,7 @@ class CoordinatorService:
         await self._serving(context, "registration")
         state = self.state
         try:
-            registration = replace(reg.from_request(request, peer_host(context.peer()), state.config.limits),
-                                   secret_hash=_proof(context))
+            registration = reg.from_request(request, peer_host(context.peer()), state.config.limits, _proof(context))
             before = state.registered
             outcome, effects = state.register(registration, self._clock())
         except IfrtError as e:

@@ -10,7 +10,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,64 +18,21 @@ import pytest
 
 import ifrt
 from tests.conftest import BIN, discover_process, finish
-from tests.test_liveness import barrier_started_for
+from tests.test_liveness import Worker, barrier_started_for
 
 HEARTBEAT_TIMEOUT = 1.0
 SLACK = 5.0  # scheduling on a loaded 2-core machine
 WORKER = Path(__file__).with_name("coordination_worker.py")
 
 
-class Proc:
-    """tests/coordination_worker.py in its own process; its JSON lines arrive on ``lines``."""
-
-    def __init__(self, address: str, process_id: int, num_processes: int, *args: str, **env: str) -> None:
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
-        full_env.update(IFRT_COORDINATOR=address, IFRT_PROCESS_ID=str(process_id),
-                        IFRT_NUM_PROCESSES=str(num_processes), IFRT_CPU_DEVICE_COUNT="1", **env)
-        self.process = subprocess.Popen([sys.executable, str(WORKER), *args], env=full_env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:  # type: ignore[union-attr]
-            self.lines.put(json.loads(line))
-
-    def expect(self, key: str, timeout: float = 60, **match) -> dict:
-        """The next line that has ``key`` (and the ``match`` values); every line read is kept in ``seen``."""
-        deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            if key in line and all(line.get(k) == v for k, v in match.items()):
-                return line
-        raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s; "
-                             f"it printed {self.seen[-5:]}")
-
-    def tell(self, line: str) -> None:
-        self.process.stdin.write(line + "\n")  # type: ignore[union-attr]
-        self.process.stdin.flush()  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-
 @pytest.fixture
 def procs():
-    started: list[Proc] = []
+    started: list[Worker] = []
 
-    def start(*args, **kwargs) -> Proc:
-        started.append(Proc(*args, **kwargs))
+    def start(address: str, process_id: int, num_processes: int, *args: str, **env: str) -> Worker:
+        """tests/coordination_worker.py in its own process, one device, ``env`` added to its IFRT_* settings."""
+        started.append(Worker(address, process_id, num_processes, *args, devices=1, transfer_port=None,
+                              script=WORKER, env=env))
         return started[-1]
 
     yield start

@@ -27,19 +27,23 @@ WORKER = Path(__file__).with_name("live_worker.py")
 
 
 class Worker:
-    """tests/live_worker.py in its own process; its JSON lines arrive on ``lines``."""
+    """A worker script (tests/live_worker.py by default) in its own process; its JSON lines arrive on ``lines``,
+    and every line ``expect`` has read is kept in ``seen``."""
 
     def __init__(self, address: str, process_id: int | None, num_processes: int, *args: str, devices: int = 2,
-                 transfer_port: int | None = 0, wrapper: list[str] | tuple[str, ...] = ()):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
-        env.update(IFRT_COORDINATOR=address, IFRT_NUM_PROCESSES=str(num_processes), IFRT_CPU_DEVICE_COUNT=str(devices))
+                 transfer_port: int | None = 0, wrapper: list[str] | tuple[str, ...] = (), script: Path = WORKER,
+                 env: dict[str, str] | None = None):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+        full_env.update(IFRT_COORDINATOR=address, IFRT_NUM_PROCESSES=str(num_processes),
+                        IFRT_CPU_DEVICE_COUNT=str(devices), **(env or {}))
         if process_id is not None:
-            env["IFRT_PROCESS_ID"] = str(process_id)
+            full_env["IFRT_PROCESS_ID"] = str(process_id)
         if transfer_port is not None:
-            env["IFRT_TRANSFER_BIND"] = f"127.0.0.1:{transfer_port}"
-        self.process = subprocess.Popen([*wrapper, sys.executable, str(WORKER), *args], env=env,
+            full_env["IFRT_TRANSFER_BIND"] = f"127.0.0.1:{transfer_port}"
+        self.process = subprocess.Popen([*wrapper, sys.executable, str(script), *args], env=full_env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
+        self.seen: list[dict] = []
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -54,9 +58,11 @@ class Worker:
                 line = self.lines.get(timeout=remaining)
             except queue.Empty:
                 break
+            self.seen.append(line)
             if key in line and all(line.get(k) == v for k, v in match.items()):
                 return line
-        raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s")
+        raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s; "
+                             f"it printed {self.seen[-5:]}")
 
     def tell(self, line: str) -> None:
         """Sends ``line`` to the worker's standard input (e.g. "arrive" with --barrier-when-told)."""
