@@ -46,6 +46,17 @@ fi
 if ! command -v debootstrap >/dev/null; then
   missing+=("debootstrap: builds the compose demo's local base image; install it (as root: apt-get install -y debootstrap)")
 fi
+# A second interpreter with JAX 0.4.30, which numbers CPU devices as ifrt does: tests/test_jax.py checks that the
+# ids then coincide. The project itself comes from the checkout (PYTHONPATH); this venv holds only the runtime.
+if [ -z "${IFRT_TEST_JAX04_PYTHON:-}" ]; then
+  if [ ! -x .venv-jax04/bin/python ]; then
+    echo "installing jax 0.4.30 into .venv-jax04 (for the JAX device-id comparison)" >&2
+    { "$python" -m venv .venv-jax04 && .venv-jax04/bin/python -m pip install -q 'jax==0.4.30' 'jaxlib==0.4.30' \
+        numpy 'grpcio>=1.85.1' 'protobuf>=7.35.1'; } >.venv-jax04.log 2>&1 || rm -rf .venv-jax04
+  fi
+  [ -x .venv-jax04/bin/python ] && export IFRT_TEST_JAX04_PYTHON="$root/.venv-jax04/bin/python"
+fi
+[ -n "${IFRT_TEST_JAX04_PYTHON:-}" ] || missing+=("jax 0.4.30: .venv-jax04 could not be made (see .venv-jax04.log)")
 if ! jax_error=$(python -c 'import jax' 2>&1); then
   missing+=("jax: 'import jax' fails ($(printf '%s' "$jax_error" | tail -n 1)); the jax extra is installed by this script: see .venv/pip-install.log, or run: .venv/bin/python -m pip install -e '.[jax]'")
 fi

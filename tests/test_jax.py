@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.requirements import require
+
 if importlib.util.find_spec("jax") is None:
-    if os.environ.get("CI") == "true":
-        pytest.fail("jax is required under CI (CI=true): install the jax extra, e.g. scripts/test.sh does "
-                    "(pip install '.[jax]')", pytrace=False)
-    pytest.skip("jax is not installed (pip install 'ifrt-topology[jax]'; scripts/test.sh installs it)",
-                allow_module_level=True)
+    require("jax", "pip install 'ifrt-topology[jax]' (scripts/test.sh installs it)")
 
 import ifrt
 import ifrt.jax
@@ -30,7 +28,7 @@ from ifrt.topology import Topology
 WORKER = Path(__file__).with_name("jax_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 90
-OLD_JAX_PYTHON_ENV = "IFRT_TEST_JAX04_PYTHON"  # e.g. /tmp/venv-jax04/bin/python, with jax 0.4.30, grpcio, protobuf
+OLD_JAX_PYTHON_ENV = "IFRT_TEST_JAX04_PYTHON"  # scripts/test.sh makes .venv-jax04: jax 0.4.30, grpcio, protobuf
 
 
 def start_workers(address: str, count: int, scenario: str, devices: int = 2,
@@ -114,7 +112,8 @@ def test_jax_device_ids_match_ifrt_ids_by_process_and_local_order(start_coordina
 def test_jax_0_4_device_ids_equal_ifrt_ids(start_coordinator):
     python = os.environ.get(OLD_JAX_PYTHON_ENV)
     if not python:
-        pytest.skip(f"set {OLD_JAX_PYTHON_ENV} to a Python with jax 0.4.x (which numbers CPU devices as ifrt does)")
+        require("jax 0.4.x", f"set {OLD_JAX_PYTHON_ENV} to a Python with jax 0.4.x (which numbers CPU devices as "
+                "ifrt does); scripts/test.sh makes one in .venv-jax04")
     coordinator = start_coordinator(num_processes=2, log_level="WARNING")
     # one device per process: JAX 0.4.30's CPU collectives do not support more across processes
     assert check_ids_match(results(start_workers(coordinator.address, 2, "mesh", devices=1, python=python)))
