@@ -10,7 +10,7 @@ import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
-from tests.test_coordination import Proc
+from tests.test_coordination import coordination_worker
 
 LEADER_TTL = "2"
 
@@ -85,7 +85,7 @@ def test_increments_from_eight_processes_survive_a_leader_kill_exactly_once(etcd
     workers = []
     try:
         leader = serving(*replicas)
-        workers = [Proc(addresses, i, 9, "increment", "counter", "1000") for i in range(8)]
+        workers = [coordination_worker(addresses, i, 9, "increment", "counter", "1000") for i in range(8)]
         with ifrt.Client(addresses, process_id=8, num_processes=9, timeout=90) as client:
             client.discover()
             while int(client.kv_try_get("counter") or b"0") < 2000:  # polling the count, not a guess of time

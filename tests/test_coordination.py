@@ -25,14 +25,17 @@ SLACK = 5.0  # scheduling on a loaded 2-core machine
 WORKER = Path(__file__).with_name("coordination_worker.py")
 
 
+def coordination_worker(address: str, process_id: int, num_processes: int, *args: str, **env: str) -> Worker:
+    """tests/coordination_worker.py in its own process, one device, ``env`` added to its IFRT_* settings."""
+    return Worker(address, process_id, num_processes, *args, devices=1, transfer_port=None, script=WORKER, env=env)
+
+
 @pytest.fixture
 def procs():
     started: list[Worker] = []
 
-    def start(address: str, process_id: int, num_processes: int, *args: str, **env: str) -> Worker:
-        """tests/coordination_worker.py in its own process, one device, ``env`` added to its IFRT_* settings."""
-        started.append(Worker(address, process_id, num_processes, *args, devices=1, transfer_port=None,
-                              script=WORKER, env=env))
+    def start(*args, **kwargs) -> Worker:
+        started.append(coordination_worker(*args, **kwargs))
         return started[-1]
 
     yield start
