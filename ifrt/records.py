@@ -26,10 +26,15 @@ class LocalDevice:
     """Devices with equal keys share a slice (e.g. one TPU slice, one NVLink domain)."""
     coordinates: tuple[int, ...] = ()
     attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Published in the topology: facts other processes need (memory size, core on chip, ...)."""
+    host_attributes: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """Never sent: facts that only mean something on this host (GPU UUID, PCI bus id, NVML index). They would
+    make the topology grow by their entropy (16 bytes a UUID, per device) for no other process's use."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "coordinates", tuple(self.coordinates))
         object.__setattr__(self, "attributes", _frozen(self.attributes))
+        object.__setattr__(self, "host_attributes", _frozen(self.host_attributes))
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,16 @@ class Device:
     def __post_init__(self) -> None:
         object.__setattr__(self, "coordinates", tuple(self.coordinates))
         object.__setattr__(self, "attributes", _frozen(self.attributes))
+
+    @classmethod
+    def trusted(cls, id: int, process_id: int, local_id: int, platform: str, kind: str, slice_index: int,
+                attributes: Mapping[str, str], plugin: str, coordinates: tuple[int, ...]) -> Device:
+        """A device from fields already in final form (``coordinates`` a tuple, ``attributes`` read-only and sorted),
+        without ``__init__``'s conversions: topologies build and decode 100,000s of devices at once."""
+        device = object.__new__(cls)
+        device.__dict__.update(id=id, process_id=process_id, local_id=local_id, platform=platform, kind=kind,
+                               slice_index=slice_index, attributes=attributes, plugin=plugin, coordinates=coordinates)
+        return device
 
     def to_dict(self) -> dict:
         return {

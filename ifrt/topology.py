@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from functools import cached_property
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 
 from ifrt import wire
 from ifrt.errors import TopologyError
+from ifrt.ids import LOCAL_ID_BITS, MAX_LOCAL_DEVICES
 from ifrt.mesh import Mesh, mesh_from_topology
 from ifrt.records import Device, Process
+
+_ID = attrgetter("id")
 
 
 class Topology:
@@ -98,10 +103,13 @@ class Topology:
         """This process's id."""
         return self._process_id
 
-    @property
+    @cached_property
     def local_devices(self) -> tuple[Device, ...]:
-        """This process's devices, sorted by local id."""
-        return tuple(d for d in self.devices if d.process_id == self._process_id)
+        """This process's devices, sorted by local id: what every process knows of them (their host-only attributes,
+        such as GPU UUIDs, are in ``Client.local_devices``)."""
+        first = self._process_id << LOCAL_ID_BITS  # devices are sorted by global id: one process's are adjacent
+        start = bisect_left(self.devices, first, key=_ID)
+        return self.devices[start:bisect_left(self.devices, first + MAX_LOCAL_DEVICES, lo=start, key=_ID)]
 
     @cached_property
     def _device_by_id(self) -> dict[int, Device]:

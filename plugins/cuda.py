@@ -1,7 +1,10 @@
 """The ``cuda`` plugin: NVIDIA GPUs through NVML (package nvidia-ml-py, extra ``ifrt-topology[cuda]``).
 
-Reports each visible GPU with its name as kind, UUID, memory, PCI bus id and the PCI bus ids of the GPUs it
-reaches over active NVLinks. Local ids are positions among the visible GPUs, as the CUDA runtime numbers them.
+Reports each visible GPU with its name as kind, its memory, and its NVLink domain as slice (an HGX board's
+NVLink reaches the GPUs of its own host: the slice key is the hostname). Its UUID, PCI bus id, NVML index and
+the PCI bus ids of the GPUs it reaches over active NVLinks are ``host_attributes``: they only mean something on
+this host, so they stay here (``Client.local_devices``) instead of costing every process 16+ bytes per GPU in the
+topology. Local ids are positions among the visible GPUs, as the CUDA runtime numbers them.
 
 ``CUDA_VISIBLE_DEVICES`` is read as CUDA reads it, e.g. ``0,2`` (NVML indices, which are CUDA's with
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``GPU-8a1c4f2e-...`` (a UUID) or ``GPU-8a1c`` (a prefix naming one GPU);
@@ -13,13 +16,14 @@ gets a contiguous share of the GPUs (8 GPUs over 3 processes: 3, 3, 2), set by U
 is an error naming both counts.
 
 The decisions are the pure functions below (``split_gpus``, ``visible_share``, ``visible_gpus``,
-``nvlink_gpu_peers``); the NVML calls around them only read the hardware.
+``nvlink_gpu_peers``, ``gpu_device``); the NVML calls around them only read the hardware.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -119,6 +123,17 @@ def _bus(bus_id: str) -> str:
     return bus_id.strip().lower()
 
 
+def gpu_device(local_id: int, name: str, memory_bytes: int, nvlink_domain: str, *, uuid: str, nvml_index: int,
+               pci_bus_id: str, nvlink_peers: Sequence[str]) -> LocalDevice:
+    """One GPU as this plugin reports it: published what other processes need (kind, memory, NVLink domain as
+    slice); kept on this host what only names something here (UUID, NVML index, PCI bus ids)."""
+    host_only = {"uuid": uuid, "pci_bus_id": pci_bus_id, "nvml_index": str(nvml_index)}
+    if nvlink_peers:
+        host_only["nvlink_peers"] = ",".join(nvlink_peers)
+    return LocalDevice(local_id, "cuda", name, slice_key=nvlink_domain, attributes={"memory_bytes": str(memory_bytes)},
+                       host_attributes=host_only)
+
+
 def _nvml() -> Any:
     import pynvml  # nvidia-ml-py
 
@@ -153,20 +168,14 @@ class CudaPlugin(DevicePlugin):
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
         bus_ids = [_text(nvml.nvmlDeviceGetPciInfo(h).busId) for h in handles]
+        domain = socket.gethostname()
         devices = []
         for local_id, index in enumerate(visible_gpus(os.environ.get(VISIBLE_ENV), uuids)):
             handle = handles[index]
-            attributes = {
-                "uuid": uuids[index],
-                "memory_bytes": str(nvml.nvmlDeviceGetMemoryInfo(handle).total),
-                "pci_bus_id": bus_ids[index],
-                "nvml_index": str(index),
-            }
             peers = nvlink_gpu_peers(bus_ids[index], self._nvlink_remote_bus_ids(nvml, handle), bus_ids)
-            if peers:
-                attributes["nvlink_peers"] = ",".join(peers)
-            devices.append(LocalDevice(local_id, "cuda", _text(nvml.nvmlDeviceGetName(handle)),
-                                       attributes=attributes))
+            devices.append(gpu_device(local_id, _text(nvml.nvmlDeviceGetName(handle)),
+                                      nvml.nvmlDeviceGetMemoryInfo(handle).total, domain, uuid=uuids[index],
+                                      nvml_index=index, pci_bus_id=bus_ids[index], nvlink_peers=peers))
         return select(devices, local_device_ids)
 
     def configure_process(self, local_rank: int, local_world_size: int) -> None:

@@ -12,8 +12,9 @@ so this plugin never creates one in the caller's process. It lists devices in th
   kept for the life of the process.
 
 Local ids are positions in that list. JAX's own device id is not recorded: it changes once
-``jax.distributed`` starts (``ifrt.jax.device`` maps ifrt ids to JAX devices). TPU coordinates and slice
-index are kept where the platform has them.
+``jax.distributed`` starts (``ifrt.jax.device`` maps ifrt ids to JAX devices). TPU coordinates, core on chip
+and slice index are published where the platform has them; the local hardware id only means something on this
+host and stays in ``host_attributes``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import json, jax
 print(json.dumps([{"platform": d.platform, "kind": d.device_kind,
                    "hardware_id": getattr(d, "local_hardware_id", None),
                    "coords": list(getattr(d, "coords", None) or ()),
+                   "core_on_chip": getattr(d, "core_on_chip", None),
                    "slice_index": getattr(d, "slice_index", None)} for d in jax.local_devices()]))
 """
 
@@ -78,12 +80,13 @@ def visible_devices(method: str | None = None) -> list[LocalDevice]:
         import jax
 
         return [_record(i, d.platform, d.device_kind, getattr(d, "local_hardware_id", None),
-                        getattr(d, "coords", None), getattr(d, "slice_index", None))
+                        getattr(d, "coords", None), getattr(d, "slice_index", None), getattr(d, "core_on_chip", None))
                 for i, d in enumerate(jax.local_devices())]
     if method == "config":
         return [LocalDevice(i, "cpu", "cpu") for i in range(cpu_device_count())]
     if method == "child":
-        return [_record(i, d["platform"], d["kind"], d["hardware_id"], d["coords"], d["slice_index"])
+        return [_record(i, d["platform"], d["kind"], d["hardware_id"], d["coords"], d["slice_index"],
+                        d.get("core_on_chip"))
                 for i, d in enumerate(_child_listing(*_child_key()))]
     raise InvalidArgument(f"unknown jax device listing method {method!r}: expected backend, config or child")
 
@@ -123,11 +126,17 @@ class JaxPlugin(DevicePlugin):
 
 
 def _record(local_id: int, platform: str, kind: str, hardware_id: int | None, coords: Any,
-            slice_index: int | None) -> LocalDevice:
+            slice_index: int | None, core_on_chip: int | None = None) -> LocalDevice:
+    """One device as JAX describes it. Published: coordinates, slice, core on chip (which of a chip's cores
+    it is, where a chip shows several). Kept on this host: the local hardware id (an index into this host's
+    devices)."""
     # CPU devices have no hardware to name: their attributes stay empty whichever way they were listed.
-    attributes = {} if platform == "cpu" or hardware_id is None else {"local_hardware_id": str(hardware_id)}
+    hardware = platform != "cpu"
+    attributes = {"core_on_chip": str(core_on_chip)} if hardware and core_on_chip is not None else {}
+    host_only = {"local_hardware_id": str(hardware_id)} if hardware and hardware_id is not None else {}
     return LocalDevice(local_id, platform, kind, slice_key="" if slice_index is None else str(slice_index),
-                       coordinates=tuple(int(c) for c in coords or ()), attributes=attributes)
+                       coordinates=tuple(int(c) for c in coords or ()), attributes=attributes,
+                       host_attributes=host_only)
 
 
 def _backend_will_be_cpu() -> bool:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ifrt.errors import InvalidArgument
-from plugins.cuda import nvlink_gpu_peers, split_gpus, visible_gpus, visible_share
+from plugins.cuda import gpu_device, nvlink_gpu_peers, split_gpus, visible_gpus, visible_share
 
 UUIDS = [
     "GPU-8a1c4f2e-6b0d-4c1e-9f3a-2d5b7e8c9a01",
@@ -125,3 +125,20 @@ BUS_IDS = ["00000000:07:00.0", "00000000:0F:00.0", "00000000:47:00.0", "00000000
 ])
 def test_nvlink_peers_are_the_other_gpus_at_the_far_end(own, remote, peers):
     assert nvlink_gpu_peers(own, remote, BUS_IDS) == peers
+
+
+# what is published and what stays on the host
+def test_a_gpus_host_facts_stay_on_the_host_and_what_others_need_is_published():
+    device = gpu_device(1, "NVIDIA H100 80GB HBM3", 85_520_809_984, "node-17", uuid=UUIDS[2], nvml_index=2,
+                        pci_bus_id=BUS_IDS[2], nvlink_peers=[BUS_IDS[0], BUS_IDS[3]])
+    assert (device.local_id, device.platform, device.kind, device.slice_key) == (1, "cuda", "NVIDIA H100 80GB HBM3",
+                                                                                 "node-17")
+    assert dict(device.attributes) == {"memory_bytes": "85520809984"}
+    assert dict(device.host_attributes) == {"uuid": UUIDS[2], "pci_bus_id": "00000000:47:00.0", "nvml_index": "2",
+                                            "nvlink_peers": "00000000:07:00.0,00000000:4E:00.0"}
+
+
+def test_a_gpu_without_nvlink_peers_has_no_peer_list():
+    device = gpu_device(0, "NVIDIA L4", 24 << 30, "node-3", uuid=UUIDS[0], nvml_index=0, pci_bus_id=BUS_IDS[0],
+                        nvlink_peers=[])
+    assert "nvlink_peers" not in device.host_attributes

@@ -131,6 +131,31 @@ def test_jax_plugin_reports_the_devices_jax_has(tmp_path):
     assert [o[2] for o in seen["ours"]] == [0, 1, 2, 3]
 
 
+def test_jax_keeps_the_local_hardware_id_on_the_host_and_publishes_where_a_core_is():
+    from plugins.jax_plugin import _record
+
+    chip = _record(2, "tpu", "TPU v4", 2, (1, 0, 0), 3, 0)
+    assert (chip.slice_key, chip.coordinates) == ("3", (1, 0, 0))
+    assert (dict(chip.attributes), dict(chip.host_attributes)) == ({"core_on_chip": "0"}, {"local_hardware_id": "2"})
+    cpu = _record(0, "cpu", "cpu", 0, None, None, None)
+    assert (dict(cpu.attributes), dict(cpu.host_attributes), cpu.slice_key) == ({}, {}, "")
+
+
+# host-only attributes
+def test_host_attributes_stay_in_the_process_and_out_of_the_topology(start_coordinator, third_party):
+    coordinator = start_coordinator(num_processes=1)
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=1, plugin="fake-accel", timeout=30,
+                     session=False, transfer=False) as client:
+        assert client.local_devices == ()
+        topology = client.discover()
+        mine = client.local_devices
+    assert [dict(d.host_attributes) for d in mine] == [{"bus": "0000:41:00.0"}, {"bus": "0000:42:00.0"},
+                                                       {"bus": "0000:43:00.0"}]
+    assert [d.local_id for d in mine] == [d.local_id for d in topology.local_devices] == [0, 1, 2]
+    assert [dict(d.attributes) for d in topology.devices] == [{"serial": f"FA{i:04d}"} for i in range(3)]
+    assert b"0000:4" not in topology.canonical_bytes  # uncompressed: a bus id sent would show
+
+
 # properties
 def test_device_properties_have_defaults_and_plugin_overrides():
     assert get_plugin("cpu").device_properties("cpu") == {

@@ -66,3 +66,13 @@ def test_unknown_ids_name_themselves():
         t.device(12345)
     with pytest.raises(TopologyError, match="process id 9 is not in the topology"):
         Topology(t.canonical_bytes, 9)
+
+
+def test_local_devices_are_the_processes_own_and_empty_without_any():
+    c = content(num_processes=3, devices_per_process=4)
+    without_1 = wire.TopologyContent(c.cluster_id, c.generation, 3, c.processes,
+                                     tuple(d for d in c.devices if d.process_id != 1))
+    canonical = wire.encode(without_1)
+    assert Topology(canonical, 1).local_devices == ()
+    assert [d.id for d in Topology(canonical, 2).local_devices] == [2 << 17 | i for i in range(4)]
+    assert Topology(canonical, 0).local_devices == tuple(d for d in without_1.devices if d.process_id == 0)

@@ -120,54 +120,72 @@ class RegisterResponse(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., topology: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fingerprint: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("cluster_id", "generation", "num_processes", "strings", "processes")
+    __slots__ = ("cluster_id", "generation", "num_processes", "strings", "processes", "devices")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     STRINGS_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     generation: int
     num_processes: int
     strings: _containers.RepeatedScalarFieldContainer[str]
-    processes: _containers.RepeatedCompositeFieldContainer[ProcessEntry]
-    def __init__(self, cluster_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_processes: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[ProcessEntry, _Mapping]]] = ...) -> None: ...
+    processes: ProcessColumns
+    devices: DeviceColumns
+    def __init__(self, cluster_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_processes: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., processes: _Optional[_Union[ProcessColumns, _Mapping]] = ..., devices: _Optional[_Union[DeviceColumns, _Mapping]] = ...) -> None: ...
 
-class ProcessEntry(_message.Message):
-    __slots__ = ("process_id", "hostname", "address", "local_ids", "platforms", "kinds", "slice_indices", "attributes", "plugin", "coordinate_rank", "coordinates")
-    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
-    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
-    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+class ProcessColumns(_message.Message):
+    __slots__ = ("process_ids", "hostname_shared", "hostname_suffixes", "address_shared", "address_suffixes", "device_counts", "plugins", "coordinate_ranks")
+    PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_SHARED_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_SUFFIXES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_SUFFIXES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PLUGINS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    process_ids: IntColumn
+    hostname_shared: IntColumn
+    hostname_suffixes: _containers.RepeatedScalarFieldContainer[str]
+    address_shared: IntColumn
+    address_suffixes: _containers.RepeatedScalarFieldContainer[str]
+    device_counts: IntColumn
+    plugins: IntColumn
+    coordinate_ranks: IntColumn
+    def __init__(self, process_ids: _Optional[_Union[IntColumn, _Mapping]] = ..., hostname_shared: _Optional[_Union[IntColumn, _Mapping]] = ..., hostname_suffixes: _Optional[_Iterable[str]] = ..., address_shared: _Optional[_Union[IntColumn, _Mapping]] = ..., address_suffixes: _Optional[_Iterable[str]] = ..., device_counts: _Optional[_Union[IntColumn, _Mapping]] = ..., plugins: _Optional[_Union[IntColumn, _Mapping]] = ..., coordinate_ranks: _Optional[_Union[IntColumn, _Mapping]] = ...) -> None: ...
+
+class DeviceColumns(_message.Message):
+    __slots__ = ("local_ids", "platforms", "kinds", "slice_indices", "coordinates", "attributes")
     LOCAL_IDS_FIELD_NUMBER: _ClassVar[int]
     PLATFORMS_FIELD_NUMBER: _ClassVar[int]
     KINDS_FIELD_NUMBER: _ClassVar[int]
     SLICE_INDICES_FIELD_NUMBER: _ClassVar[int]
-    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
-    PLUGIN_FIELD_NUMBER: _ClassVar[int]
-    COORDINATE_RANK_FIELD_NUMBER: _ClassVar[int]
     COORDINATES_FIELD_NUMBER: _ClassVar[int]
-    process_id: int
-    hostname: str
-    address: str
-    local_ids: _containers.RepeatedScalarFieldContainer[int]
-    platforms: _containers.RepeatedScalarFieldContainer[int]
-    kinds: _containers.RepeatedScalarFieldContainer[int]
-    slice_indices: _containers.RepeatedScalarFieldContainer[int]
-    attributes: _containers.RepeatedCompositeFieldContainer[Attribute]
-    plugin: int
-    coordinate_rank: int
-    coordinates: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., local_ids: _Optional[_Iterable[int]] = ..., platforms: _Optional[_Iterable[int]] = ..., kinds: _Optional[_Iterable[int]] = ..., slice_indices: _Optional[_Iterable[int]] = ..., attributes: _Optional[_Iterable[_Union[Attribute, _Mapping]]] = ..., plugin: _Optional[int] = ..., coordinate_rank: _Optional[int] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
+    ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    local_ids: IntColumn
+    platforms: IntColumn
+    kinds: IntColumn
+    slice_indices: IntColumn
+    coordinates: _containers.RepeatedCompositeFieldContainer[IntColumn]
+    attributes: _containers.RepeatedCompositeFieldContainer[AttributeColumn]
+    def __init__(self, local_ids: _Optional[_Union[IntColumn, _Mapping]] = ..., platforms: _Optional[_Union[IntColumn, _Mapping]] = ..., kinds: _Optional[_Union[IntColumn, _Mapping]] = ..., slice_indices: _Optional[_Union[IntColumn, _Mapping]] = ..., coordinates: _Optional[_Iterable[_Union[IntColumn, _Mapping]]] = ..., attributes: _Optional[_Iterable[_Union[AttributeColumn, _Mapping]]] = ...) -> None: ...
 
-class Attribute(_message.Message):
-    __slots__ = ("device", "key", "value")
-    DEVICE_FIELD_NUMBER: _ClassVar[int]
+class AttributeColumn(_message.Message):
+    __slots__ = ("key", "values")
     KEY_FIELD_NUMBER: _ClassVar[int]
-    VALUE_FIELD_NUMBER: _ClassVar[int]
-    device: int
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     key: int
-    value: int
-    def __init__(self, device: _Optional[int] = ..., key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    values: IntColumn
+    def __init__(self, key: _Optional[int] = ..., values: _Optional[_Union[IntColumn, _Mapping]] = ...) -> None: ...
+
+class IntColumn(_message.Message):
+    __slots__ = ("deltas", "runs")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedScalarFieldContainer[int]
+    runs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deltas: _Optional[_Iterable[int]] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("open", "heartbeat", "watch")
