@@ -1,12 +1,15 @@
 """The cost of keeping the coordinator's state in etcd, and how long a failover takes.
 
-    .venv/bin/python bench/failover.py [--processes 128] [--repeats 3]
+    .venv/bin/python bench/failover.py [--processes 128] [--rounds 3] [--repeats 3] [--etcd-members 3]
 
-Needs Debian's etcd-server (started here on free loopback ports). Prints one JSON object per measurement:
+Needs Debian's etcd-server (started here on free loopback ports, fsync on, data on the same disk and cores as
+everything else). Prints one JSON object per measurement:
 
 - ``registration``: N simulated processes (grpc.aio, one channel each) register at once; wall time until all
-  hold the topology, with ``--store memory`` and ``--store etcd`` side by side (every registration is
-  durable in etcd before it is answered, written in batches).
+  hold the topology, with ``--store memory`` and ``--store etcd`` side by side, alternating for ``--rounds``
+  rounds (every registration is durable in etcd before it is answered, written in batches). Each line also has
+  the coordinator's CPU, etcd's (all members), and how many journal appends (etcd transactions) it took;
+  ``registration_summary`` gives the medians and the etcd/memory ratio of wall time.
 - ``failover``: two replicas on etcd and three live clients; SIGKILL to the leader; time until the clients'
   sessions are attached to the new leader (``CoordinatorRestored``), for two leader lease TTLs.
 """
@@ -16,12 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
+import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -32,7 +39,7 @@ import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client import CHANNEL_OPTIONS
-from tests.etcd_cluster import EtcdCluster
+from tests.etcd_cluster import EtcdCluster, free_ports
 
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"
 
@@ -62,16 +69,58 @@ async def register_all(address: str, n: int, timeout: float = 120) -> float:
             await channel.close()
 
 
-def registration(etcd: EtcdCluster, n: int) -> list[dict]:
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU of ``pid``, all its threads, in seconds (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def journal_appends(metrics_port: int) -> int:
+    """How many journal appends the coordinator made (its ``ifrt_journal_append_seconds`` count)."""
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith("ifrt_journal_append_seconds_count"):
+                return int(float(line.split()[-1]))
+    raise RuntimeError("the coordinator reports no ifrt_journal_append_seconds_count")
+
+
+def register_once(etcd: EtcdCluster, store: str, n: int) -> dict:
+    """One registration of ``n`` processes against a fresh coordinator on ``store`` (memory or etcd's URL)."""
+    (metrics_port,) = free_ports(1)
+    with LocalCoordinator("--store", store, "--cluster-id", f"bench-{uuid.uuid4().hex[:8]}",
+                          "--metrics-port", str(metrics_port), "--metrics-bind", "127.0.0.1",
+                          num_processes=n) as coordinator:
+        coordinator.wait_for_log("serving:")
+        etcd_pids = [pid for i in range(etcd.size) if (pid := etcd.pid(i)) is not None]
+        coordinator_cpu, etcd_cpu = cpu_seconds(coordinator.pid), sum(map(cpu_seconds, etcd_pids))
+        seconds = asyncio.run(register_all(coordinator.address, n))
+        coordinator_cpu = cpu_seconds(coordinator.pid) - coordinator_cpu
+        etcd_cpu = sum(map(cpu_seconds, etcd_pids)) - etcd_cpu
+        appends = journal_appends(metrics_port)
+    return {"measure": "registration", "store": store.split(":")[0], "processes": n, "seconds": round(seconds, 3),
+            "ms_per_process": round(1000 * seconds / n, 3), "coordinator_cpu_s": round(coordinator_cpu, 2),
+            "etcd_cpu_s": round(etcd_cpu, 2), "journal_appends": appends}
+
+
+def registration(etcd: EtcdCluster, n: int, rounds: int) -> Iterator[dict]:
+    """``rounds`` rounds of memory then etcd, each as it is measured, then a summary of medians (the machine may
+    be noisy)."""
     results = []
-    for store in ("memory", etcd.url):
-        with LocalCoordinator("--store", store, "--cluster-id", f"bench-{uuid.uuid4().hex[:8]}",
-                              num_processes=n) as coordinator:
-            coordinator.wait_for_log("serving:")
-            seconds = asyncio.run(register_all(coordinator.address, n))
-        results.append({"measure": "registration", "store": store.split(":")[0], "processes": n,
-                        "seconds": round(seconds, 3), "ms_per_process": round(1000 * seconds / n, 3)})
-    return results
+    for _ in range(rounds):
+        for store in ("memory", etcd.url):
+            results.append(register_once(etcd, store, n))
+            yield results[-1]
+    summary: dict = {"measure": "registration_summary", "processes": n, "rounds": rounds,
+                     "etcd_members": etcd.size}
+    for store in ("memory", "etcd"):
+        mine = [r for r in results if r["store"] == store]
+        for key in ("seconds", "coordinator_cpu_s", "etcd_cpu_s", "journal_appends"):
+            summary[f"{store}_{key}"] = round(statistics.median(r[key] for r in mine), 3)
+    summary["etcd_over_memory"] = round(summary["etcd_seconds"] / summary["memory_seconds"], 2)
+    summary["etcd_over_memory_by_round"] = [round(e["seconds"] / m["seconds"], 2)
+                                            for m, e in zip(results[::2], results[1::2], strict=True)]
+    yield summary
 
 
 def failover(etcd: EtcdCluster, ttl: int) -> dict:
@@ -113,10 +162,12 @@ def failover(etcd: EtcdCluster, ttl: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--processes", type=int, default=128, help="simulated processes registering (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="registrations per store, alternating (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="failovers per lease TTL (default %(default)s)")
+    p.add_argument("--etcd-members", type=int, choices=(1, 3), default=3, help="etcd cluster size (default 3)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, EtcdCluster.start(3, tmp_path=Path(tmp)) as etcd:
-        for result in registration(etcd, args.processes):
+    with tempfile.TemporaryDirectory() as tmp, EtcdCluster.start(args.etcd_members, tmp_path=Path(tmp)) as etcd:
+        for result in registration(etcd, args.processes, args.rounds):
             print(json.dumps(result), flush=True)
         for ttl in (2, 5):
             for _ in range(args.repeats):

@@ -13,6 +13,12 @@ The contract, the same for every backend (tests/test_store.py runs one suite aga
 ``/ifrt/<cluster-id>/`` in etcd, elects the leader with a lease, and fences every append with a
 transaction on the leader key, so two coordinators can never both publish.
 
+etcd layout: one key per append (a batch of entries), ``journal/<batch number, 16 digits>``, numbered from 0
+without gaps; its value is a version byte (1) and then each entry as a 4-byte big-endian length and its bytes.
+A batch larger than ``MAX_BATCH_BYTES`` is split over several keys, one transaction each. Each transaction
+compares the leader key's create revision, the attempt, and that its key is new, and puts one key: etcd
+does one write per batch, whatever the batch holds.
+
 Job attempts (``--attempt N``): each attempt has its own journal (attempt 0 under ``journal/``, attempt N under
 ``attempts/N/journal/``) and ``attempt`` holds the newest attempt that led. A replica of a newer attempt takes
 over with a fresh journal and deletes the older one in the same transaction; a replica of an older attempt never
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,8 +39,11 @@ import grpc
 log = logging.getLogger("ifrt.coordinator")
 
 ETCD_SCHEME = "etcd://"
-MAX_TXN_OPS = 64
-"""Entries per etcd transaction (etcd allows 128 operations; each entry needs a put and a compare)."""
+MAX_BATCH_BYTES = 1 << 20
+"""Entry bytes per etcd key: etcd refuses requests over --max-request-bytes (1.5 MiB by default). A single
+entry larger than this still goes in a key of its own."""
+BATCH_VERSION = b"\x01"
+_LENGTH = struct.Struct(">I")
 
 
 class StoreError(RuntimeError):
@@ -100,7 +110,7 @@ class EtcdAccess:
 
 
 class EtcdStore:
-    """The journal in etcd, one key per entry; leadership through a lease on ``leader``."""
+    """The journal in etcd, one key per batch of entries; leadership through a lease on ``leader``."""
 
     def __init__(self, endpoints: list[str], cluster_id: str, *, lease_ttl_s: int = 5,
                  timeout_s: float = 3.0, access: EtcdAccess = EtcdAccess(), attempt: int = 0) -> None:
@@ -220,30 +230,35 @@ class EtcdStore:
             found = await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix), timeout=self._timeout)
         except (EtcdError, TimeoutError, grpc.RpcError) as e:  # etcd3aio times out with the builtin TimeoutError
             raise StoreError(f"cannot read the journal from {self.description}: {e}") from e
-        entries = sorted((bytes(item.key), bytes(item.value)) for item in found.kvs)
-        self._next = len(entries)
-        return [value for _, value in entries]
+        batches = sorted((bytes(item.key), bytes(item.value)) for item in found.kvs)
+        entries: list[bytes] = []
+        for key, value in batches:
+            try:
+                entries.extend(unpack_batch(value))
+            except ValueError as e:
+                raise StoreError(f"cannot read the journal from {self.description}: key {key.decode()!r}: {e}",
+                                 retryable=False) from e
+        self._next = len(batches)
+        return entries
 
     async def append(self, entries: list[bytes]) -> None:
         from etcd3aio import EtcdError
 
         kv = await self._kv()
-        for start in range(0, len(entries), MAX_TXN_OPS):
-            batch = entries[start:start + MAX_TXN_OPS]
-            keys = [self._journal_prefix + f"{self._next + i:016d}".encode() for i in range(len(batch))]
+        for value in pack_batches(entries):
+            key = self._journal_prefix + f"{self._next:016d}".encode()
             fence = [kv.txn_compare_create_revision(self._leader_key, self._leader_revision),
                      kv.txn_compare_value(self._attempt_key, str(self._attempt)),
-                     *(kv.txn_compare_version(key, 0) for key in keys)]
+                     kv.txn_compare_version(key, 0)]
             try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
-                done = await kv.txn(fence, [kv.txn_op_put(k, v) for k, v in zip(keys, batch, strict=True)],
-                                    timeout=self._timeout, max_attempts=1)
+                done = await kv.txn(fence, [kv.txn_op_put(key, value)], timeout=self._timeout, max_attempts=1)
             except (EtcdError, TimeoutError, grpc.RpcError) as e:
                 raise StoreError(f"cannot write the journal to {self.description}: {e}") from e
             if not done.succeeded:
                 self.lost.set()
                 raise StoreError("this coordinator no longer leads (the leader key changed): stepping down",
                                  retryable=False)
-            self._next += len(batch)
+            self._next += 1
 
     async def release(self) -> None:
         self.leader = None
@@ -304,6 +319,40 @@ def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAcc
         except ImportError:
             raise ValueError("--store etcd needs the etcd client: pip install 'ifrt-topology[etcd]'") from None
     raise ValueError(f"--store {spec!r}: expected memory or etcd://HOST:PORT[,HOST:PORT...]")
+
+
+def pack_batches(entries: list[bytes], limit: int = MAX_BATCH_BYTES) -> list[bytes]:
+    """``entries`` as etcd values in order, each at most ``limit`` bytes of entries (an entry over it alone)."""
+    values: list[bytes] = []
+    parts: list[bytes] = [BATCH_VERSION]
+    size = 0
+    for entry in entries:
+        if len(parts) > 1 and size + len(entry) > limit:
+            values.append(b"".join(parts))
+            parts, size = [BATCH_VERSION], 0
+        parts += (_LENGTH.pack(len(entry)), entry)
+        size += len(entry)
+    if len(parts) > 1:
+        values.append(b"".join(parts))
+    return values
+
+
+def unpack_batch(value: bytes) -> list[bytes]:
+    """The entries ``pack_batches`` put in one value; ValueError if it is not one."""
+    if value[:1] != BATCH_VERSION:
+        raise ValueError(f"not a journal batch of version {BATCH_VERSION[0]} (it starts {value[:8]!r})")
+    entries = []
+    at, end = 1, len(value)
+    while at < end:
+        if at + _LENGTH.size > end:
+            raise ValueError(f"truncated entry length at byte {at} of {end}")
+        (length,) = _LENGTH.unpack_from(value, at)
+        at += _LENGTH.size
+        if at + length > end:
+            raise ValueError(f"entry of {length} bytes at byte {at} runs past the end ({end})")
+        entries.append(value[at:at + length])
+        at += length
+    return entries
 
 
 def _read(path: str | None) -> bytes | None:

@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
+from coordinator.replica import BUSY_CALLERS
 from coordinator.server import serve
 from coordinator.state import ClusterConfig, ClusterState
 from coordinator.store import EtcdStore
@@ -227,6 +228,40 @@ def test_a_repeated_barrier_arrival_is_not_answered_before_the_result_is_durable
                 assert status(await call) == grpc.StatusCode.UNAVAILABLE
             await h.bring_etcd_back()
             assert not any(b"BarrierFinished" in entry for entry in await h.next_leaders_journal())
+
+    run(scenario)
+
+
+def test_a_burst_queued_behind_a_failed_append_is_never_written(harness):
+    """More callers at once than the writer lets through unspaced (coordinator.replica.BUSY_CALLERS): none is
+    answered while an append is held, and once it fails, none of their entries is ever written."""
+    callers = 2 * BUSY_CALLERS
+
+    async def scenario():
+        async with harness() as h:
+            await published(h)
+            h.store.holding = True
+            async with grpc.aio.insecure_channel(h.address) as channel:  # as many calls at once as it takes
+                stub = CoordinatorStub(channel)
+
+                async def set_one(i: int):
+                    try:
+                        return await stub.KeyValueSet(pb.KeyValueSetRequest(client_uid=f"uid-{i % NUM}",
+                                                                            key=f"burst/{i}", value=b"v"),
+                                                      timeout=WAIT_S)
+                    except grpc.RpcError as e:
+                        return e
+
+                setting = [asyncio.create_task(set_one(i)) for i in range(callers)]
+                await asyncio.wait_for(h.store.held.wait(), WAIT_S)
+                answered, _ = await asyncio.wait(setting, timeout=HOLD_WINDOW_S)
+                assert not answered, "a value set in a burst was answered while the journal was not durable"
+                await h.fail_the_held_append()
+                assert [status(await call) for call in setting] == [grpc.StatusCode.UNAVAILABLE] * callers
+            await h.bring_etcd_back()
+            assert not any(b"burst/" in entry for entry in await h.next_leaders_journal())
+            listed = await h.call("KeyValueDir", pb.KeyValueDirRequest(client_uid="uid-0", prefix="burst/"))
+            assert status(listed) == grpc.StatusCode.OK and not listed.entries
 
     run(scenario)
 

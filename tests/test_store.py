@@ -9,7 +9,16 @@ import pytest
 from coordinator import journal
 from coordinator.registration import Registration
 from coordinator.state import ClusterConfig, ClusterState
-from coordinator.store import EtcdStore, MemoryStore, StoreError, open_store
+from coordinator.store import (
+    BATCH_VERSION,
+    MAX_BATCH_BYTES,
+    EtcdStore,
+    MemoryStore,
+    StoreError,
+    open_store,
+    pack_batches,
+    unpack_batch,
+)
 from ifrt import wire
 from ifrt.records import LocalDevice
 
@@ -33,7 +42,7 @@ def test_appended_entries_load_back_in_order(make_store):
         store = make_store()
         await store.acquire("c1:8476")
         await store.append([b"a", b"b"])
-        await store.append([b"c", *(f"n{i}".encode() for i in range(150))])  # more than one transaction holds
+        await store.append([b"c", *(f"n{i}".encode() for i in range(150))])
         await store.close()
         again = make_store()
         await again.acquire("c1:8476")
@@ -42,6 +51,22 @@ def test_appended_entries_load_back_in_order(make_store):
         return loaded
 
     assert run(scenario()) == [b"a", b"b", b"c", *(f"n{i}".encode() for i in range(150))]
+
+
+def test_an_append_larger_than_one_key_loads_back_whole_and_in_order(make_store):
+    big = [bytes([i]) * (MAX_BATCH_BYTES // 3 + i) for i in range(7)]  # over two keys' worth of entries
+
+    async def scenario():
+        store = make_store()
+        await store.acquire("c1:8476")
+        await store.append([b"first"])
+        await store.append([*big, b""])
+        await store.append([b"last"])
+        loaded = await store.load()
+        await store.close()
+        return loaded
+
+    assert run(scenario()) == [b"first", *big, b"", b"last"]
 
 
 def test_journal_replays_to_the_same_topology(make_store):
@@ -140,3 +165,59 @@ def test_bad_store_specs_say_what_is_expected():
         open_store("redis://x:1", "job")
     with pytest.raises(ValueError, match="expected etcd://HOST:PORT"):
         open_store("etcd://", "job")
+
+
+def test_the_etcd_layout_is_one_key_per_batch_numbered_from_zero(etcd):
+    """What a deployed journal looks like in etcd: ``journal/<16 digits>`` per append, values of framed entries."""
+    from etcd3aio import prefix_range_end
+
+    async def scenario():
+        store = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await store.acquire("c1:8476")
+        await store.append([b"a", b"bc"])
+        await store.append([b"d"])
+        await store.append([b"x" * MAX_BATCH_BYTES, b"y"])  # one key cannot hold both
+        prefix = b"/ifrt/job/journal/"
+        found = await (await store._kv()).get(prefix, prefix_range_end(prefix), timeout=2)
+        await store.close()
+        return [(bytes(item.key), bytes(item.value)) for item in found.kvs]
+
+    keys, values = zip(*sorted(run(scenario())), strict=True)
+    assert keys == tuple(f"/ifrt/job/journal/{i:016d}".encode() for i in range(4))
+    assert values[0] == BATCH_VERSION + b"\x00\x00\x00\x01a\x00\x00\x00\x02bc"
+    assert [unpack_batch(v) for v in values[1:]] == [[b"d"], [b"x" * MAX_BATCH_BYTES], [b"y"]]
+
+
+def test_a_journal_key_that_is_not_a_batch_is_an_error_naming_it(etcd):
+    async def scenario():
+        store = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await store.acquire("c1:8476")
+        await store.append([b"fine"])
+        await (await store._kv()).put(b"/ifrt/job/journal/0000000000000001", b'{"type":"Left"}', timeout=2)
+        try:
+            with pytest.raises(StoreError, match=r"journal/0000000000000001.*not a journal batch") as info:
+                await store.load()
+            assert not info.value.retryable
+        finally:
+            await store.close()
+
+    run(scenario())
+
+
+def test_batches_split_at_the_limit_and_keep_every_entry_in_order():
+    entries = [b"a" * 4, b"", b"b" * 6, b"c" * 11, b"d"]
+    values = pack_batches(entries, limit=10)
+    assert [unpack_batch(v) for v in values] == [[b"a" * 4, b"", b"b" * 6], [b"c" * 11], [b"d"]]
+    assert all(v.startswith(BATCH_VERSION) for v in values)
+    assert pack_batches([]) == []
+    assert pack_batches([b""]) == [BATCH_VERSION + b"\x00" * 4]
+
+
+def test_a_damaged_batch_is_refused_saying_where():
+    value = pack_batches([b"abc"])[0]
+    with pytest.raises(ValueError, match="runs past the end"):
+        unpack_batch(value[:-1])
+    with pytest.raises(ValueError, match="truncated entry length"):
+        unpack_batch(value + b"\x00")
+    with pytest.raises(ValueError, match="not a journal batch of version 1"):
+        unpack_batch(b"\x02" + value[1:])
