@@ -2,17 +2,25 @@
 
     .venv/bin/python bench/liveness.py
     .venv/bin/python bench/liveness.py --processes 256 --window 5 --repeats 1
+    .venv/bin/python bench/liveness.py --processes 1024 --legacy-heartbeats --repeats 0
 
 Prints one JSON object per measurement on stdout and nothing else there (progress goes to stderr):
 
 - ``sessions``: N simulated processes (8 ``cpu`` devices each) register with explicit ids and keep a live
-  ``Session`` stream, heartbeating at the interval the coordinator asks for; two driver processes (grpc.aio, one
-  channel and so one connection per simulated process). The coordinator's CPU and RSS are read from /proc over a
-  steady window once every session is attached.
+  ``Session`` stream, sending Heartbeat messages as often as the coordinator's ``attached`` event asks (with
+  ``--legacy-heartbeats``: every quarter timeout, as clients that predate keepalive liveness did); two driver
+  processes (grpc.aio, one channel and so one connection per simulated process, with the client's channel options).
+  The coordinator's CPU and RSS are read from /proc over a steady window once every session is attached; the
+  headline is its CPU per heartbeat interval (a quarter timeout) per process.
 - ``process_killed``: real ``ifrt.Client`` processes 0 and 1 (threads here) and process 2 (a subprocess); process
   2 gets SIGKILL and the time until both observers hold ``ProcessFailed`` is measured.
+- ``process_stopped``: the same, with SIGSTOP: process 2 hangs with its connection open, so only its unanswered
+  keepalive pings can tell.
 - ``coordinator_sigterm``: the same cluster; the coordinator gets SIGTERM and the time until both observers hold
   ``CoordinatorLost`` is measured.
+
+Raises the soft RLIMIT_NOFILE to the hard limit (the coordinator holds one connection per simulated process; the
+children inherit it).
 
 Exits 1 if any measurement failed (its object then has an "error" field). See docs/benchmarks.md.
 """
@@ -21,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
 import random
+import resource
 import select
 import signal
 import statistics
@@ -57,7 +67,8 @@ DETECTION_HEARTBEAT_TIMEOUT_S = 1.0
 SETTLE_S = 3.0
 """Pause between the last attach and the measured window (lets the attach burst drain)."""
 SETUP_TIMEOUT_S = 150.0
-"""Longest the drivers may take to register every simulated process and attach every session."""
+"""Longest the drivers may take to register every simulated process and attach every session (plus SETUP_PER_S)."""
+SETUP_PER_PROCESS_S = 0.02
 EVENT_TIMEOUT_S = 15.0
 """Longest an observer may wait for the event under test."""
 CLUSTER_TIMEOUT_S = 60.0
@@ -120,7 +131,9 @@ class Counters:
     events: int = 0
     errors: list[str] = field(default_factory=list)
     window: tuple[float, float] = (float("inf"), float("inf"))
-    stop: bool = False
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    interval_s: float = 0.0  # what the coordinator's attached event asked for
+    register_retries: int = 0  # Register calls made again after their connection was lost
 
 
 def register_request(process_id: int, num_processes: int) -> bytes:
@@ -134,12 +147,21 @@ def register_request(process_id: int, num_processes: int) -> bytes:
     return request.SerializeToString()
 
 
-async def register(channel: grpc.aio.Channel, request: bytes, deadline: float) -> tuple[str, int]:
-    """Registers until the answer holds the topology; returns (client uid, generation)."""
+async def register(channel: grpc.aio.Channel, request: bytes, deadline: float,
+                   counters: Counters) -> tuple[str, int]:
+    """Registers until the answer holds the topology, calling again after a lost connection as ``ifrt.Client`` does
+    (each such retry is counted); returns (client uid, generation)."""
     call = channel.unary_unary(f"{SERVICE}/Register")
     uid = pb.RegisterRequest.FromString(request).client_uid
     while (remaining := deadline - time.monotonic()) > 0:
-        answer = pb.RegisterResponse.FromString(await call(request, timeout=remaining, wait_for_ready=True))
+        try:
+            answer = pb.RegisterResponse.FromString(await call(request, timeout=remaining, wait_for_ready=True))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            counters.register_retries += 1
+            await asyncio.sleep(0.05)
+            continue
         if answer.topology:
             return uid, answer.generation
     raise TimeoutError("no topology before the deadline")
@@ -161,9 +183,10 @@ async def heartbeat(stream: grpc.aio.StreamStreamCall, interval_s: float, counte
     beat = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
     loop = asyncio.get_running_loop()
     due = loop.time() + random.uniform(0, interval_s)
-    while not counters.stop:
-        await asyncio.sleep(max(0.0, due - loop.time()))
-        if counters.stop:
+    while not counters.stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(counters.stop.wait(), max(0.0, due - loop.time()))
+        if counters.stop.is_set():
             break
         await stream.write(beat)
         now = time.monotonic()
@@ -180,14 +203,15 @@ async def read_events(stream: grpc.aio.StreamStreamCall, counters: Counters) -> 
 
 
 async def live_session(channel: grpc.aio.Channel, request: bytes, deadline: float, counters: Counters,
-                       attached: Callable[[float], None]) -> None:
+                       attached: Callable[[float], None], legacy_interval_s: float | None) -> None:
     """One simulated process: registers, attaches its session, heartbeats until stopped, then closes the stream."""
-    uid, generation = await register(channel, request, deadline)
+    uid, generation = await register(channel, request, deadline, counters)
     opened = time.monotonic()
     stream, interval_s = await open_session(channel, uid, generation)
+    counters.interval_s = interval_s
     attached(time.monotonic() - opened)
     reader = asyncio.create_task(read_events(stream, counters))
-    await heartbeat(stream, interval_s, counters)
+    await heartbeat(stream, legacy_interval_s or interval_s, counters)
     await asyncio.wait_for(reader, 10.0)
 
 
@@ -200,7 +224,7 @@ async def guarded(session: Coroutine[Any, Any, None], counters: Counters) -> Non
 
 
 async def drive(address: str, ids: list[int], num_processes: int, inbox: MpQueue, outbox: MpQueue,
-                deadline: float) -> None:
+                setup_deadline: float, deadline: float, legacy_interval_s: float | None) -> None:
     """Runs the simulated processes ``ids``; reports when all are attached, then heartbeats through the window."""
     counters = Counters()
     attach_s: list[float] = []
@@ -213,30 +237,34 @@ async def drive(address: str, ids: list[int], num_processes: int, inbox: MpQueue
 
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in ids]
     started = time.monotonic()
-    tasks = [asyncio.create_task(guarded(live_session(c, register_request(i, num_processes), deadline, counters,
-                                                      attached), counters)) for c, i in zip(channels, ids, strict=True)]
+    tasks = [asyncio.create_task(guarded(live_session(c, register_request(i, num_processes), setup_deadline, counters,
+                                                      attached, legacy_interval_s), counters))
+             for c, i in zip(channels, ids, strict=True)]
     try:
-        await asyncio.wait_for(all_attached.wait(), max(0.0, deadline - time.monotonic()))
+        await asyncio.wait_for(all_attached.wait(), max(0.0, setup_deadline - time.monotonic()))
     except TimeoutError:
         counters.errors.append(f"only {len(attach_s)} of {len(ids)} sessions attached in time")
     outbox.put({"attached": len(attach_s), "setup_s": time.monotonic() - started,
+                "register_retries": counters.register_retries,
                 "attach_max_s": max(attach_s, default=0.0), "errors": counters.errors[:5]})
     loop = asyncio.get_running_loop()
     counters.window = await loop.run_in_executor(None, inbox.get, True, max(0.0, deadline - time.monotonic()))
     await asyncio.sleep(max(0.0, counters.window[1] + 0.5 - time.monotonic()))
-    counters.stop = True
+    counters.stop.set()
     await asyncio.wait(tasks, timeout=15.0)
     await asyncio.gather(*(c.close() for c in channels))
     outbox.put({"heartbeats": counters.in_window, "sent": counters.sent, "events": counters.events,
-                "errors": counters.errors[:5], "error_count": len(counters.errors)})
+                "asked_interval_s": counters.interval_s, "errors": counters.errors[:5],
+                "error_count": len(counters.errors)})
 
 
 def driver_main(address: str, ids: list[int], num_processes: int, inbox: MpQueue, outbox: MpQueue,
-                timeout_s: float) -> None:
-    """Entry point of one driver process: stops by itself within ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+                setup_timeout_s: float, timeout_s: float, legacy_interval_s: float | None) -> None:
+    """Entry point of one driver process: reports within ``setup_timeout_s``, stops by itself within ``timeout_s``."""
+    started = time.monotonic()
     try:
-        asyncio.run(asyncio.wait_for(drive(address, ids, num_processes, inbox, outbox, deadline), timeout_s + 30))
+        asyncio.run(asyncio.wait_for(drive(address, ids, num_processes, inbox, outbox, started + setup_timeout_s,
+                                           started + timeout_s, legacy_interval_s), timeout_s + 30))
     except Exception as e:  # the orchestrator reports it
         outbox.put({"error": f"{type(e).__name__}: {e}"[:300]})
 
@@ -268,29 +296,36 @@ def peak_cpu_pct(pid: int, until: float) -> float:
     return peak
 
 
-def session_cost(num_processes: int, window_s: float) -> dict[str, Any]:
-    """Measures the coordinator's CPU and RSS while ``num_processes`` sessions heartbeat."""
+def session_cost(num_processes: int, window_s: float, legacy: bool) -> dict[str, Any]:
+    """Measures the coordinator's CPU and RSS while ``num_processes`` sessions stay attached (and heartbeat every
+    quarter timeout if ``legacy``)."""
     context = multiprocessing.get_context("spawn")
+    interval_s = SESSION_HEARTBEAT_TIMEOUT_S / 4
     record: dict[str, Any] = {"measurement": "sessions", "processes": num_processes, "devices_per_process": DEVICES,
-                              "heartbeat_timeout_s": SESSION_HEARTBEAT_TIMEOUT_S, "window_s": window_s,
+                              "heartbeat_timeout_s": SESSION_HEARTBEAT_TIMEOUT_S, "heartbeat_interval_s": interval_s,
+                              "legacy_heartbeats": legacy, "window_s": window_s,
                               "load_average_1m": round(load_average(), 2)}
+    setup_timeout_s = SETUP_TIMEOUT_S + SETUP_PER_PROCESS_S * num_processes
     with LocalCoordinator("--heartbeat-timeout", str(SESSION_HEARTBEAT_TIMEOUT_S), num_processes=num_processes,
                           log_level="WARNING") as coordinator:
         record["rss_idle_mib"] = round(rss_mib(coordinator.pid), 1)
         inboxes = [context.Queue() for _ in range(DRIVERS)]
         outbox = context.Queue()
-        lifetime = SETUP_TIMEOUT_S + SETTLE_S + window_s + 20
+        lifetime = setup_timeout_s + SETTLE_S + window_s + 20
         drivers = [context.Process(target=driver_main, daemon=True,
                                    args=(coordinator.address, list(range(d, num_processes, DRIVERS)), num_processes,
-                                         inboxes[d], outbox, lifetime)) for d in range(DRIVERS)]
+                                         inboxes[d], outbox, setup_timeout_s, lifetime,
+                                         interval_s if legacy else None))
+                   for d in range(DRIVERS)]
         started = time.monotonic()
         for d in drivers:
             d.start()
         try:
-            ready = [expect(outbox, "attached", SETUP_TIMEOUT_S + 30) for _ in drivers]
+            ready = [expect(outbox, "attached", setup_timeout_s + 30) for _ in drivers]
             record["attached"] = sum(r["attached"] for r in ready)
             record["setup_s"] = round(time.monotonic() - started, 2)
             record["attach_max_ms"] = round(max(r["attach_max_s"] for r in ready) * 1000, 1)
+            record["register_retries"] = sum(r["register_retries"] for r in ready)
             if record["attached"] != num_processes:
                 raise RuntimeError(f"{record['attached']} of {num_processes} sessions attached: "
                                    f"{[r['errors'] for r in ready]}")
@@ -317,12 +352,15 @@ def session_cost(num_processes: int, window_s: float) -> dict[str, Any]:
         cpu_s = cpu1 - cpu0
         beats = sum(r["heartbeats"] for r in done)
         record.update({
+            "asked_heartbeat_interval_s": max(r["asked_interval_s"] for r in done),
             "heartbeats": beats,
             "heartbeats_per_s": round(beats / (t1 - t0), 1),
             "coordinator_cpu_s": round(cpu_s, 3),
             "coordinator_cpu_pct_of_core": round(100 * cpu_s / (t1 - t0), 2),
             "coordinator_cpu_pct_max_1s": round(peak, 1),
-            "cpu_us_per_heartbeat": round(cpu_s / beats * 1e6, 1) if beats else None,
+            # The goal's unit: coordinator CPU per heartbeat interval per process (keepalive pings included).
+            "cpu_ms_per_interval_per_process": round(1000 * cpu_s * interval_s / (t1 - t0) / num_processes, 4),
+            "cpu_us_per_heartbeat": round(cpu_s / beats * 1e6, 1) if legacy and beats else None,
             "rss_per_session_kib": round((record["rss_mib"] - record["rss_idle_mib"]) * 1024 / num_processes, 1),
             "session_errors": sum(r["error_count"] for r in done),
             "drivers_cpu_pct_of_core": round(100 * (drivers1 - drivers0) / (t1 - t0), 1),
@@ -359,10 +397,15 @@ def read_line(stream: IO[str], timeout_s: float) -> str:
     return stream.readline().strip() if ready else ""
 
 
+VICTIM_SIGNAL = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "sigterm": signal.SIGTERM}
+"""What each kind of detection run sends: process 2 gets SIGKILL or SIGSTOP, the coordinator SIGTERM."""
+
+
 def detection_run(kind: str) -> tuple[list[float], str, list[str]]:
-    """One cluster of 3; kills process 2 (``kill``) or stops the coordinator (``sigterm``); returns the latencies."""
+    """One cluster of 3; kills or stops process 2 (``kill``, ``stop``) or stops the coordinator (``sigterm``);
+    returns the latencies."""
     def wanted(event: Event) -> bool:
-        if kind == "kill":
+        if kind != "sigterm":
             return isinstance(event, ProcessFailed) and event.process_id == 2
         return isinstance(event, CoordinatorLost)
 
@@ -385,35 +428,40 @@ def detection_run(kind: str) -> tuple[list[float], str, list[str]]:
             assert child.stdout is not None
             if read_line(child.stdout, CLUSTER_TIMEOUT_S) != "True":
                 raise RuntimeError(f"process 2 did not attach its session (exit code {child.poll()})")
-            victim, sig = (child.pid, signal.SIGKILL) if kind == "kill" else (coordinator.pid, signal.SIGTERM)
+            victim = coordinator.pid if kind == "sigterm" else child.pid
             sent = time.monotonic()
-            os.kill(victim, sig)
+            os.kill(victim, VICTIM_SIGNAL[kind])
             for o in observers:
                 if not o.arrived.wait(EVENT_TIMEOUT_S):
-                    raise RuntimeError(f"no {'ProcessFailed' if kind == 'kill' else 'CoordinatorLost'} within "
-                                       f"{EVENT_TIMEOUT_S}s")
+                    raise RuntimeError(f"no {detection_event(kind)} within {EVENT_TIMEOUT_S}s")
             latencies = [o.at - sent for o in observers]
         finally:
             if child.poll() is None:
-                child.kill()
+                child.kill()  # a stopped process too
             child.wait()
             for o in observers:
                 o.client.close()
         coordinator.stop()
-        expected = ("failed: lost its connection",) if kind == "kill" else ()
+        expected = ("failed: lost its connection",) if kind != "sigterm" else ()
         return latencies, observers[0].reason, log_anomalies(coordinator, expected)
 
 
 def detection_name(kind: str) -> str:
     """The measurement's name in the output."""
-    return "process_killed" if kind == "kill" else "coordinator_sigterm"
+    return {"kill": "process_killed", "stop": "process_stopped", "sigterm": "coordinator_sigterm"}[kind]
+
+
+def detection_event(kind: str) -> str:
+    """The event the survivors wait for."""
+    return "CoordinatorLost" if kind == "sigterm" else "ProcessFailed"
 
 
 def detection(kind: str, repeats: int) -> dict[str, Any]:
     """``repeats`` detection runs of ``kind``, each with a new coordinator; p50 and max over both observers."""
-    event = "ProcessFailed" if kind == "kill" else "CoordinatorLost"
+    event = detection_event(kind)
+    victim = "the coordinator" if kind == "sigterm" else "process 2"
     record: dict[str, Any] = {"measurement": detection_name(kind),
-                              "signal": "SIGKILL to process 2" if kind == "kill" else "SIGTERM to the coordinator",
+                              "signal": f"{VICTIM_SIGNAL[kind].name} to {victim}",
                               "event": event, "heartbeat_timeout_s": DETECTION_HEARTBEAT_TIMEOUT_S,
                               "repeats": repeats, "observers": 2, "load_average_1m": round(load_average(), 2)}
     runs: list[list[float]] = []
@@ -449,16 +497,23 @@ def measured(name: str, measure: Callable[[], dict[str, Any]]) -> bool:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--processes", default="256,1024,2048", help="simulated process counts (default %(default)s)")
+    p.add_argument("--processes", default="1024,4096,16384",
+                   help="simulated process counts (default %(default)s)")
     p.add_argument("--window", type=float, default=20.0, help="measured steady window in seconds (default 20)")
-    p.add_argument("--repeats", type=int, default=5, help="detection runs per kind (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="detection runs per kind; 0 skips them (default 5)")
+    p.add_argument("--legacy-heartbeats", action="store_true",
+                   help="simulated processes heartbeat every quarter timeout whatever the coordinator asks")
     args = p.parse_args()
-    if args.repeats < 1 or args.window <= 0:
-        p.error("--repeats must be at least 1 and --window positive")
+    if args.repeats < 0 or args.window <= 0:
+        p.error("--repeats must not be negative and --window must be positive")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))  # inherited by the coordinator and the drivers
+    progress(f"RLIMIT_NOFILE {soft} -> {wanted}")
     ok = True
     for n in (int(x) for x in args.processes.split(",") if x.strip()):
-        ok &= measured("sessions", lambda n=n: session_cost(n, args.window))
-    for kind in ("kill", "sigterm"):
+        ok &= measured("sessions", lambda n=n: session_cost(n, args.window, args.legacy_heartbeats))
+    for kind in ("kill", "stop", "sigterm") if args.repeats else ():
         ok &= measured(detection_name(kind), lambda kind=kind: detection(kind, args.repeats))
     return 0 if ok else 1
 

@@ -36,7 +36,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor())  # counts refused calls too
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[*config.grpc_options,
+                             options=[*config.grpc_options, *config.keepalive_options,
                                       ("grpc.max_receive_message_length", config.cluster.limits.request_bytes),
                                       ("grpc.max_send_message_length", -1),
                                       *_stream_limit(config.cluster.limits.concurrent_streams)])

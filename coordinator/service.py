@@ -62,6 +62,9 @@ STALL_SLACK_S = 5.0
 """How much longer than its own timeout a call waits for the tick to resolve it: only a stall needs it."""
 _END = object()
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
+HEARTBEAT_INTERVAL_MS = 3_600_000
+"""How often ``attached`` asks a session for a Heartbeat message: liveness rides on the connection's keepalive
+pings, so none is needed; an hour rather than 0, which clients that predate this read as "send without pause"."""
 
 
 def peer_host(peer: str) -> str:
@@ -177,7 +180,8 @@ class CoordinatorService:
         await self._serving(context, "registration")
         state = self.state
         try:
-            registration = reg.from_request(request, peer_host(context.peer()), state.config.limits, _proof(context))
+            registration = reg.from_request(request, peer_host(context.peer()), state.config.limits, _proof(context),
+                                            raw)
             before = state.registered
             outcome, effects = state.register(registration, self._clock())
         except IfrtError as e:
@@ -191,8 +195,9 @@ class CoordinatorService:
             return self._answer(outcome.process_id)
         uid = registration.client_uid
         state.call_started(uid, self._clock())
-        try:
-            await asyncio.wait_for(self._published.wait(), min(request.wait_ms / 1000, self._max_wait_s))
+        try:  # a timeout scope, not wait_for: no task per waiting call
+            async with asyncio.timeout(min(request.wait_ms / 1000, self._max_wait_s)):
+                await self._published.wait()
         except TimeoutError:
             pass
         finally:
@@ -252,6 +257,8 @@ class CoordinatorService:
         return answer
 
     def _log_admitted(self, r: reg.Registration) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
         state = self.state
         who = f"process {r.process_id}" if r.process_id is not None else "a process"
         missing = state.config.num_processes - state.registered
@@ -268,6 +275,8 @@ class CoordinatorService:
 
     # Session.
     async def session(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """A process's live session: cluster events out. Costs nothing while nothing happens: the server's keepalive
+        pings watch the connection in gRPC's core, and dropping a silent one ends this call (detaching the process)."""
         first = await anext(aiter(requests), None)
         if first is None:
             return
@@ -286,9 +295,8 @@ class CoordinatorService:
         reader = asyncio.create_task(self._read_heartbeats(state, uid, requests, queue))
         log.debug("session of process %d attached", process_id)
         try:
-            interval_ms = max(1, int(state.config.heartbeat_interval_s * 1000))
             await context.write(pb.SessionEvent(attached=pb.Attached(
-                heartbeat_interval_ms=interval_ms, generation=self._generation)).SerializeToString())
+                heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS, generation=self._generation)).SerializeToString())
             if opening.open.generation != self._generation:
                 await context.write(self._topology_event)
             for notice in state.notices():  # a notice given while this session was away
@@ -310,8 +318,9 @@ class CoordinatorService:
                                queue: asyncio.Queue) -> None:
         try:
             async for raw in requests:
-                state.heartbeat(uid, self._clock())
-                if raw != _HEARTBEAT:
+                if raw == _HEARTBEAT:
+                    state.heartbeat(uid, self._clock())
+                else:
                     self._session_request(raw, queue)
         except (grpc.RpcError, asyncio.CancelledError):
             pass

@@ -30,6 +30,7 @@ from coordinator.limits import DEFAULT_LIMITS, Limits
 from coordinator.preemption import Preemption, PreemptionResolved
 from coordinator.registration import Registration
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, ProcessReport, StatusReport
+from ifrt import wire
 from ifrt.errors import (
     ERROR_CLASSES,
     ClusterMismatch,
@@ -41,7 +42,7 @@ from ifrt.errors import (
     UnknownClient,
 )
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
-from ifrt.ids import MAX_PROCESSES, global_device_id
+from ifrt.ids import LOCAL_ID_BITS, MAX_PROCESSES
 from ifrt.progress import Progress
 from ifrt.records import Device, Process
 from ifrt.wire import TopologyContent
@@ -67,7 +68,8 @@ class ClusterConfig:
     max_processes: int = MAX_PROCESSES
     """Exclusive bound on process ids (2**14 keeps every global id within int32)."""
     heartbeat_timeout_s: float = 10.0
-    """A process silent this long (no heartbeat, or disconnected and not back) is failed."""
+    """A process silent this long (its connection's keepalive pings unanswered, or its session ended and it did not
+    attach again) is failed; before publication, its registration is forgotten."""
     on_failure: FailurePolicy = FailurePolicy.PROPAGATE
     min_processes: int = 1
     """With the elastic policy: fewest processes a new generation may have."""
@@ -88,10 +90,26 @@ class ClusterConfig:
         if not self.heartbeat_timeout_s > 0:
             raise InvalidArgument(f"heartbeat timeout {self.heartbeat_timeout_s} is not positive: expected seconds > 0")
 
+    # Liveness rides on each connection's HTTP/2 keepalive (coordinator/config.py). A process that goes silent is
+    # noticed at most interval + keepalive timeout later (its connection is dropped and its session ends), then has
+    # the reconnect grace to attach again: the three add up to the heartbeat timeout.
     @property
     def heartbeat_interval_s(self) -> float:
-        """How often a session sends a heartbeat: four chances before the timeout, so one late beat is no failure."""
+        """How often the coordinator pings each connection (HTTP/2 keepalive): four times per timeout."""
         return self.heartbeat_timeout_s / 4
+
+    @property
+    def keepalive_timeout_s(self) -> float:
+        """How long a ping may go unanswered before the coordinator drops the connection (ending its session): the
+        same share of the timeout as the reconnect grace, so a stall of either side's gRPC core is tolerated as long
+        as a reconnect is."""
+        return self.heartbeat_timeout_s * 3 / 8
+
+    @property
+    def reconnect_grace_s(self) -> float:
+        """How long a process whose session ended has to attach again before it is failed: what the timeout leaves
+        once a dropped connection was noticed, so a silent process is failed within the timeout."""
+        return self.heartbeat_timeout_s - self.heartbeat_interval_s - self.keepalive_timeout_s
 
 
 class Status(enum.Enum):
@@ -110,8 +128,9 @@ class Member:
     last_seen: float
     incarnation: int = 0
     calls: int = 0  # Register calls in flight: the process is waiting on us, so it is alive
-    sessions: int = 0  # open session streams (two overlap briefly when a client reconnects)
+    sessions: int = 0  # open session streams (two overlap briefly when a client reconnects); keepalive vouches for each
     reason: str = ""
+    grace_s: float | None = None  # how long it may stay silent without a call or session; None: the heartbeat timeout
 
 
 # Outputs, besides the answers returned to the caller.
@@ -193,6 +212,9 @@ class ClusterState:
         self._increments: dict[str, dict[str, int]] = {}  # client uid -> request id -> the sum it made
         self._preemption: Preemption | None = None
         self._journal: list[journal.Entry] = []
+        # Joining or alive processes that neither hold a session nor wait in a call, oldest first: the only ones
+        # the tick looks at (keepalive vouches for the others), so an idle cluster's tick costs nothing per process.
+        self._unattended: dict[str, None] = {}
 
     # Journal.
     def take_journal(self) -> list[journal.Entry]:
@@ -234,7 +256,9 @@ class ClusterState:
         """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
         for member in self._members.values():
             member.calls = member.sessions = 0
-            member.last_seen = now
+            member.last_seen, member.grace_s = now, None
+        self._unattended = dict.fromkeys(uid for uid, m in self._members.items()
+                                         if m.status in (Status.JOINING, Status.ALIVE))
 
     # Registration.
     @property
@@ -268,7 +292,7 @@ class ClusterState:
                                   f"and generation {self.topology.generation} is published; {r.describe()} is not "
                                   "one of them")
         self._journal.append(journal.Registered(r, now))
-        self._members[r.client_uid] = Member(r, Status.JOINING, now)
+        self._add_member(Member(r, Status.JOINING, now))
         self._holder[claim] = r.client_uid
         self._missing_ids.discard(r.process_id)  # type: ignore[arg-type]
         self._explicit = r.process_id is not None
@@ -303,19 +327,25 @@ class ClusterState:
             return ()
         return tuple(sorted(self._missing_ids))
 
-    # Liveness.
+    # Liveness. A process is alive while it holds a session (the connection's keepalive vouches for it: a silent
+    # peer's connection is dropped, which ends the session) or waits in a Register call; otherwise it is on the
+    # clock, and failed (forgotten, before publication) once silent beyond its grace.
     def call_started(self, client_uid: str, now: float) -> None:
         """A Register call of this client is in flight (it is alive while it waits on us)."""
         member = self._members.get(client_uid)
         if member is not None:
             member.calls += 1
             member.last_seen = now
+            self._unattended.pop(client_uid, None)
 
     def call_ended(self, client_uid: str, now: float) -> None:
+        """The call answered: without a session, the process has the heartbeat timeout to call or attach again."""
         member = self._members.get(client_uid)
         if member is not None:
             member.calls = max(0, member.calls - 1)
             member.last_seen = now
+            if not member.calls and not member.sessions:
+                self._start_clock(member, None)
 
     def attach(self, client_uid: str, now: float, *, proof: str = "") -> int:
         """A session opened; returns the process id. UnknownClient, PermissionDenied or ProcessDeclaredFailed if it
@@ -328,19 +358,35 @@ class ClusterState:
         self._check_usable(member)
         member.sessions += 1
         member.last_seen = now
+        self._unattended.pop(client_uid, None)
         return self._process_ids[_claim(member.registration)]
 
     def heartbeat(self, client_uid: str, now: float) -> None:
+        """A Heartbeat message (clients send them as rarely as ``attached`` asks): a sign of life, nothing more."""
         member = self._members.get(client_uid)
         if member is not None:
             member.last_seen = now
 
     def detach(self, client_uid: str, now: float) -> None:
-        """The session closed (the process has the grace period to come back)."""
+        """A session ended (closed, or its connection dropped): unless another is open, the process has the
+        reconnect grace to attach again."""
         member = self._members.get(client_uid)
         if member is not None:
             member.sessions = max(0, member.sessions - 1)
             member.last_seen = now
+            if not member.sessions and not member.calls:
+                self._start_clock(member, self.config.reconnect_grace_s)
+
+    def _add_member(self, member: Member) -> None:
+        """A new registration or incarnation: on the clock until a call or a session vouches for it."""
+        self._members[member.registration.client_uid] = member
+        self._start_clock(member, None)
+
+    def _start_clock(self, member: Member, grace_s: float | None) -> None:
+        member.grace_s = grace_s
+        uid = member.registration.client_uid
+        self._unattended.pop(uid, None)  # re-added last: the dict stays ordered by when each went silent
+        self._unattended[uid] = None
 
     def leave(self, client_uid: str, now: float, *, proof: str = "") -> list[Effect]:
         """A graceful exit: the process is reported as left (and dropped, with the elastic policy). Leaving again
@@ -366,20 +412,24 @@ class ClusterState:
                 *self._drop_if_elastic(pid, "left")]
 
     def tick(self, now: float) -> list[Effect]:
-        """Fails processes silent beyond the heartbeat timeout and barriers past their deadline."""
-        timeout = self.config.heartbeat_timeout_s
+        """Fails processes silent beyond their grace and barriers past their deadline. Looks only at processes on
+        the clock (no session, no call), in the order they went silent, so the outcome does not depend on hashing."""
         effects: list[Effect] = []
-        for uid in list(self._holder.values()):
-            member = self._members[uid]
-            silent = now - member.last_seen
-            if member.calls or silent <= timeout or member.status not in (Status.JOINING, Status.ALIVE):
+        for uid in list(self._unattended):
+            member = self._members.get(uid)
+            if member is None or member.calls or member.sessions or member.status not in (Status.JOINING,
+                                                                                            Status.ALIVE):
+                del self._unattended[uid]  # forgotten, failed, left or replaced meanwhile
                 continue
+            silent = now - member.last_seen
+            grace = self.config.heartbeat_timeout_s if member.grace_s is None else member.grace_s
+            if silent <= grace:
+                continue
+            del self._unattended[uid]
             if member.status is Status.JOINING:
                 effects += self._forget(member, f"went silent for {silent:.1f}s before the topology was published")
-                continue
-            why = (f"sent no heartbeat for {silent:.1f}s" if member.sessions else
-                   f"lost its connection and did not come back within {timeout:g}s")
-            effects += self._fail(member, why)
+            else:
+                effects += self._fail(member, f"lost its connection and did not come back within {grace:g}s")
         effects += self._finished(self._barriers.expire(now, self.describe_process))
         return effects + self._settle(now)
 
@@ -564,7 +614,7 @@ class ClusterState:
             member = self._members[uid]
             r = member.registration
             pid = self._process_ids.get(claim, r.process_id)
-            age = 0.0 if member.calls else max(0.0, now - member.last_seen)
+            age = 0.0 if member.calls or member.sessions else max(0.0, now - member.last_seen)
             processes.append(ProcessReport(pid, r.hostname, r.host_address, r.local_rank, r.address, len(r.devices),
                                            member.status.value, member.reason, member.incarnation, age,
                                            member.sessions > 0))
@@ -664,14 +714,17 @@ class ClusterState:
         slice_keys = sorted({d.slice_key for r in members.values() for d in r.devices}, key=_natural)
         slice_index = {key: i for i, key in enumerate(slice_keys)}
         processes, devices = [], []
-        for pid, r in members.items():
-            processes.append(Process(pid, r.hostname, r.address))
-            devices.extend(Device(global_device_id(pid, d.local_id, self.config.max_processes), pid, d.local_id,
-                                  d.platform, d.kind, slice_index[d.slice_key], d.attributes, r.plugin, d.coordinates)
-                           for d in r.devices)
-        return TopologyContent(self.config.cluster_id, generation, len(processes),
-                               tuple(sorted(processes, key=lambda p: p.process_id)),
-                               tuple(sorted(devices, key=lambda d: d.id)))
+        trusted = Device.trusted
+        with wire.gc_paused():  # ids and fields were checked at registration
+            for pid in sorted(members):  # by process id, and each registration's devices by local id: sorted by id
+                r = members[pid]
+                processes.append(Process(pid, r.hostname, r.address))
+                first = pid << LOCAL_ID_BITS
+                devices.extend(trusted(first | d.local_id, pid, d.local_id, d.platform, d.kind,
+                                       slice_index[d.slice_key], d.attributes, r.plugin, d.coordinates)
+                               for d in r.devices)
+            return TopologyContent(self.config.cluster_id, generation, len(processes), tuple(processes),
+                                   tuple(devices))
 
     def _republish_if_changed(self) -> list[Effect]:
         assert self.topology is not None
@@ -687,7 +740,7 @@ class ClusterState:
         if holder.status in (Status.JOINING, Status.ALIVE):
             holder.status, holder.reason = Status.FAILED, f"replaced by a restarted process from {r.describe()}"
         member = Member(r, Status.ALIVE, now, incarnation=holder.incarnation + 1)
-        self._members[r.client_uid] = member
+        self._add_member(member)
         self._holder[claim] = r.client_uid
         self._down.pop(pid, None)
         effects: list[Effect] = [*self._finished(self._barriers.fail_including(pid, "restarted")),

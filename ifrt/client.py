@@ -32,6 +32,7 @@ from ifrt.errors import (
 )
 from ifrt.events import Event, PreemptionNotice
 from ifrt.progress import Progress
+from ifrt.records import LocalDevice
 from ifrt.security import new_process_secret, open_channel, transport_mismatch
 from ifrt.session import Session
 from ifrt.settings import Settings, resolve
@@ -54,9 +55,13 @@ CHANNEL_OPTIONS = (
     # gRPC adds up to 20% jitter to the cap.
     ("grpc.initial_reconnect_backoff_ms", 10),
     ("grpc.max_reconnect_backoff_ms", 80),
-    # Notice a coordinator that vanished without closing the connection (host down, partition).
+    # Notice a coordinator that vanished without closing the connection (host down, partition, stopped): ping after
+    # 5 s without hearing from it (its own pings, every quarter heartbeat timeout, count) and give up 10 s later,
+    # so a coordinator busy with a registration storm is not mistaken for a dead one. ping_timeout_ms is what
+    # gRPC's core waits for the ack; keepalive_timeout_ms alone leaves that at 60 s.
     ("grpc.keepalive_time_ms", 5000),
-    ("grpc.keepalive_timeout_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
     # One connection per client, as separate processes have; topologies of large clusters exceed 4 MiB.
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", wire.MAX_TOPOLOGY_BYTES),
@@ -182,8 +187,19 @@ class Client:
             self.topology = topology
             return True
 
+    _local_devices: tuple[LocalDevice, ...] = ()
+
+    @property
+    def local_devices(self) -> tuple[LocalDevice, ...]:
+        """This process's devices as its plugin listed them (sorted by local id), with the ``host_attributes`` that
+        stay on this host (GPU UUID, PCI bus id, ...): the topology does not carry them. They match
+        ``topology.local_devices`` by ``local_id``. Empty until ``discover()`` has listed them."""
+        return self._local_devices
+
     def _build_request(self) -> pb.RegisterRequest:
-        """This process's registration; PluginError naming the plugin and its error if the plugin fails."""
+        """This process's registration; PluginError naming the plugin and its error if the plugin fails.
+
+        Only what other processes need is sent: each device's ``host_attributes`` stay in ``local_devices``."""
         from plugins import get_plugin  # loaded when a process registers, not by every import of ifrt.client
 
         s = self.settings
@@ -197,9 +213,11 @@ class Client:
             request.attempt = s.attempt
         try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
             plugin.configure_process(s.local_rank, s.local_world_size)
-            for d in plugin.local_devices(s.local_device_ids):
+            devices = list(plugin.local_devices(s.local_device_ids))
+            for d in devices:
                 request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
                                     coordinates=d.coordinates, attributes=d.attributes)
+            self._local_devices = tuple(sorted(devices, key=lambda d: d.local_id))
         except Exception as e:
             why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             raise PluginError(f"device plugin {s.plugin!r}: {why}") from e

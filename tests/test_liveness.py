@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -17,12 +18,14 @@ import grpc
 import pytest
 
 import ifrt
+import ifrt.client
 from ifrt import events
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.security import SECRET_METADATA
 
 HEARTBEAT_TIMEOUT = 1.0
-SLACK = 5.0  # scheduling on a loaded 2-core machine; detection itself is within heartbeat timeout + 0.1 s ticks
+SLACK = 5.0  # scheduling on a loaded 2-core machine; detection itself is within the heartbeat timeout + a tick
+SERVICE = "/ifrt.topology.v1.Coordinator"
 WORKER = Path(__file__).with_name("live_worker.py")
 
 
@@ -175,13 +178,109 @@ def test_kill_9_is_reported_to_every_other_process_and_fails_its_barriers(start_
     killed_at = w2.kill9()
     at, event = next_event(received, events.ProcessFailed, process_id=2)
     assert at - killed_at < HEARTBEAT_TIMEOUT + SLACK
-    assert "did not come back" in event.reason or "no heartbeat" in event.reason
+    assert "lost its connection and did not come back" in event.reason
     other = w1.expect("event", event="ProcessFailed", process_id=2)
     assert other["t"] - killed_at < HEARTBEAT_TIMEOUT + SLACK
     error = barrier_result.get(timeout=10)
     assert isinstance(error, ifrt.BarrierFailed) and not isinstance(error, ifrt.BarrierTimeout)
     assert "process 2 failed" in str(error)
     client.close()
+
+
+def test_a_stopped_process_is_failed_by_its_unanswered_keepalive_and_told_when_it_resumes(start_coordinator,
+                                                                                           workers):
+    _, client, received, (w1, w2) = cluster(start_coordinator, workers)
+    for w in (w1, w2):  # both hold a session: w1 hears the failure, w2's connection is the one that goes silent
+        w.expect("attached", attached=True)
+    assert client.wait_attached(10)
+    os.kill(w2.process.pid, signal.SIGSTOP)  # alive to the kernel (its socket stays open), silent to gRPC
+    stopped_at = time.monotonic()
+    try:
+        at, event = next_event(received, events.ProcessFailed, process_id=2)
+    finally:
+        os.kill(w2.process.pid, signal.SIGCONT)
+    assert at - stopped_at < HEARTBEAT_TIMEOUT + SLACK
+    assert "lost its connection and did not come back" in event.reason
+    assert w1.expect("event", event="ProcessFailed", process_id=2)["t"] - stopped_at < HEARTBEAT_TIMEOUT + SLACK
+    own = w2.expect("event", event="ProcessFailed", process_id=2)  # resumed: its new session is refused
+    assert "declared failed" in own["reason"]
+    client.close()
+
+
+class RawSession:
+    """A registered process that holds its session stream by hand, sending Heartbeat messages every ``beat_s``
+    seconds (as clients that predate keepalive liveness did) or none at all; collects the events it gets."""
+
+    def __init__(self, address: str, process_id: int, num_processes: int, beat_s: float | None) -> None:
+        self.channel = grpc.insecure_channel(address, options=ifrt.client.CHANNEL_OPTIONS)
+        self.events: queue.Queue = queue.Queue()
+        self._beat_s = beat_s
+        self._closed = threading.Event()
+        request = pb.RegisterRequest(num_processes=num_processes, client_uid=f"raw-{process_id}",
+                                     hostname=f"raw-{process_id}", plugin="cpu", wait_ms=1000)
+        request.process_id = process_id
+        request.devices.add(local_id=0, platform="cpu", kind="cpu")
+        self._request = request
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        register = self.channel.unary_unary(f"{SERVICE}/Register")
+        while not pb.RegisterResponse.FromString(register(self._request.SerializeToString(), timeout=30)).topology:
+            pass
+        opening = pb.SessionRequest(open=pb.SessionOpen(client_uid=self._request.client_uid))
+        stream = self.channel.stream_stream(f"{SERVICE}/Session")(self._messages(opening))
+        try:
+            for raw in stream:
+                self.events.put(pb.SessionEvent.FromString(raw))
+        except grpc.RpcError:
+            if not self._closed.is_set():
+                raise  # a failed stream: next() then names the event that never came
+
+    def _messages(self, opening: pb.SessionRequest):
+        yield opening.SerializeToString()
+        while not self._closed.wait(self._beat_s):
+            yield pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
+
+    def next(self, kind: str, timeout: float = 30) -> pb.SessionEvent:
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(queue.Empty):
+                event = self.events.get(timeout=remaining)
+                if event.WhichOneof("kind") == kind:
+                    return event
+        raise AssertionError(f"raw session of {self._request.client_uid} got no {kind} event within {timeout}s")
+
+    def close(self) -> None:
+        self._closed.set()
+        self.channel.close()
+
+
+def test_sessions_need_no_heartbeats_and_heartbeating_ones_still_work(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), num_processes=3)
+    silent = RawSession(coordinator.address, 1, 3, beat_s=None)
+    beating = RawSession(coordinator.address, 2, 3, beat_s=HEARTBEAT_TIMEOUT / 10)
+    client = ifrt.Client(coordinator.address, process_id=0, num_processes=3, timeout=60)
+    received = watcher(client)
+    try:
+        client.discover()
+        attached = [raw.next("attached") for raw in (silent, beating)]
+        assert all(a.attached.heartbeat_interval_ms >= 60_000 for a in attached)  # asks for (almost) none
+        time.sleep(3 * HEARTBEAT_TIMEOUT)  # deliberately: three timeouts of sending nothing on one session
+        assert [e for _, e in list(received.queue) if isinstance(e, events.ProcessFailed)] == []
+        with grpc.insecure_channel(coordinator.address) as channel:
+            status = pb.StatusResponse.FromString(channel.unary_unary(f"{SERVICE}/Status")(
+                pb.StatusRequest().SerializeToString(), timeout=10))
+        alive = pb.PROCESS_PHASE_ALIVE
+        assert [(p.process_id, p.phase, p.attached) for p in status.processes] == [
+            (0, alive, True), (1, alive, True), (2, alive, True)]
+        client.close()  # its Leave reaches both, whatever they send
+        for raw in (silent, beating):
+            assert raw.next("process_left").process_left.process_id == 0
+    finally:
+        silent.close()
+        beating.close()
+        client.close()
+    assert "WARNING" not in coordinator.log and "ERROR" not in coordinator.log
 
 
 def test_restart_with_the_same_devices_keeps_ids_and_generation(start_coordinator, workers):

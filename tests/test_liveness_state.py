@@ -31,39 +31,86 @@ def published(n=3, **config):
 
 
 def heartbeat_all_but(s, silent, now):
+    """Every process but ``silent`` sends a Heartbeat message at ``now`` (a sign of life; its open session already
+    vouches for it); ``silent``, if still attached, lost its session at t=0 and stays away."""
     for i in range(s.config.num_processes):
         if i != silent:
             s.heartbeat(f"p{i}", now)
+    if silent is not None and any(p.process_id == silent and p.attached for p in s.report(now).processes):
+        s.detach(f"p{silent}", 0.0)
 
 
 def failures(effects):
     return [e.event for e in effects if isinstance(e, Notify) and isinstance(e.event, ProcessFailed)]
 
 
-def test_silent_process_fails_after_the_heartbeat_timeout():
+def test_the_timing_adds_up_to_the_heartbeat_timeout():
+    config = ClusterConfig(num_processes=1, heartbeat_timeout_s=10.0)
+    assert (config.heartbeat_interval_s, config.keepalive_timeout_s, config.reconnect_grace_s) == (2.5, 3.75, 3.75)
+
+
+def test_an_attached_process_is_alive_however_long_it_sends_nothing():
     s = published()
-    heartbeat_all_but(s, 1, 0.9)
-    assert s.tick(0.9) == []
-    heartbeat_all_but(s, 1, 1.2)
-    effects = s.tick(1.2)
-    assert failures(effects) == [ProcessFailed(1, "sent no heartbeat for 1.2s")]
-    assert Evict("p1", "declared failed: sent no heartbeat for 1.2s") in effects
+    assert s.tick(100.0) == []  # its connection's keepalive vouches for it; a dead peer's connection is dropped
+    assert [p.phase for p in s.report(100.0).processes] == ["alive"] * 3
+
+
+def test_a_lost_session_gets_the_reconnect_grace_then_fails():
+    s = published()
+    s.detach("p1", 2.0)
+    assert s.tick(2.375) == []  # grace: TIMEOUT - interval - keepalive timeout = 0.375 s
+    effects = s.tick(2.38)
+    assert failures(effects) == [ProcessFailed(1, "lost its connection and did not come back within 0.375s")]
+    assert not any(isinstance(e, Evict) for e in effects)  # no session left to close
     assert s.topology.generation == 1  # propagate keeps the topology
-    with pytest.raises(ProcessDeclaredFailed, match="sent no heartbeat"):
-        s.attach("p1", 1.3)
+    with pytest.raises(ProcessDeclaredFailed, match="lost its connection"):
+        s.attach("p1", 2.6)
+    assert s.tick(100.0) == []  # failed once
 
 
-def test_broken_stream_gets_the_grace_period():
+def test_attaching_again_within_the_grace_stops_the_clock():
     s = published()
     s.detach("p2", 0.5)
-    heartbeat_all_but(s, 2, 1.4)
-    assert s.tick(1.4) == []
-    s.attach("p2", 1.4)  # came back in time
-    heartbeat_all_but(s, None, 2.3)
-    assert s.tick(2.3) == []
-    s.detach("p2", 2.5)
-    heartbeat_all_but(s, 2, 3.6)
-    assert failures(s.tick(3.6)) == [ProcessFailed(2, "lost its connection and did not come back within 1s")]
+    assert s.tick(0.85) == []
+    s.attach("p2", 0.85)  # came back in time
+    assert s.tick(5.0) == []
+    s.detach("p2", 5.0)
+    assert failures(s.tick(5.6)) == [ProcessFailed(2, "lost its connection and did not come back within 0.375s")]
+
+
+def test_overlapping_sessions_of_a_reconnecting_client_keep_it_attached():
+    s = published()
+    s.attach("p0", 1.0)  # the new stream attached before the coordinator saw the old one end
+    s.detach("p0", 1.5)
+    assert s.tick(10.0) == []
+    s.detach("p0", 10.0)
+    assert failures(s.tick(10.6)) == [ProcessFailed(0, "lost its connection and did not come back within 0.375s")]
+
+
+def test_a_process_that_never_attaches_after_publication_has_the_whole_timeout():
+    s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
+    admit(s, reg("a", 0), 0.0)
+    s.call_started("a", 0.0)
+    admit(s, reg("b", 1), 0.5)  # the last one: its answer is the topology; it never opens a session
+    s.call_ended("a", 0.5)
+    s.attach("a", 0.6)
+    assert s.tick(1.5) == []
+    assert failures(s.tick(1.51)) == [ProcessFailed(1, "lost its connection and did not come back within 1s")]
+
+
+def test_processes_silent_in_one_tick_fail_in_the_order_they_went_silent():
+    s = published(4)
+    for uid, at in (("p3", 0.1), ("p0", 0.2), ("p2", 0.3)):
+        s.detach(uid, at)
+    assert [f.process_id for f in failures(s.tick(2.0))] == [3, 0, 2]
+
+
+def test_after_a_replay_every_process_has_the_whole_timeout_to_attach():
+    s = published()
+    s.detach("p1", 0.0)
+    s.reset_liveness(5.0)  # as a replica that took over does
+    assert s.tick(5.9) == []  # more than the reconnect grace: everyone gets the timeout
+    assert [f.process_id for f in failures(s.tick(6.01))] == [0, 1, 2]
 
 
 def test_waiting_registration_is_alive_and_a_silent_one_is_forgotten():
@@ -82,7 +129,6 @@ def test_waiting_registration_is_alive_and_a_silent_one_is_forgotten():
 def test_restart_with_the_same_devices_keeps_the_generation():
     s = published()
     s.detach("p1", 0.0)
-    heartbeat_all_but(s, 1, 1.5)
     s.tick(1.5)
     before = s.topology
     outcome, effects = s.register(reg("p1-again", 1, host="h1"), 2.0)
@@ -91,6 +137,7 @@ def test_restart_with_the_same_devices_keeps_the_generation():
     s.attach("p1-again", 2.0)
     with pytest.raises(ProcessDeclaredFailed, match=r"lost its connection"):
         s.attach("p1", 2.0)
+    assert s.tick(50.0) == []  # the new incarnation is attached; the old one is failed already
 
 
 def test_restart_with_other_devices_publishes_the_next_generation():
@@ -113,7 +160,7 @@ def test_elastic_policy_drops_the_failed_process():
     s = published(3, on_failure=FailurePolicy.ELASTIC, min_processes=2)
     heartbeat_all_but(s, 0, 1.5)
     effects = s.tick(1.5)
-    assert failures(effects) == [ProcessFailed(0, "sent no heartbeat for 1.5s")]
+    assert failures(effects) == [ProcessFailed(0, "lost its connection and did not come back within 0.375s")]
     assert Republish(s.topology) in effects
     assert s.topology.generation == 2
     assert [p.process_id for p in s.topology.processes] == [1, 2]  # survivors keep their ids
@@ -153,7 +200,7 @@ def test_barrier_fails_at_once_when_a_participant_fails():
     effects = s.tick(1.5)
     [resolved] = [e for e in effects if isinstance(e, BarrierResolved)]
     assert isinstance(resolved.error, BarrierFailed)
-    assert "process 1 failed: sent no heartbeat" in str(resolved.error)
+    assert "process 1 failed: lost its connection" in str(resolved.error)
     outcome, _ = s.arrive("p0", "later", frozenset({0, 1}), 60, 1.6)
     assert isinstance(outcome.error, BarrierFailed)
     assert "process 1 failed" in str(s.barrier_outcome("later").error)
