@@ -9,13 +9,17 @@ every process gets a grace period to re-attach.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from coordinator.registration import Registration
-from ifrt.records import LocalDevice
+from coordinator.limits import Limits
+from coordinator.registration import Registration, from_request, to_request
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.ids import MAX_LOCAL_DEVICES
+
+_REPLAYED = Limits(devices_per_process=MAX_LOCAL_DEVICES, attributes_per_device=1 << 30, string_bytes=1 << 30)
+"""Limits for replayed registrations: they passed the limits of the coordinator that admitted them."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +103,12 @@ _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Lef
 
 
 def encode(entry: Entry) -> bytes:
-    """One entry as compact JSON."""
+    """One entry as compact JSON; a registration keeps its RegisterRequest (base64), the peer and the secret's hash."""
+    fields: dict[str, Any]
     if isinstance(entry, Registered):
         r = entry.registration
-        fields: dict[str, Any] = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
-        fields.update(devices=[_device(d) for d in r.devices], now=entry.now)
+        fields = {"request": base64.b64encode(to_request(r)).decode(), "host_address": r.host_address,
+                  "secret_hash": r.secret_hash, "now": entry.now}
     elif isinstance(entry, KeySet):
         fields = {"key": entry.key, "value": base64.b64encode(entry.value).decode()}
     else:
@@ -118,10 +123,9 @@ def decode(raw: bytes) -> Entry:
     if kind is None:
         raise ValueError(f"unknown journal entry {raw[:80]!r}")
     if kind is Registered:
-        now = fields.pop("now")
-        devices = tuple(LocalDevice(d["local_id"], d["platform"], d["kind"], d["slice_key"], tuple(d["coordinates"]),
-                                    d["attributes"]) for d in fields.pop("devices"))
-        return Registered(Registration(**fields, devices=devices), now)
+        raw = base64.b64decode(fields["request"])
+        return Registered(from_request(pb.RegisterRequest.FromString(raw), fields["host_address"], _REPLAYED,
+                                       fields["secret_hash"], raw), fields["now"])
     if kind is KeySet:
         return KeySet(fields["key"], base64.b64decode(fields["value"]))
     if kind is BarrierFinished:
@@ -131,7 +135,3 @@ def decode(raw: bytes) -> Entry:
         fields["members"] = tuple(tuple(m) for m in fields["members"])
     return kind(**fields)
 
-
-def _device(d: LocalDevice) -> dict[str, Any]:
-    return {"local_id": d.local_id, "platform": d.platform, "kind": d.kind, "slice_key": d.slice_key,
-            "coordinates": list(d.coordinates), "attributes": dict(d.attributes)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits
@@ -36,6 +36,8 @@ class Registration:
     the same secret. Empty when the client sent none (then its client uid alone identifies it)."""
     attempt: int | None = None
     """The job attempt the process belongs to (None: it did not say)."""
+    request: bytes = field(default=b"", compare=False, repr=False)
+    """The RegisterRequest as received (empty when built otherwise): what the journal keeps of it."""
 
     @property
     def stable_key(self) -> tuple[str, str, int]:
@@ -64,31 +66,86 @@ def _text(value: str, what: str, limit: int, *, where: str = "", required: bool 
     return value
 
 
-def _device(d: pb.LocalDevice, index: int, limits: Limits) -> LocalDevice:
-    """One checked device; runs for every device of every registration, so it formats messages only on failure."""
-    if not 0 <= d.local_id < MAX_LOCAL_DEVICES:
-        raise InvalidArgument(f"local device id {d.local_id} is out of range: expected 0 <= local_id < "
+_DeviceRow = tuple[int, str, str, str, tuple[int, ...], tuple[tuple[str, str], ...]]
+_known: dict[_DeviceRow, LocalDevice] = {}
+"""Devices seen before, by their fields: hosts of one cluster mostly report equal devices, so each is built (and
+held in memory) once. Bounded by clearing."""
+_KNOWN_MOST = 1 << 16
+
+
+def _rows(request: pb.RegisterRequest) -> list[_DeviceRow]:
+    """Each device's fields as plain values: the coordinator's hot path, so empty repeated fields (the common case)
+    are not copied."""
+    return [(d.local_id, d.platform, d.kind, d.slice_key,
+             tuple(d.coordinates) if len(d.coordinates) else (),
+             tuple(sorted(d.attributes.items())) if len(d.attributes) else ())
+            for d in request.devices]
+
+
+def _check_device(row: _DeviceRow, index: int, limits: Limits) -> None:
+    """InvalidArgument naming the device if one of its fields is out of bounds; messages are built only on failure."""
+    local_id, platform, kind, slice_key, coordinates, attributes = row
+    where = f"device #{index} (local id {local_id}) "
+    if not 0 <= local_id < MAX_LOCAL_DEVICES:
+        raise InvalidArgument(f"local device id {local_id} is out of range: expected 0 <= local_id < "
                               f"{MAX_LOCAL_DEVICES} (2**17)")
-    where = f"device #{index} (local id {d.local_id}) "
-    if len(d.attributes) > limits.attributes_per_device:
-        raise InvalidArgument(f"{where}has {len(d.attributes)} attributes: expected at most "
+    if len(attributes) > limits.attributes_per_device:
+        raise InvalidArgument(f"{where}has {len(attributes)} attributes: expected at most "
                               f"{limits.attributes_per_device} (the coordinator's {FLAGS['attributes_per_device']})")
     size = limits.string_bytes
-    for key, value in d.attributes.items():
+    _text(platform, "platform", size, where=where, required=True)
+    _text(kind, "kind", size, where=where)
+    _text(slice_key, "slice key", size, where=where)
+    for key, value in attributes:
         _text(key, "attribute key", size, where=where, required=True)
         _text(value, f"attribute {key!r}", size, where=where)
-    if len(d.coordinates) > MAX_COORDINATE_RANK:
-        raise InvalidArgument(f"{where}has {len(d.coordinates)} coordinates: expected at most {MAX_COORDINATE_RANK}")
-    return LocalDevice(d.local_id, _text(d.platform, "platform", size, where=where, required=True),
-                       _text(d.kind, "kind", size, where=where), _text(d.slice_key, "slice key", size, where=where),
-                       tuple(d.coordinates), dict(d.attributes))
+    if len(coordinates) > MAX_COORDINATE_RANK:
+        raise InvalidArgument(f"{where}has {len(coordinates)} coordinates: expected at most {MAX_COORDINATE_RANK}")
+
+
+def _fits(row: _DeviceRow, limits: Limits) -> bool:
+    """Whether a device is surely within bounds, without building any message (the test every device takes)."""
+    local_id, platform, kind, slice_key, coordinates, attributes = row
+    quarter = limits.string_bytes // 4  # UTF-8 needs at most 4 bytes a character
+    return (0 <= local_id < MAX_LOCAL_DEVICES and bool(platform) and len(coordinates) <= MAX_COORDINATE_RANK
+            and len(platform) <= quarter and len(kind) <= quarter and len(slice_key) <= quarter
+            and len(attributes) <= limits.attributes_per_device
+            and all(key and len(key) <= quarter and len(value) <= quarter for key, value in attributes))
+
+
+def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, ...]:
+    """The request's devices, checked and sorted by local id; equal devices are shared between registrations."""
+    if len(request.devices) > limits.devices_per_process:
+        raise InvalidArgument(f"{len(request.devices)} devices in one process: expected at most "
+                              f"{limits.devices_per_process} (the coordinator's {FLAGS['devices_per_process']})")
+    rows = _rows(request)
+    for index, row in enumerate(rows):
+        if not _fits(row, limits):
+            _check_device(row, index, limits)
+    rows.sort()
+    for a, b in pairwise(rows):
+        if a[0] == b[0]:
+            raise InvalidArgument(f"local device id {a[0]} is listed twice: expected distinct local ids")
+    if len({len(row[4]) for row in rows}) > 1:
+        raise InvalidArgument(f"devices have coordinates of ranks {sorted({len(row[4]) for row in rows})}: "
+                              "expected the same number of coordinates for every device of a process")
+    if len(_known) > _KNOWN_MOST:
+        _known.clear()
+    devices = []
+    for row in rows:
+        device = _known.get(row)
+        if device is None:
+            device = _known[row] = LocalDevice(*row[:5], attributes=dict(row[5]))
+        devices.append(device)
+    return tuple(devices)
 
 
 def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits = DEFAULT_LIMITS,
-                 secret_hash: str = "") -> Registration:
-    """The registration a request describes (``secret_hash``: the hash of the process secret its call carried);
-    InvalidArgument (naming the value, the limit and the flag that raises it) if it is malformed or over one of
-    ``limits``. Pure: nothing is changed either way."""
+                 secret_hash: str = "", raw: bytes = b"") -> Registration:
+    """The registration a request describes (``secret_hash``: the hash of the process secret its call carried;
+    ``raw``: the request's bytes as received, kept for the journal); InvalidArgument (naming the value, the limit
+    and the flag that raises it) if it is malformed or over one of ``limits``. Pure: nothing is changed either
+    way."""
     if not request.client_uid or len(request.client_uid) > MAX_CLIENT_UID:
         long = len(request.client_uid) > MAX_CLIENT_UID
         shown = f"of {len(request.client_uid)} characters" if long else repr(request.client_uid)
@@ -100,16 +157,7 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         raise InvalidArgument(f"process id {request.process_id} is negative: expected 0 <= process_id")
     if request.local_rank < 0:
         raise InvalidArgument(f"local rank {request.local_rank} is negative: expected >= 0")
-    if len(request.devices) > limits.devices_per_process:
-        raise InvalidArgument(f"{len(request.devices)} devices in one process: expected at most "
-                              f"{limits.devices_per_process} (the coordinator's {FLAGS['devices_per_process']})")
-    devices = tuple(sorted((_device(d, i, limits) for i, d in enumerate(request.devices)), key=lambda d: d.local_id))
-    for a, b in pairwise(devices):
-        if a.local_id == b.local_id:
-            raise InvalidArgument(f"local device id {a.local_id} is listed twice: expected distinct local ids")
-    if len({len(d.coordinates) for d in devices}) > 1:
-        raise InvalidArgument(f"devices have coordinates of ranks {sorted({len(d.coordinates) for d in devices})}: "
-                              "expected the same number of coordinates for every device of a process")
+    devices = _devices(request, limits)
     return Registration(
         client_uid=request.client_uid,
         cluster_id=_text(request.cluster_id, "cluster_id", limits.string_bytes),
@@ -123,4 +171,21 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         plugin=_text(request.plugin, "plugin", limits.string_bytes),
         attempt=request.attempt if request.HasField("attempt") else None,
         secret_hash=secret_hash,
+        request=raw,
     )
+
+
+def to_request(r: Registration) -> bytes:
+    """A serialized RegisterRequest that ``from_request`` turns back into ``r`` (with the same peer and secret)."""
+    if r.request:
+        return r.request
+    request = pb.RegisterRequest(client_uid=r.client_uid, cluster_id=r.cluster_id, num_processes=r.num_processes,
+                                 hostname=r.hostname, local_rank=r.local_rank, address=r.address, plugin=r.plugin)
+    if r.process_id is not None:
+        request.process_id = r.process_id
+    if r.attempt is not None:
+        request.attempt = r.attempt
+    for d in r.devices:
+        request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
+                            coordinates=d.coordinates, attributes=d.attributes)
+    return request.SerializeToString()
