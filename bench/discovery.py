@@ -3,10 +3,21 @@
     .venv/bin/python bench/discovery.py --processes 256,1024,4096 --devices 8
     .venv/bin/python bench/discovery.py --processes 256,1024,4096 --devices 8 --peer xla
     .venv/bin/python bench/discovery.py --mode late-coordinator
+    .venv/bin/python bench/discovery.py --processes 4096 --devices 8 --content gpu --peer none  # bench/content.py
 
 Prints one JSON object per configuration on stdout and nothing else there (progress goes to stderr). A
 configuration that fails prints an object with an "error" field. Exits 1 if any configuration failed, in
 particular if the simulated processes did not all get byte-identical topology bytes. See docs/benchmarks.md.
+
+Every simulated process has its own TCP connection to the server, so the server holds N sockets: the benchmark
+raises its soft RLIMIT_NOFILE (inherited by the coordinator, the drivers and the peer's processes) to the largest
+N plus 1024, and exits 2 before running anything if the hard limit (`ulimit -Hn`) is lower; 16384 processes need
+17408. The ifrt drivers all dial 127.0.0.1, so net.ipv4.ip_local_port_range must hold N + 1024 ports (Linux's
+default 32768-60999 holds 28232). The XLA peer's simulated processes dial 127.1.0.0, 127.1.0.1, ... (all of
+127.0.0.0/8 is loopback) at a service listening on all interfaces, since its clients share one connection per
+target within a process. The peer needs about 3 threads per simulated process (kernel.pid_max bounds them all).
+
+    .venv/bin/python bench/discovery.py --processes 16384 --devices 8 --peer none --repeat 1
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import itertools
 import json
 import os
 import queue
+import resource
 import shutil
 import socket
 import subprocess
@@ -24,10 +36,12 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import content
 
 from coordinator.local import LocalCoordinator
 from ifrt.client import Client
@@ -39,8 +53,16 @@ DEFAULT_XLA_PYTHON = "/tmp/venv-xla/bin/python"
 XLA_PYTHON_ENV = "IFRT_BENCH_XLA_PYTHON"
 START_TIMEOUT_S = 60.0
 """Longest the drivers (and the peer's service) may take to be ready."""
-RUN_TIMEOUT_S = 120.0
-"""Longest one configuration may take from the first registration sent to every driver's result."""
+PROCESSES_PER_DRIVER = 4096
+"""Default load of one ifrt driver: at 8192 channels a driver's loop lags enough under load that the coordinator
+forgets some registrations (their next call arrives more than the heartbeat timeout after the last)."""
+FD_MARGIN = 1024
+"""File descriptors a process needs beyond one per simulated process (gRPC's pollers, pipes, logs, the venv)."""
+
+
+def run_timeout(n: int) -> float:
+    """Longest one configuration of ``n`` processes may take from the first registration to every result."""
+    return max(120.0, n * 0.02)
 
 
 class Child:
@@ -125,11 +147,47 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` that was free a moment ago."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def raise_fd_limit(needed: int) -> str | None:
+    """Raises the soft RLIMIT_NOFILE (children inherit it) to ``needed``; the reason it cannot, else None."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return None
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        return (f"need {needed} open files (one socket per simulated process in the server, plus {FD_MARGIN}), but "
+                f"the hard limit is {hard}: raise it (as root, `ulimit -Hn {needed}` in the shell that starts the "
+                f"benchmark; `ulimit -Hn` shows it) or run fewer processes")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return None
+
+
+def port_range_problem(n: int) -> str | None:
+    """Why ``n`` connections to one address and port cannot all get an ephemeral port, or None."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return None
+    if high - low + 1 < n + FD_MARGIN:
+        return (f"{n} processes dial one coordinator address, but net.ipv4.ip_local_port_range ({low}-{high}) has "
+                f"only {high - low + 1} ephemeral ports; widen it or run fewer processes")
+    return None
+
+
+def peak_rss_kib(pid: int) -> int | None:
+    """The peak resident set (VmHWM) of ``pid`` in KiB, from /proc/<pid>/status; None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -148,21 +206,39 @@ class Measurement:
     sys_s: float
     loopback_bytes: int
     connections: int
+    peak_rss_kib: int | None
 
 
-def established(port: int) -> int:
-    """Established TCP connections whose local end is ``port`` (the server's side), from /proc/net/tcp{,6}."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+def established(pid: int, port: int) -> int:
+    """Established TCP connections that ``pid`` holds with ``port`` as their local end: the server's side.
+
+    From /proc/net/tcp{,6}, any local address (a server on all interfaces has one socket per client address
+    dialed, 127.x.y.z), and only sockets among the server's file descriptors: gRPC servers listen with
+    SO_REUSEPORT, so another program's server on the same port number is not impossible on a shared machine.
+    Those tables are read in chunks while other programs open and close sockets, so a socket can show up twice
+    or be skipped in one reading: this counts distinct sockets over two readings.
+    """
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    seen = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6") * 2:
         path = Path(table)
         if path.exists():
             for line in path.read_text().splitlines()[1:]:
                 fields = line.split()
-                count += fields[3] == "01" and int(fields[1].rpartition(":")[2], 16) == port
-    return count
+                if fields[3] == "01" and int(fields[1].rpartition(":")[2], 16) == port and fields[9] in inodes:
+                    seen.add(fields[9])
+    return len(seen)
 
 
-def drive(server_pid: int, server_port: int, commands: list[list[str]], log_dir: Path) -> Measurement:
+def drive(server_pid: int, server_port: int, commands: list[list[str]], log_dir: Path,
+          timeout_s: float) -> Measurement:
     """Runs the drivers' protocol against one server; measures the server's CPU from "go" to all received."""
     children = [Child(c, log_dir, f"driver{i}") for i, c in enumerate(commands)]
     try:
@@ -172,13 +248,14 @@ def drive(server_pid: int, server_port: int, commands: list[list[str]], log_dir:
         (user0, sys0), lo0 = cpu_seconds(server_pid), loopback_bytes()
         for c in children:
             c.send("go")
-        deadline = time.monotonic() + RUN_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         for c in children:
             c.expect("received", deadline)
         (user1, sys1), lo1 = cpu_seconds(server_pid), loopback_bytes()
-        connections = established(server_port)
+        connections, peak = established(server_pid, server_port), peak_rss_kib(server_pid)
+        deadline = time.monotonic() + timeout_s  # checking every answer takes its own time
         results = [c.expect("sent", deadline) for c in children]
-        return Measurement(results, user1 - user0, sys1 - sys0, lo1 - lo0, connections)
+        return Measurement(results, user1 - user0, sys1 - sys0, lo1 - lo0, connections, peak)
     finally:
         for c in children:  # all at once: XLA's clients leave through a barrier over every process
             c.send("exit")
@@ -194,9 +271,13 @@ def summarize(system: str, n: int, k: int, m: Measurement) -> dict[str, Any]:
     received = [t for r in results for t in r["received"]]
     errors: Counter[str] = Counter()
     fingerprints: Counter[str] = Counter()
+    payloads: Counter[str] = Counter()
+    retried: Counter[str] = Counter()
     for r in results:
         errors.update(r["errors"])
+        retried.update(r.get("retried", {}))
         fingerprints.update(r["fingerprints"])
+        payloads.update(r["payloads"])
     facts = next((r["facts"] for r in results if r["facts"]), {})
     record: dict[str, Any] = {"system": system, "processes": n, "devices_per_process": k}
     done = [(s, e) for s, e in zip(sent, received, strict=True) if e > 0]
@@ -216,6 +297,7 @@ def summarize(system: str, n: int, k: int, m: Measurement) -> dict[str, Any]:
         coordinator_user_s=round(m.user_s, 3),
         coordinator_sys_s=round(m.sys_s, 3),
         cpu_per_process_ms=round(cpu_s / n * 1e3, 3),
+        coordinator_peak_rss_mib=round(m.peak_rss_kib / 1024, 1) if m.peak_rss_kib else None,
         topology_bytes=facts.get("canonical_bytes"),
         bytes_per_device_raw=round(facts["canonical_bytes"] / devices, 2) if facts else None,
         bytes_per_device_sent=round(facts["payload_bytes"] / devices, 2) if facts else None,
@@ -224,15 +306,22 @@ def summarize(system: str, n: int, k: int, m: Measurement) -> dict[str, Any]:
         server_connections=m.connections,
         client_decode_p50_ms=round(percentile(decode, 50) * 1e3, 3) if decode else None,
         driver_cpu_s=round(sum(r["driver_cpu_s"] for r in results), 2),
+        drivers=len(results),
         attempts=sum(r["attempts"] for r in results),
+        retried_calls=sum(retried.values()),
         holding_topology=len(done),
         distinct_fingerprints=len(fingerprints),
+        distinct_payloads=len(payloads),
     )
+    if retried:
+        record["retried_reasons"] = {e: count for e, count in retried.most_common(3)}
     problems = [f"{count} processes: {e}" for e, count in errors.most_common(5)]
     if len(done) != n:
         problems.append(f"{n - len(done)} of {n} processes do not hold the topology")
     if len(fingerprints) != 1:
         problems.append(f"{len(fingerprints)} distinct topology fingerprints (expected 1)")
+    if len(payloads) != 1:
+        problems.append(f"{len(payloads)} distinct payloads as sent (expected 1)")
     if problems:
         record["error"] = "; ".join(problems)
     return record
@@ -254,14 +343,17 @@ def median_run(run: Callable[[], dict[str, Any]], repeat: int) -> dict[str, Any]
             "wall_s_runs": [r["wall_s"] for r in records]}
 
 
-def run_ifrt(n: int, k: int, drivers: int, log_dir: Path) -> dict[str, Any]:
-    """One configuration against the real ifrt-coordinator."""
-    with LocalCoordinator(num_processes=n, log_level="WARNING") as coordinator:
+def run_ifrt(n: int, k: int, drivers: int, log_dir: Path, content_args: argparse.Namespace,
+             coordinator_args: Sequence[str] = ()) -> dict[str, Any]:
+    """One configuration against the real ifrt-coordinator, with the device content ``content_args`` name."""
+    with LocalCoordinator(*coordinator_args, num_processes=n, log_level="WARNING") as coordinator:
         commands = [[sys.executable, str(IFRT_DRIVER), "--address", coordinator.address, "--first", str(first),
                      "--count", str(count), "--num-processes", str(n), "--devices", str(k),
-                     "--timeout", str(RUN_TIMEOUT_S - 10)] for first, count in split(n, drivers)]
+                     "--timeout", str(run_timeout(n) - 10), *content.driver_arguments(content_args)]
+                    for first, count in split(n, drivers)]
         port = int(coordinator.address.rpartition(":")[2])
-        record = summarize("ifrt", n, k, drive(coordinator.pid, port, commands, log_dir))
+        record = summarize("ifrt", n, k, drive(coordinator.pid, port, commands, log_dir, run_timeout(n)))
+        record["content"] = content.describe(content_args)
         complaints = [line for line in coordinator.log.splitlines() if " WARNING " in line or " ERROR " in line]
     record["coordinator_log_warnings"] = len(complaints)
     for line in complaints[:5]:
@@ -269,18 +361,22 @@ def run_ifrt(n: int, k: int, drivers: int, log_dir: Path) -> dict[str, Any]:
     return record
 
 
-def run_xla(n: int, k: int, drivers: int, python: str, log_dir: Path) -> dict[str, Any]:
-    """One configuration against XLA's coordination service (jaxlib), doing PJRT's topology exchange."""
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    service = Child([python, str(XLA_PEER), "service", "--bind", address, "--num-processes", str(n)], log_dir,
+def run_xla(n: int, k: int, drivers: int, python: str, connections: str, log_dir: Path) -> dict[str, Any]:
+    """One configuration against XLA's coordination service (jaxlib), doing PJRT's topology exchange.
+
+    ``connections`` per-process: the service listens on all interfaces and each client dials a loopback address
+    of its own; shared: the clients of one driver share one connection to 127.0.0.1.
+    """
+    port = free_port("0.0.0.0")
+    bind = f"0.0.0.0:{port}" if connections == "per-process" else f"127.0.0.1:{port}"
+    service = Child([python, str(XLA_PEER), "service", "--bind", bind, "--num-processes", str(n)], log_dir,
                     "xla-service")
     try:
         service.expect("ready", time.monotonic() + START_TIMEOUT_S)
-        commands = [[python, str(XLA_PEER), "driver", "--address", address, "--first", str(first), "--count",
-                     str(count), "--num-processes", str(n), "--devices", str(k),
-                     "--timeout", str(int(RUN_TIMEOUT_S - 10))] for first, count in split(n, drivers)]
-        return summarize("xla", n, k, drive(service.process.pid, port, commands, log_dir))
+        commands = [[python, str(XLA_PEER), "driver", "--address", f"127.0.0.1:{port}", "--connections", connections,
+                     "--first", str(first), "--count", str(count), "--num-processes", str(n), "--devices", str(k),
+                     "--timeout", str(int(run_timeout(n) - 10))] for first, count in split(n, drivers)]
+        return summarize("xla", n, k, drive(service.process.pid, port, commands, log_dir, run_timeout(n)))
     finally:
         service.stop()
 
@@ -342,7 +438,8 @@ def main() -> int:
     p.add_argument("--mode", choices=["scale", "late-coordinator"], default="scale")
     p.add_argument("--processes", default="256,1024,4096", help="comma-separated N (default %(default)s)")
     p.add_argument("--devices", type=int, default=8, help="devices per process, K (default %(default)s)")
-    p.add_argument("--drivers", type=int, default=2, help="driver processes simulating the N (default %(default)s)")
+    p.add_argument("--drivers", type=int,
+                   help=f"driver processes simulating the N (default: N / {PROCESSES_PER_DRIVER}, at least 2)")
     p.add_argument("--repeat", type=int,
                    help="runs per configuration, the median by coordinator CPU is reported (default 3); "
                         "late-coordinator: repetitions (default 10)")
@@ -352,12 +449,18 @@ def main() -> int:
     p.add_argument("--xla-python", help=f"interpreter with jax/jaxlib (default ${XLA_PYTHON_ENV} or "
                                         f"{DEFAULT_XLA_PYTHON})")
     p.add_argument("--peer-drivers", type=int, default=8,
-                   help="driver processes for the peer; its clients are heavier and share one connection per "
-                        "driver process (default %(default)s)")
+                   help="driver processes for the peer; its clients are heavier (default %(default)s)")
+    p.add_argument("--peer-connections", choices=["per-process", "shared"], default="per-process",
+                   help="per-process: each peer client dials a loopback address of its own and so has its own "
+                        "connection; shared: a driver's clients share one (default %(default)s)")
     p.add_argument("--peer-max-processes", type=int, default=4096,
                    help="skip peer configurations above this N (default %(default)s)")
+    p.add_argument("--heartbeat-timeout", type=float, metavar="SECONDS",
+                   help="the coordinator's --heartbeat-timeout (default: its own, 10 s); a registered process whose "
+                        "next Register call has not reached the coordinator within it is forgotten")
     p.add_argument("--head-start", type=float, default=0.5,
                    help="seconds the worker runs before the coordinator starts (default %(default)s)")
+    content.add_arguments(p)  # the XLA peer always exchanges synthetic devices
     args = p.parse_args()
 
     if args.mode == "late-coordinator":
@@ -370,12 +473,20 @@ def main() -> int:
         print(f"--peer xla: no interpreter with jaxlib (set --xla-python or ${XLA_PYTHON_ENV}); see "
               "docs/benchmarks.md", file=sys.stderr)
         return 2
+    sizes = [int(x) for x in args.processes.split(",")]
+    problem = raise_fd_limit(max(sizes) + FD_MARGIN) or port_range_problem(max(sizes))
+    if problem is not None:
+        print(f"discovery: {problem}", file=sys.stderr)
+        return 2
+    coordinator_args = () if args.heartbeat_timeout is None else ("--heartbeat-timeout", str(args.heartbeat_timeout))
     failed = False
     with tempfile.TemporaryDirectory(prefix="ifrt-bench-") as tmp:
-        for n in (int(x) for x in args.processes.split(",")):
-            runs = [("ifrt", lambda n=n: run_ifrt(n, args.devices, args.drivers, Path(tmp)))]
+        for n in sizes:
+            drivers = args.drivers or max(2, -(-n // PROCESSES_PER_DRIVER))
+            runs = [("ifrt", lambda n=n, d=drivers: run_ifrt(n, args.devices, d, Path(tmp), args, coordinator_args))]
             if peer is not None and n <= args.peer_max_processes:
-                runs.append(("xla", lambda n=n: run_xla(n, args.devices, args.peer_drivers, peer, Path(tmp))))
+                runs.append(("xla", lambda n=n: run_xla(n, args.devices, args.peer_drivers, peer,
+                                                        args.peer_connections, Path(tmp))))
             for system, run in runs:
                 print(f"{system}: {n} processes x {args.devices} devices ...", file=sys.stderr, flush=True)
                 try:

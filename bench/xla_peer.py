@@ -9,6 +9,11 @@ Runs under an interpreter that has jaxlib (not the project's venv, and without i
              ``local_topology/cpu/<id>``; process 0 gets every local topology, builds the global one and sets
              ``global_topology/cpu``; every other process gets that. Same stdin/stdout protocol as
              bench/ifrt_driver.py (``ready``, ``go``, ``received``, result), then ``exit`` shuts the clients down.
+             With ``--connections per-process`` (the default) each simulated process dials a loopback address
+             of its own (127.1.0.0 onward; all of 127.0.0.0/8 routes to ``lo``) at the service's port, and so has
+             its own TCP connection: clients of one process that dial the same target share one connection
+             (gRPC's global subchannel pool, which jaxlib gives no option to avoid). The service then listens on
+             all interfaces (``--bind 0.0.0.0:PORT``).
 
 The values are PJRT's ``LocalTopologyProto`` / ``GlobalTopologyProto`` (xla/pjrt/distributed/protocol.proto),
 encoded here by hand with the fields that carry what an ifrt registration carries: node id, boot id (one per
@@ -31,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from jaxlib import _jax  # what jax._src.lib exposes to jax.distributed
 
 PLATFORM = "cpu"
+LOOPBACK_BASE = 1 << 16
+"""Simulated process i dials 127.0.0.0 + LOOPBACK_BASE + i (127.1.0.0, 127.1.0.1, ...)."""
 GATHER_THREADS = 8
 """Process 0 fetches the local topologies in parallel, as PJRT's GetAllLocalTopologies does on a thread pool."""
 HEARTBEAT_S = 100
@@ -110,6 +117,35 @@ def global_topology(locals_: list[bytes]) -> bytes:
     return b"".join(nodes)
 
 
+def own_target(address: str, node_id: int) -> str:
+    """The service's port at a loopback address of ``node_id``'s own, so that its client has its own connection."""
+    n = LOOPBACK_BASE + node_id
+    if n >= (1 << 24) - 1:  # 127.255.255.255 is the broadcast address
+        raise ValueError(f"node id {node_id} has no loopback address of its own (127.1.0.0 + id < 127.255.255.255)")
+    return f"127.{n >> 16}.{n >> 8 & 255}.{n & 255}:{address.rpartition(':')[2]}"
+
+
+class Distinct:
+    """The distinct topologies a driver's processes received, so that each process need not keep its own copy.
+
+    A process's bytes are compared (memcmp) with those seen so far as soon as it holds them, and then dropped:
+    N copies of an N-process topology grow as N squared (9 GiB at 8,192 processes x 8 devices).
+    """
+
+    def __init__(self) -> None:
+        self.blobs: list[bytes] = []
+        self._lock = threading.Lock()
+
+    def index(self, value: bytes) -> int:
+        """The index of ``value`` among the distinct topologies, added if new."""
+        with self._lock:
+            for i, blob in enumerate(self.blobs):
+                if blob == value:
+                    return i
+            self.blobs.append(value)
+            return len(self.blobs) - 1
+
+
 def emit(record: dict) -> None:
     """One JSON line to the orchestrator."""
     sys.stdout.write(json.dumps(record) + "\n")
@@ -137,10 +173,11 @@ class Simulated:
                                                           shutdown_timeout=SHUTDOWN_S, heartbeat_timeout=HEARTBEAT_S,
                                                           use_compression=True)
         self.sent = self.received = 0.0
-        self.topology = b""
+        self.held: int | None = None
+        """Which of the driver's distinct topologies this process received."""
         self.error = ""
 
-    def exchange(self, go: threading.Event) -> None:
+    def exchange(self, go: threading.Event, topologies: Distinct) -> None:
         """Connects and exchanges topologies as PJRT does; records the time from connect to holding the topology."""
         go.wait()
         self.sent = time.monotonic()
@@ -152,12 +189,12 @@ class Simulated:
                 with ThreadPoolExecutor(GATHER_THREADS) as pool:
                     locals_ = list(pool.map(lambda k: self.client.blocking_key_value_get_bytes(k, self.timeout_ms),
                                             keys))
-                self.topology = global_topology(locals_)
-                self.client.key_value_set_bytes(f"global_topology/{PLATFORM}", self.topology)
+                topology = global_topology(locals_)
+                self.client.key_value_set_bytes(f"global_topology/{PLATFORM}", topology)
             else:
-                self.topology = self.client.blocking_key_value_get_bytes(f"global_topology/{PLATFORM}",
-                                                                         self.timeout_ms)
+                topology = self.client.blocking_key_value_get_bytes(f"global_topology/{PLATFORM}", self.timeout_ms)
             self.received = time.monotonic()
+            self.held = topologies.index(topology)
         except Exception as e:  # the binding raises XlaRuntimeError (a RuntimeError) or others; report, not crash
             self.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
@@ -169,12 +206,15 @@ class Simulated:
             self.error = self.error or f"shutdown: {e}"
 
 
-def drive(address: str, first: int, count: int, num_processes: int, devices: int, timeout_s: int) -> None:
+def drive(address: str, first: int, count: int, num_processes: int, devices: int, timeout_s: int,
+          own_connections: bool) -> None:
     """Simulates processes ``first..first+count-1`` on one thread each; reports like bench/ifrt_driver.py."""
     threading.stack_size(512 << 10)
-    sims = [Simulated(address, first + i, num_processes, devices, timeout_s) for i in range(count)]
+    sims = [Simulated(own_target(address, first + i) if own_connections else address, first + i, num_processes,
+                      devices, timeout_s) for i in range(count)]
     go = threading.Event()
-    threads = [threading.Thread(target=s.exchange, args=(go,), daemon=True) for s in sims]
+    distinct = Distinct()
+    threads = [threading.Thread(target=s.exchange, args=(go, distinct), daemon=True) for s in sims]
     for t in threads:
         t.start()
     emit({"ready": count})
@@ -186,20 +226,24 @@ def drive(address: str, first: int, count: int, num_processes: int, devices: int
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     emit({"received": time.monotonic()})
+    # Every process's bytes were compared with the distinct topologies; each of those is hashed once.
+    topologies = distinct.blobs
+    held = [s.held for s in sims if s.held is not None and not s.error]
     hashes = []
-    for s in sims:
-        if s.topology and not s.error:
-            start = time.perf_counter()
-            hashes.append((hashlib.sha256(s.topology).hexdigest(), time.perf_counter() - start))
+    for topology in topologies:
+        start = time.perf_counter()
+        hashes.append((hashlib.sha256(topology).hexdigest(), time.perf_counter() - start))
     errors = Counter(s.error or "no topology before the deadline" for s in sims if s.error or not s.received)
-    topology = next((s.topology for s in sims if s.topology), b"")
+    topology = topologies[0] if topologies else b""
+    fingerprints = Counter(hashes[i][0] for i in held)
     emit({
         "sent": [s.sent for s in sims],
         "received": [s.received for s in sims],
         "attempts": count,
         "decode_s": [d for _, d in hashes],
         "errors": dict(errors),
-        "fingerprints": dict(Counter(h for h, _ in hashes)),
+        "fingerprints": dict(fingerprints),
+        "payloads": dict(fingerprints),  # what was sent is the topology itself
         "facts": {"canonical_bytes": len(topology), "payload_bytes": len(topology), "encoding": "raw",
                   "zlib_bytes": len(zlib.compress(topology, 6))} if topology else {},
         "driver_cpu_s": time.process_time() - cpu0,
@@ -226,11 +270,15 @@ def main() -> None:
     d.add_argument("--num-processes", type=int, required=True)
     d.add_argument("--devices", type=int, required=True)
     d.add_argument("--timeout", type=int, default=90, help="seconds (connect, and each blocking get)")
+    d.add_argument("--connections", choices=["per-process", "shared"], default="per-process",
+                   help="per-process: each client dials a loopback address of its own at --address's port; "
+                        "shared: all dial --address and share one connection (default %(default)s)")
     args = p.parse_args()
     if args.role == "service":
         serve(args.bind, args.num_processes)
     else:
-        drive(args.address, args.first, args.count, args.num_processes, args.devices, args.timeout)
+        drive(args.address, args.first, args.count, args.num_processes, args.devices, args.timeout,
+              args.connections == "per-process")
 
 
 if __name__ == "__main__":
