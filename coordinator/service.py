@@ -187,19 +187,20 @@ class CoordinatorService:
         except IfrtError as e:
             await _abort(context, e, f"registration from {context.peer()}")
         epoch = self.replica.epoch
-        await self._commit(context, "registration")
-        if state.registered > before:  # the last one too: every admitted process is logged once
-            self._log_admitted(registration)
-        self._apply(effects)
-        if isinstance(outcome, Published):
-            return self._answer(outcome.process_id)
         uid = registration.client_uid
-        state.call_started(uid, self._clock())
-        try:  # a timeout scope, not wait_for: no task per waiting call
-            async with asyncio.timeout(min(request.wait_ms / 1000, self._max_wait_s)):
-                await self._published.wait()
-        except TimeoutError:
-            pass
+        state.call_started(uid, self._clock())  # alive while its call is held, by the journal too (under load)
+        try:
+            await self._commit(context, "registration")
+            if state.registered > before:  # the last one too: every admitted process is logged once
+                self._log_admitted(registration)
+            self._apply(effects)
+            if isinstance(outcome, Published):
+                return self._answer(outcome.process_id)
+            try:  # a timeout scope, not wait_for: no task per waiting call
+                async with asyncio.timeout(min(request.wait_ms / 1000, self._max_wait_s)):
+                    await self._published.wait()
+            except TimeoutError:
+                pass
         finally:
             state.call_ended(uid, self._clock())
         await self._serving(context, "registration", epoch)

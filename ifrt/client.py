@@ -55,6 +55,9 @@ CHANNEL_OPTIONS = (
     # gRPC adds up to 20% jitter to the cap.
     ("grpc.initial_reconnect_backoff_ms", 10),
     ("grpc.max_reconnect_backoff_ms", 80),
+    # Give up a connection attempt after 2 s (gRPC's default: 20 s), so a replica whose host vanished (its SYNs
+    # unanswered) does not hold a process back from the replica that took over.
+    ("grpc.min_reconnect_backoff_ms", 2000),
     # Notice a coordinator that vanished without closing the connection (host down, partition, stopped): ping after
     # 5 s without hearing from it (its own pings, every quarter heartbeat timeout, count) and give up 10 s later,
     # so a coordinator busy with a registration storm is not mistaken for a dead one. ping_timeout_ms is what
