@@ -6,7 +6,8 @@
 Runs one `bench/discovery.py` configuration (ifrt only) with `py-spy record` sampling the coordinator, then prints
 one JSON object: the run's record (wall, CPU, ...) and the functions with the largest share of the non-idle
 samples, by self time and including callees. Samples in epoll/select are idle and left out. py-spy slows the
-coordinator down, so read shares, not times. `--raw PATH` keeps py-spy's collapsed stacks.
+coordinator down, so read shares, not times. `--raw PATH` keeps py-spy's collapsed stacks; `--native` adds C frames (gRPC's core, libc), so the
+shares then split Python from the C underneath it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def main() -> int:
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second (default %(default)s)")
     p.add_argument("--top", type=int, default=25, help="functions listed (default %(default)s)")
     p.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
+    p.add_argument("--native", action="store_true",
+                   help="sample C frames too (gRPC's Cython core, libc); py-spy then pauses the coordinator per sample")
     content.add_arguments(p)
     args = p.parse_args()
     spy_binary = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -71,7 +74,7 @@ def main() -> int:
         raw = args.raw or Path(tmp) / "stacks.txt"
         with LocalCoordinator(num_processes=n, log_level="WARNING") as coordinator:
             spy = subprocess.Popen([spy_binary, "record", "--pid", str(coordinator.pid), "--rate", str(args.rate),
-                                    "--format", "raw", "--output", str(raw), "--nonblocking"],
+                                    "--format", "raw", "--output", str(raw), *(["--native"] if args.native else ["--nonblocking"])],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attaches
             commands = [[sys.executable, str(discovery.IFRT_DRIVER), "--address", coordinator.address,
