@@ -6,8 +6,8 @@
 Runs one `bench/discovery.py` configuration (ifrt only) with `py-spy record` sampling the coordinator, then prints
 one JSON object: the run's record (wall, CPU, ...) and the functions with the largest share of the non-idle
 samples, by self time and including callees. Samples in epoll/select are idle and left out. py-spy slows the
-coordinator down, so read shares, not times. `--raw PATH` keeps py-spy's collapsed stacks; `--native` adds C frames (gRPC's core, libc), so the
-shares then split Python from the C underneath it.
+coordinator down, so read shares, not times. `--raw PATH` keeps py-spy's collapsed stacks; `--native` adds C
+frames (gRPC's core, libc), so the shares then split Python from the C underneath it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def main() -> int:
         raw = args.raw or Path(tmp) / "stacks.txt"
         with LocalCoordinator(num_processes=n, log_level="WARNING") as coordinator:
             spy = subprocess.Popen([spy_binary, "record", "--pid", str(coordinator.pid), "--rate", str(args.rate),
-                                    "--format", "raw", "--output", str(raw), *(["--native"] if args.native else ["--nonblocking"])],
+                                    "--format", "raw", "--output", str(raw),
+                                    *(["--native"] if args.native else ["--nonblocking"])],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attaches
             commands = [[sys.executable, str(discovery.IFRT_DRIVER), "--address", coordinator.address,
