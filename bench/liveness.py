@@ -61,7 +61,9 @@ from ifrt.events import CoordinatorLost, Event, ProcessFailed
 SERVICE = "/ifrt.topology.v1.Coordinator"
 PLUGIN = "cpu"
 DEVICES = 8
-DRIVERS = 2
+PROCESSES_PER_DRIVER = 4096
+"""Default load of one driver process: with more, its gRPC core may answer the coordinator's pings too late while
+thousands of sessions attach on two shared cores."""
 SESSION_HEARTBEAT_TIMEOUT_S = 10.0
 DETECTION_HEARTBEAT_TIMEOUT_S = 1.0
 SETTLE_S = 3.0
@@ -296,27 +298,27 @@ def peak_cpu_pct(pid: int, until: float) -> float:
     return peak
 
 
-def session_cost(num_processes: int, window_s: float, legacy: bool) -> dict[str, Any]:
+def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool) -> dict[str, Any]:
     """Measures the coordinator's CPU and RSS while ``num_processes`` sessions stay attached (and heartbeat every
     quarter timeout if ``legacy``)."""
     context = multiprocessing.get_context("spawn")
     interval_s = SESSION_HEARTBEAT_TIMEOUT_S / 4
     record: dict[str, Any] = {"measurement": "sessions", "processes": num_processes, "devices_per_process": DEVICES,
                               "heartbeat_timeout_s": SESSION_HEARTBEAT_TIMEOUT_S, "heartbeat_interval_s": interval_s,
-                              "legacy_heartbeats": legacy, "window_s": window_s,
+                              "drivers": drivers, "legacy_heartbeats": legacy, "window_s": window_s,
                               "load_average_1m": round(load_average(), 2)}
     setup_timeout_s = SETUP_TIMEOUT_S + SETUP_PER_PROCESS_S * num_processes
     with LocalCoordinator("--heartbeat-timeout", str(SESSION_HEARTBEAT_TIMEOUT_S), num_processes=num_processes,
                           log_level="WARNING") as coordinator:
         record["rss_idle_mib"] = round(rss_mib(coordinator.pid), 1)
-        inboxes = [context.Queue() for _ in range(DRIVERS)]
+        inboxes = [context.Queue() for _ in range(drivers)]
         outbox = context.Queue()
         lifetime = setup_timeout_s + SETTLE_S + window_s + 20
         drivers = [context.Process(target=driver_main, daemon=True,
-                                   args=(coordinator.address, list(range(d, num_processes, DRIVERS)), num_processes,
+                                   args=(coordinator.address, list(range(d, num_processes, drivers)), num_processes,
                                          inboxes[d], outbox, setup_timeout_s, lifetime,
                                          interval_s if legacy else None))
-                   for d in range(DRIVERS)]
+                   for d in range(drivers)]
         started = time.monotonic()
         for d in drivers:
             d.start()
@@ -501,6 +503,8 @@ def main() -> int:
                    help="simulated process counts (default %(default)s)")
     p.add_argument("--window", type=float, default=20.0, help="measured steady window in seconds (default 20)")
     p.add_argument("--repeats", type=int, default=5, help="detection runs per kind; 0 skips them (default 5)")
+    p.add_argument("--drivers", type=int, default=0,
+                   help=f"driver processes (default: one per {PROCESSES_PER_DRIVER} sessions, at least 2)")
     p.add_argument("--legacy-heartbeats", action="store_true",
                    help="simulated processes heartbeat every quarter timeout whatever the coordinator asks")
     args = p.parse_args()
@@ -512,7 +516,8 @@ def main() -> int:
     progress(f"RLIMIT_NOFILE {soft} -> {wanted}")
     ok = True
     for n in (int(x) for x in args.processes.split(",") if x.strip()):
-        ok &= measured("sessions", lambda n=n: session_cost(n, args.window, args.legacy_heartbeats))
+        drivers = args.drivers or max(2, -(-n // PROCESSES_PER_DRIVER))
+        ok &= measured("sessions", lambda n=n, d=drivers: session_cost(d, n, args.window, args.legacy_heartbeats))
     for kind in ("kill", "stop", "sigterm") if args.repeats else ():
         ok &= measured(detection_name(kind), lambda kind=kind: detection(kind, args.repeats))
     return 0 if ok else 1
