@@ -10,7 +10,7 @@ import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
-from tests.test_coordination import coordination_worker
+from tests.test_coordination import clients, coordination_worker
 
 LEADER_TTL = "2"
 
@@ -26,22 +26,11 @@ def serving(*coordinators: LocalCoordinator, timeout: float = 30) -> LocalCoordi
     raise AssertionError("no replica serves:\n" + "\n---\n".join(c.log for c in coordinators))
 
 
-def pair(address: str, attempt: int) -> list[ifrt.Client]:
-    made = [ifrt.Client(address, process_id=i, num_processes=2, timeout=60, attempt=attempt) for i in range(2)]
-    threads = [threading.Thread(target=c.discover) for c in made]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(c.topology is not None for c in made)
-    return made
-
-
 def test_a_new_attempt_sees_nothing_of_the_last_and_refuses_its_processes(etcd):
     args = ("--store", etcd.url, "--cluster-id", "job", "--leader-ttl", LEADER_TTL)
     first = LocalCoordinator(*args, "--attempt", "1", num_processes=2)
     try:
-        old = pair(first.address, attempt=1)
+        old = clients(first.address, 2, attempt=1)
         old[0].kv_set("jax/coordinator", b"10.0.0.1:1234")
         threads = [threading.Thread(target=c.barrier, args=("step-100", 30)) for c in old]
         for t in threads:
@@ -58,7 +47,7 @@ def test_a_new_attempt_sees_nothing_of_the_last_and_refuses_its_processes(etcd):
     try:
         second.wait_for_log("serving:")
         assert "attempt 2 of the job starts with an empty journal; attempt 1 is fenced off" in second.log
-        new = pair(second.address, attempt=2)
+        new = clients(second.address, 2, attempt=2)
         assert new[0].kv_try_get("jax/coordinator") is None
         assert new[0].kv_dir("") == {}
         with pytest.raises(ifrt.BarrierTimeout, match="1 of 2 processes did not arrive"):

@@ -43,9 +43,10 @@ def procs():
         p.stop()
 
 
-def clients(address: str, n: int) -> list[ifrt.Client]:
-    """``n`` processes of one cluster as Clients in this test, discovered together."""
-    made = [ifrt.Client(address, process_id=i, num_processes=n, timeout=60) for i in range(n)]
+def clients(address: str, n: int, **options: object) -> list[ifrt.Client]:
+    """``n`` processes of one cluster as Clients in this test (with ``options``, e.g. ``attempt``), discovered
+    together."""
+    made = [ifrt.Client(address, process_id=i, num_processes=n, timeout=60, **options) for i in range(n)]
     threads = [threading.Thread(target=c.discover) for c in made]
     for t in threads:
         t.start()
