@@ -57,9 +57,9 @@ def parser() -> argparse.ArgumentParser:
                         f"stay below {MAX_PROCESSES} so every global id fits in int32")
     p.add_argument("--heartbeat-timeout", type=float, default=DEFAULTS.cluster.heartbeat_timeout_s, metavar="SECONDS",
                    help="a process silent for this long is declared failed and every other process is told: "
-                        "the coordinator pings each connection every quarter of it (HTTP/2 keepalive), drops one "
+                        "the coordinator pings each connection every half of it (HTTP/2 keepalive), drops one "
                         "whose ping goes unanswered for 3/8 of it, and gives a process whose session ended the "
-                        "remaining 3/8 to attach again (default %(default)s)")
+                        "remaining 1/8 to attach again (default %(default)s)")
     p.add_argument("--on-failure", choices=[p.value for p in FailurePolicy], default=FailurePolicy.PROPAGATE.value,
                    help="propagate: report a failed process to all others and keep the topology (default); "
                         "elastic: drop it and publish a new generation over the survivors (see --min-processes)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -92,24 +93,38 @@ class ClusterConfig:
 
     # Liveness rides on each connection's HTTP/2 keepalive (coordinator/config.py). A process that goes silent is
     # noticed at most interval + keepalive timeout later (its connection is dropped and its session ends), then has
-    # the reconnect grace to attach again: the three add up to the heartbeat timeout.
+    # the reconnect grace to attach again: the three add up to the heartbeat timeout. Pings are what an idle session
+    # costs, so the interval takes the largest share; a killed process's connection closes at once, so it is
+    # reported after the grace alone.
     @property
     def heartbeat_interval_s(self) -> float:
-        """How often the coordinator pings each connection (HTTP/2 keepalive): four times per timeout."""
-        return self.heartbeat_timeout_s / 4
+        """How often the coordinator pings each connection (HTTP/2 keepalive): twice per timeout."""
+        return self.heartbeat_timeout_s / 2
 
     @property
     def keepalive_timeout_s(self) -> float:
-        """How long a ping may go unanswered before the coordinator drops the connection (ending its session): the
-        same share of the timeout as the reconnect grace, so a stall of either side's gRPC core is tolerated as long
-        as a reconnect is."""
+        """How long a ping may go unanswered before the coordinator drops the connection (ending its session): 3/8
+        of the timeout, so a peer whose gRPC core is slow to answer (a host busy with a registration storm) keeps
+        its session."""
         return self.heartbeat_timeout_s * 3 / 8
 
     @property
     def reconnect_grace_s(self) -> float:
         """How long a process whose session ended has to attach again before it is failed: what the timeout leaves
-        once a dropped connection was noticed, so a silent process is failed within the timeout."""
+        (1/8 of it) once a dropped connection was noticed, so a silent process is failed within the timeout. A
+        client re-attaches within about 0.1 s of its connection closing."""
         return self.heartbeat_timeout_s - self.heartbeat_interval_s - self.keepalive_timeout_s
+
+    @property
+    def catching_up_s(self) -> float:
+        """How recently a Register call or a session must have arrived for the coordinator to count itself as still
+        working through a burst of them (see ClusterState.tick)."""
+        return min(1.0, self.heartbeat_timeout_s / 10)
+
+    @property
+    def catching_up_limit_s(self) -> float:
+        """The longest a silent process is spared while the coordinator catches up: three timeouts."""
+        return 3 * self.heartbeat_timeout_s
 
 
 class Status(enum.Enum):
@@ -215,6 +230,7 @@ class ClusterState:
         # Joining or alive processes that neither hold a session nor wait in a call, oldest first: the only ones
         # the tick looks at (keepalive vouches for the others), so an idle cluster's tick costs nothing per process.
         self._unattended: dict[str, None] = {}
+        self._last_arrival = -math.inf  # when the latest Register call or session arrived
 
     # Journal.
     def take_journal(self) -> list[journal.Entry]:
@@ -332,6 +348,7 @@ class ClusterState:
     # clock, and failed (forgotten, before publication) once silent beyond its grace.
     def call_started(self, client_uid: str, now: float) -> None:
         """A Register call of this client is in flight (it is alive while it waits on us)."""
+        self._last_arrival = now
         member = self._members.get(client_uid)
         if member is not None:
             member.calls += 1
@@ -356,6 +373,7 @@ class ClusterState:
                                 "(the coordinator may have restarted): register again")
         self._check_owner(member, proof)
         self._check_usable(member)
+        self._last_arrival = now
         member.sessions += 1
         member.last_seen = now
         self._unattended.pop(client_uid, None)
@@ -413,8 +431,13 @@ class ClusterState:
 
     def tick(self, now: float) -> list[Effect]:
         """Fails processes silent beyond their grace and barriers past their deadline. Looks only at processes on
-        the clock (no session, no call), in the order they went silent, so the outcome does not depend on hashing."""
+        the clock (no session, no call), in the order they went silent, so the outcome does not depend on hashing.
+
+        While Register calls and sessions keep arriving (a burst: thousands attaching after publication or a
+        restart), a late one may be waiting in the coordinator's own queue, so nobody is failed until the burst
+        is over or they have been silent for ``catching_up_limit_s``."""
         effects: list[Effect] = []
+        catching_up = now - self._last_arrival < self.config.catching_up_s
         for uid in list(self._unattended):
             member = self._members.get(uid)
             if member is None or member.calls or member.sessions or member.status not in (Status.JOINING,
@@ -423,7 +446,7 @@ class ClusterState:
                 continue
             silent = now - member.last_seen
             grace = self.config.heartbeat_timeout_s if member.grace_s is None else member.grace_s
-            if silent <= grace:
+            if silent <= grace or (catching_up and silent <= self.config.catching_up_limit_s):
                 continue
             del self._unattended[uid]
             if member.status is Status.JOINING:

@@ -59,7 +59,7 @@ CHANNEL_OPTIONS = (
     # unanswered) does not hold a process back from the replica that took over.
     ("grpc.min_reconnect_backoff_ms", 2000),
     # Notice a coordinator that vanished without closing the connection (host down, partition, stopped): ping after
-    # 5 s without hearing from it (its own pings, every quarter heartbeat timeout, count) and give up 10 s later,
+    # 5 s without hearing from it (its own pings, every half heartbeat timeout, count) and give up 10 s later,
     # so a coordinator busy with a registration storm is not mistaken for a dead one. ping_timeout_ms is what
     # gRPC's core waits for the ack; keepalive_timeout_ms alone leaves that at 60 s.
     ("grpc.keepalive_time_ms", 5000),

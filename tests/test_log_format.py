@@ -17,7 +17,7 @@ from tests.test_liveness import Worker
 
 HOST = socket.gethostname()
 TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
-FAILED_REASON = re.compile(r"lost its connection and did not come back within (0\.375|1)s")
+FAILED_REASON = re.compile(r"lost its connection and did not come back within (0\.125|1)s")
 
 
 GRPC_CORE = re.compile(r"[EWID]\d{4} ")

@@ -218,7 +218,7 @@ def test_replaying_the_journal_gives_the_same_topology_key_values_and_barriers()
                                                     "not arrive: 1 (h1 (10.0.0.1))")
     assert barriers["sync"] == ("BarrierFailed", "barrier 'sync' cannot complete: process 2 left")
     assert barriers["pair"] == ("BarrierFailed", "barrier 'pair' cannot complete: process 1 failed: lost its "
-                                                 "connection and did not come back within 0.375s")
+                                                 "connection and did not come back within 0.125s")
     assert barriers["never-started"] is None
 
 

@@ -22,9 +22,9 @@ from tests.test_state import admit, reg
 
 IFRT = str(Path(sys.executable).parent / "ifrt")
 HOST = socket.gethostname()
-FAILED_REASON = re.compile(r"lost its connection and did not come back within (0\.375|1)s")
+FAILED_REASON = re.compile(r"lost its connection and did not come back within (0\.125|1)s")
 """What a process killed with kill -9 is failed for, under --heartbeat-timeout 1: its stream breaks at once and it
-is not back within the reconnect grace (3/8 of the timeout), or, killed before its session attached, within the
+is not back within the reconnect grace (1/8 of the timeout), or, killed before its session attached, within the
 timeout."""
 
 
@@ -76,14 +76,14 @@ def test_report_of_the_state_machine_names_the_missing_the_failed_and_heartbeat_
     for uid in ("p0", "p1", "p2"):
         s.attach(uid, 3.0)
     s.detach("p0", 3.8)  # p0's connection dropped; it is back within the grace
-    s.attach("p0", 4.0)
+    s.attach("p0", 3.9)
     s.detach("p1", 3.9)
     s.tick(4.3)  # p1 did not come back within the reconnect grace
     degraded = s.report(4.5)
     assert (degraded.state, degraded.generation, degraded.registered) == ("degraded", 1, 3)
     assert degraded.missing_process_ids == ()
     assert [(p.process_id, p.hostname, p.reason) for p in degraded.failed] == [
-        (1, "h1", "lost its connection and did not come back within 0.375s")]
+        (1, "h1", "lost its connection and did not come back within 0.125s")]
     assert degraded.max_heartbeat_age_s == 0.0  # sessions open (their keepalive vouches); the failed p1 not counted
 
 
