@@ -4,9 +4,10 @@
 
 A grpc.aio server whose handler does nothing but wait until all N calls arrived and answer each with the same
 bytes, driven like the discovery benchmark: two client processes, one channel (and so one connection) per
-simulated process with `ifrt.client.CHANNEL_OPTIONS`, N calls at once. Prints one JSON object: the server's
-utime+stime from "go" to the last answer, per process. The coordinator cannot cost less than this per process
-while it answers one unary call per process with grpc.aio.
+simulated process with `ifrt.client.CHANNEL_OPTIONS`, N calls at once. Prints one JSON object per N: the server's
+utime+stime from "go" to the last answer, per process, with the connections made after "go" (as in
+`bench/discovery.py`: `cpu_per_process_ms`) and made before it (`call_only_cpu_per_process_ms`). The coordinator
+cannot cost less than the first per process while each process connects and makes one unary call with grpc.aio.
 """
 
 from __future__ import annotations
@@ -46,19 +47,21 @@ async def serve(n: int) -> None:
     await server.wait_for_termination()
 
 
-async def drive(port: int, count: int) -> None:
+async def drive(port: int, count: int, connect_first: bool) -> None:
     from ifrt.client import CHANNEL_OPTIONS
 
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) for _ in range(count)]
-    await asyncio.gather(*(c.channel_ready() for c in channels))
+    if connect_first:
+        await asyncio.gather(*(c.channel_ready() for c in channels))
     print("ready", flush=True)
     sys.stdin.readline()
-    await asyncio.gather(*(c.unary_unary(METHOD)(b"\0" * 300) for c in channels))
+    await asyncio.gather(*(c.unary_unary(METHOD)(b"\0" * 300, wait_for_ready=True) for c in channels))
     print("done", flush=True)
     sys.stdin.readline()
 
 
-def measure(n: int, drivers: int) -> dict:
+def measure(n: int, drivers: int, connect_first: bool) -> float:
+    """The server's CPU seconds from "go" to the last answer."""
     from discovery import cpu_seconds
 
     here = [sys.executable, __file__]
@@ -66,20 +69,18 @@ def measure(n: int, drivers: int) -> dict:
     clients: list[subprocess.Popen] = []
     try:
         port = server.stdout.readline().strip()  # type: ignore[union-attr]
-        clients = [subprocess.Popen([*here, "--drive", port, str(n // drivers)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True) for _ in range(drivers)]
+        clients = [subprocess.Popen([*here, "--drive", port, str(n // drivers), str(int(connect_first))],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(drivers)]
         for c in clients:
             assert c.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
-        time.sleep(1.0)  # connection set-up is done before the clock starts
-        before, started = sum(cpu_seconds(server.pid)), time.monotonic()
+        time.sleep(1.0)  # the clients' start-up (and with connect_first their connections) stays off the clock
+        before = sum(cpu_seconds(server.pid))
         for c in clients:
             c.stdin.write("go\n")  # type: ignore[union-attr]
             c.stdin.flush()  # type: ignore[union-attr]
         for c in clients:
             assert c.stdout.readline().strip() == "done"  # type: ignore[union-attr]
-        wall, cpu = time.monotonic() - started, sum(cpu_seconds(server.pid)) - before
-        return {"system": "grpc.aio floor", "processes": n, "wall_s": round(wall, 3), "server_cpu_s": round(cpu, 2),
-                "cpu_per_process_ms": round(1000 * cpu / n, 3)}
+        return sum(cpu_seconds(server.pid)) - before
     finally:
         for p in [*clients, server]:
             p.kill()
@@ -92,19 +93,21 @@ def main() -> int:
     p.add_argument("--drivers", type=int, default=2, help="client processes (default %(default)s)")
     p.add_argument("--repeat", type=int, default=3, help="runs per N; the median CPU is printed (default 3)")
     p.add_argument("--serve", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--drive", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--drive", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve))
         return 0
     if args.drive:
-        asyncio.run(drive(int(args.drive[0]), int(args.drive[1])))
+        asyncio.run(drive(int(args.drive[0]), int(args.drive[1]), args.drive[2] == "1"))
         return 0
     for n in (int(x) for x in args.processes.split(",")):
-        runs = sorted((measure(n - n % args.drivers, args.drivers) for _ in range(args.repeat)),
-                      key=lambda r: r["server_cpu_s"])
-        print(json.dumps({**runs[len(runs) // 2], "cpu_per_process_ms_runs": [r["cpu_per_process_ms"] for r in runs]}),
-              flush=True)
+        n -= n % args.drivers
+        record: dict = {"system": "grpc.aio floor", "processes": n}
+        for key, connect_first in (("cpu_per_process_ms", False), ("call_only_cpu_per_process_ms", True)):
+            runs = sorted(round(1000 * measure(n, args.drivers, connect_first) / n, 3) for _ in range(args.repeat))
+            record |= {key: runs[len(runs) // 2], f"{key}_runs": runs}
+        print(json.dumps(record), flush=True)
     return 0
 
 

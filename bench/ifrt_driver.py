@@ -191,8 +191,8 @@ def guard_memory(limit_mib: int) -> None:
     while True:
         rss_mib = int(Path("/proc/self/statm").read_text().split()[1]) * page_mib
         if rss_mib > limit_mib:
-            print(f"ifrt_driver: resident memory {rss_mib:.0f} MiB passed --max-rss-mib {limit_mib}; exiting",
-                  file=sys.stderr, flush=True)
+            print(f"{Path(sys.argv[0]).stem}: resident memory {rss_mib:.0f} MiB passed the limit of {limit_mib} MiB; "
+                  "exiting", file=sys.stderr, flush=True)
             os._exit(3)
         time.sleep(0.5)
 

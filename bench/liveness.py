@@ -11,7 +11,8 @@ Prints one JSON object per measurement on stdout and nothing else there (progres
   ``--legacy-heartbeats``: every quarter timeout, as clients that predate keepalive liveness did); two driver
   processes (grpc.aio, one channel and so one connection per simulated process, with the client's channel options).
   The coordinator's CPU and RSS are read from /proc over a steady window once every session is attached; the
-  headline is its CPU per heartbeat interval (a quarter timeout) per process.
+  headline is its CPU per ping interval (half the timeout: the coordinator's heartbeat interval) per process, and
+  what that makes of the id layout's limit, 16,384 processes, as a share of a core.
 - ``process_killed``: real ``ifrt.Client`` processes 0 and 1 (threads here) and process 2 (a subprocess); process
   2 gets SIGKILL and the time until both observers hold ``ProcessFailed`` is measured.
 - ``process_stopped``: the same, with SIGSTOP: process 2 hangs with its connection open, so only its unanswered
@@ -51,12 +52,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
+from ifrt_driver import guard_memory
 
 import ifrt
 from coordinator.local import LocalCoordinator
+from coordinator.state import ClusterConfig
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client import CHANNEL_OPTIONS
 from ifrt.events import CoordinatorLost, Event, ProcessFailed
+from ifrt.ids import MAX_PROCESSES
 
 SERVICE = "/ifrt.topology.v1.Coordinator"
 PLUGIN = "cpu"
@@ -68,6 +72,8 @@ SESSION_HEARTBEAT_TIMEOUT_S = 10.0
 DETECTION_HEARTBEAT_TIMEOUT_S = 1.0
 SETTLE_S = 3.0
 """Pause between the last attach and the measured window (lets the attach burst drain)."""
+DRIVER_MAX_RSS_MIB = 4096
+"""A driver past this much resident memory exits (a storm of reconnects once grew one to 15 GB here)."""
 SETUP_TIMEOUT_S = 150.0
 """Longest the drivers may take to register every simulated process and attach every session (plus SETUP_PER_S)."""
 SETUP_PER_PROCESS_S = 0.02
@@ -136,6 +142,7 @@ class Counters:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     interval_s: float = 0.0  # what the coordinator's attached event asked for
     register_retries: int = 0  # Register calls made again after their connection was lost
+    attach_retries: int = 0  # sessions opened again after their connection was lost
 
 
 def register_request(process_id: int, num_processes: int) -> bytes:
@@ -204,12 +211,25 @@ async def read_events(stream: grpc.aio.StreamStreamCall, counters: Counters) -> 
         counters.events += event is not None
 
 
+async def attach(channel: grpc.aio.Channel, uid: str, generation: int, deadline: float,
+                 counters: Counters) -> tuple[grpc.aio.StreamStreamCall, float]:
+    """Opens the session, again after a lost connection as ``ifrt.Client`` does (each such retry is counted)."""
+    while True:
+        try:
+            return await open_session(channel, uid, generation)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            counters.attach_retries += 1
+            await asyncio.sleep(0.05)
+
+
 async def live_session(channel: grpc.aio.Channel, request: bytes, deadline: float, counters: Counters,
                        attached: Callable[[float], None], legacy_interval_s: float | None) -> None:
     """One simulated process: registers, attaches its session, heartbeats until stopped, then closes the stream."""
     uid, generation = await register(channel, request, deadline, counters)
     opened = time.monotonic()
-    stream, interval_s = await open_session(channel, uid, generation)
+    stream, interval_s = await attach(channel, uid, generation, deadline, counters)
     counters.interval_s = interval_s
     attached(time.monotonic() - opened)
     reader = asyncio.create_task(read_events(stream, counters))
@@ -247,7 +267,7 @@ async def drive(address: str, ids: list[int], num_processes: int, inbox: MpQueue
     except TimeoutError:
         counters.errors.append(f"only {len(attach_s)} of {len(ids)} sessions attached in time")
     outbox.put({"attached": len(attach_s), "setup_s": time.monotonic() - started,
-                "register_retries": counters.register_retries,
+                "register_retries": counters.register_retries, "attach_retries": counters.attach_retries,
                 "attach_max_s": max(attach_s, default=0.0), "errors": counters.errors[:5]})
     loop = asyncio.get_running_loop()
     counters.window = await loop.run_in_executor(None, inbox.get, True, max(0.0, deadline - time.monotonic()))
@@ -264,6 +284,7 @@ def driver_main(address: str, ids: list[int], num_processes: int, inbox: MpQueue
                 setup_timeout_s: float, timeout_s: float, legacy_interval_s: float | None) -> None:
     """Entry point of one driver process: reports within ``setup_timeout_s``, stops by itself within ``timeout_s``."""
     started = time.monotonic()
+    threading.Thread(target=guard_memory, args=(DRIVER_MAX_RSS_MIB,), daemon=True).start()
     try:
         asyncio.run(asyncio.wait_for(drive(address, ids, num_processes, inbox, outbox, started + setup_timeout_s,
                                            started + timeout_s, legacy_interval_s), timeout_s + 30))
@@ -302,7 +323,7 @@ def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool
     """Measures the coordinator's CPU and RSS while ``num_processes`` sessions stay attached (and heartbeat every
     quarter timeout if ``legacy``)."""
     context = multiprocessing.get_context("spawn")
-    interval_s = SESSION_HEARTBEAT_TIMEOUT_S / 4
+    interval_s = ClusterConfig(num_processes, heartbeat_timeout_s=SESSION_HEARTBEAT_TIMEOUT_S).heartbeat_interval_s
     record: dict[str, Any] = {"measurement": "sessions", "processes": num_processes, "devices_per_process": DEVICES,
                               "heartbeat_timeout_s": SESSION_HEARTBEAT_TIMEOUT_S, "heartbeat_interval_s": interval_s,
                               "drivers": drivers, "legacy_heartbeats": legacy, "window_s": window_s,
@@ -317,7 +338,7 @@ def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool
         drivers = [context.Process(target=driver_main, daemon=True,
                                    args=(coordinator.address, list(range(d, num_processes, drivers)), num_processes,
                                          inboxes[d], outbox, setup_timeout_s, lifetime,
-                                         interval_s if legacy else None))
+                                         SESSION_HEARTBEAT_TIMEOUT_S / 4 if legacy else None))
                    for d in range(drivers)]
         started = time.monotonic()
         for d in drivers:
@@ -328,6 +349,7 @@ def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool
             record["setup_s"] = round(time.monotonic() - started, 2)
             record["attach_max_ms"] = round(max(r["attach_max_s"] for r in ready) * 1000, 1)
             record["register_retries"] = sum(r["register_retries"] for r in ready)
+            record["attach_retries"] = sum(r["attach_retries"] for r in ready)
             if record["attached"] != num_processes:
                 raise RuntimeError(f"{record['attached']} of {num_processes} sessions attached: "
                                    f"{[r['errors'] for r in ready]}")
@@ -360,8 +382,10 @@ def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool
             "coordinator_cpu_s": round(cpu_s, 3),
             "coordinator_cpu_pct_of_core": round(100 * cpu_s / (t1 - t0), 2),
             "coordinator_cpu_pct_max_1s": round(peak, 1),
-            # The goal's unit: coordinator CPU per heartbeat interval per process (keepalive pings included).
+            # The goal's unit: coordinator CPU per heartbeat (ping) interval per process, keepalive pings included;
+            # and the share of a core that cost per process comes to at the id layout's limit.
             "cpu_ms_per_interval_per_process": round(1000 * cpu_s * interval_s / (t1 - t0) / num_processes, 4),
+            "pct_of_core_at_16384": round(100 * cpu_s / (t1 - t0) / num_processes * MAX_PROCESSES, 1),
             "cpu_us_per_heartbeat": round(cpu_s / beats * 1e6, 1) if legacy and beats else None,
             "rss_per_session_kib": round((record["rss_mib"] - record["rss_idle_mib"]) * 1024 / num_processes, 1),
             "session_errors": sum(r["error_count"] for r in done),
