@@ -1,21 +1,20 @@
 """Who may call the coordinator: the cluster token checked in front of every Coordinator RPC, and TLS credentials.
 
 The health service stays open (probes carry no token); everything else without the token is refused with
-UNAUTHENTICATED, logged with the caller's address, before any handler runs, so nothing changes.
+UNAUTHENTICATED before any handler runs and before its request is read, so nothing changes and a refused caller
+costs no more than its headers. Refusals are logged rate-limited, naming only methods that exist.
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from coordinator.noise import noisy
 from ifrt.errors import ERROR_TRAILER, Unauthenticated
 from ifrt.security import TOKEN_METADATA
-
-log = logging.getLogger("ifrt.coordinator")
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
@@ -33,23 +32,24 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         if given is not None and hmac.compare_digest(given.encode() if isinstance(given, str) else given,
                                                      self._token):
             return await continuation(details)
-        handler = await continuation(details)
+        if await continuation(details) is None:
+            return None  # no such method: gRPC answers UNIMPLEMENTED, and the caller's text goes nowhere
         why = "carries no token" if given is None else "carries a wrong token"
-        return _refusal(handler, details.method.rpartition("/")[2], why)
+        return _refusal(details.method.rpartition("/")[2], why)
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None, method: str, why: str) -> grpc.RpcMethodHandler:
+def _refusal(method: str, why: str) -> grpc.RpcMethodHandler:
+    """A handler that answers UNAUTHENTICATED at once: stream-shaped whatever the method, so the request is never
+    read (a refused caller cannot make the coordinator receive a large message)."""
     message = (f"this coordinator requires the cluster's token and the call {why}: set IFRT_TOKEN_FILE (or "
                "IFRT_TOKEN) to the file the coordinator's --token-file names")
 
-    async def refuse(request, context: grpc.aio.ServicerContext) -> None:
-        log.warning("refused %s from %s: the call %s", method, context.peer(), why)
+    async def refuse(requests, context: grpc.aio.ServicerContext) -> None:
+        noisy.warning(f"token:{method}:{why}", "refused %s from %s: the call %s", method, context.peer(), why)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message,
                             trailing_metadata=((ERROR_TRAILER, Unauthenticated.__name__),))
 
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    return grpc.stream_stream_rpc_method_handler(refuse)
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:

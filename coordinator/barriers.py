@@ -75,6 +75,7 @@ class Barriers:
             raise InvalidArgument(f"process {process_id} is not a participant of barrier {name!r} "
                                   f"(processes {_ids(participants)})")
         if barrier is None:
+            self._check_room(name)
             barrier = self._by_name[name] = Barrier(name, participants, now, now + timeout_s)
             self._pending.add(name)
         if not barrier.pending:
@@ -99,6 +100,7 @@ class Barriers:
                                   f"{self.limits.barrier_name_bytes} (the coordinator's {FLAGS['barrier_name_bytes']})")
         barrier = self._by_name.get(name)
         if barrier is None:
+            self._check_room(name)
             barrier = self._by_name[name] = Barrier(name, frozenset(), now, now)
         elif not barrier.pending:
             return False, []
@@ -124,6 +126,12 @@ class Barriers:
                     f"{len(missing)} of {len(barrier.participants)} processes did not arrive: "
                     f"{', '.join(describe(p) for p in missing[:16])}{' ...' if len(missing) > 16 else ''}"))
         return effects
+
+    def _check_room(self, name: str) -> None:
+        """InvalidArgument unless one more barrier fits under ``limits.barriers``."""
+        if len(self._by_name) >= self.limits.barriers:
+            raise InvalidArgument(f"barrier {shown(name)} would be barrier number {len(self._by_name) + 1}: expected "
+                                  f"at most {self.limits.barriers} barriers (the coordinator's {FLAGS['barriers']})")
 
     def _pending_barriers(self) -> list[Barrier]:
         return [self._by_name[name] for name in sorted(self._pending)]

@@ -70,6 +70,16 @@ class KeyIncremented:
 
 
 @dataclass(frozen=True)
+class KeySwapped:
+    """A compare-and-set that changed the key: the value it stored, and the call that made it (for retries)."""
+
+    key: str
+    value: bytes
+    client_uid: str
+    request_id: str
+
+
+@dataclass(frozen=True)
 class KeysDeleted:
     key: str
     prefix: bool  # every key starting with ``key``
@@ -95,11 +105,11 @@ class PreemptionSyncDecided:
     step: int
 
 
-Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeysDeleted
+Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
          | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
-                                                         KeyIncremented, KeysDeleted, LiveSetDecided, PreemptionNoticed,
-                                                         PreemptionSyncDecided)}
+                                                         KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
+                                                         PreemptionNoticed, PreemptionSyncDecided)}
 
 
 def encode(entry: Entry) -> bytes:
@@ -109,8 +119,8 @@ def encode(entry: Entry) -> bytes:
         r = entry.registration
         fields = {"request": base64.b64encode(to_request(r)).decode(), "host_address": r.host_address,
                   "secret_hash": r.secret_hash, "now": entry.now}
-    elif isinstance(entry, KeySet):
-        fields = {"key": entry.key, "value": base64.b64encode(entry.value).decode()}
+    elif isinstance(entry, KeySet | KeySwapped):
+        fields = {**asdict(entry), "value": base64.b64encode(entry.value).decode()}
     else:
         fields = asdict(entry)
     return json.dumps({"type": type(entry).__name__, **fields}, separators=(",", ":")).encode()
@@ -126,8 +136,8 @@ def decode(raw: bytes) -> Entry:
         raw = base64.b64decode(fields["request"])
         return Registered(from_request(pb.RegisterRequest.FromString(raw), fields["host_address"], _REPLAYED,
                                        fields["secret_hash"], raw), fields["now"])
-    if kind is KeySet:
-        return KeySet(fields["key"], base64.b64decode(fields["value"]))
+    if kind is KeySet or kind is KeySwapped:
+        return kind(**{**fields, "value": base64.b64decode(fields["value"])})
     if kind is BarrierFinished:
         fields["participants"] = tuple(fields["participants"])
     if kind is LiveSetDecided:

@@ -22,6 +22,16 @@ FLAGS = {
     "kv_key_bytes": "--kv-max-key-bytes",
     "barrier_name_bytes": "--max-barrier-name-bytes",
     "concurrent_streams": "--max-concurrent-streams",
+    "barriers": "--max-barriers",
+    "watches_per_session": "--max-watches-per-session",
+    "session_backlog_bytes": "--max-session-backlog-bytes",
+    "health_name_bytes": "--max-health-name-bytes",
+    "health_watches_per_connection": "--max-health-watches-per-connection",
+    "health_watches": "--max-health-watches",
+    "first_message_seconds": "--first-message-timeout",
+    "connection_idle_seconds": "--max-connection-idle",
+    "connections": "--max-connections",
+    "event_history": "--max-event-history",
 }
 """The ``ifrt-coordinator`` flag that sets each limit (named in every error about it)."""
 
@@ -37,7 +47,8 @@ class Limits:
     attributes_per_device: int = 64
     """Most attributes one device carries: a plugin's properties fit; thousands per device bloat every topology."""
     string_bytes: int = 1024
-    """Longest hostname, address, cluster id, plugin, platform, kind, slice key, attribute key or value (UTF-8)."""
+    """Longest hostname, address, cluster id, plugin, platform, kind, slice key, attribute key or value, and a
+    call's request or call id (UTF-8)."""
     kv_value_bytes: int = 1 << 20
     """Largest key-value value: bootstrap values (a collective's unique id, an address) are far smaller."""
     kv_keys: int = 1 << 20
@@ -46,14 +57,42 @@ class Limits:
     """Longest key-value key (UTF-8): keys are names, and every one is journaled and listed."""
     barrier_name_bytes: int = 1024
     """Longest barrier name (UTF-8): names are journaled and named in every barrier's errors."""
-    concurrent_streams: int = 0
+    concurrent_streams: int = 4096
     """Calls one client connection may have open at once (HTTP/2 streams); further calls wait for a free one.
-    0: gRPC's own default (no limit), since one client process may hold many waiting calls over one connection."""
+    A process holds its Register call, its session and the calls its threads wait in: a few. A driver that carries
+    many processes' calls on one connection (a host agent, a test harness of 2048) stays well inside it.
+    0: gRPC's own default (no limit)."""
+    barriers: int = 1 << 20
+    """Most barriers kept (a name is used once and its result repeated to late callers; a cancel of a name nobody
+    used yet is kept too): 64 for each of 2**14 processes."""
+    watches_per_session: int = 1024
+    """Most key prefixes one session watches (each at most --kv-max-key-bytes long): a process watches a few."""
+    session_backlog_bytes: int = 64 << 20
+    """Most bytes of events a session may leave unread (64 values of the largest size); past it the session is
+    ended and its process attaches again (kv_watch's changes meanwhile are re-read with kv_dir)."""
+    health_name_bytes: int = 256
+    """Longest service name a health check or watch may ask for: the names served are at most 28 bytes long."""
+    health_watches_per_connection: int = 4
+    """Health watches one connection may hold open (the health service needs no token)."""
+    health_watches: int = 1024
+    """Health watches held open at once, over all connections: a watching connection is never idle."""
+    first_message_seconds: int = 10
+    """How long a Session or health call may take to send its first message before it is ended."""
+    connection_idle_seconds: int = 30
+    """A connection without a call in flight (or still in its handshake) for this long is closed; a process's
+    session is a call in flight, so only connections that hold nothing are closed (clients reconnect at once)."""
+    connections: int = 0
+    """Most connections at once; further ones are refused at accept. 0: the descriptor limit less the descriptors
+    the coordinator keeps for itself (see ``connection_cap``)."""
+    event_history: int = 1 << 16
+    """Job events (failures, departures, restarts, generations, a preemption notice) kept for sessions that attach
+    or reconnect late: four for each of 2**14 processes. A session further behind gets a snapshot of each process's
+    state instead of the events it missed."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            least = 0 if f.name == "concurrent_streams" else 1
+            least = 0 if f.name in ("concurrent_streams", "connections") else 1
             if not isinstance(value, int) or value < least:
                 raise InvalidArgument(f"{FLAGS[f.name]} {value!r} is out of range: expected an integer >= {least}")
         if self.devices_per_process > MAX_LOCAL_DEVICES:
@@ -69,3 +108,33 @@ def shown(text: str, most: int = 64) -> str:
     """A caller's text as an error quotes it: its first ``most`` characters (errors travel in a status message,
     which gRPC clients refuse beyond 8 KiB of metadata)."""
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
+
+
+FD_RESERVE = 64
+"""Descriptors the coordinator keeps for itself besides connections: its listening sockets and event loop, etcd's
+connections, the metrics server, log files and a scrape or two."""
+SPARE_CONNECTIONS = 64
+"""Connections beyond one per process that a job needs room for: operators (``ifrt status``), probes, and
+processes reconnecting while their old connection is not yet closed."""
+
+
+def connection_cap(limits: Limits, descriptor_limit: int) -> int:
+    """The most connections accepted at once: ``--max-connections`` within the descriptor limit less
+    FD_RESERVE (0: that)."""
+    derived = max(1, descriptor_limit - FD_RESERVE)
+    return min(limits.connections, derived) if limits.connections else derived
+
+
+def descriptors_needed(num_processes: int) -> int:
+    """The descriptor limit (``ulimit -n``) a job of ``num_processes`` needs: a connection per process, spare
+    connections, and the coordinator's own descriptors."""
+    return num_processes + SPARE_CONNECTIONS + FD_RESERVE
+
+
+def check_call_id(what: str, value: str, limits: Limits) -> None:
+    """InvalidArgument unless a caller's ``request_id`` or ``call_id`` fits in ``--max-string-bytes``: the
+    coordinator keeps it (journaled) to answer the call's retries."""
+    size = len(value.encode())
+    if size > limits.string_bytes:
+        raise InvalidArgument(f"{what} is {size} bytes long: expected at most {limits.string_bytes} (the "
+                              f"coordinator's {FLAGS['string_bytes']})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
 import os
 import sys
 
@@ -86,7 +87,8 @@ def parser() -> argparse.ArgumentParser:
                         help="most attributes one device may carry (default %(default)s)")
     limits.add_argument("--max-string-bytes", dest="string_bytes", type=int, default=default.string_bytes,
                         metavar="BYTES", help="longest hostname, address, cluster id, plugin, platform, kind, slice "
-                                              "key, attribute key or attribute value (default %(default)s)")
+                                              "key, attribute key or attribute value, and a call's request or call "
+                                              "id (default %(default)s)")
     limits.add_argument("--kv-max-value-bytes", dest="kv_value_bytes", type=int, default=default.kv_value_bytes,
                         metavar="BYTES", help="largest value the key-value store accepts (default %(default)s)")
     limits.add_argument("--kv-max-keys", dest="kv_keys", type=int, default=default.kv_keys, metavar="N",
@@ -101,7 +103,48 @@ def parser() -> argparse.ArgumentParser:
                         default=default.concurrent_streams, metavar="N",
                         help="calls one client connection may have open at once (HTTP/2 streams; per connection, "
                              "so a host with several connections gets this many on each); further calls wait for "
-                             "one to end instead of failing (default %(default)s: gRPC's own, no limit)")
+                             "one to end instead of failing (default %(default)s; 0: gRPC's own, no limit)")
+    limits.add_argument("--max-barriers", dest="barriers", type=int, default=default.barriers, metavar="N",
+                        help="most barriers kept, finished and cancelled ones included (a name is used once and "
+                             "its result repeated to late callers); a new name beyond them is refused "
+                             "(default %(default)s)")
+    limits.add_argument("--max-watches-per-session", dest="watches_per_session", type=int,
+                        default=default.watches_per_session, metavar="N",
+                        help="most key prefixes one process's session watches (each at most --kv-max-key-bytes "
+                             "long); a watch beyond them is not started (default %(default)s)")
+    limits.add_argument("--max-session-backlog-bytes", dest="session_backlog_bytes", type=int,
+                        default=default.session_backlog_bytes, metavar="BYTES",
+                        help="most bytes of events a session may leave unread; past it the session is ended and "
+                             "its process attaches again (default %(default)s)")
+    limits.add_argument("--max-health-name-bytes", dest="health_name_bytes", type=int,
+                        default=default.health_name_bytes, metavar="BYTES",
+                        help="longest service name a health check or watch may name; the health service needs no "
+                             "token (default %(default)s)")
+    limits.add_argument("--max-health-watches-per-connection", dest="health_watches_per_connection", type=int,
+                        default=default.health_watches_per_connection, metavar="N",
+                        help="health watches one connection may hold open (default %(default)s)")
+    limits.add_argument("--max-health-watches", dest="health_watches", type=int, default=default.health_watches,
+                        metavar="N", help="health watches held open at once over all connections (default "
+                                          "%(default)s)")
+    limits.add_argument("--first-message-timeout", dest="first_message_seconds", type=int,
+                        default=default.first_message_seconds, metavar="SECONDS",
+                        help="how long a Session or health call may take to send its first message before it is "
+                             "ended (default %(default)s)")
+    limits.add_argument("--max-connection-idle", dest="connection_idle_seconds", type=int,
+                        default=default.connection_idle_seconds, metavar="SECONDS",
+                        help="close a connection that has no call in flight, or has not finished its handshake, "
+                             "for this long; a process's session keeps its connection busy, and clients reconnect "
+                             "by themselves (default %(default)s)")
+    limits.add_argument("--max-event-history", dest="event_history", type=int, default=default.event_history,
+                        metavar="N",
+                        help="job events kept for sessions that attach or reconnect late; one further behind is "
+                             "sent each process's state instead (default %(default)s)")
+    limits.add_argument("--max-connections", dest="connections", type=int, default=default.connections,
+                        metavar="N",
+                        help="most connections at once, further ones are refused at accept (default %(default)s: "
+                             "the descriptor limit, raised to its hard limit at start, less 64 the coordinator "
+                             "keeps for itself; a job needs a descriptor limit of at least --num-processes + 128, "
+                             "and the coordinator warns at start when it is lower)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
     p.add_argument("--ready-file", metavar="PATH",
@@ -195,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                                metrics_port=args.metrics_port, metrics_bind=args.metrics_bind, token=token,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                etcd_access=etcd_access)
+    if token is None:
+        logging.getLogger("ifrt.coordinator").warning(
+            "no cluster token (--token-file): any client that reaches %s may call the coordinator, and transfers "
+            "between the job's processes are unauthenticated (an endpoint only checks that a peer connects from "
+            "the address of the process it claims to be)", args.bind)
     gc.freeze()  # what start-up allocated is never garbage: keep the collector off it under load
     try:
         asyncio.run(serve(config))

@@ -6,18 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from coordinator import health, status_page
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, StatusReport
+from ifrt import status as status_view
+from ifrt import status_svg
+from ifrt._generated import coordinator_pb2
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
+from ifrt.security import TOKEN_METADATA
 
 if TYPE_CHECKING:
     from coordinator.service import CoordinatorService
@@ -28,6 +37,14 @@ JOURNAL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 """Journal appends: microseconds in memory, milliseconds to etcd, seconds when etcd struggles."""
 SCRAPE_TIMEOUT_S = 5.0
 """Longest a scrape waits for the coordinator's event loop to read its state."""
+LEADER_TIMEOUT_S = 2.0
+"""Longest a standby's status page waits for the leader's view (within the scrape timeout)."""
+KNOWN_METHODS = frozenset({*(f"/{service.full_name}/{method.name}"
+                             for service in coordinator_pb2.DESCRIPTOR.services_by_name.values()
+                             for method in service.methods), *health.METHODS})
+"""The methods counted under their own name; every other one is counted as service and method ``unknown``, so a
+caller's text never becomes a label (each label value is a series every scrape carries)."""
+UNKNOWN = "unknown"
 
 
 class MetricsBindError(RuntimeError):
@@ -49,23 +66,32 @@ class Metrics:
                                                 buckets=JOURNAL_BUCKETS, registry=self.registry)
         self._http: Any = None
         self._thread: threading.Thread | None = None
+        self._read_view: Callable[[], dict[str, Any]] = _no_view
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         """Counts and times every RPC of the server it is installed in (install it first, to see every refusal)."""
         return _RpcMetrics(self)
 
-    def watch(self, service: CoordinatorService) -> None:
-        """Reads ``service``'s state at every scrape (on its event loop) and times its journal appends. Call it
-        from that event loop."""
+    def watch(self, service: CoordinatorService, *, token: str | None = None, tls: bool = False) -> None:
+        """Reads ``service``'s state at every scrape and page view (on its event loop) and times its journal
+        appends. Call it from that event loop. On a standby the page asks the leader's view with ``token`` (not
+        over ``tls``: a replica holds no client certificate)."""
         service.replica.on_append = self.journal_append_seconds.observe
-        self.registry.register(_StateCollector(service, asyncio.get_running_loop()))
+        loop = asyncio.get_running_loop()
+        self.registry.register(_StateCollector(service, loop))
+        page_view = _PageView(service, token, tls)
+        self._read_view = lambda: asyncio.run_coroutine_threadsafe(page_view.read(), loop).result(SCRAPE_TIMEOUT_S)
 
     def serve(self, host: str, port: int) -> int:
-        """Serves ``/metrics`` over HTTP on ``host:port`` (port 0 picks one) in a thread; returns the port."""
+        """Serves ``/metrics``, and the status page at ``/`` (``/status``, ``/status.json``), over HTTP on
+        ``host:port`` (port 0 picks one) in a thread; returns the port."""
+        app = status_page.wsgi_app(make_wsgi_app(self.registry), lambda: self._read_view())
         try:
-            self._http, self._thread = start_http_server(port, host, registry=self.registry)
+            self._http = make_server(host, port, app, _server_class(host), handler_class=_QuietHandler)
         except OSError as e:
             raise MetricsBindError(f"cannot serve metrics on {host}:{port}: {e}") from e
+        self._thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
+        self._thread.start()
         return self._http.server_port
 
     def close(self) -> None:
@@ -86,9 +112,12 @@ class _RpcMetrics(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None:  # gRPC answers UNIMPLEMENTED itself
-            return None
-        service, _, method = details.method.lstrip("/").rpartition("/")
+        if details.method in KNOWN_METHODS:
+            service, _, method = details.method.lstrip("/").rpartition("/")
+        else:
+            service = method = UNKNOWN
+        if handler is None:  # answered UNIMPLEMENTED, as gRPC would, but counted
+            handler = grpc.stream_stream_rpc_method_handler(_unimplemented)
         for kind in ("unary_unary", "stream_unary", "unary_stream", "stream_stream"):
             behavior = getattr(handler, kind)
             if behavior is not None:
@@ -128,6 +157,10 @@ class _RpcMetrics(grpc.aio.ServerInterceptor):
             finally:
                 record(started, context, error)
         return answered
+
+
+async def _unimplemented(requests: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
 
 def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
@@ -197,3 +230,65 @@ class _StateCollector(Collector):
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _no_view() -> dict[str, Any]:
+    raise RuntimeError("the coordinator is not started yet")
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Requests are not logged (a scraper or an open page asks every few seconds)."""
+
+
+def _server_class(host: str) -> type[ThreadingWSGIServer]:
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return Server
+
+
+class _PageView:
+    """The status view the page draws, read on the coordinator's event loop: what ``ifrt status --json`` shows,
+    with the attempt and, once published, each process's slice, devices' global ids and default mesh order."""
+
+    def __init__(self, service: CoordinatorService, token: str | None, tls: bool) -> None:
+        self._service = service
+        self._token = token
+        self._tls = tls
+        self._extras: tuple[int, dict[int, dict[str, Any]]] = (0, {})  # per generation: the mesh order is costly
+
+    async def read(self) -> dict[str, Any]:
+        service = self._service
+        answer = await service.status_answer()
+        view = status_view.to_dict(answer)
+        standby = view["state"] == status_view.STANDBY
+        view["replicas"] = [{"address": answer.replica, "role": status_view.STANDBY if standby else
+                             status_view.LEADER}]
+        if standby and answer.leader and answer.leader != answer.replica:
+            view["replicas"].append({"address": answer.leader, "role": status_view.LEADER})
+        view["attempt"] = service.replica.config.attempt
+        if standby and answer.leader and answer.leader != answer.replica:
+            view.update(await self._leader_view(answer.leader))
+        topology = service.state.topology if not standby else None
+        if topology is not None:
+            if self._extras[0] != topology.generation:
+                hostnames = {p.process_id: p.hostname for p in topology.processes}
+                self._extras = (topology.generation, status_svg.topology_extras(topology.devices, hostnames))
+            view = status_svg.with_extras(view, self._extras[1])
+        return view
+
+    async def _leader_view(self, leader: str) -> dict[str, Any]:
+        """``leader_view``: the leader's Status as the page draws it; else ``leader_error``, why there is none."""
+        if self._tls:
+            return {"leader_error": "Over TLS a standby does not ask the leader (it holds no client certificate)."}
+        metadata = [(TOKEN_METADATA, self._token)] if self._token else []
+        try:
+            async with grpc.aio.insecure_channel(leader) as channel:
+                answer = await CoordinatorStub(channel).Status(coordinator_pb2.StatusRequest(), metadata=metadata,
+                                                               timeout=LEADER_TIMEOUT_S)
+        except grpc.RpcError as e:
+            return {"leader_error": f"The leader {leader} did not answer: {e.code().name}: {e.details()}."}
+        view = status_view.to_dict(answer)
+        if view["state"] == status_view.STANDBY:
+            return {"leader_error": f"{leader} no longer leads: {view['reason']}."}
+        return {"leader_view": {**view, "attempt": self._service.replica.config.attempt}}

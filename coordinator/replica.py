@@ -9,6 +9,10 @@ so nothing a process holds can be missing from the journal the next leader repla
 
 One writer, one store write in flight: each write carries every entry queued meanwhile (group commit), and
 while many calls wait, writes are spaced out so that a burst costs a few large store transactions.
+
+The journal holds what replay needs, not every write ever made: once superseded entries (overwritten or
+deleted keys) outweigh the rest, the writer compacts it between two writes (``coordinator.compaction``), and a
+replica that finds such a journal on taking over compacts it before serving.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
-from coordinator import journal
+from coordinator import compaction, journal
 from coordinator.state import ClusterConfig, ClusterState
 from coordinator.store import Store, StoreError
 
@@ -63,6 +67,7 @@ class Replica:
         self._on_step_down = on_step_down
         self._report = report
         self._pending: list[bytes] = []  # encoded entries not yet handed to the store
+        self._garbage = compaction.Garbage()  # how much of the journal a compaction would drop
         self._enqueued = 0  # entries of this epoch handed to the writer, in order
         self._durable = 0  # of those, how many the store has made durable
         self._waiters: list[asyncio.Future] = []  # commit() calls waiting until nothing queued is undurable
@@ -78,7 +83,10 @@ class Replica:
 
     def not_serving_reason(self) -> str:
         """Why this replica does not answer, naming the leader when it is known."""
-        leader = self.store.leader
+        leader, attempt = self.store.leader, self.store.leader_attempt
+        if leader and leader != self._advertise and attempt is not None:
+            return (f"{self.reason}; the coordinator at {leader} still leads attempt {attempt} of the job: this "
+                    f"coordinator serves a later attempt once attempt {attempt}'s coordinators are stopped")
         if leader and leader != self._advertise:
             return f"{self.reason}; the coordinator at {leader} leads"
         return self.reason
@@ -113,7 +121,10 @@ class Replica:
                 raise NotServing(self.not_serving_reason())
             entries = self.state.take_journal()
             if entries:
-                self._pending.extend(journal.encode(e) for e in entries)
+                for entry in entries:
+                    encoded = journal.encode(entry)
+                    self._pending.append(encoded)
+                    self._garbage.observe(entry, len(encoded))
                 self._enqueued += len(entries)
                 self._wake.set()
             if self._durable == self._enqueued:
@@ -159,6 +170,28 @@ class Replica:
             for done in ready:
                 if not done.done():
                     done.set_result(None)
+            if self._garbage.due():
+                try:
+                    await self._compact()
+                except StoreError as e:  # a compaction cut short leaves a journal that replays the same
+                    if epoch == self.epoch:
+                        await self._step_down(f"the store failed while compacting the journal: {e}")
+                except Exception:
+                    log.exception("unexpected error while compacting the journal; it stays as it is")
+                    self._garbage = compaction.Garbage()
+
+    async def _compact(self, raw: list[bytes] | None = None, entries: list[journal.Entry] | None = None) -> None:
+        """Drops what replay no longer needs from the store's journal (read again unless given, with nothing
+        appended since) and starts a new estimate from what stays."""
+        if raw is None or entries is None:
+            raw = await self.store.load()
+            entries = [journal.decode(r) for r in raw]
+        keep = compaction.needed(entries)
+        await self.store.compact(raw, keep)
+        kept = [i for i, k in enumerate(keep) if k]
+        self._garbage = compaction.Garbage.of([entries[i] for i in kept], [len(raw[i]) for i in kept], compacted=True)
+        log.info("compacted the journal: %d entries (%d bytes) -> %d (%d bytes)", len(raw),
+                 sum(map(len, raw)), len(kept), self._garbage.total_bytes)
 
     def stop_serving(self, why: str) -> None:
         """Refuses new calls from now on (on shutdown); writes already queued still complete."""
@@ -168,9 +201,19 @@ class Replica:
         self._down.clear()
         entries = await self.store.load()
         state = ClusterState(self.config)
-        for raw in entries:
-            state.replay(journal.decode(raw))
+        decoded = [journal.decode(raw) for raw in entries]
+        for entry in decoded:
+            state.replay(entry)
         state.reset_liveness(self._clock())
+        self._garbage = compaction.Garbage.of(decoded, [len(raw) for raw in entries], compacted=False)
+        if self._garbage.due():  # a journal that grew under an earlier leader
+            try:
+                await self._compact(entries, decoded)
+            except StoreError:
+                raise
+            except Exception:
+                log.exception("unexpected error while compacting the journal; it stays as it is")
+                self._garbage = compaction.Garbage()
         self.state, self.epoch = state, self.epoch + 1
         self._pending, self._enqueued, self._durable = [], 0, 0
         await self._report(True)  # health says SERVING no later than the first answer

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
+import gc
 import logging
 import os
+import resource
 import signal
 import socket
+from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
+from grpc_health.v1 import health_pb2
 
+from coordinator import noise
 from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
+from coordinator.health import HealthService
+from coordinator.limits import SPARE_CONNECTIONS, Limits, connection_cap, descriptors_needed
 from coordinator.metrics import Metrics, MetricsBindError
 from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import Store, open_store
 
 log = logging.getLogger("ifrt.coordinator")
+
+
+GC_INTERVAL_S = 1.0
+"""How often young garbage is collected (a few milliseconds at most: the heap start-up made is frozen)."""
 
 
 class BindError(RuntimeError):
@@ -35,11 +46,13 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     interceptors = [TokenCheck(config.token, SERVICE)] if config.token else []
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor())  # counts refused calls too
+    limits = config.cluster.limits
     server = grpc.aio.server(interceptors=interceptors,
                              options=[*config.grpc_options, *config.keepalive_options,
-                                      ("grpc.max_receive_message_length", config.cluster.limits.request_bytes),
+                                      ("grpc.max_receive_message_length", limits.request_bytes),
                                       ("grpc.max_send_message_length", -1),
-                                      *_stream_limit(config.cluster.limits.concurrent_streams)])
+                                      *_stream_limit(limits.concurrent_streams),
+                                      *_connection_limits(limits, config.cluster.num_processes)])
     try:
         if config.tls_cert and config.tls_key:
             credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -53,7 +66,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     address = f"{config.bind.rpartition(':')[0]}:{port}"
     advertise = config.advertise or (address if not address.startswith("0.0.0.0:")
                                      else f"{socket.gethostname()}:{port}")
-    health = health_aio.HealthServicer()
+    health = HealthService(limits)
 
     async def report(serving: bool) -> None:
         """The standard gRPC health service says SERVING exactly while this replica leads with its state."""
@@ -64,15 +77,14 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     await report(False)  # the servicer starts out SERVING for ""; nothing is served before the journal is replayed
     service = CoordinatorService(config.cluster, store, advertise=advertise, max_wait_s=config.max_wait_s,
                                  report=report)
-    server.add_generic_rpc_handlers((service.handlers(),))
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_generic_rpc_handlers((service.handlers(), health.handlers()))
     if metrics is not None:
-        metrics.watch(service)
+        metrics.watch(service, token=config.token, tls=bool(config.tls_cert))
         try:
             metrics_port = metrics.serve(config.metrics_bind, config.metrics_port or 0)
         except MetricsBindError as e:
             raise BindError(str(e)) from e
-        log.info("serving metrics on http://%s:%d/metrics", config.metrics_bind, metrics_port)
+        log.info("serving metrics on http://%s:%d/metrics, the status page at /", config.metrics_bind, metrics_port)
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,7 +97,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
         _write_atomically(config.ready_file, address)
     background = [asyncio.create_task(service.replica.run()),
                   asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
-                  asyncio.create_task(service.tick_every(config.tick_s))]
+                  asyncio.create_task(service.tick_every(config.tick_s)),
+                  asyncio.create_task(noise.flush_every()),
+                  asyncio.create_task(_collect_young_garbage_every(GC_INTERVAL_S))]
     try:
         await stop.wait()
     finally:
@@ -103,12 +117,55 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         await store.close()  # gives up leadership at once: a standby takes over without waiting for the lease
+        noise.noisy.flush()
         log.info("stopped")
 
 
 def _stream_limit(streams: int) -> list[tuple[str, int]]:
     """gRPC's per-connection HTTP/2 stream limit (SETTINGS_MAX_CONCURRENT_STREAMS); 0 keeps gRPC's default."""
     return [("grpc.max_concurrent_streams", streams)] if streams else []
+
+
+async def _collect_young_garbage_every(interval_s: float) -> None:
+    """Frees the reference cycles that finished calls leave (gRPC's call objects hold their request): a server that
+    allocates little never triggers Python's collector, so the large requests of refused calls would stay."""
+    while True:
+        await asyncio.sleep(interval_s)
+        gc.collect(1)
+        _trim()
+
+
+def _libc_trim() -> Callable[[], object]:
+    """glibc's malloc_trim(0): gives the free pages inside malloc's heaps back to the system (the chunks a large
+    request was read into are freed, but stay resident otherwise); a no-op without glibc."""
+    try:
+        return functools.partial(ctypes.CDLL("libc.so.6").malloc_trim, 0)
+    except (OSError, AttributeError):
+        return lambda: None
+
+
+_trim = _libc_trim()
+
+
+def _connection_limits(limits: Limits, num_processes: int) -> list[tuple[str, int]]:
+    """gRPC options that bound connections: idle ones (no call in flight) and unfinished handshakes are closed
+    after --max-connection-idle, and accepting stops below the descriptor limit (raised to its hard limit here),
+    so a flood of connections can neither hold descriptors forever nor starve the coordinator's own."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    cap = connection_cap(limits, soft)
+    if cap < num_processes + SPARE_CONNECTIONS or (limits.connections and limits.connections > cap):
+        log.warning("the descriptor limit (ulimit -n) is %d, so at most %d connections are accepted at once: a "
+                    "job of %d processes needs at least %d; raise the limit (or --max-connections)", soft, cap,
+                    num_processes, descriptors_needed(num_processes))
+    idle_ms = limits.connection_idle_seconds * 1000
+    return [("grpc.max_connection_idle_ms", idle_ms), ("grpc.server_handshake_timeout_ms", idle_ms),
+            ("grpc.max_allowed_incoming_connections", cap)]
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

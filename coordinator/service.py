@@ -12,11 +12,16 @@ from typing import NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from grpc._cython import cygrpc
 
 from coordinator import registration as reg
 from coordinator import status as status_view
 from coordinator.agreement import LiveSetResolved
 from coordinator.barriers import BarrierResolved
+from coordinator.history import GenerationPublished, Numbered, Snapshot
+from coordinator.limits import FLAGS
+from coordinator.noise import noisy
+from coordinator.outbox import Outbox
 from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
 from coordinator.state import (
@@ -77,6 +82,15 @@ def peer_host(peer: str) -> str:
     return rest or peer
 
 
+class _Number:
+    """Queued just before a job event's bytes: its number, so a session that caught up skips what it has."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+
 class _Evicted:
     def __init__(self, error: IfrtError) -> None:
         self.error = error
@@ -104,11 +118,14 @@ class CoordinatorService:
         self._generation = 0
         self._answer_tail = b""  # Register answer minus process_id, for the current generation
         self._topology_event = b""  # SessionEvent(topology_changed) for the current generation
+        self._published_at = 0  # the job event number of its publication
         self._progress_cache: tuple[float, int, bytes] = (-1e9, -1, b"")
-        self._sessions: dict[str, set[asyncio.Queue]] = {}
+        self._limits = config.limits
+        self._sessions: dict[str, set[Outbox]] = {}
         self._barrier_done: dict[str, asyncio.Event] = {}
-        self._kv_set: dict[str, asyncio.Event] = {}
-        self._watches: dict[asyncio.Queue, set[str]] = {}  # session queue -> the key prefixes it watches
+        self._kv_set: dict[str, asyncio.Event] = {}  # key -> set when it is set; only while a get waits for it
+        self._kv_waiters: dict[str, int] = {}  # key -> gets waiting for it
+        self._watches: dict[Outbox, set[str]] = {}  # session outbox -> the key prefixes it watches
         self._live_decided = asyncio.Event()  # replaced by a new one each time an agreement ends
         self._preemption_decided = asyncio.Event()  # likewise, each time the sync point is decided or times out
 
@@ -166,6 +183,7 @@ class CoordinatorService:
             "KeyValueDir": unary(self.kv_dir),
             "KeyValueTryGet": unary(self.kv_try_get),
             "KeyValueIncrement": unary(self.kv_increment),
+            "KeyValueCompareSet": unary(self.kv_compare_set),
             "KeyValueDelete": unary(self.kv_delete),
             "CancelBarrier": unary(self.cancel_barrier),
             "LiveProcesses": unary(self.live_processes),
@@ -228,10 +246,12 @@ class CoordinatorService:
         canonical = wire.encode(topology)
         fingerprint = wire.fingerprint(canonical)
         encoding, payload = wire.compress(canonical)
+        position = self.state.published_at
         shared = pb.RegisterResponse(topology=payload, encoding=encoding, fingerprint=fingerprint,
-                                     generation=topology.generation)
+                                     generation=topology.generation, event_position=position)
         self._answer_tail = shared.SerializeToString()
-        self._topology_event = pb.SessionEvent(topology_changed=shared).SerializeToString()
+        self._topology_event = pb.SessionEvent(topology_changed=shared, event_number=position).SerializeToString()
+        self._published_at = position
         self._generation = topology.generation
         self._fingerprint = fingerprint
         self._published.set()
@@ -278,7 +298,14 @@ class CoordinatorService:
     async def session(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """A process's live session: cluster events out. Costs nothing while nothing happens: the server's keepalive
         pings watch the connection in gRPC's core, and dropping a silent one ends this call (detaching the process)."""
-        first = await anext(aiter(requests), None)
+        limits = self._limits
+        try:  # a stream that never opens holds nothing for long
+            async with asyncio.timeout(limits.first_message_seconds):
+                first = await anext(aiter(requests), None)
+        except TimeoutError:
+            await _abort(context, InvalidArgument(
+                f"no SessionOpen within {limits.first_message_seconds}s of the session's start: expected it as the "
+                f"first message (the coordinator's {FLAGS['first_message_seconds']})"), "session")
         if first is None:
             return
         opening = await _parse(pb.SessionRequest, first, context)
@@ -291,22 +318,34 @@ class CoordinatorService:
             process_id = state.attach(uid, self._clock(), proof=_proof(context))
         except IfrtError as e:
             await _abort(context, e, f"session of client {uid}")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = Outbox(limits.session_backlog_bytes, lambda waiting: _Evicted(InvalidArgument(
+            f"this session left {waiting} bytes of events unread: expected at most {limits.session_backlog_bytes} "
+            f"(the coordinator's {FLAGS['session_backlog_bytes']}); attach again and re-read watched keys")))
         self._sessions.setdefault(uid, set()).add(queue)
         reader = asyncio.create_task(self._read_heartbeats(state, uid, requests, queue))
         log.debug("session of process %d attached", process_id)
         try:
             await context.write(pb.SessionEvent(attached=pb.Attached(
                 heartbeat_interval_ms=HEARTBEAT_INTERVAL_MS, generation=self._generation)).SerializeToString())
-            if opening.open.generation != self._generation:
-                await context.write(self._topology_event)
-            for notice in state.notices():  # a notice given while this session was away
-                await context.write(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
-                    process_id=notice.process_id)).SerializeToString())
+            sent = 0  # the number of the last job event this session has
+            if opening.open.since_event:
+                sent = await self._catch_up(context, state, process_id, opening.open)
+            else:  # a client that predates numbering: from now on
+                if opening.open.generation != self._generation:
+                    await context.write(self._topology_event)
+                for notice in state.notices():  # a notice given while this session was away
+                    await context.write(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
+                        process_id=notice.process_id)).SerializeToString())
+            skip = False
             while (item := await queue.get()) is not _END:
                 if isinstance(item, _Evicted):
                     await _abort(context, item.error, f"session of process {process_id}")
-                await context.write(item)
+                if isinstance(item, _Number):
+                    skip = item.number <= sent  # queued while the session caught up, and sent then
+                elif skip:
+                    skip = False
+                else:
+                    await context.write(item)
         finally:
             reader.cancel()
             self._watches.pop(queue, None)
@@ -315,8 +354,30 @@ class CoordinatorService:
                 del self._sessions[uid]
             state.detach(uid, self._clock())
 
+    async def _catch_up(self, context: grpc.aio.ServicerContext, state: ClusterState, process_id: int,
+                        opening: pb.SessionOpen) -> int:
+        """Sends a session that opens from a job event every durable event after it, in order (a snapshot where the
+        history no longer reaches back); returns the number of the last one it now has."""
+        what = f"session of process {process_id}"
+        await self._commit(context, what)  # only durable events are sent
+        try:  # no await since the commit: nothing newer than what is durable is read
+            catch_up = state.catch_up(process_id, opening.since_event, opening.generation)
+        except IfrtError as e:
+            await _abort(context, e, what)
+        self._sync_generation()
+        messages = [self._topology_event if isinstance(n.event, GenerationPublished) else _event_message(n)[1]
+                    for n in catch_up.events]
+        if catch_up.snapshot is not None:
+            log.info("session of process %d opened from job event %d, which the history (%s %d) no longer holds: "
+                     "sent each process's state as of event %d", process_id, opening.since_event,
+                     FLAGS["event_history"], self._limits.event_history, catch_up.head)
+            messages.append(_snapshot_message(catch_up.snapshot))
+        for message in messages:
+            await context.write(message)
+        return catch_up.head
+
     async def _read_heartbeats(self, state: ClusterState, uid: str, requests: AsyncIterator[bytes],
-                               queue: asyncio.Queue) -> None:
+                               queue: Outbox) -> None:
         try:
             async for raw in requests:
                 if raw == _HEARTBEAT:
@@ -328,24 +389,41 @@ class CoordinatorService:
         finally:
             queue.put_nowait(_END)
 
-    def _session_request(self, raw: bytes, queue: asyncio.Queue) -> None:
-        """A session message besides a heartbeat: a watch of a key prefix, acknowledged once changes flow."""
+    def _session_request(self, raw: bytes, queue: Outbox) -> None:
+        """A session message besides a heartbeat: a watch of a key prefix, acknowledged once changes flow. A watch
+        over a limit is not acknowledged (the session has no way to refuse one message) and is logged."""
         try:
             request = pb.SessionRequest.FromString(raw)
         except DecodeError:
-            log.warning("ignored a malformed session message of %d bytes", len(raw))
+            noisy.warning("session:malformed", "ignored a malformed session message of %d bytes", len(raw))
             return
         if request.WhichOneof("kind") == "watch":
-            self._watches.setdefault(queue, set()).add(request.watch.prefix)
+            prefix, limits = request.watch.prefix, self._limits
+            watched = self._watches.setdefault(queue, set())
+            if len(prefix.encode()) > limits.kv_key_bytes:
+                noisy.warning("session:watch-length", "ignored a watch of a prefix of %d bytes: expected at most %d "
+                              "(the coordinator's %s)", len(prefix.encode()), limits.kv_key_bytes,
+                              FLAGS["kv_key_bytes"])
+                return
+            if prefix not in watched and len(watched) >= limits.watches_per_session:
+                noisy.warning("session:watch-count", "ignored a watch of a session that watches %d prefixes: expected "
+                              "at most %d (the coordinator's %s)", len(watched), limits.watches_per_session,
+                              FLAGS["watches_per_session"])
+                return
+            watched.add(prefix)
             queue.put_nowait(pb.SessionEvent(watching=request.watch).SerializeToString())
 
-    def _broadcast(self, message: bytes) -> None:
+    def _broadcast(self, number: int, message: bytes) -> None:
+        """Queues ``message`` (job event ``number``; 0: not a job event) for every session."""
+        marker = _Number(number) if number else None
         for queues in self._sessions.values():
             for queue in queues:
+                if marker is not None:
+                    queue.put_nowait(marker)
                 queue.put_nowait(message)
 
     def _close_sessions(self, reason: str) -> None:
-        self._broadcast(pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
+        self._broadcast(0, pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
         for queues in self._sessions.values():
             for queue in queues:
                 queue.put_nowait(_END)
@@ -410,11 +488,20 @@ class CoordinatorService:
         if value is None:
             wait_s = min(request.wait_ms / 1000, self._max_wait_s)
             log.debug("%s waits up to %.1fs for the key to be set", what, wait_s)
+            key = request.key
+            event = self._kv_set.setdefault(key, asyncio.Event())
+            self._kv_waiters[key] = self._kv_waiters.get(key, 0) + 1
             try:
-                await asyncio.wait_for(self._kv_set.setdefault(request.key, asyncio.Event()).wait(), wait_s)
+                await asyncio.wait_for(event.wait(), wait_s)
             except TimeoutError:
                 await _abort(context, KeyValueTimeout(f"key {request.key!r} was not set within {wait_s:.1f}s"),
                              what, level=logging.DEBUG)
+            finally:  # the last get to stop waiting takes the key's event with it
+                self._kv_waiters[key] -= 1
+                if not self._kv_waiters[key]:
+                    del self._kv_waiters[key]
+                    if self._kv_set.get(key) is event:
+                        del self._kv_set[key]
             await self._serving(context, what, epoch)
             value = await self._read(context, what, lambda: state.kv_get(request.client_uid, request.key,
                                                                          proof=proof))
@@ -445,6 +532,13 @@ class CoordinatorService:
         total = await self._command(context, f"key-value increment of {request.key!r}", lambda: self.state.kv_increment(
             request.client_uid, request.key, request.amount, request.request_id, proof=_proof(context)))
         return pb.KeyValueIncrementResponse(value=total).SerializeToString()
+
+    async def kv_compare_set(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await _parse(pb.KeyValueCompareSetRequest, raw, context)
+        value = await self._command(context, f"key-value compare-set of {request.key!r}", lambda: (
+            self.state.kv_compare_set(request.client_uid, request.key, request.expected, request.desired,
+                                      request.request_id, proof=_proof(context))))
+        return pb.KeyValueCompareSetResponse(value=value or b"", found=value is not None).SerializeToString()
 
     async def kv_delete(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await _parse(pb.KeyValueDeleteRequest, raw, context)
@@ -571,25 +665,22 @@ class CoordinatorService:
                 case Notify(event=ProcessFailed(process_id=pid, reason=reason)):
                     log.warning("process %s failed: %s", self.state.describe_process(pid), reason,
                                 extra=self._about(pid, "process_failed", reason=reason))
-                    self._broadcast(pb.SessionEvent(process_failed=pb.ProcessEvent(
-                        process_id=pid, reason=reason)).SerializeToString())
+                    self._broadcast(*_event_message(Numbered(effect.number, effect.event)))
                 case Notify(event=ProcessRestarted(process_id=pid, incarnation=incarnation)):
                     log.info("process %s restarted (incarnation %d)", self.state.describe_process(pid), incarnation,
                              extra=self._about(pid, "process_restarted", incarnation=incarnation))
-                    self._broadcast(pb.SessionEvent(process_restarted=pb.ProcessEvent(
-                        process_id=pid, incarnation=incarnation)).SerializeToString())
+                    self._broadcast(*_event_message(Numbered(effect.number, effect.event)))
                 case Notify(event=PreemptionNotice(process_id=pid)):
                     log.warning("process %s will be preempted: every process is told", self.state.describe_process(pid),
                                 extra=self._about(pid, "preemption_notice"))
-                    self._broadcast(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
-                        process_id=pid)).SerializeToString())
+                    self._broadcast(*_event_message(Numbered(effect.number, effect.event)))
                 case Notify(event=ProcessLeft(process_id=pid)):
                     log.info("process %s left", self.state.describe_process(pid),
                              extra=self._about(pid, "process_left"))
-                    self._broadcast(pb.SessionEvent(process_left=pb.ProcessEvent(process_id=pid)).SerializeToString())
+                    self._broadcast(*_event_message(Numbered(effect.number, effect.event)))
                 case Republish():
                     if self._sync_generation():
-                        self._broadcast(self._topology_event)
+                        self._broadcast(self._published_at, self._topology_event)
                 case Evict(client_uid=uid, reason=reason):
                     for queue in self._sessions.get(uid, ()):
                         queue.put_nowait(_Evicted(ProcessDeclaredFailed(f"this process was {reason}; restart it "
@@ -634,6 +725,10 @@ class CoordinatorService:
     async def status_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The operator's view (``ifrt status``); a standby answers it too, naming the leader."""
         await _parse(pb.StatusRequest, raw, context)
+        return (await self.status_answer()).SerializeToString()
+
+    async def status_answer(self) -> pb.StatusResponse:
+        """What ``Status`` answers now (also the status page's source): only what is durable."""
         if self.replica.serving:
             with contextlib.suppress(NotServing):  # then this replica answers as a standby
                 await self.replica.commit()  # report only what is durable
@@ -641,13 +736,14 @@ class CoordinatorService:
         if not replica.serving:
             answer = status_view.standby_answer(cluster_id=config.cluster_id, expected=config.num_processes,
                                                 replica=self._advertise, leader=replica.store.leader,
-                                                store=replica.store.description, reason=replica.not_serving_reason())
-            return answer.SerializeToString()
+                                                store=replica.store.description, reason=replica.not_serving_reason(),
+                                                attempt=config.attempt)
+            return answer
         self._sync_generation()  # no await since the commit: the report and the fingerprint are of one state
         return status_view.leader_answer(self.state.report(self._clock()), fingerprint=self._fingerprint,
                                          replica=self._advertise, leader=replica.store.leader or self._advertise,
-                                         store=replica.store.description,
-                                         time_to_publish_s=self.time_to_publish_s).SerializeToString()
+                                         store=replica.store.description, time_to_publish_s=self.time_to_publish_s,
+                                         attempt=config.attempt)
 
     def report(self) -> status_view.StatusReport | None:
         """The state machine's report as of now (for metrics); None while this replica does not serve."""
@@ -681,6 +777,34 @@ async def _parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) ->
         await _abort(context, InvalidArgument(f"request is not a valid {cls.DESCRIPTOR.full_name}: {e}"), "request")
 
 
+def _event_message(numbered: Numbered) -> tuple[int, bytes]:
+    """A job event's number and the SessionEvent every session is sent for it (the same bytes for each)."""
+    match numbered.event:
+        case ProcessFailed(process_id=pid, reason=reason):
+            message = pb.SessionEvent(process_failed=pb.ProcessEvent(process_id=pid, reason=reason))
+        case ProcessRestarted(process_id=pid, incarnation=incarnation):
+            message = pb.SessionEvent(process_restarted=pb.ProcessEvent(process_id=pid, incarnation=incarnation))
+        case ProcessLeft(process_id=pid):
+            message = pb.SessionEvent(process_left=pb.ProcessEvent(process_id=pid))
+        case PreemptionNotice(process_id=pid):
+            message = pb.SessionEvent(preemption_notice=pb.ProcessEvent(process_id=pid))
+        case _:
+            raise AssertionError(f"not a process event: {numbered.event!r}")
+    message.event_number = numbered.number
+    return numbered.number, message.SerializeToString()
+
+
+def _snapshot_message(snapshot: Snapshot) -> bytes:
+    """The SessionEvent that stands for the events up to ``snapshot.position`` a session can no longer be sent."""
+    message = pb.EventSnapshot(
+        failed=[pb.ProcessEvent(process_id=e.process_id, reason=e.reason) for e in snapshot.failed],
+        left=[pb.ProcessEvent(process_id=e.process_id) for e in snapshot.left],
+        restarted=[pb.ProcessEvent(process_id=e.process_id, incarnation=e.incarnation) for e in snapshot.restarted])
+    if snapshot.preemption is not None:
+        message.preemption_notice.process_id = snapshot.preemption.process_id
+    return pb.SessionEvent(snapshot=message, event_number=snapshot.position).SerializeToString()
+
+
 def _set_and_renew(event: asyncio.Event) -> asyncio.Event:
     """Wakes everyone waiting on ``event``; later waiters wait on the new event returned."""
     event.set()
@@ -693,6 +817,10 @@ def _proof(context: grpc.aio.ServicerContext) -> str:
     return proof_of(secret if isinstance(secret, str) else secret.decode(errors="replace"))
 
 
+_CALL_GONE = getattr(cygrpc, "ExecuteBatchError", ())
+"""What grpc.aio raises when a write meets a call its caller has cancelled or whose connection is gone."""
+
+
 def _internal_errors(handler):
     """Turns an unexpected exception into INTERNAL (logged with its traceback) instead of gRPC's bare UNKNOWN."""
     @wraps(handler)
@@ -702,6 +830,10 @@ def _internal_errors(handler):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as e:
+            if isinstance(e, _CALL_GONE) or context.cancelled():  # the caller went away mid-write: nothing to tell
+                log.debug("%s from %s ended by its caller: %s: %s", handler.__name__, context.peer(),
+                          type(e).__name__, e)
+                return None
             log.exception("internal error in %s from %s", handler.__name__, context.peer())
             await context.abort(grpc.StatusCode.INTERNAL, _capped(
                 f"internal coordinator error in {handler.__name__}: {type(e).__name__}: {e}", MAX_MESSAGE_BYTES))
@@ -711,7 +843,11 @@ def _internal_errors(handler):
 async def _abort(context: grpc.aio.ServicerContext, error: IfrtError, what: str,
                  level: int = logging.WARNING) -> NoReturn:
     message = _capped(str(error), MAX_MESSAGE_BYTES)
-    log.log(level, "rejected %s: %s", _capped(what, MAX_MESSAGE_BYTES // 8), message)
+    if level >= logging.WARNING:  # a caller's doing: rate-limited per kind of error
+        noisy.log(level, f"rejected:{type(error).__name__}", "rejected %s: %s", _capped(what, MAX_MESSAGE_BYTES // 8),
+                  message)
+    else:
+        log.log(level, "rejected %s: %s", _capped(what, MAX_MESSAGE_BYTES // 8), message)
     await context.abort(error.code, message, trailing_metadata=((ERROR_TRAILER, type(error).__name__),))
     raise AssertionError("context.abort returned")
 

@@ -26,8 +26,9 @@ from coordinator import journal
 from coordinator.agreement import LiveSetResolved, LiveSets, Members
 from coordinator.assignment import assign_process_ids
 from coordinator.barriers import BarrierResolved, Barriers
+from coordinator.history import CatchUp, GenerationPublished, History, Numbered, Snapshot
 from coordinator.kv import KeyValueStore
-from coordinator.limits import DEFAULT_LIMITS, Limits
+from coordinator.limits import DEFAULT_LIMITS, Limits, check_call_id
 from coordinator.preemption import Preemption, PreemptionResolved
 from coordinator.registration import Registration
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, ProcessReport, StatusReport
@@ -49,8 +50,13 @@ from ifrt.records import Device, Process
 from ifrt.wire import TopologyContent
 
 FIRST_GENERATION = 1
-INCREMENTS_REMEMBERED = 64
-"""Increments remembered per client for its retries (a client retries only its calls in flight)."""
+ANSWERS_REMEMBERED = 64
+"""Increments and swaps remembered per client for its retries (a client retries only its calls in flight)."""
+AGENT_KEY_PREFIX = "torchrun/"
+"""Keys that callers which are no process of the topology may use too: torchrun's agents meet there before any
+worker exists (``ifrt.torchrun``). The cluster token still guards them, and the store's limits bound them."""
+AGENTS_REMEMBERED = 1024
+"""Such callers whose increments and swaps are remembered for retries (the oldest is forgotten past this)."""
 
 
 class FailurePolicy(enum.StrEnum):
@@ -167,9 +173,10 @@ class Published:
 
 @dataclass(frozen=True)
 class Notify:
-    """Effect: tell every live session about ``event``."""
+    """Effect: tell every live session about ``event``, job event number ``number``."""
 
     event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice
+    number: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,6 +184,8 @@ class Republish:
     """Effect: a new generation; send it to every live session."""
 
     topology: TopologyContent
+    number: int = 0
+    """The job event number of its publication."""
 
 
 @dataclass(frozen=True)
@@ -224,9 +233,14 @@ class ClusterState:
         self._in_topology: set[int] = set()  # process ids in the current generation
         self._down: dict[int, str] = {}  # process id -> why it is unavailable (failed or left)
         self._live_sets = LiveSets()
-        self._increments: dict[str, dict[str, int]] = {}  # client uid -> request id -> the sum it made
+        self._answers: dict[str, dict[str, int | bytes]] = {}  # client uid -> request id -> its answer (sum, value)
+        self._agents: dict[str, None] = {}  # callers that are no process, least recently answered first
         self._preemption: Preemption | None = None
         self._journal: list[journal.Entry] = []
+        self._history = History(config.limits.event_history)
+        self.published_at = 0
+        """The job event number that published the current generation."""
+        self._incarnated_at: dict[int, int] = {}  # process id -> event number of its latest restart
         # Joining or alive processes that neither hold a session nor wait in a call, oldest first: the only ones
         # the tick looks at (keepalive vouches for the others), so an idle cluster's tick costs nothing per process.
         self._unattended: dict[str, None] = {}
@@ -256,13 +270,17 @@ class ClusterState:
                 self._barriers.restore(name, frozenset(participants), error)
             case journal.KeyIncremented(key=key, value=value, client_uid=uid, request_id=request_id):
                 self._kv.restore(key, str(value).encode())
-                self._remember_increment(uid, request_id, value)
+                self._remember(uid, request_id, value)
+            case journal.KeySwapped(key=key, value=value, client_uid=uid, request_id=request_id):
+                self._kv.restore(key, value)
+                self._remember(uid, request_id, value)
             case journal.KeysDeleted(key=key, prefix=prefix):
                 self._kv.delete(key, prefix)
             case journal.LiveSetDecided(callers=callers, members=members, error_type=kind, error=message):
                 self._live_sets.restore(callers, members, ERROR_CLASSES[kind](message) if kind else None)
             case journal.PreemptionNoticed(process_id=pid):
                 self._preemption = Preemption(pid)
+                self._history.add(PreemptionNotice(pid))
             case journal.PreemptionSyncDecided(step=step):
                 assert self._preemption is not None
                 self._preemption.sync_step = step
@@ -426,7 +444,7 @@ class ClusterState:
         pid = self._process_ids[_claim(member.registration)]
         member.status, member.reason = Status.LEFT, "left"
         self._down[pid] = "left"
-        return [Notify(ProcessLeft(pid)), *self._finished(self._barriers.fail_including(pid, "left")),
+        return [self._notify(ProcessLeft(pid)), *self._finished(self._barriers.fail_including(pid, "left")),
                 *self._drop_if_elastic(pid, "left")]
 
     def tick(self, now: float) -> list[Effect]:
@@ -488,6 +506,7 @@ class ClusterState:
         """This live process asks who is alive: joins the pending agreement. Returns its answer once decided (the
         same for every caller: {process id: incarnation} as sorted pairs, or the error) and the effects."""
         pid = self.process_id_of(client_uid, proof=proof)
+        check_call_id("call_id", call_id, self.config.limits)
         answer = self._live_sets.answer(client_uid, call_id)
         if answer is not None:  # a retry of a decided call
             return answer, []
@@ -507,7 +526,7 @@ class ClusterState:
             return []
         self._journal.append(journal.PreemptionNoticed(pid))
         self._preemption = Preemption(pid)
-        return [Notify(PreemptionNotice(pid))]
+        return [self._notify(PreemptionNotice(pid))]
 
     def preemption_sync(self, client_uid: str, step: int, timeout_s: float, now: float, *,
                         proof: str = "") -> tuple[int | IfrtError | None, list[Effect]]:
@@ -532,6 +551,57 @@ class ClusterState:
     def notices(self) -> list[PreemptionNotice]:
         """What a session that attaches now must hear besides the topology: a preemption notice, if one was given."""
         return [] if self._preemption is None else [PreemptionNotice(self._preemption.noticed_by)]
+
+    # Event history.
+    @property
+    def event_position(self) -> int:
+        """The number of the latest job event (0: none yet)."""
+        return self._history.head
+
+    def catch_up(self, process_id: int, since: int, generation: int) -> CatchUp:
+        """What the session of ``process_id``, holding ``generation`` and opening from job event ``since``, is sent
+        before newer events: every event after ``since`` but its own from before its current incarnation, with the
+        current topology in place of the generations among them (first, when it holds another and none is among
+        them); a snapshot where the history no longer reaches back. InvalidArgument past the latest event."""
+        head = self._history.head
+        if since > head:
+            raise InvalidArgument(f"the session opened from job event {since}, but the latest event of this cluster "
+                                  f"is {head}: expected the event_position of a Register answer or the number of an "
+                                  "event received")
+        assert self.topology is not None  # a session attaches only once a generation is published
+        current = self.topology.generation
+        topology = Numbered(self.published_at, GenerationPublished(current))
+        events = self._history.since(since)
+        if events is None:
+            return CatchUp(head, (topology,) if generation != current else (), self._snapshot(process_id))
+        own_since = self._incarnated_at.get(process_id, 0)
+        kept = [n for n in events if not isinstance(n.event, GenerationPublished)
+                and not (n.number <= own_since and isinstance(n.event, ProcessFailed | ProcessLeft | ProcessRestarted)
+                         and n.event.process_id == process_id)]
+        if generation != current:
+            kept.append(topology)
+            kept.sort(key=lambda n: n.number)  # numbers are unique: a total order
+        return CatchUp(head, tuple(kept))
+
+    def _snapshot(self, process_id: int) -> Snapshot:
+        """Each other process's state that differs from the topology, and the preemption notice, as of now."""
+        failed, left, restarted = [], [], []
+        for pid in sorted(self._claims):
+            if pid == process_id:
+                continue
+            member = self._members[self._holder[self._claims[pid]]]
+            if member.status is Status.FAILED:
+                failed.append(ProcessFailed(pid, member.reason))
+            elif member.status is Status.LEFT:
+                left.append(ProcessLeft(pid))
+            elif member.incarnation:
+                restarted.append(ProcessRestarted(pid, member.incarnation))
+        notice = self.notices()
+        return Snapshot(self._history.head, tuple(failed), tuple(left), tuple(restarted), notice[0] if notice else None)
+
+    def _notify(self, event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice) -> Notify:
+        """Numbers ``event`` in the job's history; returns the effect that tells the sessions."""
+        return Notify(event, self._history.add(event))
 
     def _alive(self) -> dict[int, tuple[str, int]]:
         """Process id -> (client uid, incarnation) of every process of the topology that is not failed or left."""
@@ -566,7 +636,7 @@ class ClusterState:
     def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, *,
                proof: str = "") -> list[Effect]:
         """Stores a value for a live process; returns the change (empty when the key held that value already)."""
-        self.process_id_of(client_uid, proof=proof)
+        self._check_kv_caller(client_uid, key, proof)
         if not self._kv.set(key, value, allow_overwrite):
             return []
         self._journal.append(journal.KeySet(key, value))
@@ -576,25 +646,54 @@ class ClusterState:
                      proof: str = "") -> tuple[int, list[Effect]]:
         """Adds ``amount`` to the integer ``key`` holds (0 when unset) for a live process; returns the sum. A retry
         (the same ``request_id`` from the same client) is answered the sum it made, not applied again."""
-        self.process_id_of(client_uid, proof=proof)
-        done = self._increments.get(client_uid, {})
-        if request_id and request_id in done:
-            return done[request_id], []
+        self._check_kv_caller(client_uid, key, proof)
+        check_call_id("request_id", request_id, self.config.limits)
+        if isinstance(answer := self._answers.get(client_uid, {}).get(request_id), int):
+            return answer, []
         total = self._kv.increment(key, amount)
         self._journal.append(journal.KeyIncremented(key, total, client_uid, request_id))  # replayed as the value
-        self._remember_increment(client_uid, request_id, total)
+        self._remember(client_uid, request_id, total)
         return total, [KeyChanged(key, str(total).encode())]
 
-    def _remember_increment(self, client_uid: str, request_id: str, total: int) -> None:
+    def kv_compare_set(self, client_uid: str, key: str, expected: bytes, desired: bytes, request_id: str = "", *,
+                       proof: str = "") -> tuple[bytes | None, list[Effect]]:
+        """TCPStore's compare-and-set for a live process: ``key`` becomes ``desired`` when it holds ``expected`` (or
+        is unset and ``expected`` is empty). Returns what the key holds now (None: unset). A retry of a swap (the
+        same ``request_id`` from the same client) is answered as the swap was, not applied again."""
+        self._check_kv_caller(client_uid, key, proof)
+        check_call_id("request_id", request_id, self.config.limits)
+        if isinstance(answer := self._answers.get(client_uid, {}).get(request_id), bytes):
+            return answer, []
+        value, changed = self._kv.compare_set(key, expected, desired)
+        if not changed:  # nothing to remember: a retry compares again, as if this call never happened
+            return value, []
+        self._journal.append(journal.KeySwapped(key, desired, client_uid, request_id))
+        self._remember(client_uid, request_id, desired)
+        return value, [KeyChanged(key, desired)]
+
+    def _check_kv_caller(self, client_uid: str, key: str, proof: str) -> None:
+        """A live process of the topology may use any key; any caller (past the token) those under
+        AGENT_KEY_PREFIX. UnknownClient, PermissionDenied or ProcessDeclaredFailed otherwise."""
+        if not key.startswith(AGENT_KEY_PREFIX):
+            self.process_id_of(client_uid, proof=proof)
+
+    def _remember(self, client_uid: str, request_id: str, answer: int | bytes) -> None:
         if request_id:
-            done = self._increments.setdefault(client_uid, {})
-            done[request_id] = total
-            if len(done) > INCREMENTS_REMEMBERED:
+            done = self._answers.setdefault(client_uid, {})
+            done[request_id] = answer
+            if len(done) > ANSWERS_REMEMBERED:
                 del done[next(iter(done))]  # the oldest: its caller has long moved on
+            if client_uid not in self._members:  # an agent: any number could come, so only the latest are kept
+                self._agents.pop(client_uid, None)
+                self._agents[client_uid] = None
+                if len(self._agents) > AGENTS_REMEMBERED:
+                    oldest = next(iter(self._agents))
+                    del self._agents[oldest]
+                    self._answers.pop(oldest, None)
 
     def kv_delete(self, client_uid: str, key: str, prefix: bool, *, proof: str = "") -> tuple[int, list[Effect]]:
         """Deletes ``key`` (or every key starting with it) for a live process; returns how many keys went."""
-        self.process_id_of(client_uid, proof=proof)
+        self._check_kv_caller(client_uid, key, proof)
         deleted = self._kv.delete(key, prefix)
         if deleted:
             self._journal.append(journal.KeysDeleted(key, prefix))
@@ -602,12 +701,12 @@ class ClusterState:
 
     def kv_get(self, client_uid: str, key: str, *, proof: str = "") -> bytes | None:
         """The value of ``key`` for a live process, None while it is unset."""
-        self.process_id_of(client_uid, proof=proof)
+        self._check_kv_caller(client_uid, key, proof)
         return self._kv.get(key)
 
     def kv_dir(self, client_uid: str, prefix: str, *, proof: str = "") -> list[tuple[str, bytes]]:
         """Every (key, value) under ``prefix``, sorted by key, for a live process."""
-        self.process_id_of(client_uid, proof=proof)
+        self._check_kv_caller(client_uid, prefix, proof)
         return self._kv.dir(prefix)
 
     def _finished(self, effects: list[BarrierResolved]) -> list[Effect]:
@@ -730,6 +829,7 @@ class ClusterState:
             self._members[uid].status = Status.ALIVE
         self._in_topology = set(ids.values())
         self.topology = self._build(FIRST_GENERATION)
+        self.published_at = self._history.add(GenerationPublished(FIRST_GENERATION))
 
     def _build(self, generation: int) -> TopologyContent:
         members = {self._process_ids[claim]: self._members[uid].registration for claim, uid in self._holder.items()}
@@ -755,7 +855,8 @@ class ClusterState:
         if same_generation == self.topology:
             return []
         self.topology = replace(same_generation, generation=self.topology.generation + 1)
-        return [Republish(self.topology)]
+        self.published_at = self._history.add(GenerationPublished(self.topology.generation))
+        return [Republish(self.topology, self.published_at)]
 
     def _restart(self, r: Registration, holder: Member, now: float) -> tuple[Published, list[Effect]]:
         claim = _claim(r)
@@ -767,7 +868,8 @@ class ClusterState:
         self._holder[claim] = r.client_uid
         self._down.pop(pid, None)
         effects: list[Effect] = [*self._finished(self._barriers.fail_including(pid, "restarted")),
-                                 Notify(ProcessRestarted(pid, member.incarnation))]
+                                 self._notify(ProcessRestarted(pid, member.incarnation))]
+        self._incarnated_at[pid] = self._history.head
         self._in_topology.add(pid)
         effects += self._republish_if_changed()
         return Published(pid, self.topology), effects  # type: ignore[arg-type]
@@ -780,11 +882,13 @@ class ClusterState:
         effects: list[Effect] = []
         if member.sessions:
             effects.append(Evict(member.registration.client_uid, f"declared failed: {why}"))
-        dropped = self._drop_if_elastic(pid, "failed")
-        if self.config.on_failure is FailurePolicy.ELASTIC and not dropped:
+        if self.config.on_failure is FailurePolicy.ELASTIC and not (
+                pid in self._in_topology and len(self._in_topology) - 1 >= self.config.min_processes):
             why += (f"; only {len(self._in_topology) - 1} processes would remain, fewer than --min-processes "
                     f"{self.config.min_processes}: the cluster cannot continue")
-        return [Notify(ProcessFailed(pid, why)), *self._finished(self._barriers.fail_including(pid, f"failed: {why}")),
+        failed = self._notify(ProcessFailed(pid, why))  # numbered before the generation that drops it
+        dropped = self._drop_if_elastic(pid, "failed")
+        return [failed, *self._finished(self._barriers.fail_including(pid, f"failed: {why}")),
                 *effects, *dropped]
 
     def _drop_if_elastic(self, pid: int, what: str) -> list[Effect]:

@@ -68,7 +68,7 @@ _PROCESS_PHASES = {"joining": pb.PROCESS_PHASE_JOINING, "alive": pb.PROCESS_PHAS
 
 
 def leader_answer(report: StatusReport, *, fingerprint: str, replica: str, leader: str, store: str,
-                  time_to_publish_s: float | None) -> pb.StatusResponse:
+                  time_to_publish_s: float | None, attempt: int) -> pb.StatusResponse:
     """The Status answer of the replica that leads."""
     return pb.StatusResponse(
         cluster_id=report.cluster_id, state=_CLUSTER_PHASES[report.state], generation=report.generation,
@@ -76,14 +76,14 @@ def leader_answer(report: StatusReport, *, fingerprint: str, replica: str, leade
         missing_process_ids=report.missing_process_ids, missing=report.expected - report.registered,
         processes=[_process(p) for p in report.processes], leader=leader, replica=replica, store=store,
         waited_seconds=report.waited_s, time_to_publish_seconds=time_to_publish_s or 0.0,
-        sessions_open=report.sessions_open, heartbeat_timeout_seconds=report.heartbeat_timeout_s)
+        sessions_open=report.sessions_open, heartbeat_timeout_seconds=report.heartbeat_timeout_s, attempt=attempt)
 
 
 def standby_answer(*, cluster_id: str, expected: int, replica: str, leader: str | None, store: str,
-                   reason: str) -> pb.StatusResponse:
+                   reason: str, attempt: int) -> pb.StatusResponse:
     """The Status answer of a replica that does not lead: it names the leader its store knows."""
     return pb.StatusResponse(cluster_id=cluster_id, state=pb.CLUSTER_PHASE_STANDBY, expected=expected,
-                             leader=leader or "", replica=replica, store=store, reason=reason)
+                             leader=leader or "", replica=replica, store=store, reason=reason, attempt=attempt)
 
 
 def _process(p: ProcessReport) -> pb.ProcessStatus:

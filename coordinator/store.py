@@ -8,13 +8,21 @@ The contract, the same for every backend (tests/test_store.py runs one suite aga
   unreachable (``retryable``), or this replica no longer leads (``lost`` is then set). An append is
   fenced: a deposed leader's append fails; it never lands.
 - ``release()`` gives up leadership at once (a standby takes over without waiting for a lease to expire).
+- ``compact(entries, keep)`` drops the entries a replay no longer needs: ``entries`` is what ``load()`` just
+  returned (nothing appended since), ``keep`` says for each whether it stays (see ``coordinator.compaction``).
+  Afterwards ``load()`` returns the kept entries in order. It may be applied oldest first in several steps (etcd):
+  a journal compacted only in part replays to the same state. Fenced and failing like ``append``.
 
 ``memory`` keeps the journal in the process (nothing survives it; the default). ``etcd`` keeps it under
 ``/ifrt/<cluster-id>/`` in etcd, elects the leader with a lease, and fences every append with a
 transaction on the leader key, so two coordinators can never both publish.
 
-etcd layout: one key per append (a batch of entries), ``journal/<batch number, 16 digits>``, numbered from 0
-without gaps; its value is a version byte (1) and then each entry as a 4-byte big-endian length and its bytes.
+etcd layout: one key per append (a batch of entries), ``journal/<batch number, 16 digits>``, numbered from 0 in
+the order written; its value is a version byte (1) and then each entry as a 4-byte big-endian length and its bytes.
+A compaction rewrites old batches oldest first, one transaction per run of batches holding at most
+``MAX_BATCH_BYTES`` of kept entries: the run's first key gets them and the others are deleted (numbers then have
+gaps; the next append takes the number after the highest). etcd keeps the replaced revisions until its own
+compaction: run etcd with ``--auto-compaction-retention`` for its database to shrink too.
 A batch larger than ``MAX_BATCH_BYTES`` is split over several keys, one transaction each. Each transaction
 compares the leader key's create revision, the attempt, and that its key is new, and puts one key: etcd
 does one write per batch, whatever the batch holds.
@@ -43,6 +51,8 @@ MAX_BATCH_BYTES = 1 << 20
 """Entry bytes per etcd key: etcd refuses requests over --max-request-bytes (1.5 MiB by default). A single
 entry larger than this still goes in a key of its own."""
 BATCH_VERSION = b"\x01"
+MAX_COMPACTED_BATCHES = 1000
+"""Batches one compaction transaction merges at most (a range deletion and one put, whatever the count)."""
 _LENGTH = struct.Struct(">I")
 
 
@@ -59,10 +69,13 @@ class Store(Protocol):
     lost: asyncio.Event
     leader: str | None
     """The address the current leader advertised, when another replica leads."""
+    leader_attempt: int | None
+    """The job attempt the current leader serves, when another replica of an older attempt holds on to the lead."""
 
     async def acquire(self, advertise: str) -> None: ...
     async def load(self) -> list[bytes]: ...
     async def append(self, entries: list[bytes]) -> None: ...
+    async def compact(self, entries: list[bytes], keep: list[bool]) -> None: ...
     async def release(self) -> None: ...
     async def close(self) -> None: ...
 
@@ -72,6 +85,7 @@ class MemoryStore:
 
     description = "memory"
     leader = None
+    leader_attempt = None
 
     def __init__(self) -> None:
         self.lost = asyncio.Event()
@@ -85,6 +99,10 @@ class MemoryStore:
 
     async def append(self, entries: list[bytes]) -> None:
         self._entries.extend(entries)
+
+    async def compact(self, entries: list[bytes], keep: list[bool]) -> None:
+        _check_compaction(len(self._entries), entries, keep)
+        self._entries = [entry for entry, kept in zip(self._entries, keep, strict=True) if kept]
 
     async def release(self) -> None:
         return None
@@ -119,6 +137,7 @@ class EtcdStore:
         self.description = f"etcd {','.join(endpoints)} under /ifrt/{cluster_id}/"
         self.lost = asyncio.Event()
         self.leader: str | None = None
+        self.leader_attempt: int | None = None
         tls: dict = {}
         if access.ca:
             tls = {"ca_cert": _read(access.ca), "cert_key": _read(access.key), "cert_chain": _read(access.cert)}
@@ -126,6 +145,10 @@ class EtcdStore:
             tls["tls_server_name"] = endpoints[0].rpartition(":")[0].strip("[]")
         self._access = access
         self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints], **tls)
+        # A journal is read in one range request, far over gRPC's 4 MiB default for an answer (etcd bounds requests,
+        # not answers): take answers of any size.
+        getattr(getattr(self._client, "_manager", None), "grpc_options", []).append(
+            ("grpc.max_receive_message_length", -1))
         self._prefix = f"/ifrt/{cluster_id}/".encode()
         self._leader_key = self._prefix + b"leader"
         self._attempt_key = self._prefix + b"attempt"
@@ -138,6 +161,7 @@ class EtcdStore:
         self._lease = 0
         self._leader_revision = 0
         self._next = 0
+        self._layout: list[tuple[int, int]] = []  # (batch number, entries) of the journal as loaded and appended
         self._keepalive: asyncio.Task | None = None
         self._connected = False
 
@@ -168,7 +192,7 @@ class EtcdStore:
     async def acquire(self, advertise: str) -> None:
         """Campaigns until this replica holds the leader key; logs who leads meanwhile. A replica of an attempt
         older than the newest that led never leads (it logs that and keeps standing by)."""
-        from etcd3aio import EtcdError, prefix_range_end
+        from etcd3aio import EtcdError, SortOrder, SortTarget, prefix_range_end
 
         reported = None
         while True:
@@ -201,8 +225,14 @@ class EtcdStore:
                                 "and its journal deleted (%s)", self._attempt, newest, self.description)
                 if won.succeeded:
                     self._lease, self._leader_revision, self.leader = lease.ID, won.header.revision, advertise
-                    self._next = (await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix),
-                                               count_only=True, timeout=self._timeout)).count
+                    last = (await kv.get(self._journal_prefix, prefix_range_end(self._journal_prefix),
+                                         keys_only=True, limit=1, sort_order=SortOrder.DESCEND,
+                                         sort_target=SortTarget.KEY, timeout=self._timeout)).kvs
+                    try:
+                        self._next = self._number(bytes(last[0].key)) + 1 if last else 0
+                    except ValueError:
+                        self._next = 0  # load() names the key that is not a batch
+                    self._layout = []
                     self.lost.clear()
                     self._keepalive = asyncio.create_task(self._keep_alive())
                     log.info("leading cluster (%s)", self.description)
@@ -210,8 +240,14 @@ class EtcdStore:
                 await self._client.lease.revoke(lease.ID, timeout=self._timeout)
                 holders = won.responses[0].response_range.kvs
                 leader = self.leader = holders[0].value.decode() if holders else None
+                self.leader_attempt = newest if newest is not None and newest < self._attempt else None
                 if leader != reported:
-                    log.info("standing by: the coordinator at %s leads (%s)", leader, self.description)
+                    if self.leader_attempt is None:
+                        log.info("standing by: the coordinator at %s leads (%s)", leader, self.description)
+                    else:
+                        log.warning("standing by: the coordinator at %s leads attempt %d of the job; this replica "
+                                    "serves attempt %d and takes over once attempt %d's coordinators stop: stop "
+                                    "them (%s)", leader, newest, self._attempt, newest, self.description)
                     reported = leader
             except (EtcdError, TimeoutError, grpc.RpcError, StoreError) as e:
                 self.leader = None
@@ -232,33 +268,71 @@ class EtcdStore:
             raise StoreError(f"cannot read the journal from {self.description}: {e}") from e
         batches = sorted((bytes(item.key), bytes(item.value)) for item in found.kvs)
         entries: list[bytes] = []
+        layout: list[tuple[int, int]] = []
         for key, value in batches:
             try:
-                entries.extend(unpack_batch(value))
+                unpacked = unpack_batch(value)
+                layout.append((self._number(key), len(unpacked)))
             except ValueError as e:
                 raise StoreError(f"cannot read the journal from {self.description}: key {key.decode()!r}: {e}",
                                  retryable=False) from e
-        self._next = len(batches)
+            entries.extend(unpacked)
+        self._next = layout[-1][0] + 1 if layout else 0
+        self._layout = layout
         return entries
+
+    def _number(self, key: bytes) -> int:
+        """The batch number of a journal key; ValueError if the key is not one."""
+        suffix = key[len(self._journal_prefix):]
+        if not suffix.isdigit():
+            raise ValueError("not a journal batch key (expected 16 digits after the journal prefix)")
+        return int(suffix)
+
+    def _key(self, number: int) -> bytes:
+        return self._journal_prefix + f"{number:016d}".encode()
 
     async def append(self, entries: list[bytes]) -> None:
         from etcd3aio import EtcdError
 
         kv = await self._kv()
-        for value in pack_batches(entries):
-            key = self._journal_prefix + f"{self._next:016d}".encode()
-            fence = [kv.txn_compare_create_revision(self._leader_key, self._leader_revision),
-                     kv.txn_compare_value(self._attempt_key, str(self._attempt)),
-                     kv.txn_compare_version(key, 0)]
-            try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
-                done = await kv.txn(fence, [kv.txn_op_put(key, value)], timeout=self._timeout, max_attempts=1)
-            except (EtcdError, TimeoutError, grpc.RpcError) as e:
-                raise StoreError(f"cannot write the journal to {self.description}: {e}") from e
-            if not done.succeeded:
-                self.lost.set()
-                raise StoreError("this coordinator no longer leads (the leader key changed): stepping down",
-                                 retryable=False)
+        for value, count in _pack(entries, MAX_BATCH_BYTES):
+            key = self._key(self._next)
+            await self._fenced(kv, [kv.txn_compare_version(key, 0)], [kv.txn_op_put(key, value)], EtcdError)
+            self._layout.append((self._next, count))
             self._next += 1
+
+    async def _fenced(self, kv, compare: list, ops: list, etcd_error: type) -> None:
+        """One transaction that lands only while this replica leads this attempt; StoreError otherwise."""
+        fence = [kv.txn_compare_create_revision(self._leader_key, self._leader_revision),
+                 kv.txn_compare_value(self._attempt_key, str(self._attempt)), *compare]
+        try:  # one attempt: a blind retry of a transaction that did land would fail its own fence
+            done = await kv.txn(fence, ops, timeout=self._timeout, max_attempts=1)
+        except (etcd_error, TimeoutError, grpc.RpcError) as e:
+            raise StoreError(f"cannot write the journal to {self.description}: {e}") from e
+        if not done.succeeded:
+            self.lost.set()
+            raise StoreError("this coordinator no longer leads (the leader key changed): stepping down",
+                             retryable=False)
+
+    async def compact(self, entries: list[bytes], keep: list[bool]) -> None:
+        """Rewrites the batches oldest first, each run of them in one fenced transaction (see the module)."""
+        from etcd3aio import EtcdError
+
+        _check_compaction(sum(count for _, count in self._layout), entries, keep)
+        kv = await self._kv()
+        runs, self._layout = _runs(self._layout, entries, keep), []  # a failure midway leaves no layout to trust
+        layout: list[tuple[int, int]] = []
+        for run in runs:
+            numbers, kept = [number for number, _, _ in run], [e for _, batch, _ in run for e in batch]
+            if len(run) > 1 or run[0][2]:  # a single unchanged batch stays as it is
+                ops = [kv.txn_op_put(self._key(numbers[0]), _batch(kept)) if kept
+                       else kv.txn_op_delete(self._key(numbers[0]))]
+                if len(numbers) > 1:
+                    ops.append(kv.txn_op_delete(self._key(numbers[1]), range_end=self._key(numbers[-1] + 1)))
+                await self._fenced(kv, [], ops, EtcdError)
+            if kept:
+                layout.append((numbers[0], len(kept)))
+        self._layout = layout
 
     async def release(self) -> None:
         self.leader = None
@@ -323,18 +397,55 @@ def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAcc
 
 def pack_batches(entries: list[bytes], limit: int = MAX_BATCH_BYTES) -> list[bytes]:
     """``entries`` as etcd values in order, each at most ``limit`` bytes of entries (an entry over it alone)."""
-    values: list[bytes] = []
-    parts: list[bytes] = [BATCH_VERSION]
+    return [value for value, _ in _pack(entries, limit)]
+
+
+def _pack(entries: list[bytes], limit: int) -> list[tuple[bytes, int]]:
+    """``pack_batches`` with the number of entries in each value."""
+    values: list[tuple[bytes, int]] = []
+    batch: list[bytes] = []
     size = 0
     for entry in entries:
-        if len(parts) > 1 and size + len(entry) > limit:
-            values.append(b"".join(parts))
-            parts, size = [BATCH_VERSION], 0
-        parts += (_LENGTH.pack(len(entry)), entry)
+        if batch and size + len(entry) > limit:
+            values.append((_batch(batch), len(batch)))
+            batch, size = [], 0
+        batch.append(entry)
         size += len(entry)
-    if len(parts) > 1:
-        values.append(b"".join(parts))
+    if batch:
+        values.append((_batch(batch), len(batch)))
     return values
+
+
+def _batch(entries: list[bytes]) -> bytes:
+    """One etcd value holding ``entries``."""
+    return b"".join([BATCH_VERSION, *(part for entry in entries for part in (_LENGTH.pack(len(entry)), entry))])
+
+
+def _check_compaction(held: int, entries: list[bytes], keep: list[bool]) -> None:
+    if not held == len(entries) == len(keep):
+        raise StoreError(f"cannot compact: the journal holds {held} entries, the compaction was decided on "
+                         f"{len(entries)} with {len(keep)} marks (load() it again)", retryable=False)
+
+
+def _runs(layout: list[tuple[int, int]], entries: list[bytes],
+          keep: list[bool]) -> list[list[tuple[int, list[bytes], bool]]]:
+    """The batches as runs that one transaction rewrites each: (batch number, its kept entries, whether any was
+    dropped) for consecutive batches holding at most ``MAX_BATCH_BYTES`` of kept entries (a batch over it alone)."""
+    runs: list[list[tuple[int, list[bytes], bool]]] = []
+    run: list[tuple[int, list[bytes], bool]] = []
+    size = at = 0
+    for number, count in layout:
+        kept = [entry for entry, k in zip(entries[at:at + count], keep[at:at + count], strict=True) if k]
+        at += count
+        kept_size = sum(len(entry) for entry in kept)
+        if run and (size + kept_size > MAX_BATCH_BYTES or len(run) >= MAX_COMPACTED_BATCHES):
+            runs.append(run)
+            run, size = [], 0
+        run.append((number, kept, len(kept) < count))
+        size += kept_size
+    if run:
+        runs.append(run)
+    return runs
 
 
 def unpack_batch(value: bytes) -> list[bytes]:

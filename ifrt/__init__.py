@@ -17,13 +17,17 @@ from ifrt.errors import (
     BarrierCancelled,
     BarrierFailed,
     BarrierTimeout,
+    CertificateRejected,
     ClusterMismatch,
+    CoordinatorGone,
     CoordinatorUnavailable,
     DiscoveryTimeout,
     IfrtError,
     InvalidArgument,
+    JobFailed,
     KeyExists,
     KeyValueTimeout,
+    PeerFailed,
     PermissionDenied,
     PluginError,
     ProcessDeclaredFailed,
@@ -42,21 +46,25 @@ if TYPE_CHECKING:
     from ifrt.topology import Topology
 
 __all__ = [
-    "BarrierCancelled", "BarrierFailed", "BarrierTimeout", "Client", "ClusterMismatch", "CoordinatorUnavailable",
-    "Device",
-    "DiscoveryTimeout", "IfrtError", "InvalidArgument", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh",
-    "PermissionDenied", "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology",
-    "TopologyError", "TransportMismatch", "Unauthenticated", "UnknownClient", "discover", "events",
-    "global_device_id", "split_global_id",
+    "BarrierCancelled", "BarrierFailed", "BarrierTimeout", "CertificateRejected", "Client", "ClusterMismatch",
+    "CoordinatorGone", "CoordinatorUnavailable", "Device", "DiscoveryTimeout", "IfrtError", "InvalidArgument",
+    "JobFailed", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh", "PeerFailed", "PermissionDenied",
+    "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError",
+    "TransportMismatch", "Unauthenticated", "UnknownClient", "discover", "events", "global_device_id",
+    "split_global_id",
 ]
 
 _LAZY = {"Client": "ifrt.client", "Mesh": "ifrt.mesh", "Topology": "ifrt.topology"}
 """Names whose modules need grpc or numpy: imported on first use, so ``import ifrt.records`` (as plugins and the
 coordinator's plain parts do) loads neither."""
+_RUNTIMES = ("jax", "torch")
+"""``ifrt.jax`` and ``ifrt.torch``: they import their runtime, so ``import ifrt`` does not import them."""
 
 
 def __getattr__(name: str) -> Any:
     """``ifrt.Client``, ``ifrt.Mesh``, ``ifrt.Topology``: imported from their modules on first use."""
+    if name in _RUNTIMES:  # submodules with an optional extra: imported only when asked for
+        return importlib.import_module(f"ifrt.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ifrt' has no attribute {name!r}")

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ifrt import clusters, render
+from ifrt import clusters, reachability, render
 from ifrt.client import Client
 from ifrt.errors import IfrtError
 from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PLUGIN_ENV, PROCESS_ID_ENV, proxies_set, resolve
@@ -49,9 +49,12 @@ def parser() -> argparse.ArgumentParser:
                                          "point group ifrt.plugins), whether each is available here and why not. "
                                          "A plugin that fails to load is listed with its error.")
     pl.add_argument("--json", action="store_true", help="one JSON object per plugin, one per line")
-    commands.add_parser("env", help="show the settings discover() would use here, and where each comes from",
-                        description="Shows the launcher environments found (torchrun, Open MPI, SLURM, Kubernetes) "
-                                    "and the settings discover() would resolve from them and IFRT_* variables.")
+    e = commands.add_parser("env", help="show the settings discover() would use here, and where each comes from",
+                            description="Shows the launcher environments found (torchrun, Open MPI, SLURM, "
+                                        "Kubernetes, ...) and the settings discover() would resolve from them and "
+                                        "IFRT_* variables. Exits 1 when discover() would fail here.")
+    e.add_argument("--json", action="store_true",
+                   help='print one JSON object: {"launchers": [...], "settings": {...}} or {"error": ...}')
     dr = commands.add_parser(
         "doctor", help="pre-flight: can every process of the job reach its peers' transfer endpoints?",
         description="Run on every host of the job at once, with the job's settings: each process registers like "
@@ -83,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                     help="print the status again every SECONDS (default 2) until interrupted (Ctrl-C)")
     st.add_argument("--count", type=int, metavar="N", help="with --watch: stop after N reports")
+    st.add_argument("--svg", metavar="FILE",
+                    help="also write the cluster's picture to FILE as SVG (hosts, their processes and devices, "
+                         "failed, missing, restarting and slow ones marked; with --watch, rewritten each time)")
     st.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                     help="how long to wait for the replicas' answers (default %(default)s)")
     st.add_argument("--token-file", metavar="PATH",
@@ -104,18 +110,29 @@ def _plugins(as_json: bool) -> int:
     return 0
 
 
-def _env() -> int:
-    for found in clusters.present(os.environ):
-        print(f"launcher {found.source}: " + ", ".join(f"{f}={getattr(found, f)}" for f in (
-            "coordinator", "process_id", "num_processes", "local_rank", "local_world_size")))
+_LAUNCHER_FIELDS = ("coordinator", "process_id", "num_processes", "local_rank", "local_world_size", "slice_index")
+
+
+def _env(as_json: bool) -> int:
+    launchers = [{"source": found.source, **{f: getattr(found, f) for f in _LAUNCHER_FIELDS}}
+                 for found in clusters.present(os.environ)]
     try:
         settings = resolve()
     except IfrtError as e:
-        print(f"discover() would fail: {e}")
+        if as_json:
+            print(json.dumps({"launchers": launchers, "error": str(e)}))
+        else:
+            _print_launchers(launchers)
+            print(f"discover() would fail: {e}")
         return 1
-    for field, value in vars(settings).items():
-        if field == "token":  # the secret itself is never shown
-            value = "set" if value else "not set"
+    shown = {field: _shown(field, value) for field, value in vars(settings).items()}
+    if as_json:
+        print(json.dumps({"launchers": launchers, "settings": shown}, default=str))
+        return 0
+    _print_launchers(launchers)
+    for field, value in shown.items():
+        if field == "cluster_id" and not value:
+            value = "(not set: joins the cluster the coordinator serves, 'default' unless its --cluster-id says)"
         print(f"{field}: {value}")
     proxies = proxies_set(os.environ)
     if proxies:
@@ -123,6 +140,20 @@ def _env() -> int:
                "directly: ifrt ignores them (set IFRT_USE_PROXY=1 to go through the proxy)")
         print(f"proxy: {', '.join(proxies)} set; the coordinator is dialled {how}")
     return 0
+
+
+def _print_launchers(launchers: list[dict[str, object]]) -> None:
+    for found in launchers:
+        print(f"launcher {found['source']}: " + ", ".join(f"{f}={found[f]}" for f in _LAUNCHER_FIELDS))
+
+
+def _shown(field: str, value: object) -> object:
+    """A setting as ``ifrt env`` shows it: the token only as set or not, never itself."""
+    if field == "token":
+        return "set" if value else "not set"
+    if isinstance(value, tuple):
+        return [getattr(v, "name", str(v)) for v in value]
+    return value
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -151,6 +182,8 @@ def _status(args: argparse.Namespace) -> int:
                 if args.watch is not None and not args.json:
                     print(f"--- {time.strftime('%H:%M:%S')}")
                 print(json.dumps(view) if args.json else status.render(view), flush=True)
+                if args.svg is not None and not _write_svg(args.svg, view):
+                    return 1
             reports += 1
             if args.watch is None or (args.count is not None and reports >= args.count):
                 return 0
@@ -159,9 +192,23 @@ def _status(args: argparse.Namespace) -> int:
         return 0
 
 
+def _write_svg(path: str, view: dict) -> bool:
+    """Writes the picture of ``view`` to ``path`` (whole or not at all); says why on stderr when it cannot."""
+    from ifrt.status_svg import svg
+
+    partial = f"{path}.partial"
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(svg(view))
+        os.replace(partial, path)
+    except OSError as e:
+        print(f"ifrt status: cannot write the picture to {path}: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def _doctor(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args.verbose)
     try:
         with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,
                     plugin=args.plugin, timeout=args.timeout, transfer_bind=args.transfer_bind,
@@ -176,17 +223,32 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Runs one command; a reader that closes the output early (``ifrt status | head``) ends it quietly."""
+    try:
+        code = _run(parser().parse_args(argv))
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 141  # as a shell reports a process ended by SIGPIPE
+
+
+def _log_to_stderr(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(reachability.log.name).setLevel(logging.INFO)  # a coordinator out of reach: said, -v or not
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "status":
         return _status(args)
     if args.command == "plugins":
         return _plugins(args.json)
     if args.command == "env":
-        return _env()
+        return _env(args.json)
     if args.command == "doctor":
         return _doctor(args)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args.verbose)
     try:
         with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,
                     plugin=args.plugin, timeout=args.timeout, transfer_bind=args.transfer_bind,

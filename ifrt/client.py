@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import (
+    CertificateRejected,
     CoordinatorUnavailable,
     DiscoveryTimeout,
     IfrtError,
@@ -30,8 +32,9 @@ from ifrt.errors import (
     TransportMismatch,
     from_rpc_error,
 )
-from ifrt.events import Event, PreemptionNotice
+from ifrt.events import Event, PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted, TopologyChanged
 from ifrt.progress import Progress
+from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
 from ifrt.records import LocalDevice
 from ifrt.security import new_process_secret, open_channel, transport_mismatch
 from ifrt.session import Session
@@ -50,6 +53,9 @@ SLACK_S = 5.0
 LEAVE_TIMEOUT_S = 2.0
 WATCH_ACK_TIMEOUT_S = 30.0
 """Longest kv_watch waits for the coordinator to say the watch is in place."""
+EVENTS_KEPT = 1 << 16
+"""Job events kept since the held topology (``events_since_topology``): four for each of 2**14 processes."""
+_JOB_EVENTS = (ProcessFailed, ProcessLeft, ProcessRestarted, PreemptionNotice, TopologyChanged)
 CHANNEL_OPTIONS = (
     # Reconnect to a coordinator that is not up yet within ~100 ms of it starting (gRPC's default: ~1 s, growing);
     # gRPC adds up to 20% jitter to the cap.
@@ -106,6 +112,8 @@ class Client:
         """Sent on every call: only this client may act for the process it registers (never logged or shown)."""
         self._answered: set[str] = set()  # coordinators that answered: their transport is known to match
         self.topology: Topology | None = None
+        self.topology_position = 0
+        """The number of the job event that published the topology of the last Register answer (0: none yet)."""
         self.backoff = Backoff()
         self._want_session = session
         self._session: Session | None = None
@@ -116,6 +124,8 @@ class Client:
         self._current = 0
         self._watchers: set[queue.Queue] = set()
         self._callbacks: list[Callable[[Event], None]] = []
+        self._since_topology: deque[Event] = deque(maxlen=EVENTS_KEPT)  # job events since the held topology
+        self._dispatch = threading.RLock()  # one event at a time reaches the callbacks, in order
         self._key_watchers: list[tuple[str, queue.Queue]] = []
         self._preempted = threading.Event()  # a preemption notice is known (ours or another process's)
         self._sync_step: int | None = None
@@ -134,7 +144,13 @@ class Client:
             if self._want_transfer and self.endpoint is None:
                 self.endpoint = self._bind_endpoint()
             self._request = self._build_request()
-            self.topology = self._register(self._request, self.settings.timeout)
+            try:
+                self.topology = self._register(self._request, self.settings.timeout)
+            except BaseException:  # a timeout, an error or an interrupt: a process that gives up leaves
+                self._withdraw()
+                raise
+            if self.endpoint is not None:
+                self.endpoint.expect(self.topology)  # its processes, and only they, may connect to the endpoint
             if self._want_session:
                 self._session = Session(self, self._emit)
                 self._session.start()
@@ -188,6 +204,8 @@ class Client:
             if self.topology is not None and self.topology.canonical_bytes == topology.canonical_bytes:
                 return False
             self.topology = topology
+            if self.endpoint is not None:
+                self.endpoint.expect(topology)
             return True
 
     _local_devices: tuple[LocalDevice, ...] = ()
@@ -217,8 +235,10 @@ class Client:
         try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
             plugin.configure_process(s.local_rank, s.local_world_size)
             devices = list(plugin.local_devices(s.local_device_ids))
+            launcher_slice = "" if s.slice_index is None else str(s.slice_index)
             for d in devices:
-                request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
+                request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind,
+                                    slice_key=d.slice_key or launcher_slice,
                                     coordinates=d.coordinates, attributes=d.attributes)
             self._local_devices = tuple(sorted(devices, key=lambda d: d.local_id))
         except Exception as e:
@@ -231,44 +251,76 @@ class Client:
         deadline = start + timeout
         progress: Progress | None = None
         last_error: IfrtError | None = None
+        unreachable = UnreachableReport()
+        next_progress_line = 0.0
         while (remaining := deadline - time.monotonic()) > 0:
             # Ask the coordinator to answer a little before our deadline, so the last answer names who is missing.
             wait_s = min(POLL_S, max(0.0, remaining - min(0.5, remaining / 4)))
             request.wait_ms = int(wait_s * 1000)
             target = self.current_coordinator()
-            try:
-                response = self.stub(target).Register(request, timeout=min(remaining, wait_s + SLACK_S),
-                                                      wait_for_ready=len(self.settings.coordinators) == 1)
+            try:  # not wait_for_ready: a coordinator that cannot be reached is said so, with the cause, at once
+                response = self.stub(target).Register(request, timeout=min(remaining, wait_s + SLACK_S))
             except grpc.RpcError as e:
+                if (cause := unreached_cause(e)) is not None:
+                    self._refuse_certificate(cause, target)
+                    unreachable.failed(target, cause, deadline)
                 last_error = self._retryable(e, target)
                 continue
             self._answered.add(target)
             self.backoff.reset()
+            unreachable.reached()
             if response.topology:
                 canonical = wire.decompress(response.encoding, response.topology)
-                return Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
+                topology = Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
+                self.topology_position = response.event_position
+                return topology
             progress = _progress(response.progress)
-            waited = time.monotonic() - start
-            log.log(logging.WARNING if waited >= WARN_AFTER_S else logging.INFO,
-                    "waiting for the topology from %s (%.0fs so far): %s", target, waited, progress.describe())
-        raise self._timeout(time.monotonic() - start, progress, last_error)
+            now = time.monotonic()
+            if now >= next_progress_line:  # spaced: the short calls near the deadline do not each log a line
+                next_progress_line = now + POLL_S
+                log.log(logging.WARNING if now - start >= WARN_AFTER_S else logging.INFO,
+                        "waiting for the topology from %s (%.0fs so far): %s", target, now - start, progress.describe())
+        raise self._timeout(time.monotonic() - start, progress, last_error, unreachable.cause)
 
-    def _timeout(self, waited: float, progress: Progress | None, last_error: IfrtError | None) -> DiscoveryTimeout:
+    def _refuse_certificate(self, cause: str, target: str) -> None:
+        """CertificateRejected at once when this process's TLS refused the coordinator's certificate: no retry fixes
+        that, and waiting out the timeout would make a configuration mistake look like an outage."""
+        problem = certificate_problem(cause, target, self.settings.tls_ca)
+        if problem is not None:
+            raise CertificateRejected(problem)
+
+    def _withdraw(self) -> None:
+        """Takes back the registration of a discover() that gave up, so a job is never completed (and published)
+        with a process that has gone; one short attempt, and none if no coordinator ever answered."""
+        if not self._answered:
+            return
+        target = self.current_coordinator()
+        with contextlib.suppress(grpc.RpcError, IfrtError):
+            self.stub(target).Leave(pb.LeaveRequest(client_uid=self.client_uid), timeout=LEAVE_TIMEOUT_S)
+            log.info("withdrew this process's registration from %s", target)
+
+    def _timeout(self, waited: float, progress: Progress | None, last_error: IfrtError | None,
+                 unreached: str | None = None) -> DiscoveryTimeout:
         where = ", ".join(self.settings.coordinators)
         if progress is None:
             cause = f"the coordinator ({where}) was not reachable"
-            if last_error is not None:
+            if unreached is not None:
+                cause += f"; last error: {unreached}"
+            elif last_error is not None:
                 cause += f"; last error: {last_error}"
         else:
             cause = f"the cluster is incomplete: {progress.describe()} (coordinator {where})"
         return DiscoveryTimeout(f"no topology after {waited:.1f}s: {cause}", progress=progress)
 
     # Events.
-    def watch(self, timeout: float | None = None) -> Iterator[Event]:
+    def watch(self, timeout: float | None = None, *, since_topology: bool = False) -> Iterator[Event]:
         """Events from now on (ProcessFailed, ProcessRestarted, ProcessLeft, TopologyChanged, CoordinatorLost, ...),
-        until ``timeout`` seconds pass or the client closes."""
+        until ``timeout`` seconds pass or the client closes. With ``since_topology``, first every job event received
+        since the held topology (``events_since_topology``), none missed or repeated in between."""
         events: queue.Queue = queue.Queue()
         with self._lock:
+            for event in self._since_topology if since_topology else ():
+                events.put(event)
             self._watchers.add(events)
         return self._drain(events, None if timeout is None else time.monotonic() + timeout)
 
@@ -279,21 +331,43 @@ class Client:
             with self._lock:
                 self._watchers.discard(events)
 
-    def on_event(self, callback: Callable[[Event], None]) -> None:
-        """Calls ``callback(event)`` for every event, from the session thread (keep it short)."""
+    def on_event(self, callback: Callable[[Event], None], *, since_topology: bool = False) -> None:
+        """Calls ``callback(event)`` for every event, from the session thread (keep it short). With
+        ``since_topology``, first (in this thread) for every job event received since the held topology, in order,
+        none missed or repeated in between."""
+        with self._dispatch:
+            with self._lock:
+                earlier = list(self._since_topology) if since_topology else []
+                self._callbacks.append(callback)
+            for event in earlier:
+                self._call(callback, event)
+
+    def events_since_topology(self) -> list[Event]:
+        """The job events (ProcessFailed, ProcessLeft, ProcessRestarted, PreemptionNotice, and the TopologyChanged
+        that began them) received since the topology this client holds, oldest first: what a start-up exchange
+        that begins after discovery must not miss. The last ``EVENTS_KEPT`` at most."""
         with self._lock:
-            self._callbacks.append(callback)
+            return list(self._since_topology)
 
     def _emit(self, event: Event) -> None:
-        with self._lock:
-            watchers, callbacks = list(self._watchers), list(self._callbacks)
-        for events in watchers:
-            events.put(event)
-        for callback in callbacks:
-            try:
-                callback(event)
-            except Exception:
-                log.exception("on_event callback %r failed on %r", callback, event)
+        with self._dispatch:
+            with self._lock:
+                if isinstance(event, TopologyChanged):
+                    self._since_topology.clear()
+                if isinstance(event, _JOB_EVENTS):
+                    self._since_topology.append(event)
+                watchers, callbacks = list(self._watchers), list(self._callbacks)
+            for events in watchers:
+                events.put(event)
+            for callback in callbacks:
+                self._call(callback, event)
+
+    @staticmethod
+    def _call(callback: Callable[[Event], None], event: Event) -> None:
+        try:
+            callback(event)
+        except Exception:
+            log.exception("on_event callback %r failed on %r", callback, event)
 
     # Coordination.
     def barrier(self, name: str, timeout: float, process_ids: Sequence[int] | None = None) -> None:
@@ -346,6 +420,16 @@ class Client:
         request = pb.KeyValueIncrementRequest(client_uid=self.client_uid, key=key, amount=amount,
                                               request_id=uuid.uuid4().hex)
         return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout).value
+
+    def kv_compare_set(self, key: str, expected: bytes, desired: bytes, timeout: float = 60.0) -> bytes | None:
+        """Sets ``key`` to ``desired`` if it holds ``expected`` (empty ``expected``: if it is unset), atomically, as
+        torch's TCPStore does; returns what the key holds afterwards (None: it is unset).
+
+        Exactly once, also when the call is retried on another coordinator replica."""
+        request = pb.KeyValueCompareSetRequest(client_uid=self.client_uid, key=key, expected=bytes(expected),
+                                               desired=bytes(desired), request_id=uuid.uuid4().hex)
+        response = self._unary("KeyValueCompareSet", lambda _: request, time.monotonic() + timeout)
+        return response.value if response.found else None
 
     def kv_delete(self, key: str, *, prefix: bool = False, timeout: float = 60.0) -> int:
         """Deletes ``key`` (with ``prefix=True``, every key starting with it); returns how many keys were deleted.

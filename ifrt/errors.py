@@ -122,6 +122,11 @@ class TransportMismatch(IfrtError):
     status = "UNAVAILABLE"
 
 
+class CertificateRejected(TransportMismatch):
+    """This process's TLS refused the coordinator's certificate (another CA, or a name that is not the address
+    dialled); the message names the problem and what to set."""
+
+
 class TopologyError(IfrtError):
     """Topology bytes or a topology dict are corrupt or inconsistent (e.g. the fingerprint does not match)."""
 
@@ -144,6 +149,42 @@ class DiscoveryTimeout(IfrtError, TimeoutError):
         super().__init__(message)
         self.progress = progress
         """The coordinator's last progress answer (None if it was never reached)."""
+
+
+EXIT_PEER_FAILED = 75
+"""Exit code of a process that fail-fast ended because another process of the job failed or restarted, or the
+coordinator declared this one failed (sysexits' EX_TEMPFAIL: this program has no bug, restart the job). A bug in
+the program itself exits as Python does (1 for an uncaught exception)."""
+EXIT_COORDINATOR_LOST = 69
+"""Exit code of a process that fail-fast ended because the coordinator stayed out of reach beyond the failover
+window (sysexits' EX_UNAVAILABLE)."""
+
+
+class JobFailed(IfrtError):
+    """The job cannot go on after its runtime started (``ifrt.failfast``): ``exit_code`` is what the process exits
+    with, the message names who failed, where, why and in which topology generation."""
+
+    status = "ABORTED"
+    exit_code: ClassVar[int] = EXIT_PEER_FAILED
+
+    def __init__(self, message: str, process_id: int | None = None, hostname: str = "", reason: str = "",
+                 generation: int = 0) -> None:
+        super().__init__(message)
+        self.process_id, self.hostname, self.reason, self.generation = process_id, hostname, reason, generation
+
+
+class PeerFailed(JobFailed):
+    """A process of the job failed or restarted (or the coordinator declared this process failed)."""
+
+    status = "ABORTED"
+    exit_code = EXIT_PEER_FAILED
+
+
+class CoordinatorGone(JobFailed):
+    """The coordinator stayed out of reach longer than the failover window."""
+
+    status = "UNAVAILABLE"
+    exit_code = EXIT_COORDINATOR_LOST
 
 
 def _all_subclasses(cls: type[IfrtError]) -> list[type[IfrtError]]:

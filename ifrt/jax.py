@@ -43,7 +43,7 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.jax needs jax: pip install 'ifrt-topology[jax]' ({e})") from e
 
-from ifrt import events
+from ifrt import events, failfast
 from ifrt.client import Backoff, Client
 from ifrt.errors import BarrierFailed, DiscoveryTimeout, IfrtError, KeyValueTimeout, TopologyError
 from ifrt.mesh import Mesh
@@ -84,23 +84,28 @@ def initialize(
     plugin: str | None = None,
     local_device_ids: Sequence[int] | None = None,
     timeout: float = 300.0,
+    token: str | None = None,
+    on_failure: failfast.OnFailure = "exit",
 ) -> Topology:
     """Discovers the topology with ifrt, then starts ``jax.distributed`` with its process ids; returns it.
 
-    Same arguments as ``ifrt.discover`` (the plugin defaults to ``jax``). Calling it again returns the same
+    Same arguments as ``ifrt.discover`` (the plugin defaults to ``jax``; ``token`` is the cluster's token, else
+    IFRT_TOKEN_FILE or IFRT_TOKEN). Calling it again returns the same
     topology. BackendAlreadyInitialized if JAX's backend exists already; TopologyError, raised in every
     process, if some process's JAX devices differ from what it registered; DiscoveryTimeout after ``timeout``.
+    Afterwards a failed peer or a lost coordinator ends this process as ``on_failure`` says (``ifrt.failfast``).
     """
     global _started
     with _lock:
         if _started is not None:
             return _started.topology
+        failfast.check(on_failure)
         _refuse_if_started()
         deadline = time.monotonic() + timeout
         plugin = plugin or os.environ.get(PLUGIN_ENV, "").strip() or "jax"
         jax_view = _jax_view(local_device_ids)
         client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
-                        local_device_ids=local_device_ids, timeout=timeout)
+                        local_device_ids=local_device_ids, timeout=timeout, token=token)
         exchange = None
         try:
             topology = client.discover()
@@ -115,6 +120,7 @@ def initialize(
             if exchange is not None:
                 exchange.release_port()
         _started = _Started(client, topology, by_id)
+        failfast.arm(client, topology, on_failure, "JAX", shutdown=jax.distributed.shutdown)
         return topology
 
 
@@ -210,7 +216,7 @@ class StartupExchange:
         """Process 0's nonce for the start this process took part in, once ``run`` returned."""
         self._port: socket.socket | None = None
         self._failed: dict[int, str] = {}
-        client.on_event(self._on_event)
+        client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
 
     def run(self, jax_view: list[dict[str, Any]]) -> str:
         """JAX's coordinator address, once every process has answered this start; fills ``views``."""

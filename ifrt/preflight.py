@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.records import Process
-from ifrt.transfer import HELLO, encode_header
+from ifrt.transfer import HELLO, connect, encode_header
 
 if TYPE_CHECKING:
     from ifrt.client import Client
@@ -171,15 +171,16 @@ def pairs_probed(num_processes: int, *, all_pairs_max: int = ALL_PAIRS_MAX, samp
     return num_processes * min(num_processes - 1, 2 + sample)
 
 
-def probe(source: int, target: Process, timeout: float, auth_key: bytes | None = None) -> str | None:
+def probe(source: int, target: Process, timeout: float, auth_key: bytes | None = None,
+          source_host: str | None = None) -> str | None:
     """Connects to ``target``'s transfer endpoint and says HELLO; None if it answered, else why not.
 
     With the cluster's token (``auth_key``), the endpoint challenges the connection and the probe answers as a
-    transfer would, so the peer is known to be an ifrt endpoint of this cluster, not merely an open port.
+    transfer would, so the peer is known to be an ifrt endpoint of this cluster, not merely an open port. Without
+    one, it connects from ``source_host`` (this process's endpoint host), where the peer expects process ``source``.
     """
-    host, _, port = target.address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+        with connect(target.address, timeout, source_host) as sock:
             sock.settimeout(timeout)
             sock.sendall(encode_header(HELLO, 0, source, target.process_id))
             if auth_key is not None:
@@ -206,11 +207,12 @@ def probe_peers(topology: Topology, targets: list[int], timeout: float,
                 auth_key: bytes | None = None) -> dict[int, str]:
     """Probes ``targets`` (process ids) at once, at most PARALLEL at a time; {process id: why it failed}."""
     me = topology.process_id
+    own = None if auth_key is not None else topology.process(me).address.rpartition(":")[0].strip("[]") or None
     reachable = [topology.process(q) for q in targets if topology.process(q).address]
     if not reachable:
         return {}
     with ThreadPoolExecutor(max_workers=min(PARALLEL, len(reachable)), thread_name_prefix="ifrt-preflight") as pool:
-        results = list(pool.map(lambda p: (p.process_id, probe(me, p, timeout, auth_key)), reachable))
+        results = list(pool.map(lambda p: (p.process_id, probe(me, p, timeout, auth_key, own)), reachable))
     return {q: error for q, error in results if error is not None}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +32,9 @@ log = logging.getLogger("ifrt.client")
 
 FIRST_HEARTBEAT_INTERVAL_S = 0.5
 """Until the coordinator says how often it wants heartbeats."""
+GATE_ENV = "IFRT_TEST_SESSION_GATE"
+"""For tests: the path of a file; while it does not exist, the session does not open (nor reopen), so a test can make
+events happen before a process attaches, without timing."""
 
 
 class Session:
@@ -49,6 +53,9 @@ class Session:
         self._prefixes: set[str] = set()  # key prefixes watched, sent again on every new stream
         self._acks: dict[str, threading.Event] = {}  # prefix -> set once the coordinator watches it for us
         self._outbox: queue.Queue | None = None  # messages for the current stream besides heartbeats
+        self.position = client.topology_position
+        """The number of the last job event received (at first, that of the held topology's publication)."""
+        self._gate = os.environ.get(GATE_ENV, "")
         self._thread = threading.Thread(target=self._run, name="ifrt-session", daemon=True)
 
     def start(self) -> None:
@@ -76,6 +83,8 @@ class Session:
 
     def _run(self) -> None:
         while not self._closed.is_set():
+            while self._gate and not os.path.exists(self._gate) and not self._closed.wait(0.01):
+                pass
             target = self._client.current_coordinator()
             stream_done = threading.Event()
             outbox: queue.Queue = queue.Queue()
@@ -110,7 +119,8 @@ class Session:
         with self._watch_lock:  # a watch asked for from now on goes to this outbox; earlier ones are sent below
             self._outbox = outbox
             prefixes = sorted(self._prefixes)
-        yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._client.client_uid, generation=generation))
+        yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._client.client_uid, generation=generation,
+                                                    since_event=self.position))
         for prefix in prefixes:
             yield pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix))
         while not stream_done.is_set() and not self._closed.is_set():
@@ -124,6 +134,10 @@ class Session:
 
     def _handle(self, event: pb.SessionEvent, target: str) -> None:
         kind = event.WhichOneof("kind")
+        if number := event.event_number:  # a job event: each is handled once, in order
+            if number <= self.position:
+                return
+            self.position = number
         if kind == "attached":
             self.attached.set()
             self._interval_s = event.attached.heartbeat_interval_ms / 1000
@@ -156,6 +170,20 @@ class Session:
                 ack.set()
         elif kind == "preemption_notice":
             self._client.preemption_noticed(event.preemption_notice.process_id)
+        elif kind == "snapshot":
+            self._catch_up(event.snapshot)
+
+    def _catch_up(self, snapshot: pb.EventSnapshot) -> None:
+        """The coordinator no longer holds the events this session missed: each process's state stands for them."""
+        log.warning("the coordinator's event history no longer reaches back to the last event this process "
+                    "received: catching up from each process's state as of event %d", self.position)
+        missed: list[Event] = [ProcessFailed(e.process_id, e.reason) for e in snapshot.failed]
+        missed += [ProcessLeft(e.process_id) for e in snapshot.left]
+        missed += [ProcessRestarted(e.process_id, e.incarnation) for e in snapshot.restarted]
+        for e in missed:
+            self._emit(e)
+        if snapshot.HasField("preemption_notice"):
+            self._client.preemption_noticed(snapshot.preemption_notice.process_id)
 
     def _lose(self, reason: str) -> None:
         self.attached.clear()
@@ -170,5 +198,6 @@ class Session:
         except Exception as e:  # the loop keeps trying; the reason reaches the watchers
             self._lose(f"registering again failed: {e}")
             return
+        self.position = self._client.topology_position  # the new coordinator's numbers
         if self._client.adopt(topology):
             self._emit(TopologyChanged(topology))

@@ -71,6 +71,8 @@ class Settings:
     """Signals that announce this process's preemption (reported, not fatal; see reached_preemption_sync_point)."""
     use_proxy: bool = False
     """Whether the coordinator is dialled through the proxy the environment names (by default: directly)."""
+    slice_index: int | None = None
+    """The slice the launcher placed this host in (TPU multislice); the slice key of devices whose plugin gives none."""
 
     @property
     def tls(self) -> bool:
@@ -81,7 +83,8 @@ def parse_coordinators(value: str) -> tuple[str, ...]:
     """``"c1:8476, c2:8477"`` -> ``("c1:8476", "c2:8477")``; InvalidArgument if an entry is not host:port."""
     addresses = tuple(a.strip() for a in value.split(",") if a.strip())
     if not addresses:
-        raise InvalidArgument(f"no coordinator address given: pass coordinator=, set {COORDINATOR_ENV}=HOST:PORT, or "
+        raise InvalidArgument(f"no coordinator address given: pass coordinator= (--coordinator on the command "
+                              f"line), set {COORDINATOR_ENV}=HOST:PORT, or "
                               f"run under a launcher that names one (looked for: "
                               f"{', '.join(d.name for d in clusters.DETECTORS)}; none found)")
     for a in addresses:
@@ -183,6 +186,7 @@ def resolve(
         attempt=pick(attempt, ATTEMPT_ENV, "attempt", 0),
         preemption_signals=_signals(preemption_signals, env),
         use_proxy=_use_proxy(use_proxy, env),
+        slice_index=None if launcher is None else launcher.slice_index,
     )
 
 
@@ -245,10 +249,14 @@ def read_secret_file(path: str, origin: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             value = f.read().strip()
+            mode = os.fstat(f.fileno()).st_mode
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidArgument(f"cannot read {path!r} ({origin}): {e}") from None
     if not value:
         raise InvalidArgument(f"{path!r} ({origin}) is empty: expected a secret")
+    if mode & 0o077:
+        log.warning("the secret in %s (%s) is readable by other users (mode %o): chmod 600 %s", path, origin,
+                    mode & 0o777, path)
     return value
 
 

@@ -86,6 +86,7 @@ def to_dict(answer: pb.StatusResponse) -> dict[str, Any]:
         "time_to_publish_s": round(answer.time_to_publish_seconds, 3) if answer.time_to_publish_seconds else None,
         "sessions_open": answer.sessions_open,
         "heartbeat_timeout_s": answer.heartbeat_timeout_seconds,
+        "attempt": answer.attempt,
     }
 
 
@@ -128,6 +129,8 @@ def render(view: dict[str, Any]) -> str:
         for p in view["failed"]:
             lines.append(f"failed:     process {p['process_id']} on {_where(p)}: {p['reason']}")
         lines.append(f"leader:     {view['leader']} (store: {view['store']})")
+    if view.get("attempt") is not None:
+        lines.append(f"attempt:    {view['attempt']}")
     lines.append("replicas:   " + ", ".join(f"{r['address']} {r['role']}" for r in view["replicas"]))
     if view["processes"]:
         lines.append("")

@@ -12,13 +12,20 @@ on the same pair put frames on the wire in sequence order. Every receive waits a
 
 With the cluster's token, a new connection is challenged before its first frame: the endpoint sends a random
 nonce and the connecting process answers with an HMAC of it under the token; a stranger is logged and closed.
+Without a token, the hello is bound to the topology instead: a connection that says it comes from process P must
+come from the address P advertised (each process connects from its own endpoint's host), so a stranger elsewhere
+cannot speak for a member. Either way a peer has ``HANDSHAKE_TIMEOUT_S`` from its connection to its first frame,
+at most ``MAX_HANDSHAKES`` connections wait in their handshake (a newer one closes the oldest), and running out of
+descriptors pauses accepting instead of ending it. Repeated refusals are counted, not each logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
+import ipaddress
 import logging
 import math
 import numbers
@@ -27,6 +34,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -34,6 +42,7 @@ import numpy as np
 
 from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.ids import LOCAL_ID_BITS
+from ifrt.ratelimit import Throttled
 
 if TYPE_CHECKING:
     from ifrt.topology import Topology
@@ -50,6 +59,12 @@ ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing
 CHUNK = 4 << 20
 CHALLENGE_BYTES = 32  # the token challenge, and its HMAC-SHA256 answer, are both this long
 HANDSHAKE_TIMEOUT_S = 10.0
+"""From a connection's accept to the end of its handshake (hello, topology check, token challenge): then it closes."""
+MAX_HANDSHAKES = 64
+"""Connections in their handshake at once; a newer one closes the oldest (a member's hello comes at once)."""
+ACCEPT_BACKOFF_S = (0.01, 1.0)
+"""First and longest pause of the accepting thread when the process is out of descriptors (doubling between)."""
+_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 RECV_TIMEOUT_S = 60.0
 """How long a receive waits when not told (``timeout=None``): no wait is unbounded."""
 
@@ -71,9 +86,11 @@ def wait_seconds(timeout: float | None, default: float) -> float:
     return float(given)
 
 
-def _recv_exactly(sock: socket.socket, buffer: memoryview, what: str) -> None:
+def _recv_exactly(sock: socket.socket, buffer: memoryview, what: str, deadline: float | None = None) -> None:
     got = 0
     while got < len(buffer):
+        if deadline is not None:  # the whole read, not each recv: a peer sending a byte at a time gets no longer
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
         n = sock.recv_into(buffer[got:], min(CHUNK, len(buffer) - got))
         if n == 0:
             raise TransferError(f"the peer closed the connection mid-frame: got {got} of {len(buffer)} bytes of {what}")
@@ -96,10 +113,12 @@ class Endpoint:
     _bound_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, bind: str = "127.0.0.1:0", advertise_host: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
         """With ``token`` (the cluster's), a connecting peer must prove it holds the same token before any frame
-        is accepted, and this process proves it to the peers it connects to."""
+        is accepted, and this process proves it to the peers it connects to. Without one, a peer must connect
+        from the address of the process it says it is (see ``expect``)."""
         self.auth_key = token.encode() if token else None
+        self.handshake_timeout = handshake_timeout
         host, _, port = bind.rpartition(":")
         try:
             self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=128)
@@ -109,11 +128,34 @@ class Endpoint:
         self._queues: dict[tuple[int, int], queue.Queue] = {}
         self._failed: dict[int, TransferError] = {}  # source process -> why its connection ended badly
         self._lock = threading.Lock()
-        self._peers: list[socket.socket] = []
+        self._topology_known = threading.Condition(self._lock)
+        self._topology: Topology | None = None
+        self._peers: set[socket.socket] = set()  # admitted connections; each leaves when it closes
+        self._handshaking: dict[socket.socket, None] = {}  # connections in their handshake, oldest first
+        self._max_handshakes = MAX_HANDSHAKES
+        self._noisy = Throttled(log)
         self._closed = False
+        if self.auth_key is None:
+            log.warning("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
+                        "port from a member's address can send to this process; set IFRT_TOKEN (the coordinator's "
+                        "--token-file) to require the token", self.address)
         threading.Thread(target=self._accept, name=f"ifrt-transfer-accept-{self.address}", daemon=True).start()
         with Endpoint._bound_lock:
             Endpoint._bound[self.address] = self
+
+    def expect(self, topology: Topology) -> None:
+        """Takes ``topology`` as the one whose processes may connect (a newer generation replaces it)."""
+        with self._topology_known:
+            if self._topology is not None and topology.generation < self._topology.generation:
+                return
+            self._topology = topology
+            self._topology_known.notify_all()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections from peers this endpoint holds now: admitted ones and ones in their handshake."""
+        with self._lock:
+            return len(self._peers) + len(self._handshaking)
 
     @classmethod
     def at(cls, address: str) -> Endpoint:
@@ -146,40 +188,88 @@ class Endpoint:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            peers, self._peers = self._peers, []
+            peers, self._peers = [*self._peers, *self._handshaking], set()
+            self._handshaking = {}
+            self._topology_known.notify_all()  # a handshake waiting for the topology ends now
+        self._noisy.flush()
         with Endpoint._bound_lock:
             Endpoint._bound.pop(self.address, None)
         with contextlib.suppress(OSError):  # wakes the accepting thread; close alone leaves the port accepting once
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for peer in peers:
-            peer.close()
+            with contextlib.suppress(OSError):  # wakes its reading thread, which closes it
+                peer.shutdown(socket.SHUT_RDWR)
 
     def _queue(self, src: int, dst: int) -> queue.Queue:
         with self._lock:
             return self._queues.setdefault((src, dst), queue.Queue())
 
     def _accept(self) -> None:
+        pause = ACCEPT_BACKOFF_S[0]
         while True:
             try:
                 conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as e:
+                if self._closed:
+                    return
+                if e.errno not in _OUT_OF_RESOURCES and e.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):
+                    log.error("the transfer endpoint %s stopped accepting connections: %s", self.address, e)
+                    return
+                if e.errno in _OUT_OF_RESOURCES:
+                    self._out_of_descriptors(e, pause)
+                    time.sleep(pause)
+                    pause = min(2 * pause, ACCEPT_BACKOFF_S[1])
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
+            oldest = None
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                self._peers.append(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), name="ifrt-transfer-recv", daemon=True).start()
+                if len(self._handshaking) >= self._max_handshakes:
+                    oldest = next(iter(self._handshaking))
+                    del self._handshaking[oldest]
+                self._handshaking[conn] = None
+            if oldest is not None:
+                self._noisy.warning("handshakes", "closed the oldest transfer connection still in its handshake: at "
+                                    "most %d may wait", self._max_handshakes)
+                _hang_up(oldest)
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(conn, peer), name="ifrt-transfer-recv", daemon=True).start()
+            except (OSError, RuntimeError) as e:  # the peer already left, or no thread could start
+                self._noisy.warning("threads", "dropped a transfer connection from %s: %s", peer, e)
+                with self._lock:
+                    self._handshaking.pop(conn, None)
+                conn.close()
 
-    def _serve(self, conn: socket.socket, peer: object = None) -> None:
+    def _out_of_descriptors(self, error: OSError, pause: float) -> None:
+        """Frees descriptors for the process when accepting fails for want of them: the connections still in their
+        handshake (the likely cause) are halved, and so is how many may wait from now on."""
+        with self._lock:
+            self._max_handshakes = max(4, min(self._max_handshakes, len(self._handshaking)) // 2)
+            waiting = list(self._handshaking)
+            dropped = waiting[:max(0, len(waiting) - self._max_handshakes)]
+            for conn in dropped:
+                del self._handshaking[conn]
+        self._noisy.warning("accept", "the transfer endpoint %s cannot accept connections: %s; %d connections were "
+                            "in their handshake, closed %d and allow %d from now on; accepting again in %gs",
+                            self.address, error, len(waiting), len(dropped), self._max_handshakes, pause)
+        for conn in dropped:
+            _hang_up(conn)
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
         src_process = -1
         expected: dict[tuple[int, int], int] = {}
         try:
-            _, _, src_process, _, _ = self._read_frame(conn, hello=True)
-            if self.auth_key is not None and not self._admit(conn, peer, src_process):
-                return
+            admitted = self._handshake(conn, peer)
+            with self._lock:
+                if admitted is None or conn not in self._handshaking:  # refused, or closed meanwhile as the oldest
+                    return
+                del self._handshaking[conn]
+                self._peers.add(conn)
+            src_process = admitted
             while True:
                 header = conn.recv(HEADER.size, socket.MSG_PEEK)
                 if not header:
@@ -203,32 +293,83 @@ class Endpoint:
             for q in queues:
                 q.put(error)
         finally:
+            with self._lock:
+                self._handshaking.pop(conn, None)
+                self._peers.discard(conn)
             conn.close()
 
-    def _admit(self, conn: socket.socket, peer: object, src_process: int) -> bool:
+    def _handshake(self, conn: socket.socket, peer: tuple) -> int | None:
+        """The process a new connection speaks for, once its hello is read and it is admitted (topology check or
+        token challenge) within the handshake timeout; None for a peer that is silent, malformed or not who it
+        says (logged, counted when repeated)."""
+        deadline = time.monotonic() + self.handshake_timeout
+        try:
+            _, _, src_process, dst_process, _ = self._read_frame(conn, hello=True, deadline=deadline)
+        except (TransferError, OSError) as e:
+            with self._lock:
+                hung_up = self._closed or conn not in self._handshaking  # closed as the oldest: logged then
+            if not hung_up:
+                self._noisy.warning("hello", "closed a transfer connection from %s: no valid hello within %gs: %s",
+                                    peer, self.handshake_timeout, e)
+            return None
+        why = self._not_a_member(peer, src_process, dst_process, deadline) if self.auth_key is None else None
+        if why is not None:
+            if not self._closed:
+                self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): %s",
+                                    peer, src_process, why)
+            return None
+        if self.auth_key is not None and not self._admit(conn, peer, src_process, deadline):
+            return None
+        conn.settimeout(None)
+        return src_process
+
+    def _not_a_member(self, peer: tuple, src_process: int, dst_process: int, deadline: float) -> str | None:
+        """Why a hello from ``peer`` that says it is process ``src_process`` is not believed, or None."""
+        with self._topology_known:
+            self._topology_known.wait_for(lambda: self._topology is not None or self._closed,
+                                          max(0.0, deadline - time.monotonic()))
+            topology = self._topology
+        if topology is None:
+            return f"this endpoint learnt no topology within {self.handshake_timeout:g}s"
+        if dst_process != topology.process_id:
+            return (f"it is addressed to process {dst_process}, this is process {topology.process_id} of topology "
+                    f"generation {topology.generation}")
+        try:
+            claimed = topology.process(src_process)
+        except KeyError:
+            return f"topology generation {topology.generation} has no process {src_process}"
+        host = claimed.address.rpartition(":")[0].strip("[]")
+        if not host:
+            return f"process {src_process} advertised no transfer endpoint"
+        source = _ip(str(peer[0]))
+        if source not in _addresses_of(host):
+            return (f"it connects from {peer[0]}, but process {src_process} is at {host} in topology generation "
+                    f"{topology.generation}")
+        return None
+
+    def _admit(self, conn: socket.socket, peer: object, src_process: int, deadline: float) -> bool:
         """Challenges a new connection to prove it holds the cluster's token; refuses (and logs) it if not."""
         challenge = os.urandom(CHALLENGE_BYTES)
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             conn.sendall(challenge)
             answer = bytearray(CHALLENGE_BYTES)
-            _recv_exactly(conn, memoryview(answer), "the answer to the token challenge")
+            _recv_exactly(conn, memoryview(answer), "the answer to the token challenge", deadline)
         except (OSError, TransferError) as e:
-            log.warning("refused a transfer connection from %s (says process %d): no answer to the token "
-                        "challenge: %s", peer, src_process, e)
+            self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): no answer to "
+                                "the token challenge: %s", peer, src_process, e)
             return False
-        finally:
-            conn.settimeout(None)
         if not hmac.compare_digest(bytes(answer), token_proof(self.auth_key, challenge)):  # type: ignore[arg-type]
-            log.warning("refused a transfer connection from %s (says process %d): it does not hold the cluster's "
-                        "token", peer, src_process)
+            self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): it does not "
+                                "hold the cluster's token", peer, src_process)
             return False
         return True
 
     @staticmethod
-    def _read_frame(conn: socket.socket, hello: bool) -> tuple[int, int, int, int, np.ndarray | None]:
+    def _read_frame(conn: socket.socket, hello: bool,
+                    deadline: float | None = None) -> tuple[int, int, int, int, np.ndarray | None]:
         raw = bytearray(HEADER.size)
-        _recv_exactly(conn, memoryview(raw), "a frame header")
+        _recv_exactly(conn, memoryview(raw), "a frame header", deadline)
         magic, version, kind, ndim, dtype_len, seq, src, dst, nbytes = HEADER.unpack(raw)
         if magic != MAGIC or version != VERSION:
             raise TransferError(f"bad frame header: magic {magic!r} version {version}, expected {MAGIC!r} "
@@ -262,6 +403,7 @@ class Channels:
                  recv_timeout: float = RECV_TIMEOUT_S) -> None:
         self.topology = topology
         self.endpoint = endpoint or Endpoint.at(topology.process(topology.process_id).address)
+        self.endpoint.expect(topology)
         self._connect_timeout = connect_timeout
         self.recv_timeout = wait_seconds(recv_timeout, RECV_TIMEOUT_S)
         """How long ``recv`` waits when called without a timeout."""
@@ -350,10 +492,10 @@ class Channels:
         address = self.topology.process(process_id).address
         if not address:
             raise TransferError(f"process {process_id} advertised no transfer endpoint")
-        host, _, port = address.rpartition(":")
+        own = self.topology.process(self.topology.process_id).address.rpartition(":")[0].strip("[]")
         try:  # endpoints listen before their process registers: a refusal means the peer is gone
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self._connect_timeout)
-        except OSError as e:
+            sock = connect(address, self._connect_timeout, own if self.endpoint.auth_key is None else None)
+        except (OSError, ValueError) as e:
             raise TransferError(f"cannot connect to process {process_id} at {address}: {e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -370,6 +512,49 @@ class Channels:
         with self._lock:
             self._out[process_id] = sock
         return sock
+
+
+def _hang_up(conn: socket.socket) -> None:
+    """Ends a connection another thread reads from (that thread closes it: a close alone would not wake it)."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an address (an IPv4 address mapped into IPv6 as the IPv4 one), or None if it is not one."""
+    try:
+        address = ipaddress.ip_address(text.split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def _addresses_of(host: str) -> set:
+    """The addresses ``host`` (an address, or a name to resolve) stands for; empty if it resolves to none."""
+    literal = _ip(host)
+    if literal is not None:
+        return {literal}
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return set()
+    return {_ip(str(info[4][0])) for info in infos} - {None}
+
+
+def connect(address: str, timeout: float, source_host: str | None = None) -> socket.socket:
+    """A TCP connection to a transfer endpoint at ``address`` ("host:port"), from ``source_host`` when given and
+    usable (a process's transfer connections leave from its own endpoint's host, which is what a peer checks)."""
+    host, _, port = address.rpartition(":")
+    target = (host.strip("[]"), int(port))
+    if source_host:
+        try:
+            return socket.create_connection(target, timeout=timeout, source_address=(source_host, 0))
+        except OSError as e:  # that address cannot reach the target (say, loopback toward another host)
+            if e.errno not in (errno.EADDRNOTAVAIL, errno.EINVAL, errno.ENETUNREACH, errno.EAFNOSUPPORT):
+                raise
+    return socket.create_connection(target, timeout=timeout)
 
 
 def token_proof(key: bytes, challenge: bytes) -> bytes:

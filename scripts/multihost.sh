@@ -37,12 +37,9 @@ command -v unshare >/dev/null || die "no 'unshare'; on Debian: apt-get install -
 command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || die "no etcd server; on Debian: apt-get install -y etcd-server"
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-if [ ! -x "$root/.venv/bin/python" ]; then
-  source "$root/scripts/venv.sh" etcd
-fi
+# .venv with the etcd extra (the coordinators' --store etcd), installed as scripts/demo.sh installs its own.
+source "$root/scripts/venv.sh" etcd
 python=$root/.venv/bin/python
-"$python" -c 'import etcd3aio' 2>/dev/null \
-  || die "the coordinators' --store etcd needs the etcd extra: $root/.venv/bin/python -m pip install -e '$root[etcd]'"
 
 # In the background, so that a signal reaches this script at once; it is passed on as TERM (a background job
 # ignores SIGINT), and the demo tears everything down itself before it exits.

@@ -8,6 +8,7 @@ command -v etcd >/dev/null || [ -x /usr/bin/etcd ] || apt_install etcd-server ||
 command -v ip >/dev/null || apt_install iproute2 || true
 command -v iptables >/dev/null || apt_install iptables || true
 command -v openssl >/dev/null || apt_install openssl || true  # the TLS tests make their certificates with it
+command -v chromium >/dev/null || apt_install chromium || true  # a real browser opens the status page
 docker_packages=()
 command -v dockerd >/dev/null || docker_packages+=(docker.io)
 docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || docker_packages+=(docker-compose)
@@ -19,6 +20,7 @@ command -v debootstrap >/dev/null || docker_packages+=(debootstrap)
 # (tests/requirements.py applies the same rule inside the suite).
 missing=()
 command -v openssl >/dev/null || missing+=("openssl: the TLS tests make certificates with it (apt-get install -y openssl)")
+command -v chromium >/dev/null || missing+=("chromium: the status page is tested in a headless browser (apt-get install -y chromium)")
 if ! command -v etcd >/dev/null && [ ! -x /usr/bin/etcd ]; then
   missing+=("etcd: no etcd server; install Debian's etcd-server (as root: apt-get install -y etcd-server)")
 fi
@@ -57,6 +59,15 @@ if [ -z "${IFRT_TEST_JAX04_PYTHON:-}" ]; then
   [ -x .venv-jax04/bin/python ] && export IFRT_TEST_JAX04_PYTHON="$root/.venv-jax04/bin/python"
 fi
 [ -n "${IFRT_TEST_JAX04_PYTHON:-}" ] || missing+=("jax 0.4.30: .venv-jax04 could not be made (see .venv-jax04.log)")
+# PyTorch for tests/test_torch*.py: not an extra of `test` (pip would pull the 5.5 GB CUDA build); a CPU build where
+# pip finds one (this machine's wheel cache has torch 2.13.0 for CPU).
+if ! python -c 'import torch' >/dev/null 2>&1; then
+  echo "installing torch 2.13.0 into .venv (for the ifrt.torch tests)" >&2
+  python -m pip install -q 'torch==2.13.0' >.venv/pip-torch.log 2>&1 || true
+fi
+if ! torch_error=$(python -c 'import torch.distributed' 2>&1); then
+  missing+=("torch: 'import torch.distributed' fails ($(printf '%s' "$torch_error" | tail -n 1)); see .venv/pip-torch.log, or run: .venv/bin/python -m pip install 'torch==2.13.0'")
+fi
 if ! jax_error=$(python -c 'import jax' 2>&1); then
   missing+=("jax: 'import jax' fails ($(printf '%s' "$jax_error" | tail -n 1)); the jax extra is installed by this script: see .venv/pip-install.log, or run: .venv/bin/python -m pip install -e '.[jax]'")
 fi

@@ -1,6 +1,7 @@
 """A job process for coordination tests: discovers, then does one thing and reports it as JSON lines.
 
     python tests/coordination_worker.py increment KEY COUNT     # COUNT kv_increment calls, then the last sum
+    python tests/coordination_worker.py swap KEY COUNT          # COUNT counter steps won by kv_compare_set
     python tests/coordination_worker.py steps SECONDS           # steps of SECONDS each until the preemption sync point
     python tests/coordination_worker.py live TIMEOUT            # live_processes(TIMEOUT) on each "ask" line on stdin
 
@@ -41,6 +42,15 @@ def main() -> None:
         for _ in range(count):
             total = client.kv_increment(key)
         say(incremented=count, last=total)
+    elif mode == "swap":  # the key holds b"<count>:<process id>:<attempt>": unique, so a swap never looks like another
+        key, count = args[0], int(args[1])
+        held, won, attempt = b"", 0, 0
+        while won < count:
+            attempt += 1
+            desired = f"{int(held.split(b':')[0] or 0) + 1}:{topology.process_id}:{attempt}".encode()
+            held = client.kv_compare_set(key, held, desired) or b""
+            won += held == desired
+        say(swapped=won, attempts=attempt)
     elif mode == "steps":
         seconds = float(args[0])
         for step in range(MAX_STEPS):

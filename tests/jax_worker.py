@@ -5,6 +5,7 @@ Scenarios:
   narrowed        ifrt.jax.initialize(local_device_ids=$NARROW), expected to fail with TopologyError
   plugin-then-jax ifrt.discover(plugin="jax"), then jax.distributed.initialize by hand
   backend-first   a JAX computation, then ifrt.jax.initialize(), expected to be refused
+  token           ifrt.jax.initialize(token=$TEST_CLUSTER_TOKEN), the token given only as the argument
 """
 
 from __future__ import annotations
@@ -109,7 +110,17 @@ def backend_first() -> dict:
     return {"error": None}
 
 
-SCENARIOS = {"mesh": mesh, "narrowed": narrowed, "plugin-then-jax": plugin_then_jax, "backend-first": backend_first}
+def with_token() -> dict:
+    import jax
+
+    import ifrt.jax
+
+    topology = ifrt.jax.initialize(timeout=TIMEOUT, token=os.environ["TEST_CLUSTER_TOKEN"])
+    return {"process_id": topology.process_id, "jax_process_index": jax.process_index()}
+
+
+SCENARIOS = {"mesh": mesh, "narrowed": narrowed, "plugin-then-jax": plugin_then_jax, "backend-first": backend_first,
+             "token": with_token}
 
 if __name__ == "__main__":
     print(json.dumps(SCENARIOS[sys.argv[1]]()), flush=True)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
+import subprocess
 
 import pytest
 from hypothesis import given
@@ -12,11 +15,16 @@ from hypothesis import strategies as st
 import ifrt.clusters
 from ifrt.clusters import DEFAULT_PORT, DETECTORS, Detected, detect, present
 from ifrt.clusters.hostlist import expand_hostlist, format_hostlist, iter_hostlist
+from ifrt.clusters.jobset import JobSet
+from ifrt.clusters.kubeflow import KubeflowTrainer
 from ifrt.clusters.kubernetes import Kubernetes
+from ifrt.clusters.lws import LeaderWorkerSet
 from ifrt.clusters.ompi import Ompi
 from ifrt.clusters.slurm import Slurm, tasks_on_node
 from ifrt.clusters.torchrun import Torchrun
+from ifrt.clusters.tpu import GkeTpu
 from ifrt.errors import InvalidArgument
+from tests.conftest import BIN
 
 # What a login shell and a container put in every environment: none of it names a launcher.
 BASE = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/ml", "USER": "ml", "LANG": "C.UTF-8", "SHLVL": "1"}
@@ -74,6 +82,56 @@ K8S_INDEXED_POD = BASE | {
     "KUBERNETES_PORT_443_TCP": "tcp://10.96.0.1:443", "KUBERNETES_PORT_443_TCP_ADDR": "10.96.0.1",
 }
 K8S_FQDN = "trainer-2.workers.default.svc.cluster.local"
+K8S_POD = {k: v for k, v in K8S_INDEXED_POD.items() if k != "JOB_COMPLETION_INDEX"}  # what every pod has
+
+# LeaderWorkerSet "vllm" (size 4, namespace "default"), worker 2 of group 0: LWS's pod webhook prepends its three
+# variables to every container (lws pkg/webhooks/pod_webhook.go; the leader address is <lws>-<group>.<lws>.<ns>).
+LWS_WORKER = K8S_POD | {
+    "HOSTNAME": "vllm-0-2", "LWS_LEADER_ADDRESS": "vllm-0.vllm.default", "LWS_GROUP_SIZE": "4",
+    "LWS_WORKER_INDEX": "2",
+}
+
+# Kubeflow Trainer's JAX runtime, TrainJob "llm" with numNodes 3, node 1 (kubeflow/trainer
+# pkg/runtime/framework/plugins/jax/jax.go: JAX_PROCESS_ID is the completion index through the downward API, the
+# coordinator "<trainjob>-node-0-0.<trainjob>:<JAXContainerPort>"; the runtime's pods are a JobSet's Indexed Job).
+KUBEFLOW_JAX = K8S_POD | {
+    "HOSTNAME": "llm-node-0-1", "JOB_COMPLETION_INDEX": "1", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "1",
+    "JAX_COORDINATOR_ADDRESS": "llm-node-0-0.llm:6666", "JAX_COORDINATOR_PORT": "6666",
+    "JAX_DISTRIBUTED_BACKEND": "gloo",
+}
+
+# Kubeflow Trainer's torch runtime, TrainJob "llm" with numNodes 2 and 4 processes per node, node 1 (kubeflow/trainer
+# pkg/runtime/framework/plugins/torch/torch.go and pkg/constants: PET_MASTER_PORT is ContainerTrainerPort, 29500).
+KUBEFLOW_TORCH = K8S_POD | {
+    "HOSTNAME": "llm-node-0-1", "JOB_COMPLETION_INDEX": "1", "PET_NNODES": "2", "PET_NPROC_PER_NODE": "4",
+    "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "llm-node-0-0.llm", "PET_MASTER_PORT": "29500",
+}
+
+# GKE TPU, one slice of 4 hosts (an Indexed Job "tpu" with subdomain "tpu-svc"), host 3: GKE's TPU webhook sets the
+# worker id (the completion index) and the slice's hosts in worker-id order.
+TPU_ONE_SLICE = K8S_POD | {
+    "HOSTNAME": "tpu-3", "JOB_COMPLETION_INDEX": "3", "TPU_WORKER_ID": "3",
+    "TPU_WORKER_HOSTNAMES": "tpu-0.tpu-svc,tpu-1.tpu-svc,tpu-2.tpu-svc,tpu-3.tpu-svc",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-16", "TPU_TOPOLOGY": "4x4", "TPU_SKIP_MDS_QUERY": "true",
+}
+
+# GKE TPU multislice: JobSet "js", replicated Job "slice" with 2 replicas (slices) of 2 hosts; host 1 of slice 1.
+# JobSet's webhook adds MEGASCALE_* (jobset pkg/util/accelerator/tpu.go: coordinator "<js>-<job>-0-0.<subdomain>",
+# slice id the job index, slice count the replicas).
+TPU_MULTISLICE = K8S_POD | {
+    "HOSTNAME": "js-slice-1-1", "JOB_COMPLETION_INDEX": "1", "TPU_WORKER_ID": "1",
+    "TPU_WORKER_HOSTNAMES": "js-slice-1-0.js,js-slice-1-1.js", "MEGASCALE_SLICE_ID": "1",
+    "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_COORDINATOR_ADDRESS": "js-slice-0-0.js",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-8", "TPU_SKIP_MDS_QUERY": "true",
+}
+
+# JobSet "js" with replicated Jobs "driver" (1 Job of 1 pod, the JobSet's spec.coordinator) and "workers" (2 Jobs of
+# 2 pods): pod 1 of workers Job 1, with the annotations passed in as deploy/kubernetes/workers-jobset.yaml does.
+JOBSET_WORKER = K8S_POD | {
+    "HOSTNAME": "js-workers-1-1", "JOB_COMPLETION_INDEX": "1", "JOBSET_JOB_INDEX": "1",
+    "JOBSET_JOB_GLOBAL_INDEX": "2", "JOBSET_REPLICATED_JOB_REPLICAS": "2", "JOBSET_GLOBAL_REPLICAS": "3",
+    "JOBSET_COORDINATOR": "js-driver-0-0.js", "JOBSET_PODS_PER_JOB": "2",
+}
 
 
 def values(d: Detected) -> tuple:
@@ -219,6 +277,150 @@ def test_the_registry_asks_the_host_for_its_fqdn(monkeypatch):
     monkeypatch.setattr("ifrt.clusters.kubernetes.socket.getfqdn", lambda: K8S_FQDN)
     assert values(detect(K8S_INDEXED_POD)) == ("kubernetes", f"trainer-0.workers.default.svc.cluster.local:"
                                                f"{DEFAULT_PORT}", 2, None, None, None)
+
+
+# --- LeaderWorkerSet, Kubeflow Trainer, GKE TPU, JobSet -------------------------------------------------------
+
+
+def test_a_leaderworkerset_worker_is_its_index_in_the_group_and_dials_the_leader():
+    d = detect(LWS_WORKER)
+    assert values(d) == ("lws", f"vllm-0.vllm.default:{DEFAULT_PORT}", 2, 4, None, None)
+    assert d.variables == ("LWS_LEADER_ADDRESS", "LWS_WORKER_INDEX", "LWS_GROUP_SIZE")
+
+
+def test_the_leaderworkerset_leader_is_process_zero():
+    assert LeaderWorkerSet.detect(LWS_WORKER | {"LWS_WORKER_INDEX": "0"}).process_id == 0
+
+
+def test_kubeflow_jax_runtime_takes_the_host_of_its_coordinator_address_with_ifrts_port(caplog):
+    with caplog.at_level(logging.WARNING, logger="ifrt.clusters"):
+        d = detect(KUBEFLOW_JAX)
+    assert values(d) == ("kubeflow", f"llm-node-0-0.llm:{DEFAULT_PORT}", 1, 3, None, None)
+    assert not caplog.records  # the JobSet's completion index agrees
+
+
+def test_kubeflow_torch_runtime_node_with_one_process_is_the_node_rank():
+    env = KUBEFLOW_TORCH | {"PET_NPROC_PER_NODE": "1"}
+    assert values(detect(env)) == ("kubeflow", f"llm-node-0-0.llm:{DEFAULT_PORT}", 1, 2, None, 1)
+
+
+def test_kubeflow_torch_runtime_node_with_four_processes_counts_them_but_is_none_of_them():
+    assert values(KubeflowTrainer.detect(KUBEFLOW_TORCH)) == ("kubeflow", f"llm-node-0-0.llm:{DEFAULT_PORT}", None, 8,
+                                                               None, 4)
+
+
+@pytest.mark.parametrize("nproc", ["auto", "gpu", "cpu"])
+def test_kubeflow_torch_runtime_leaves_a_count_torchrun_decides_unknown(nproc):
+    d = KubeflowTrainer.detect(KUBEFLOW_TORCH | {"PET_NPROC_PER_NODE": nproc})
+    assert (d.process_id, d.num_processes, d.coordinator) == (None, None, f"llm-node-0-0.llm:{DEFAULT_PORT}")
+
+
+def test_torchrun_inside_the_kubeflow_torch_runtime_wins_and_agrees(caplog):
+    # The runtime's torchrun, started with PET_*, runs worker 6 (local rank 2) on node 1.
+    env = KUBEFLOW_TORCH | {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+                            "MASTER_ADDR": "llm-node-0-0.llm", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "llm"}
+    with caplog.at_level(logging.WARNING, logger="ifrt.clusters"):
+        d = detect(env)
+    assert values(d) == ("torchrun", f"llm-node-0-0.llm:{DEFAULT_PORT}", 6, 8, 2, 4)
+    assert [p.source for p in present(env)] == ["torchrun", "kubeflow"]
+    assert not caplog.records
+
+
+def test_a_single_tpu_slice_numbers_hosts_by_worker_id_and_dials_the_first():
+    d = detect(TPU_ONE_SLICE)
+    assert values(d) == ("tpu", f"tpu-0.tpu-svc:{DEFAULT_PORT}", 3, 4, None, None)
+    assert d.slice_index == 0
+
+
+def test_tpu_multislice_offsets_the_id_by_the_slice_and_dials_slice_zeros_host(caplog):
+    with caplog.at_level(logging.WARNING, logger="ifrt.clusters"):
+        d = detect(TPU_MULTISLICE)
+    # process id = id within the slice + slice id x hosts per slice (as jax/_src/clusters/cloud_tpu_cluster.py)
+    assert values(d) == ("tpu", f"js-slice-0-0.js:{DEFAULT_PORT}", 1 + 1 * 2, 2 * 2, None, None)
+    assert d.slice_index == 1
+    # The completion index (1) is per slice: the kubernetes detector stands aside rather than disagree.
+    assert [p.source for p in present(TPU_MULTISLICE)] == ["tpu"]
+    assert not caplog.records
+
+
+def test_tpu_process_addresses_are_preferred_to_worker_hostnames():
+    env = TPU_ONE_SLICE | {"TPU_PROCESS_ADDRESSES": "10.8.0.5:8471,10.8.0.6:8471,10.8.0.7:8471,10.8.0.8:8471"}
+    assert GkeTpu.detect(env).coordinator == f"10.8.0.5:{DEFAULT_PORT}"
+
+
+def test_a_tpu_slice_inside_a_leaderworkerset_agrees_with_it(caplog):
+    # LWS's webhook sets the TPU variables of a group that requests TPUs: group 1 of "tpu", worker 1.
+    env = K8S_POD | {"LWS_LEADER_ADDRESS": "tpu-1.tpu.default", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1",
+                     "TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "tpu-1.tpu,tpu-1-1.tpu"}
+    with caplog.at_level(logging.WARNING, logger="ifrt.clusters"):
+        assert values(detect(env))[:4] == ("tpu", f"tpu-1.tpu:{DEFAULT_PORT}", 1, 2)
+    assert not caplog.records  # "tpu-1.tpu" and "tpu-1.tpu.default" are the same host
+
+
+def test_a_jobset_pod_is_numbered_across_the_set(caplog):
+    with caplog.at_level(logging.WARNING, logger="ifrt.clusters"):
+        d = detect(JOBSET_WORKER)
+    # global job index 2 (the driver's Job is 0) x 2 pods per Job + completion index 1
+    assert values(d) == ("jobset", f"js-driver-0-0.js:{DEFAULT_PORT}", 5, 6, None, None)
+    assert [p.source for p in present(JOBSET_WORKER)] == ["jobset"]
+    assert not caplog.records
+
+
+def test_a_jobset_without_global_variables_uses_its_replicated_jobs_own():
+    env = {k: v for k, v in JOBSET_WORKER.items() if k not in ("JOBSET_JOB_GLOBAL_INDEX", "JOBSET_GLOBAL_REPLICAS")}
+    assert values(JobSet.detect(env))[2:4] == (1 * 2 + 1, 2 * 2)
+
+
+def test_a_jobset_annotation_the_pod_lacks_arrives_empty_and_reads_as_unset():
+    # The downward API gives "" for a missing annotation: no spec.coordinator, one pod per child Job.
+    env = JOBSET_WORKER | {"JOBSET_COORDINATOR": "", "JOBSET_PODS_PER_JOB": "", "JOB_COMPLETION_INDEX": "0"}
+    assert values(JobSet.detect(env)) == ("jobset", None, 2, 3, None, None)
+
+
+def test_a_multi_pod_jobset_without_its_pods_per_job_says_what_to_set():
+    env = {k: v for k, v in JOBSET_WORKER.items() if k != "JOBSET_PODS_PER_JOB"}
+    with pytest.raises(InvalidArgument, match="JOB_COMPLETION_INDEX='1' is malformed: expected 0, as "
+                                              "JOBSET_PODS_PER_JOB is not set"):
+        detect(env)
+
+
+@pytest.mark.parametrize(("env", "variable", "value"), [
+    (LWS_WORKER | {"LWS_WORKER_INDEX": "leader"}, "LWS_WORKER_INDEX", "leader"),
+    (LWS_WORKER | {"LWS_LEADER_ADDRESS": "vllm-0:8080"}, "LWS_LEADER_ADDRESS", "vllm-0:8080"),
+    (KUBEFLOW_JAX | {"JAX_COORDINATOR_ADDRESS": "a:b:c:d"}, "JAX_COORDINATOR_ADDRESS", "a:b:c:d"),
+    (KUBEFLOW_TORCH | {"PET_NPROC_PER_NODE": "many"}, "PET_NPROC_PER_NODE", "many"),
+    (KUBEFLOW_TORCH | {"PET_NODE_RANK": "2"}, "PET_NODE_RANK", "2"),
+    (TPU_MULTISLICE | {"TPU_WORKER_ID": "2"}, "TPU_WORKER_ID", "2"),
+    (TPU_MULTISLICE | {"MEGASCALE_SLICE_ID": "2"}, "MEGASCALE_SLICE_ID", "2"),
+    (TPU_MULTISLICE | {"TPU_WORKER_HOSTNAMES": "a,,b"}, "TPU_WORKER_HOSTNAMES", "a,,b"),
+    (JOBSET_WORKER | {"JOB_COMPLETION_INDEX": "2"}, "JOB_COMPLETION_INDEX", "2"),
+    (JOBSET_WORKER | {"JOBSET_JOB_GLOBAL_INDEX": "3"}, "JOBSET_JOB_GLOBAL_INDEX", "3"),
+])
+def test_a_malformed_kubernetes_launcher_value_names_the_variable_and_what_was_expected(env, variable, value):
+    with pytest.raises(InvalidArgument, match=re.escape(f"{variable}={value!r}")) as info:
+        detect(env)
+    assert "expected" in str(info.value)
+
+
+def test_a_contradicting_slice_is_a_disagreement(caplog):
+    # A JobSet manifest that numbers hosts differently from the TPU slices: both sources are named.
+    env = TPU_MULTISLICE | {"JOBSET_JOB_INDEX": "0", "JOBSET_REPLICATED_JOB_REPLICAS": "2", "JOBSET_PODS_PER_JOB": "2"}
+    with caplog.at_level(logging.WARNING, logger="ifrt.clusters"):
+        assert detect(env).process_id == 3
+    assert "process id: tpu TPU_WORKER_ID='1' + MEGASCALE_SLICE_ID='1' x 2 hosts vs jobset JOBSET_JOB_INDEX='0'" in (
+        caplog.text)
+
+
+def test_ifrt_env_json_shows_a_multislice_tpu_hosts_launcher_and_slice():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "SLURM_", "OMPI_", "PMIX_", "TPU_"))}
+    out = subprocess.run([str(BIN / "ifrt"), "env", "--json"], env=env | TPU_MULTISLICE, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["launchers"] == [{"source": "tpu", "coordinator": f"js-slice-0-0.js:{DEFAULT_PORT}", "process_id": 3,
+                                   "num_processes": 4, "local_rank": None, "local_world_size": None,
+                                   "slice_index": 1}]
+    assert (shown["settings"]["process_id"], shown["settings"]["launcher"]) == (3, "tpu")
 
 
 # --- host lists --------------------------------------------------------------------------------------------------
@@ -388,4 +590,20 @@ def test_the_priority_order_is_the_documented_order():
     documented = re.findall(r"^\d+\. ``(\w+)`` \((\d+)\)", ifrt.clusters.__doc__, re.MULTILINE)
     assert [(d.name, str(d.priority)) for d in DETECTORS] == documented
     assert [d.priority for d in DETECTORS] == sorted({d.priority for d in DETECTORS}, reverse=True)
-    assert [d.name for d in DETECTORS] == ["torchrun", "ompi", "slurm", "kubernetes"]
+    assert [d.name for d in DETECTORS] == ["torchrun", "ompi", "slurm", "tpu", "kubeflow", "lws", "jobset",
+                                           "kubernetes"]
+
+
+def test_the_launchers_slice_reaches_the_published_topology(start_coordinator):
+    # Two single-host slices of a multislice job; the cpu plugin names no slice, so the launcher's does.
+    from tests.conftest import discover_process, finish
+
+    coordinator = start_coordinator(num_processes=2)
+    children = [discover_process(coordinator.address, env={
+        "TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": "localhost", "MEGASCALE_SLICE_ID": str(s),
+        "MEGASCALE_NUM_SLICES": "2", "MEGASCALE_COORDINATOR_ADDRESS": "localhost"}) for s in (1, 0)]
+    results = [finish(c, 90) for c in children]
+    assert [code for code, _, _ in results] == [0, 0], [err for _, _, err in results]
+    topology = json.loads(results[0][1])
+    by_process = {d["process_id"]: d["slice_index"] for d in topology["devices"]}
+    assert by_process == {0: 0, 1: 1}

@@ -110,7 +110,7 @@ def test_a_live_process_that_does_not_call_is_named_at_the_timeout():
 
 def test_preemption_sync_step_is_the_largest_reported_and_decided_once():
     s = published(3)
-    assert s.preemption_notice("p1", 0.0) == [Notify(PreemptionNotice(1))]
+    assert s.preemption_notice("p1", 0.0) == [Notify(PreemptionNotice(1), 2)]
     assert s.preemption_notice("p1", 0.1) == []  # noticed again: nothing new
     assert s.preemption_sync("p0", 12, 60, 0.2) == (None, [])
     assert s.preemption_sync("p1", 10, 60, 0.3) == (None, [])
@@ -122,7 +122,7 @@ def test_preemption_sync_step_is_the_largest_reported_and_decided_once():
 def test_preemption_sync_without_a_notice_is_the_callers_notice_and_skips_the_dead():
     s = published(3)
     outcome, effects = s.preemption_sync("p2", 7, 60, 0.0)
-    assert outcome is None and effects == [Notify(PreemptionNotice(2))]
+    assert outcome is None and effects == [Notify(PreemptionNotice(2), 2)]
     s.preemption_sync("p0", 5, 60, 0.1)
     heartbeat_all_but(s, 1, TIMEOUT + 0.5)
     [decided] = [e for e in s.tick(TIMEOUT + 0.5) if isinstance(e, PreemptionResolved)]

@@ -73,8 +73,8 @@ def reference_fingerprint(ports: dict[int, int], cluster_id: str = "job") -> str
 class Replicas:
     """Two coordinator replicas on one etcd: ``leader`` serves, the other stands by."""
 
-    def __init__(self, etcd, cluster_id: str = "job") -> None:
-        args = ("--store", etcd.url, "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", HEARTBEAT,
+    def __init__(self, etcd, cluster_id: str = "job", heartbeat: str = HEARTBEAT) -> None:
+        args = ("--store", etcd.url, "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", heartbeat,
                 "--cluster-id", cluster_id)
         self.all = [LocalCoordinator(*args, num_processes=NUM) for _ in range(2)]
         self.addresses = ",".join(c.address for c in self.all)

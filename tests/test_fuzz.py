@@ -50,6 +50,7 @@ DOCUMENTED = {
     "KeyValueTryGet": MEMBERS,
     "KeyValueDir": MEMBERS,
     "KeyValueIncrement": MEMBERS,
+    "KeyValueCompareSet": MEMBERS,
     "KeyValueDelete": MEMBERS,
     "Status": COMMON,
 }

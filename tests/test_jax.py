@@ -33,8 +33,9 @@ OLD_JAX_PYTHON_ENV = "IFRT_TEST_JAX04_PYTHON"  # scripts/test.sh makes .venv-jax
 
 def start_workers(address: str, count: int, scenario: str, devices: int = 2,
                   extra_env: dict[int, dict[str, str]] | None = None,
-                  python: str = sys.executable) -> list[subprocess.Popen]:
-    """``count`` JAX processes of ``devices`` CPU devices each, with assigned ids (no IFRT_PROCESS_ID)."""
+                  python: str = sys.executable, worker: Path = WORKER) -> list[subprocess.Popen]:
+    """``count`` JAX processes of ``devices`` CPU devices each, with assigned ids (no IFRT_PROCESS_ID); ``worker``
+    is the script they run with ``scenario`` as its arguments (split on spaces)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
     # XLA_FLAGS as well as JAX_NUM_CPU_DEVICES: JAX before 0.4.3x reads only the flag
     base.update(IFRT_COORDINATOR=address, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
@@ -45,7 +46,7 @@ def start_workers(address: str, count: int, scenario: str, devices: int = 2,
     workers = []
     for rank in range(count):
         env = dict(base, IFRT_LOCAL_RANK=str(rank), **(extra_env or {}).get(rank, {}))
-        workers.append(subprocess.Popen([python, str(WORKER), scenario], env=env, stdout=subprocess.PIPE,
+        workers.append(subprocess.Popen([python, str(worker), *scenario.split()], env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True))
     return workers
 
@@ -138,6 +139,17 @@ def test_jax_plugin_leaves_jax_distributed_free_to_start(start_coordinator):
     assert a["distributed"]
     assert a["ifrt"] == [["cpu", "cpu", 0], ["cpu", "cpu", 1]]
     assert a["jax"] == [["cpu", "cpu"], ["cpu", "cpu"]]
+
+
+@pytest.mark.slow
+def test_a_token_protected_coordinator_admits_initialize_with_token(start_coordinator, tmp_path):
+    (tmp_path / "token").write_text("jax-job-token-7c2e")
+    (tmp_path / "token").chmod(0o600)
+    coordinator = start_coordinator("--token-file", str(tmp_path / "token"), num_processes=2, log_level="WARNING")
+    # No IFRT_TOKEN or IFRT_TOKEN_FILE: without the argument the coordinator answers UNAUTHENTICATED.
+    token = {"TEST_CLUSTER_TOKEN": "jax-job-token-7c2e"}
+    answers = results(start_workers(coordinator.address, 2, "token", extra_env={0: token, 1: token}))
+    assert [(a["process_id"], a["jax_process_index"]) for a in answers] == [(0, 0), (1, 1)]
 
 
 @pytest.mark.slow

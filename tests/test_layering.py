@@ -77,6 +77,10 @@ STATUS = {
     "Unauthenticated": "UNAUTHENTICATED",
     "PermissionDenied": "PERMISSION_DENIED",
     "TransportMismatch": "UNAVAILABLE",
+    "CertificateRejected": "UNAVAILABLE",
+    "JobFailed": "ABORTED",
+    "PeerFailed": "ABORTED",
+    "CoordinatorGone": "UNAVAILABLE",
 }
 
 

@@ -26,10 +26,13 @@ COORDINATOR = str(Path(sys.executable).parent / "ifrt-coordinator")
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"
 
 
-def test_defaults_are_the_limits_the_coordinator_always_had():
+def test_defaults_are_the_documented_limits():
     assert Limits() == Limits(request_bytes=16777216, devices_per_process=131072, attributes_per_device=64,
                               string_bytes=1024, kv_value_bytes=1048576, kv_keys=1048576, kv_key_bytes=1024,
-                              barrier_name_bytes=1024, concurrent_streams=0)
+                              barrier_name_bytes=1024, concurrent_streams=4096, barriers=1048576,
+                              watches_per_session=1024, session_backlog_bytes=67108864, health_name_bytes=256,
+                              health_watches_per_connection=4, health_watches=1024, first_message_seconds=10,
+                              connection_idle_seconds=30, connections=0)
     assert ClusterConfig(num_processes=1).limits == Limits()
 
 
@@ -287,3 +290,39 @@ def test_max_concurrent_streams_holds_further_calls_of_one_connection(start_coor
                                       timeout=10)
         answer = pb.RegisterResponse.FromString(waiting.result(timeout=30))
     assert (answer.process_id, answer.generation) == (0, 1)
+
+
+# Entries a caller can make the coordinator keep.
+
+def test_barriers_past_the_limit_are_refused_cancelled_ones_included():
+    barriers = Barriers(Limits(barriers=2))
+    barriers.arrive("first", 0, frozenset({0, 1}), 10.0, 0.0, {})
+    assert barriers.cancel("never used", "process 0", 0.0)[0]
+    with pytest.raises(InvalidArgument) as info:
+        barriers.cancel("third", "process 0", 0.0)
+    assert str(info.value) == ("barrier 'third' would be barrier number 3: expected at most 2 barriers (the "
+                               "coordinator's --max-barriers)")
+    with pytest.raises(InvalidArgument, match="expected at most 2 barriers"):
+        barriers.arrive("third", 0, frozenset({0, 1}), 10.0, 0.0, {})
+    assert barriers.get("third") is None
+    assert barriers.cancel("first", "process 1", 0.0)[0]  # a barrier it keeps is no new entry
+
+
+def test_a_get_of_a_key_no_set_could_store_is_refused():
+    kv = KeyValueStore(Limits(kv_key_bytes=4))
+    with pytest.raises(InvalidArgument) as info:
+        kv.get("k" * 5)
+    assert str(info.value) == "key of 5 bytes: expected 1 to 4 bytes (the coordinator's --kv-max-key-bytes)"
+    assert kv.get("kkkk") is None
+
+
+def test_an_overlong_request_or_call_id_is_refused_and_remembered_nowhere():
+    s = published_cluster(Limits(string_bytes=8))
+    with pytest.raises(InvalidArgument) as info:
+        s.kv_increment("p0", "n", 1, "r" * 9)
+    assert str(info.value) == ("request_id is 9 bytes long: expected at most 8 (the coordinator's "
+                               "--max-string-bytes)")
+    with pytest.raises(InvalidArgument, match="call_id is 9 bytes long"):
+        s.live_processes("p0", "c" * 9, 10.0, 0.0)
+    assert s.take_journal() == [] and s.kv_get("p0", "n") is None
+    assert s.kv_increment("p0", "n", 1, "r" * 8)[0] == 1

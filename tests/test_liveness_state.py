@@ -157,7 +157,7 @@ def test_restart_with_the_same_devices_keeps_the_generation():
     before = s.topology
     outcome, effects = s.register(reg("p1-again", 1, host="h1"), 2.0)
     assert outcome.process_id == 1 and outcome.topology is before
-    assert effects == [Notify(ProcessRestarted(1, 1))]
+    assert effects == [Notify(ProcessRestarted(1, 1), 3)]  # job events: 1 generation 1, 2 the failure
     s.attach("p1-again", 2.0)
     with pytest.raises(ProcessDeclaredFailed, match=r"lost its connection"):
         s.attach("p1", 2.0)
@@ -168,8 +168,8 @@ def test_restart_with_other_devices_publishes_the_next_generation():
     s = published()
     s.detach("p1", 0.0)
     outcome, effects = s.register(reg("p1-again", 1, host="h1", devices=5), 0.5)  # before failure was detected
-    assert effects[0] == Notify(ProcessRestarted(1, 1))
-    assert effects[1] == Republish(s.topology)
+    assert effects[0] == Notify(ProcessRestarted(1, 1), 2)
+    assert effects[1] == Republish(s.topology, 3)
     assert s.topology.generation == 2 and outcome.topology is s.topology
     assert [d.local_id for d in s.topology.devices if d.process_id == 1] == [0, 1, 2, 3, 4]
 
@@ -185,7 +185,7 @@ def test_elastic_policy_drops_the_failed_process():
     heartbeat_all_but(s, 0, 1.5)
     effects = s.tick(1.5)
     assert failures(effects) == [ProcessFailed(0, "lost its connection and did not come back within 0.125s")]
-    assert Republish(s.topology) in effects
+    assert Republish(s.topology, 3) in effects
     assert s.topology.generation == 2
     assert [p.process_id for p in s.topology.processes] == [1, 2]  # survivors keep their ids
     assert s.topology.num_processes == 2
@@ -202,7 +202,7 @@ def test_elastic_policy_below_the_minimum_is_fatal():
 
 def test_leave_is_reported_as_left():
     s = published()
-    assert s.leave("p2", 0.5)[0] == Notify(ProcessLeft(2))
+    assert s.leave("p2", 0.5)[0] == Notify(ProcessLeft(2), 2)
     heartbeat_all_but(s, 2, 5.0)
     assert failures(s.tick(5.0)) == []
 

@@ -105,7 +105,7 @@ def _nothing_listening() -> SimpleNamespace:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return SimpleNamespace(address=f"127.0.0.1:{port}", auth_key=None, close=lambda: None)
+    return SimpleNamespace(address=f"127.0.0.1:{port}", auth_key=None, close=lambda: None, expect=lambda topology: None)
 
 
 def test_discover_under_IFRT_PREFLIGHT_fails_in_every_process_naming_the_pair(cluster, monkeypatch):

@@ -63,5 +63,6 @@ def test_agreeing_ifrt_variable_is_fine():
 
 
 def test_no_coordinator_anywhere_lists_what_was_tried():
-    with pytest.raises(InvalidArgument, match="looked for: torchrun, ompi, slurm, kubernetes; none found"):
+    with pytest.raises(InvalidArgument,
+                       match="looked for: torchrun, ompi, slurm, tpu, kubeflow, lws, jobset, kubernetes; none found"):
         resolve(environ={})

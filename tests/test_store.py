@@ -221,3 +221,90 @@ def test_a_damaged_batch_is_refused_saying_where():
         unpack_batch(value + b"\x00")
     with pytest.raises(ValueError, match="not a journal batch of version 1"):
         unpack_batch(b"\x02" + value[1:])
+
+
+# Compaction: the store drops what replay no longer needs.
+
+def test_a_compacted_journal_loads_back_the_kept_entries_in_order_and_grows_on(make_store):
+    entries = [f"e{i}".encode() for i in range(40)]
+    keep = [i % 3 == 0 or i >= 30 for i in range(40)]
+
+    async def scenario():
+        store = make_store()
+        await store.acquire("c1:8476")
+        for i in range(0, 40, 4):  # ten appends
+            await store.append(entries[i:i + 4])
+        loaded = await store.load()
+        await store.compact(loaded, keep)
+        await store.append([b"after"])
+        mine = await store.load()
+        await store.close()
+        again = make_store()  # a new leader finds the same
+        await again.acquire("c2:8476")
+        theirs = await again.load()
+        await again.append([b"from the next leader"])
+        final = await again.load()
+        await again.close()
+        return mine, theirs, final
+
+    kept = [e for e, k in zip(entries, keep, strict=True) if k]
+    mine, theirs, final = run(scenario())
+    assert mine == theirs == [*kept, b"after"]
+    assert final == [*kept, b"after", b"from the next leader"]
+
+
+def test_a_compaction_decided_on_another_journal_is_refused_and_changes_nothing(make_store):
+    async def scenario():
+        store = make_store()
+        await store.acquire("c1:8476")
+        await store.append([b"a", b"b"])
+        loaded = await store.load()
+        await store.append([b"c"])  # appended after the read the compaction was decided on
+        with pytest.raises(StoreError, match="the journal holds 3 entries, the compaction was decided on 2"):
+            await store.compact(loaded, [False, True])
+        result = await store.load()
+        await store.close()
+        return result
+
+    assert run(scenario()) == [b"a", b"b", b"c"]
+
+
+def test_compaction_merges_and_deletes_etcd_keys(etcd):
+    from etcd3aio import prefix_range_end
+
+    async def scenario():
+        store = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await store.acquire("c1:8476")
+        for i in range(300):
+            await store.append([f"overwrite {i}".encode()])
+        await store.append([b"x" * MAX_BATCH_BYTES, b"y" * MAX_BATCH_BYTES])  # two keys of their own
+        loaded = await store.load()
+        await store.compact(loaded, [i % 100 == 99 or i >= 300 for i in range(len(loaded))])
+        prefix = b"/ifrt/job/journal/"
+        found = await (await store._kv()).get(prefix, prefix_range_end(prefix), keys_only=True, timeout=2)
+        await store.append([b"next"])
+        await store.close()
+        return sorted(bytes(item.key) for item in found.kvs)
+
+    keys = run(scenario())
+    # The three kept overwrites fit in the first key; each large entry keeps its own.
+    assert keys == [f"/ifrt/job/journal/{i:016d}".encode() for i in (0, 300, 301)]
+
+
+def test_a_deposed_leader_cannot_compact(etcd):
+    async def scenario():
+        first = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await first.acquire("c1:8476")
+        await first.append([b"a", b"b"])
+        loaded = await first.load()
+        await first.release()
+        second = EtcdStore(etcd.endpoints, "job", lease_ttl_s=2, timeout_s=2)
+        await second.acquire("c2:8476")
+        with pytest.raises(StoreError, match="no longer leads"):
+            await first.compact(loaded, [False, True])
+        result = await second.load()
+        await first.close()
+        await second.close()
+        return result
+
+    assert run(scenario()) == [b"a", b"b"]

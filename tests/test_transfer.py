@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
 
 import ifrt
+from coordinator.local import LocalCoordinator
 from ifrt.errors import InvalidArgument
-from ifrt.transfer import ARRAY, HELLO, Channels, TransferError, TransferTimeout, encode_header, wait_seconds
+from ifrt.transfer import ARRAY, HELLO, Channels, Endpoint, TransferError, TransferTimeout, encode_header, wait_seconds
+from tests.netns import Hosts, skip_without_netns
+from tests.resources import open_fds
 
 ECHO = Path(__file__).with_name("echo_worker.py")
 DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -29,11 +36,17 @@ def pair(start_coordinator):
     coordinator = start_coordinator(num_processes=2)
     workers: list[subprocess.Popen] = []
 
-    def start_echo(count: int) -> subprocess.Popen:
+    def start_echo(count: int, max_descriptors: int | None = None, stderr: IO | None = None) -> subprocess.Popen:
+        """The echo worker, with at most ``max_descriptors`` open descriptors when given (its own limit only)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
         env.update(IFRT_COORDINATOR=coordinator.address, IFRT_PROCESS_ID="1", IFRT_NUM_PROCESSES="2")
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_descriptors, max_descriptors))
+
         worker = subprocess.Popen([sys.executable, str(ECHO), "--count", str(count)], env=env,
-                                  stdout=subprocess.PIPE, text=True)
+                                  stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                  preexec_fn=limit if max_descriptors else None)
         workers.append(worker)
         return worker
 
@@ -95,7 +108,7 @@ def test_transfers_within_one_process_touch_no_socket(start_coordinator, monkeyp
         channels.send(np.arange(5), second, src_device=first)
         assert channels.recv(first, dst_device=second).tolist() == [0, 1, 2, 3, 4]
         assert channels.open_connections == 0
-        assert client.endpoint._peers == []
+        assert client.endpoint.open_connections == 0
 
 
 def raw_peer(topology: ifrt.Topology) -> socket.socket:
@@ -241,3 +254,222 @@ def test_wait_seconds_are_finite(timeout, default, seconds):
 def test_unbounded_or_malformed_timeouts_are_refused(timeout):
     with pytest.raises(InvalidArgument, match=r"receive timeout .* is not a finite number of seconds"):
         wait_seconds(timeout, 60.0)
+
+
+# Bounded under attack: silent peers, strangers and floods cost an endpoint a bounded number of descriptors,
+# threads and log lines, and members keep talking.
+
+def eventually(condition, within: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within}s: {what}"
+        time.sleep(0.02)
+
+
+def connect_from(source: str, address: str) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+
+
+def closed_by_the_endpoint(sock: socket.socket, within: float = 10.0) -> bool:
+    """Whether the endpoint ends the connection within ``within`` seconds (a reset too: it left data unread)."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("sent", [b"", encode_header(HELLO, 0, 1, 0)[:20]], ids=["nothing", "half a hello"])
+def test_a_peer_silent_before_its_hello_is_closed_after_the_handshake_timeout(sent, caplog):
+    endpoint = Endpoint("127.0.0.1:0", handshake_timeout=0.5)
+    try:
+        with connect_from("127.0.0.1", endpoint.address) as silent:
+            silent.sendall(sent)
+            assert closed_by_the_endpoint(silent, within=20)  # 40 handshake timeouts
+        eventually(lambda: endpoint.open_connections == 0, what="the closed connection leaves the endpoint")
+        assert "no valid hello within 0.5s" in caplog.text
+    finally:
+        endpoint.close()
+
+
+def test_a_peer_sending_its_hello_a_byte_at_a_time_gets_no_more_than_the_handshake_timeout():
+    endpoint = Endpoint("127.0.0.1:0", handshake_timeout=0.5)
+    hello = encode_header(HELLO, 0, 1, 0)
+    try:
+        with connect_from("127.0.0.1", endpoint.address) as slow:
+            sent = 0
+            with pytest.raises(OSError):  # the endpoint hangs up: a write then fails
+                for byte in hello:  # each byte well within the timeout, the whole hello far beyond it
+                    slow.sendall(bytes([byte]))
+                    sent += 1
+                    time.sleep(0.2)
+        assert sent < len(hello) // 2, f"the endpoint read {sent} of the hello's {len(hello)} bytes"
+    finally:
+        endpoint.close()
+
+
+def test_connections_that_close_leave_the_endpoint(two_clients):
+    client, other = two_clients
+    for _ in range(200):
+        with raw_peer(client.topology):
+            pass
+    for _ in range(20):  # and connections made by Channels, the way a job makes them
+        with Channels(other.topology, other.endpoint) as out:
+            out.send(np.arange(3), client.topology.local_devices[0].id)
+    eventually(lambda: client.endpoint.open_connections == 0, what="200 closed connections leave the endpoint")
+    with Channels(client.topology, client.endpoint) as into:
+        for _ in range(20):
+            assert into.recv(other.topology.local_devices[0].id, timeout=10).tolist() == [0, 1, 2]
+
+
+def test_a_stranger_claiming_a_member_from_another_address_is_refused_and_members_still_talk(two_clients, caplog):
+    client, other = two_clients
+    with connect_from("127.0.0.2", other.endpoint.address) as stranger:  # process 0 is at 127.0.0.1
+        stranger.sendall(encode_header(HELLO, 0, 0, 1))
+        stranger.sendall(b"JUNK" + b"\0" * 60)  # what would fail process 1's next receive from process 0
+        assert closed_by_the_endpoint(stranger)
+    assert re.search(r"refused a transfer connection from \('127\.0\.0\.2', \d+\) \(says process 0\): it connects "
+                     r"from 127\.0\.0\.2, but process 0 is at 127\.0\.0\.1", caplog.text), caplog.text
+    src, dst = client.topology.local_devices[0].id, other.topology.local_devices[0].id
+    with Channels(client.topology, client.endpoint) as out, Channels(other.topology, other.endpoint) as into:
+        out.send(np.arange(4), dst)
+        assert into.recv(src, timeout=10).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("says", "to", "why"), [
+    (7, 1, "topology generation 1 has no process 7"),
+    (0, 0, "it is addressed to process 0, this is process 1"),
+], ids=["no such process", "another destination"])
+def test_a_hello_the_topology_does_not_match_is_refused(two_clients, caplog, says, to, why):
+    _, other = two_clients
+    with connect_from("127.0.0.1", other.endpoint.address) as peer:
+        peer.sendall(encode_header(HELLO, 0, says, to))
+        assert closed_by_the_endpoint(peer)
+    assert why in caplog.text
+
+
+def test_a_flood_of_strangers_is_one_log_line_and_a_count(two_clients, caplog):
+    _, other = two_clients
+    for _ in range(50):
+        with connect_from("127.0.0.2", other.endpoint.address) as stranger:
+            stranger.sendall(encode_header(HELLO, 0, 0, 1))
+            assert closed_by_the_endpoint(stranger)
+    assert caplog.text.count("refused a transfer connection") == 1
+    assert other.endpoint._noisy.held_back("stranger") == 49
+    other.endpoint.close()  # the count is written when the endpoint closes
+    assert "49 more stranger records held back" in caplog.text
+
+
+def test_an_endpoint_without_a_token_says_transfers_are_unauthenticated(caplog):
+    endpoint = Endpoint("127.0.0.1:0")
+    endpoint.close()
+    assert f"transfers to {endpoint.address} are unauthenticated (no cluster token)" in caplog.text
+
+
+def test_a_coordinator_without_a_token_says_transfers_are_unauthenticated(start_coordinator, tmp_path):
+    bare = start_coordinator(num_processes=1)
+    bare.wait_for_log("transfers between the job's processes are unauthenticated")
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    guarded = start_coordinator("--token-file", str(token), num_processes=1)
+    assert "unauthenticated" not in guarded.log
+
+
+SILENT = 300
+"""Silent connections held open against a worker limited to ``DESCRIPTORS`` descriptors (the issue's attack:
+375 against 256 ended the endpoint for good)."""
+DESCRIPTORS = 64
+
+
+def test_an_endpoint_out_of_descriptors_keeps_accepting_and_members_still_talk(pair, tmp_path):
+    client, start_echo = pair
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "w") as log_file:
+        worker = start_echo(1, max_descriptors=DESCRIPTORS, stderr=log_file)
+    topology = client.discover()
+    assert worker.stdout.readline().strip() == "ready"
+    baseline = open_fds(worker.pid)
+    assert baseline < DESCRIPTORS - 20, f"the worker holds {baseline} descriptors before the attack"
+    host, _, port = topology.process(1).address.rpartition(":")
+    silent = []
+    try:
+        for _ in range(SILENT):  # non-blocking: the kernel completes them while the endpoint is out of descriptors
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex((host, int(port)))
+            silent.append(sock)
+        eventually(lambda: "cannot accept connections" in log_path.read_text(), what="the worker ran out")
+        peer = 1 << 17
+        with client.channels() as channels:  # while the silent connections are still open
+            channels.send(np.arange(10), peer)
+            assert channels.recv(peer, timeout=60).tolist() == list(range(10))
+    finally:
+        for sock in silent:
+            sock.close()
+    eventually(lambda: open_fds(worker.pid) <= baseline + 10, what="the worker lets go of the silent connections")
+    client.barrier("echo-done", timeout=60)
+    assert worker.wait(30) == 0
+    lines = log_path.read_text().splitlines()
+    assert 1 <= sum("cannot accept connections" in line for line in lines) <= 5, lines[-20:]
+
+
+SENDER = """
+import sys
+import numpy as np
+import ifrt
+with ifrt.Client(timeout=60) as client, client.channels() as channels:
+    peer = next(d.id for d in client.discover().devices if d.process_id == 1)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    channels.send(np.arange(5), peer)
+    print(channels.recv(peer, timeout=60).tolist(), flush=True)
+    client.barrier("echo-done", timeout=60)
+"""
+STRANGER = """
+import socket, sys
+from ifrt.transfer import HELLO, encode_header
+with socket.create_connection((sys.argv[1], 9000), timeout=10) as stranger:
+    stranger.sendall(encode_header(HELLO, 0, 0, 1) + b"JUNK" + bytes(60))  # says it is process 0
+    try:
+        print("closed" if stranger.recv(1) == b"" else "answered", flush=True)
+    except ConnectionResetError:
+        print("closed", flush=True)
+"""
+
+
+def test_between_hosts_a_stranger_is_refused_and_members_transfer(tmp_path):
+    skip_without_netns()
+    with Hosts(3) as hosts:
+        coordinator = LocalCoordinator(num_processes=2, bind=f"{hosts.address(1)}:8476",
+                                       wrapper=hosts.command(1, []))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+        env.update(IFRT_COORDINATOR=coordinator.address, IFRT_NUM_PROCESSES="2")
+        worker_log = tmp_path / "worker.log"
+        with open(worker_log, "w") as log_file:
+            worker = subprocess.Popen(hosts.command(3, [sys.executable, str(ECHO), "--count", "1"]),
+                                      env={**env, "IFRT_PROCESS_ID": "1",
+                                           "IFRT_TRANSFER_BIND": f"{hosts.address(3)}:9000"},
+                                      stdout=subprocess.PIPE, stderr=log_file, text=True)
+        sender = subprocess.Popen(hosts.command(2, [sys.executable, "-c", SENDER]), env={**env, "IFRT_PROCESS_ID": "0"},
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert sender.stdout.readline().strip() == "ready"
+            assert worker.stdout.readline().strip() == "ready"
+            stranger = subprocess.run(hosts.command(1, [sys.executable, "-c", STRANGER, hosts.address(3)]),
+                                      capture_output=True, text=True, timeout=60)
+            assert stranger.stdout.strip() == "closed", stranger.stderr
+            sender.stdin.write("go\n")
+            sender.stdin.flush()
+            assert sender.stdout.readline().strip() == "[0, 1, 2, 3, 4]"
+            assert sender.wait(60) == 0 and worker.wait(60) == 0
+        finally:
+            for child in (sender, worker):
+                if child.poll() is None:
+                    os.kill(child.pid, signal.SIGKILL)
+                child.wait()
+            coordinator.close()
+        assert (f"refused a transfer connection from ('{hosts.address(1)}'" in worker_log.read_text()
+                and f"but process 0 is at {hosts.address(2)}" in worker_log.read_text()), worker_log.read_text()

@@ -104,20 +104,22 @@ class Progress(_message.Message):
     def __init__(self, registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., registered_hosts: _Optional[_Iterable[str]] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("process_id", "progress", "topology", "encoding", "fingerprint", "generation")
+    __slots__ = ("process_id", "progress", "topology", "encoding", "fingerprint", "generation", "event_position")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_POSITION_FIELD_NUMBER: _ClassVar[int]
     process_id: int
     progress: Progress
     topology: bytes
     encoding: Encoding
     fingerprint: str
     generation: int
-    def __init__(self, process_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., topology: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fingerprint: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    event_position: int
+    def __init__(self, process_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., topology: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fingerprint: _Optional[str] = ..., generation: _Optional[int] = ..., event_position: _Optional[int] = ...) -> None: ...
 
 class Topology(_message.Message):
     __slots__ = ("cluster_id", "generation", "num_processes", "strings", "processes", "devices")
@@ -204,12 +206,14 @@ class WatchKeys(_message.Message):
     def __init__(self, prefix: _Optional[str] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("client_uid", "generation")
+    __slots__ = ("client_uid", "generation", "since_event")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EVENT_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     generation: int
-    def __init__(self, client_uid: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    since_event: int
+    def __init__(self, client_uid: _Optional[str] = ..., generation: _Optional[int] = ..., since_event: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -226,7 +230,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching")
+    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching", "snapshot", "event_number")
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +240,8 @@ class SessionEvent(_message.Message):
     KEY_CHANGED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTION_NOTICE_FIELD_NUMBER: _ClassVar[int]
     WATCHING_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_NUMBER_FIELD_NUMBER: _ClassVar[int]
     attached: Attached
     process_failed: ProcessEvent
     process_restarted: ProcessEvent
@@ -245,7 +251,21 @@ class SessionEvent(_message.Message):
     key_changed: KeyValueChange
     preemption_notice: ProcessEvent
     watching: WatchKeys
-    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
+    snapshot: EventSnapshot
+    event_number: int
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ..., snapshot: _Optional[_Union[EventSnapshot, _Mapping]] = ..., event_number: _Optional[int] = ...) -> None: ...
+
+class EventSnapshot(_message.Message):
+    __slots__ = ("failed", "left", "restarted", "preemption_notice")
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_NOTICE_FIELD_NUMBER: _ClassVar[int]
+    failed: _containers.RepeatedCompositeFieldContainer[ProcessEvent]
+    left: _containers.RepeatedCompositeFieldContainer[ProcessEvent]
+    restarted: _containers.RepeatedCompositeFieldContainer[ProcessEvent]
+    preemption_notice: ProcessEvent
+    def __init__(self, failed: _Optional[_Iterable[_Union[ProcessEvent, _Mapping]]] = ..., left: _Optional[_Iterable[_Union[ProcessEvent, _Mapping]]] = ..., restarted: _Optional[_Iterable[_Union[ProcessEvent, _Mapping]]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ...) -> None: ...
 
 class KeyValueChange(_message.Message):
     __slots__ = ("key", "value", "deleted")
@@ -362,6 +382,28 @@ class KeyValueIncrementResponse(_message.Message):
     VALUE_FIELD_NUMBER: _ClassVar[int]
     value: int
     def __init__(self, value: _Optional[int] = ...) -> None: ...
+
+class KeyValueCompareSetRequest(_message.Message):
+    __slots__ = ("client_uid", "key", "expected", "desired", "request_id")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    key: str
+    expected: bytes
+    desired: bytes
+    request_id: str
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., expected: _Optional[bytes] = ..., desired: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class KeyValueCompareSetResponse(_message.Message):
+    __slots__ = ("value", "found")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    found: bool
+    def __init__(self, value: _Optional[bytes] = ..., found: _Optional[bool] = ...) -> None: ...
 
 class KeyValueDeleteRequest(_message.Message):
     __slots__ = ("client_uid", "key", "prefix")
@@ -496,7 +538,7 @@ class ProcessStatus(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds")
+    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -514,6 +556,7 @@ class StatusResponse(_message.Message):
     TIME_TO_PUBLISH_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     state: ClusterPhase
     generation: int
@@ -531,4 +574,5 @@ class StatusResponse(_message.Message):
     time_to_publish_seconds: float
     sessions_open: int
     heartbeat_timeout_seconds: float
-    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...

@@ -121,6 +121,11 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementResponse.FromString,
                 _registered_method=True)
+        self.KeyValueCompareSet = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueCompareSet',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueCompareSetRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueCompareSetResponse.FromString,
+                _registered_method=True)
         self.KeyValueDelete = channel.unary_unary(
                 '/ifrt.topology.v1.Coordinator/KeyValueDelete',
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDeleteRequest.SerializeToString,
@@ -308,6 +313,20 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyValueCompareSet(self, request, context):
+        """Compare-and-set, atomically, with the semantics of torch's TCPStore: the
+        key is set to desired when it holds expected, or when it is unset and
+        expected is empty; otherwise nothing changes. Answers what the key holds
+        after the call (found is false while it is unset). Exactly once across
+        retries and coordinator failover, as KeyValueIncrement.
+        INVALID_ARGUMENT     the key or desired value is over its size limit, or
+        the key is new and the store already holds
+        --kv-max-keys keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KeyValueDelete(self, request, context):
         """Deletes one key, or with prefix every key that starts with it; deleting
         what does not exist is OK (deleted 0).
@@ -397,6 +416,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.KeyValueIncrement,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementResponse.SerializeToString,
+            ),
+            'KeyValueCompareSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueCompareSet,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueCompareSetRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueCompareSetResponse.SerializeToString,
             ),
             'KeyValueDelete': grpc.unary_unary_rpc_method_handler(
                     servicer.KeyValueDelete,
@@ -782,6 +806,33 @@ class Coordinator:
             '/ifrt.topology.v1.Coordinator/KeyValueIncrement',
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.SerializeToString,
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueCompareSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueCompareSet',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueCompareSetRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueCompareSetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,10 +8,15 @@ so it wins. The documented order, highest priority first:
 1. ``torchrun`` (40): torchrun and torch's env:// variables; it runs inside any of the others.
 2. ``ompi`` (30): Open MPI's mpirun and PRRTE; mpirun runs inside SLURM allocations and pods.
 3. ``slurm`` (20): srun job steps and sbatch scripts; SLURM can run in Kubernetes pods.
-4. ``kubernetes`` (10): Indexed Job pods, the outermost layer.
+4. ``tpu`` (18): GKE TPU slices and multislice; set on pods of the Kubernetes launchers below, and the only one
+   that knows the slice.
+5. ``kubeflow`` (16): Kubeflow Trainer's JAX and torch runtimes; its pods are a JobSet's.
+6. ``lws`` (14): LeaderWorkerSet groups (one cluster per group).
+7. ``jobset`` (12): JobSet child Jobs, numbered across the set from the annotations the manifest passes in.
+8. ``kubernetes`` (10): Indexed Job pods, the outermost layer.
 
 When two present environments disagree on a value (process id, process count, local rank, local world size,
-coordinator host), detect() still returns the winner's values, and logs a warning on the "ifrt.clusters" logger
+slice, coordinator host), detect() still returns the winner's values, and logs a warning on the "ifrt.clusters" logger
 naming both sources, their variables and values, and which one won. Explicit IFRT_* settings are resolved
 elsewhere and take precedence over anything detected here.
 """
@@ -23,17 +28,22 @@ import logging
 from collections.abc import Mapping
 
 from ifrt.clusters.base import DEFAULT_PORT, PORT_ENV, ClusterEnvironment, Detected
+from ifrt.clusters.jobset import JobSet
+from ifrt.clusters.kubeflow import KubeflowTrainer
 from ifrt.clusters.kubernetes import Kubernetes
+from ifrt.clusters.lws import LeaderWorkerSet
 from ifrt.clusters.ompi import Ompi
 from ifrt.clusters.slurm import Slurm
 from ifrt.clusters.torchrun import Torchrun
+from ifrt.clusters.tpu import GkeTpu
 from ifrt.errors import InvalidArgument
 
 __all__ = ["DEFAULT_PORT", "DETECTORS", "PORT_ENV", "ClusterEnvironment", "Detected", "detect", "present"]
 
 logger = logging.getLogger("ifrt.clusters")
 
-DETECTORS: tuple[type[ClusterEnvironment], ...] = (Torchrun, Ompi, Slurm, Kubernetes)
+DETECTORS: tuple[type[ClusterEnvironment], ...] = (Torchrun, Ompi, Slurm, GkeTpu, KubeflowTrainer, LeaderWorkerSet,
+                                                   JobSet, Kubernetes)
 """Every detector, in the documented order (highest priority first)."""
 
 if [d.priority for d in DETECTORS] != sorted((d.priority for d in DETECTORS), reverse=True):
@@ -44,6 +54,7 @@ _COMPARED = (
     ("num_processes", "process count"),
     ("local_rank", "local rank"),
     ("local_world_size", "local world size"),
+    ("slice_index", "slice"),
 )
 
 
@@ -95,7 +106,8 @@ def _differences(winner: Detected, other: Detected) -> list[str]:
 
 
 def _same_host(a: str, b: str) -> bool:
-    """Equal names, ignoring case and a domain only one side has ("node001" == "node001.cluster.local")."""
+    """Equal names, ignoring case and the part of a domain only one side has, as a DNS search path completes it:
+    "node001" == "node001.cluster.local", "tpu-1.tpu" == "tpu-1.tpu.default.svc"."""
     a, b = a.lower().rstrip("."), b.lower().rstrip(".")
     if a == b:
         return True
@@ -105,6 +117,5 @@ def _same_host(a: str, b: str) -> bool:
             return False
         except ValueError:
             pass
-    short_a, _, domain_a = a.partition(".")
-    short_b, _, domain_b = b.partition(".")
-    return short_a == short_b and not (domain_a and domain_b)
+    shorter, longer = sorted((a, b), key=len)
+    return longer.startswith(shorter + ".")

@@ -42,6 +42,8 @@ class Detected:
     """(field, "VARIABLE='raw value'") for each value found, so a message can say where a value came from."""
     attempt: int | None = None
     """How often the launcher restarted the job (its restart counter): the job attempt."""
+    slice_index: int | None = None
+    """The slice this process's host belongs to, where the launcher groups hosts in slices (TPU multislice)."""
 
     def __post_init__(self) -> None:
         for index, count in (("process_id", "num_processes"), ("local_rank", "local_world_size")):
@@ -138,6 +140,16 @@ class EnvReader:
         self.note(field, f"{var}={raw!r}")
         return text.strip("[]")
 
+    def address(self, var: str, *, field: str = "coordinator") -> str:
+        """``var`` as a host, with or without a port ("node001", "node001:8476", "[fe80::1]:8476"): the host."""
+        raw = self.require(var, "a host name or IP address")
+        host = host_of(raw)
+        if host is None:
+            raise self.error(var, raw, "a host name or IP address, optionally with a port, such as 'node001' or "
+                                       "'10.0.0.2:8476'")
+        self.note(field, f"{var}={raw!r}")
+        return host
+
     def note(self, field: str, origin: str) -> None:
         """Record where ``field``'s value came from, for messages."""
         self.origins[field] = origin
@@ -162,10 +174,12 @@ class EnvReader:
         local_rank: int | None = None,
         local_world_size: int | None = None,
         attempt: int | None = None,
+        slice_index: int | None = None,
     ) -> Detected:
         """The Detected for this launcher, with the variables read and the origin of each value found."""
         values = {"coordinator": coordinator, "process_id": process_id, "num_processes": num_processes,
-                  "local_rank": local_rank, "local_world_size": local_world_size, "attempt": attempt}
+                  "local_rank": local_rank, "local_world_size": local_world_size, "attempt": attempt,
+                  "slice_index": slice_index}
         return Detected(
             source=self.source,
             coordinator=coordinator,
@@ -176,6 +190,7 @@ class EnvReader:
             variables=tuple(self.read),
             origins=tuple((f, o) for f, o in self.origins.items() if values.get(f) is not None),
             attempt=attempt,
+            slice_index=slice_index,
         )
 
 
@@ -188,6 +203,25 @@ def is_host(text: str) -> bool:
             return False
         return True
     return bool(_HOSTNAME.fullmatch(text))
+
+
+def host_of(address: str) -> str | None:
+    """The host of "host", "host:port", "v6" or "[v6]:port"; None if it is none of these.
+
+    "node001" -> "node001"; "10.0.0.2:8471" -> "10.0.0.2"; "[fd00::2]:8476" -> "fd00::2"; "a:b:c" -> None
+    """
+    text = address.strip()
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]")
+        port_ok = not port or (port.startswith(":") and _DIGITS.fullmatch(port[1:]) is not None)
+        if sep and port_ok and ":" in host and is_host(host):
+            return host
+        return None
+    if text.count(":") == 1:
+        text, _, port = text.partition(":")
+        if not _DIGITS.fullmatch(port):
+            return None
+    return text.strip("[]") if text and is_host(text) else None
 
 
 def join_host_port(host: str, port: int) -> str:

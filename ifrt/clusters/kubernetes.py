@@ -12,8 +12,12 @@ IFRT_COORDINATOR_PORT: trainer-0.workers.default.svc.cluster.local:8476. The FQD
 Not detectable from the environment: the process count (the Job's ``parallelism`` is only in the API; set
 IFRT_NUM_PROCESSES or let the coordinator decide), local rank and local world size (a pod is usually one process).
 The coordinator is None when the pod has no subdomain (its FQDN is a bare hostname) or its hostname is not
-``<job>-<index>`` (a ``hostname:`` set in the pod template). In a JobSet with several child Jobs the index is
-per child Job, not global; use IFRT_PROCESS_ID there.
+``<job>-<index>`` (a ``hostname:`` set in the pod template).
+
+In a JobSet's child Job, or one slice of a TPU multislice job, the index counts within that child Job only, and in
+a Kubeflow TrainJob it is the node rank, not a process's: when the JobSet's index variables, MEGASCALE_SLICE_ID or
+a Kubeflow runtime's variables are set, this detector stands aside for the jobset, tpu or kubeflow one, which
+read the index with its meaning (otherwise those pods would log a disagreement at every start).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import socket
 from collections.abc import Mapping
 
+from ifrt.clusters import jobset, kubeflow, tpu
 from ifrt.clusters.base import ClusterEnvironment, Detected, EnvReader, is_host
 
 INDEX_ENV = "JOB_COMPLETION_INDEX"  # "2": the pod's index in an Indexed Job, 0 to completions - 1
@@ -53,8 +58,11 @@ class Kubernetes(ClusterEnvironment):
 
     @classmethod
     def is_present(cls, env: Mapping[str, str]) -> bool:
-        """Every pod has KUBERNETES_SERVICE_HOST; only an Indexed Job's pods have JOB_COMPLETION_INDEX."""
-        return INDEX_ENV in env and SERVICE_HOST_ENV in env
+        """Every pod has KUBERNETES_SERVICE_HOST; only an Indexed Job's pods have JOB_COMPLETION_INDEX (read by
+        another detector in a JobSet's, a TPU slice's or a TrainJob's child Job)."""
+        read_elsewhere = (jobset.JobSet.is_present(env) or tpu.SLICE_ID_ENV in env
+                          or kubeflow.KubeflowTrainer.is_present(env))
+        return INDEX_ENV in env and SERVICE_HOST_ENV in env and not read_elsewhere
 
     @classmethod
     def detect(cls, env: Mapping[str, str], fqdn: str | None = None) -> Detected:

@@ -1,0 +1,130 @@
+"""Journal compaction: which entries a replay still needs, decided without I/O.
+
+A key's value needs only its latest write. An increment or swap that a retry may still ask about (one of its
+client's last ``ANSWERS_REMEMBERED`` answers) keeps its entry for the answer, even when a later write replaced
+its value; a deletion stays only while it removes such a kept write. Everything else (registrations, failures,
+departures, barriers, live-set agreements, preemption) stays. Replaying the kept entries, in their order, builds
+the same state as replaying them all, and so does a journal of which only an oldest part was compacted (a store
+that cannot replace its journal at once applies the result oldest first, in steps).
+
+    set k=A   set k=B   incr n (call r1)   del k   incr n (call r2)        ->   incr n (r1)   incr n (r2)
+    dropped   dropped   kept: r1's answer  dropped kept: n's value
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator import journal
+from coordinator.state import ANSWERS_REMEMBERED
+
+MIN_BYTES = 32 << 20
+"""Superseded journal bytes below which no compaction runs (the journal is then small anyway)."""
+MIN_ENTRIES = 10_000
+"""Superseded entries below which no compaction runs."""
+
+_WRITES = (journal.KeySet, journal.KeyIncremented, journal.KeySwapped)
+
+
+def needed(entries: Sequence[journal.Entry]) -> list[bool]:
+    """For each entry, whether a replay still needs it (see the module's docstring)."""
+    keep = [True] * len(entries)
+    final = _final_writes(entries)
+    answers = _remembered_answers(entries)
+    pending: set[str] = set()  # keys of kept writes that are not their key's final value
+    for i, entry in enumerate(entries):
+        if isinstance(entry, _WRITES):
+            if i in final:
+                pending.discard(entry.key)
+            elif i in answers:
+                pending.add(entry.key)
+            else:
+                keep[i] = False
+        elif isinstance(entry, journal.KeysDeleted):
+            covered = ({k for k in pending if k.startswith(entry.key)} if entry.prefix
+                       else {entry.key} & pending)
+            keep[i] = bool(covered)
+            pending -= covered
+    return keep
+
+
+def _final_writes(entries: Sequence[journal.Entry]) -> set[int]:
+    """Indices of the writes no later write or deletion supersedes."""
+    final: set[int] = set()
+    written: set[str] = set()
+    deleted: set[str] = set()
+    prefixes: set[str] = set()
+    lengths: set[int] = set()
+    for i in range(len(entries) - 1, -1, -1):
+        entry = entries[i]
+        if isinstance(entry, _WRITES):
+            key = entry.key
+            if key in written or key in deleted or any(key[:n] in prefixes for n in lengths):
+                continue
+            written.add(key)
+            final.add(i)
+        elif isinstance(entry, journal.KeysDeleted):
+            if entry.prefix:
+                prefixes.add(entry.key)
+                lengths.add(len(entry.key))
+            else:
+                deleted.add(entry.key)
+    return final
+
+
+def _remembered_answers(entries: Sequence[journal.Entry]) -> set[int]:
+    """Indices of the increments and swaps whose answers a replay remembers at the end, found as the state machine
+    remembers them (each client's last ``ANSWERS_REMEMBERED`` request ids, oldest forgotten first). Both the entry
+    that first remembered a request id and the one that last set its answer are kept, so the order is the same."""
+    done: dict[str, dict[str, tuple[int, int]]] = {}
+    for i, entry in enumerate(entries):
+        if isinstance(entry, journal.KeyIncremented | journal.KeySwapped) and entry.request_id:
+            calls = done.setdefault(entry.client_uid, {})
+            first = calls[entry.request_id][0] if entry.request_id in calls else i
+            calls[entry.request_id] = (first, i)
+            if len(calls) > ANSWERS_REMEMBERED:
+                del calls[next(iter(calls))]
+    return {i for calls in done.values() for pair in calls.values() for i in pair}
+
+
+class Garbage:
+    """How much of the journal a compaction would drop, estimated as entries are journaled: a write that a later
+    write or deletion supersedes, and every deletion. ``due()`` says when compacting pays."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, int] = {}  # key -> bytes of its latest write
+        self.bytes = self.entries = 0  # superseded, since this estimate started
+        self.total_bytes = self.total_entries = 0
+        self._floor_bytes, self._floor_entries = MIN_BYTES, MIN_ENTRIES
+
+    @classmethod
+    def of(cls, entries: Sequence[journal.Entry], sizes: Sequence[int], *, compacted: bool) -> Garbage:
+        """The estimate for a journal of ``entries`` (``sizes`` bytes each). Just ``compacted``, the next compaction
+        waits for as much new garbage as the journal now holds (at least the minimums); otherwise (a journal found
+        on taking over) it is due as soon as the garbage reaches the minimums."""
+        garbage = cls()
+        for entry, size in zip(entries, sizes, strict=True):
+            garbage.observe(entry, size)
+        if compacted:
+            garbage._floor_bytes = garbage.bytes + max(MIN_BYTES, garbage.total_bytes)
+            garbage._floor_entries = garbage.entries + max(MIN_ENTRIES, garbage.total_entries)
+        return garbage
+
+    def observe(self, entry: journal.Entry, size: int) -> None:
+        """Counts one entry journaled after the others (``size`` bytes encoded)."""
+        self.total_bytes += size
+        self.total_entries += 1
+        if isinstance(entry, _WRITES):
+            if (old := self._latest.get(entry.key)) is not None:
+                self.bytes += old
+                self.entries += 1
+            self._latest[entry.key] = size
+        elif isinstance(entry, journal.KeysDeleted):
+            gone = ([k for k in self._latest if k.startswith(entry.key)] if entry.prefix
+                    else [entry.key] * (entry.key in self._latest))
+            self.bytes += size + sum(self._latest.pop(k) for k in gone)
+            self.entries += 1 + len(gone)
+
+    def due(self) -> bool:
+        """Whether a compaction would now drop at least as much as the journal held after the last one."""
+        return self.bytes >= self._floor_bytes or self.entries >= self._floor_entries

@@ -1,0 +1,81 @@
+"""Why a coordinator could not be reached, in an operator's words, and a paced report of it while a client retries.
+
+A call that never reaches the coordinator fails with gRPC's UNAVAILABLE and a status text such as ``failed to
+connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: Connection
+refused``. The cause at its end ("connection refused", a TLS handshake failure) is what a person needs to see.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import grpc
+
+log = logging.getLogger("ifrt.client.connect")
+"""Lines about a coordinator that cannot be reached (the CLI shows them without --verbose)."""
+
+FIRST_REPORT_S = 2.0
+"""A coordinator unreachable this long is reported (shorter outages, e.g. a replica failover, pass silently)."""
+REPORT_EVERY_S = 5.0
+"""...and then again this often while it stays unreachable."""
+WARN_AFTER_S = 30.0
+"""Reports are INFO until the coordinator has been unreachable this long, then WARNING."""
+
+_CONNECT_FAILURE = "failed to connect to all addresses"
+_PREFIXES = re.compile(r"^(?:(?:UNKNOWN|UNAVAILABLE|UNAUTHENTICATED|INTERNAL): )*(?:ipv[46]:\S+?: )?"
+                       r"(?:Failed to connect to remote host: )?")
+_BAD_CERTIFICATE = ("CERTIFICATE_VERIFY_FAILED", "Hostname Verification Check failed", "Peer name")
+
+
+def unreached_cause(error: grpc.RpcError) -> str | None:
+    """The cause of a call that never reached a coordinator (``"connection refused"``), or None if it did."""
+    if not hasattr(error, "code") or error.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = error.details() or ""
+    if _CONNECT_FAILURE not in details:
+        return None
+    last = details.partition("last error: ")[2] or details
+    cause = _PREFIXES.sub("", last.strip()).removesuffix(": OK").strip()
+    return cause[:1].lower() + cause[1:] if cause else details
+
+
+def certificate_problem(cause: str, target: str, ca_file: str | None) -> str | None:
+    """What to set when ``cause`` is the coordinator's certificate being refused; None for any other cause."""
+    if not any(marker in cause for marker in _BAD_CERTIFICATE):
+        return None
+    host = target.rpartition(":")[0].strip("[]")
+    if "Hostname Verification" in cause or "Peer name" in cause:
+        return (f"the coordinator's TLS certificate does not name {host!r}, the address this process dialled "
+                f"({cause}): dial a name or IP its certificate lists (subjectAltName), or reissue its --tls-cert with "
+                f"{host} among them")
+    trusted = f"the CA in {ca_file}" if ca_file else "the system's CAs"
+    return (f"the coordinator at {target} presented a TLS certificate that {trusted} did not sign ({cause}): set "
+            "IFRT_TLS_CA to the CA that signed the coordinator's --tls-cert")
+
+
+class UnreachableReport:
+    """Logs, a few seconds into an outage and then every few seconds, which coordinator cannot be reached and why."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._next = 0.0
+        self.cause: str | None = None
+        """The latest cause seen (kept after the coordinator answers, for a final error)."""
+
+    def failed(self, target: str, cause: str, deadline: float) -> None:
+        """Notes one failed attempt on ``target``; logs when a report is due."""
+        now = time.monotonic()
+        self.cause = f"{target}: {cause}"
+        if self._since is None:
+            self._since, self._next = now, now + FIRST_REPORT_S
+        if now < self._next:
+            return
+        self._next = now + REPORT_EVERY_S
+        level = logging.WARNING if now - self._since >= WARN_AFTER_S else logging.INFO
+        log.log(level, "cannot reach %s: %s (retrying for %.0f s more)", target, cause, max(0.0, deadline - now))
+
+    def reached(self) -> None:
+        """A coordinator answered: the next outage is reported afresh."""
+        self._since = None

@@ -1,0 +1,510 @@
+"""PyTorch started from ifrt's topology: ifrt assigns the ranks and the device order, torch.distributed computes.
+
+    topology = ifrt.torch.init_process_group()     # instead of MASTER_ADDR, RANK, WORLD_SIZE or torchrun's rendezvous
+    mesh = ifrt.torch.device_mesh(topology.mesh((2, 2), ("dp", "tp")))
+
+``init_process_group`` does, in order:
+
+1. ``ifrt`` discovery (the same arguments as ``ifrt.discover``).
+2. A start-up exchange in ifrt's key-value store, under keys scoped to the topology's generation and to a fresh
+   nonce of process 0: process 0 publishes its nonce, each process answers with its own, and process 0 confirms
+   everyone's answer. A process accepts only a confirmation that carries its own fresh nonce, so a job restarted
+   against a durable journal never reads the previous attempt's c10d keys (which are the same on every start).
+3. ``torch.distributed.init_process_group`` with ``rank = process_id``, ``world_size = num_processes`` and a
+   ``Store`` on ifrt's key-value store under that start's prefix; gloo on CPU, nccl on CUDA devices.
+
+Every wait names who is missing, and a process that fails during the start ends it in every process, naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import Any
+
+try:
+    import torch
+    import torch.distributed as dist
+except ImportError as e:  # the optional extra is missing
+    raise ImportError(f"ifrt.torch needs torch: pip install 'ifrt-topology[torch]' ({e})") from e
+
+from ifrt import events, failfast
+from ifrt.client import Backoff, Client
+from ifrt.errors import BarrierFailed, DiscoveryTimeout, IfrtError, KeyValueTimeout
+from ifrt.ids import LOCAL_ID_BITS
+from ifrt.mesh import Mesh
+from ifrt.topology import Topology
+from ifrt.transfer import local_address_toward
+
+log = logging.getLogger("ifrt.torch")
+
+KEY_PREFIX = "ifrt/torch"
+"""Key-value prefix of the start-up exchange and of c10d's keys: ``ifrt/torch/g<generation>/<nonce>/...``."""
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""A Store's default timeout for ``get`` and ``wait``: c10d's own default."""
+RECHECK_S = 1.0
+"""How often a waiting call looks for failed peers (a long wait is made of waits this long)."""
+SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+CUDA_PLATFORMS = frozenset({"cuda", "gpu"})
+
+
+class BackendAlreadyInitialized(IfrtError, RuntimeError):
+    """A default ``torch.distributed`` process group already exists in this process, so ifrt cannot start one."""
+
+
+# The c10d store.
+class Store(dist.Store):
+    """A c10d store on ifrt's key-value store: every key lives at ``prefix + key`` in the coordinator, so it is as
+    durable and highly available as the coordinator, and a Python process can hand it to ``init_process_group``,
+    ``new_group`` or a DeviceMesh. Keys are str or bytes (UTF-8), values bytes (str is encoded); ``get`` and
+    ``wait`` block up to the store's timeout and then raise ``torch.distributed.DistStoreError`` naming the keys.
+
+    Keep a reference to it for as long as a process group uses it: c10d holds the C++ half only.
+    """
+
+    def __init__(self, client: Client, prefix: str = "", timeout: timedelta | float = DEFAULT_TIMEOUT) -> None:
+        super().__init__()
+        self.client = client
+        self.prefix = prefix
+        self.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
+        self.watch: Callable[[], None] = lambda: None
+        """Called between waits; raises to end them (``init_process_group``: a peer failed)."""
+        self.describe_missing: Callable[[Sequence[str]], str] = lambda keys: ""
+        """Who was expected to set ``keys`` (store keys, without the prefix), where that is known."""
+        self._clones: list[Store] = []
+
+    def set(self, key: str | bytes, value: bytes | str) -> None:
+        """Stores ``value`` under ``key``, replacing what it held."""
+        self.client.kv_set(self._key(key), _bytes(value), allow_overwrite=True)
+
+    def get(self, key: str | bytes) -> bytes:
+        """The value of ``key``, waiting up to the store's timeout for it to be set."""
+        return self.multi_get([key])[0]
+
+    def multi_get(self, keys: Sequence[str | bytes]) -> list[bytes]:
+        """The values of ``keys``, waiting up to the store's timeout for all of them."""
+        return self._wait_all(keys, self._seconds(None))
+
+    def multi_set(self, keys: Sequence[str | bytes], values: Sequence[bytes | str]) -> None:
+        """Stores each value under its key (one call per key, in order)."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys and {len(values)} values: expected as many of each")
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+    def wait(self, keys: Sequence[str | bytes], timeout: timedelta | None = None) -> None:
+        """Waits until every key is set, up to ``timeout`` (default: the store's)."""
+        self._wait_all(keys, self._seconds(timeout))
+
+    def check(self, keys: Sequence[str | bytes]) -> bool:
+        """Whether every key is set now (no waiting)."""
+        return all(self.client.kv_try_get(self._key(key)) is not None for key in keys)
+
+    def add(self, key: str | bytes, amount: int) -> int:
+        """Adds ``amount`` to the integer ``key`` holds (0 when unset), atomically and exactly once; returns the sum."""
+        return self.client.kv_increment(self._key(key), int(amount))
+
+    def compare_set(self, key: str | bytes, expected: bytes | str, desired: bytes | str) -> bytes:
+        """TCPStore's compare-and-set: ``key`` becomes ``desired`` if it holds ``expected`` (empty: if it is unset).
+        Returns what the key holds now; for an unset key and a non-empty ``expected``, ``expected`` (as TCPStore)."""
+        expected = _bytes(expected)
+        now = self.client.kv_compare_set(self._key(key), expected, _bytes(desired))
+        return expected if now is None else now
+
+    def append(self, key: str | bytes, value: bytes | str) -> None:
+        """Appends ``value`` to what ``key`` holds (creating it), atomically."""
+        value, held = _bytes(value), b""
+        while (now := self.compare_set(key, held, held + value)) != held + value:
+            held = now
+
+    def delete_key(self, key: str | bytes) -> bool:
+        """Deletes ``key``; whether it existed."""
+        return self.client.kv_delete(self._key(key)) > 0
+
+    def num_keys(self) -> int:
+        """How many keys the store holds (under its prefix)."""
+        return len(self.client.kv_dir(self.prefix))
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> Store:
+        """Another Store on the same client, prefix and timeout (kept referenced by this one)."""
+        twin = Store(self.client, self.prefix, self.timeout)
+        twin.watch, twin.describe_missing = self.watch, self.describe_missing
+        self._clones.append(twin)
+        return twin
+
+    # The names c10d's C++ side calls a Python store by.
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
+    def _wait_all(self, keys: Sequence[str | bytes], timeout_s: float) -> list[bytes]:
+        """Every key's value, in waits of at most RECHECK_S with ``watch`` between them; DistStoreError naming the
+        keys still unset (and who should set them) after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        values = []
+        for key in keys:
+            full = self._key(key)
+            while True:
+                self.watch()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise dist.DistStoreError(self._timeout_message(keys, timeout_s))
+                try:
+                    values.append(self.client.kv_get(full, timeout=min(RECHECK_S, remaining)))
+                    break
+                except KeyValueTimeout:
+                    continue
+        return values
+
+    def _timeout_message(self, keys: Sequence[str | bytes], timeout_s: float) -> str:
+        names = [_text(k) for k in keys]
+        missing = [k for k in names if self.client.kv_try_get(self.prefix + k) is None] or names
+        who = self.describe_missing(missing)
+        return (f"ifrt store: key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} not set within "
+                f"{timeout_s:.1f}s (prefix {self.prefix!r})" + (f": {who}" if who else ""))
+
+    def _key(self, key: str | bytes) -> str:
+        return self.prefix + _text(key)
+
+    def _seconds(self, timeout: timedelta | None) -> float:
+        return (self.timeout if timeout is None else timeout).total_seconds()
+
+
+def _text(key: str | bytes) -> str:
+    return key.decode() if isinstance(key, bytes) else key
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+# Start-up.
+class _Started:
+    def __init__(self, client: Client, topology: Topology, store: Store) -> None:
+        self.client, self.topology, self.store = client, topology, store  # the store stays referenced
+
+
+_started: _Started | None = None
+_lock = threading.Lock()
+
+
+def init_process_group(
+    backend: str | None = None,
+    coordinator: str | Sequence[str] | None = None,
+    *,
+    process_id: int | None = None,
+    num_processes: int | None = None,
+    plugin: str | None = None,
+    local_device_ids: Sequence[int] | None = None,
+    timeout: float = 300.0,
+    token: str | None = None,
+    on_failure: failfast.OnFailure = "exit",
+) -> Topology:
+    """Discovers the topology with ifrt, then starts ``torch.distributed`` with ``rank = process_id`` and
+    ``world_size = num_processes`` on a Store scoped to this start; returns the topology.
+
+    The other arguments are ``ifrt.discover``'s. ``backend``: gloo on CPU, nccl where the process's devices are
+    CUDA GPUs. Calling it again returns the same topology; BackendAlreadyInitialized if another default process
+    group exists. DiscoveryTimeout names who is missing; BarrierFailed, in every process, names a process that
+    failed during the start. Afterwards a failed peer or a lost coordinator ends this process as ``on_failure``
+    says (``ifrt.failfast``), aborting the process groups first unless it exits at once (NCCL's abort unblocks a
+    collective waiting on a hung peer; torch 2.13's gloo abort does not).
+    """
+    global _started
+    with _lock:
+        if _started is not None:
+            return _started.topology
+        failfast.check(on_failure)
+        if dist.is_initialized():
+            raise BackendAlreadyInitialized(
+                "a default torch.distributed process group already exists in this process: "
+                "ifrt.torch.init_process_group() starts it itself with the topology's ranks; remove the other "
+                "torch.distributed.init_process_group() call (or destroy that group first)")
+        deadline = time.monotonic() + timeout
+        client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
+                        local_device_ids=local_device_ids, timeout=timeout, token=token)
+        try:
+            topology = client.discover()
+            exchange = StartupExchange(client, topology, deadline)
+            prefix = exchange.run()
+            store = Store(client, prefix, timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            store.watch, store.describe_missing = exchange.check_failures, exchange.describe_keys
+            chosen = backend or default_backend(topology)
+            _set_socket_interfaces(_advertised_ip(client, topology))
+            # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
+            dist.init_process_group(chosen, store=store, rank=topology.process_id, world_size=topology.num_processes)
+            store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
+        except BaseException:
+            client.close()
+            raise
+        _started = _Started(client, topology, store)
+        failfast.arm(client, topology, on_failure, "torch.distributed", abort=_abort_process_groups)
+        log.info("torch.distributed started: rank %d of %d, backend %s, store prefix %s", topology.process_id,
+                 topology.num_processes, chosen, prefix)
+        return topology
+
+
+def is_initialized() -> bool:
+    """Whether ``init_process_group`` completed in this process."""
+    return _started is not None
+
+
+def client() -> Client:
+    """The ifrt client ``init_process_group`` started (key-values, barriers, events, ``channels()``)."""
+    return _state().client
+
+
+def topology() -> Topology:
+    """The topology ``init_process_group`` returned."""
+    return _state().topology
+
+
+def store() -> Store:
+    """The Store the default process group runs on."""
+    return _state().store
+
+
+def default_backend(topology: Topology) -> str:
+    """nccl where this process's devices are CUDA GPUs, else gloo."""
+    if topology.local_devices and all(d.platform in CUDA_PLATFORMS for d in topology.local_devices):
+        return "nccl"
+    return "gloo"
+
+
+class StartupExchange:
+    """The start-up exchange (see the module doc), with a timeout on every wait and failed peers ending it.
+
+    Keys, for generation G and process 0's fresh nonce N0:
+      ``ifrt/torch/gG/start``             process 0: {"nonce": N0}, overwritten by every start
+      ``ifrt/torch/gG/N0/join/<p>``       process p: {"nonce": Np}
+      ``ifrt/torch/gG/N0/ready``          process 0: {"nonces": {p: Np}}
+      ``ifrt/torch/gG/N0/c10d/...``       c10d's keys for this start
+    """
+
+    def __init__(self, client: Client, topology: Topology, deadline: float) -> None:
+        self.client, self.topology, self.deadline = client, topology, deadline
+        self.prefix = f"{KEY_PREFIX}/g{topology.generation}"
+        self.nonce = uuid.uuid4().hex
+        self._failed: dict[int, str] = {}
+        client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
+
+    def run(self) -> str:
+        """The c10d key prefix of this start, once every process has answered it."""
+        leader = self._lead() if self.topology.process_id == 0 else self._follow()
+        return f"{self.prefix}/{leader}/c10d/"
+
+    def _lead(self) -> str:
+        previous = self.client.kv_try_get(f"{self.prefix}/start")
+        if previous is not None:  # an earlier start's keys: nobody reads them again
+            self.client.kv_delete(f"{self.prefix}/{json.loads(previous)['nonce']}/", prefix=True)
+        self._set(f"{self.prefix}/start", {"nonce": self.nonce})
+        nonces = {0: self.nonce}
+        for p in range(1, self.topology.num_processes):
+            nonces[p] = self._wait(f"{self.prefix}/{self.nonce}/join/{p}", self._missing_joins)["nonce"]
+        self._set(f"{self.prefix}/{self.nonce}/ready", {"nonces": {str(p): n for p, n in nonces.items()}})
+        return self.nonce
+
+    def _follow(self) -> str:
+        me = str(self.topology.process_id)
+        stale: set[str] = set()  # process 0 nonces of earlier starts, whose records are still in the store
+        pause = Backoff(0.01, 0.2)
+
+        def no_start() -> str:
+            return "process 0 has not begun the start-up" + (
+                " (the store holds only a previous start's record)" if stale else "")
+
+        while True:
+            leader = self._wait(f"{self.prefix}/start", no_start)["nonce"]
+            if leader in stale:  # process 0 of this start has not overwritten the record yet
+                self._check_deadline(no_start)
+                time.sleep(min(pause.next(), max(0.0, self._remaining())))
+                continue
+            self._set(f"{self.prefix}/{leader}/join/{me}", {"nonce": self.nonce})
+            try:
+                ready = self._get(f"{self.prefix}/{leader}/ready", min(RECHECK_S, self._remaining()))
+            except KeyValueTimeout:
+                self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
+                                     f"{self._missing_joins(leader)}")
+                continue  # process 0 may have been restarted meanwhile: read its record again
+            if ready["nonces"].get(me) != self.nonce:
+                stale.add(leader)
+                continue
+            return leader
+
+    def check_failures(self) -> None:
+        """BarrierFailed naming the lowest failed process, if a process failed since the start began."""
+        failed = dict(self._failed)  # the session thread adds to it
+        if failed:
+            p, why = min(failed.items())
+            raise BarrierFailed(f"torch.distributed start-up cannot complete: process {p} "
+                                f"({self._host(p)}) {why}")
+
+    def describe_keys(self, keys: Sequence[str]) -> str:
+        """Who should set c10d's ``keys``: those ending in a rank (``.../<rank>``) name that process."""
+        ranks = sorted({int(m.group(1)) for k in keys if (m := re.search(r"(?:/|_)(\d+)$", k))
+                        and int(m.group(1)) < self.topology.num_processes})
+        if not ranks:
+            return ""
+        return "expected from " + ", ".join(f"process {p} ({self._host(p)})" for p in ranks)
+
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self.client.kv_set(key, _dump(value), allow_overwrite=True, timeout=max(1.0, self._remaining()))
+
+    def _wait(self, key: str, what_is_missing: Callable[[], str]) -> dict[str, Any]:
+        """The record at ``key``, checking for failed peers every RECHECK_S; DiscoveryTimeout at the deadline."""
+        while True:
+            try:
+                return self._get(key, min(RECHECK_S, self._remaining()))
+            except KeyValueTimeout:
+                self._check_deadline(what_is_missing)
+
+    def _get(self, key: str, timeout: float) -> dict[str, Any]:
+        self.check_failures()
+        if timeout <= 0:
+            raise KeyValueTimeout(f"key {key!r}: no time left")
+        return json.loads(self.client.kv_get(key, timeout=timeout))
+
+    def _check_deadline(self, what_is_missing: Callable[[], str]) -> None:
+        self.check_failures()
+        if self._remaining() <= 0:
+            raise DiscoveryTimeout(f"torch.distributed start-up of process {self.topology.process_id} timed out: "
+                                   f"{what_is_missing()} (topology generation {self.topology.generation})")
+
+    def _missing_joins(self, leader: str | None = None) -> str:
+        joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}
+        missing = sorted(set(range(1, self.topology.num_processes)) - joined)
+        if not missing:
+            return "every process answered"
+        return "processes did not answer: " + ", ".join(f"{p} ({self._host(p)})" for p in missing)
+
+    def _host(self, process_id: int) -> str:
+        process = self.topology.process(process_id)
+        return f"{process.hostname} {process.address}".strip()
+
+    def _on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.ProcessFailed):
+            self._failed[event.process_id] = f"failed: {event.reason}"
+        elif isinstance(event, events.ProcessRestarted):
+            self._failed.pop(event.process_id, None)
+
+    def _remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+# The network interface gloo and NCCL use.
+def _advertised_ip(client: Client, topology: Topology) -> str:
+    """The IP this process is reached at: its transfer endpoint's host, else its address toward the coordinator."""
+    address = topology.process(topology.process_id).address
+    host = address.rpartition(":")[0].strip("[]") if address else ""
+    return host or local_address_toward(client.settings.coordinators)
+
+
+def _set_socket_interfaces(ip: str) -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name the interface of ``ip``, unless the user set them (gloo would
+    otherwise pick the interface of the hostname, which across hosts is often not the one ifrt advertises)."""
+    name = interface_of(ip)
+    if name is None:
+        log.warning("no network interface has address %s: gloo and NCCL choose their own", ip)
+        return
+    for env in SOCKET_IFNAME_ENVS:
+        os.environ.setdefault(env, name)
+
+
+def interface_of(ip: str, interfaces: Iterable[tuple[str, str]] | None = None) -> str | None:
+    """The name of the interface that has address ``ip`` (``interfaces``: (name, address) pairs, default this
+    host's), or None."""
+    wanted = ipaddress.ip_address(ip)
+    for name, address in interfaces if interfaces is not None else _host_interfaces():
+        if ipaddress.ip_address(address) == wanted:
+            return name
+    return None
+
+
+def _host_interfaces() -> list[tuple[str, str]]:
+    """(name, address) of every interface address of this host: IPv4 by ioctl, IPv6 from /proc/net/if_inet6."""
+    import fcntl
+    import socket
+    import struct
+
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address
+            found.append((name, socket.inet_ntoa(raw[20:24])))
+    try:
+        with open("/proc/net/if_inet6") as lines:
+            for line in lines:
+                fields = line.split()
+                found.append((fields[5], str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))))
+    except OSError:
+        pass
+    return found
+
+
+# Device meshes.
+def device_mesh(ifrt_mesh: Mesh, device_type: str | None = None) -> Any:
+    """The ``torch.distributed.device_mesh.DeviceMesh`` with the ifrt mesh's shape, axis names and order: each
+    device becomes the rank of its process. ValueError if the mesh does not hold exactly one device per process."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = mesh_ranks(ifrt_mesh)
+    if device_type is None:
+        device_type = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=ifrt_mesh.axis_names)
+
+
+def mesh_ranks(ifrt_mesh: Mesh) -> Any:
+    """The ranks (process ids) of an ifrt mesh's devices, in its shape; ValueError saying why if a process holds
+    more than one of its devices (a DeviceMesh has one entry per rank)."""
+    import numpy as np
+
+    ranks = np.asarray(ifrt_mesh.devices) >> LOCAL_ID_BITS
+    held: dict[int, list[int]] = {}
+    for global_id, rank in zip(ifrt_mesh.devices.flat, ranks.flat, strict=True):
+        held.setdefault(int(rank), []).append(int(global_id))
+    shared = {rank: ids for rank, ids in held.items() if len(ids) > 1}
+    if shared:
+        rank, ids = min(shared.items())
+        raise ValueError(
+            f"the mesh of shape {ifrt_mesh.shape} holds {len(ids)} devices of process {rank} (global ids "
+            f"{ids[:8]}) and {len(shared) - 1} more processes hold several: a torch DeviceMesh has one entry per "
+            "rank, and ranks are processes; build the mesh from one device per process (e.g. each process's "
+            "first device) or run one process per device")
+    return ranks.tolist()
+
+
+def _abort_process_groups() -> None:
+    """Aborts every process group, so that a collective blocked on a hung peer returns."""
+    if dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()
+
+
+@atexit.register
+def _close() -> None:
+    if _started is not None:
+        _started.client.close()
+
+
+def _state() -> _Started:
+    if _started is None:
+        raise RuntimeError("ifrt.torch is not initialized in this process: call ifrt.torch.init_process_group() "
+                           "first")
+    return _started

@@ -1,0 +1,200 @@
+"""kv_compare_set: TCPStore's compare-and-set in the state machine, over gRPC on the memory and etcd stores, and
+exactly once across a leader SIGKILL on etcd."""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import pytest
+
+import ifrt
+from coordinator import journal
+from coordinator.limits import DEFAULT_LIMITS
+from coordinator.local import LocalCoordinator
+from coordinator.state import ClusterState, KeyChanged
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import InvalidArgument
+from tests.test_attempts import LEADER_TTL, serving
+from tests.test_coordination import clients, coordination_worker
+from tests.test_liveness_state import published
+
+UNSET = None
+
+# (what the key holds before, expected, desired) -> (the answer, what it holds after). TCPStore's own table:
+# an empty `expected` creates only; a mismatch changes nothing and answers what is there.
+TABLE = [
+    pytest.param(UNSET, b"", b"new", b"new", b"new", id="unset, empty expected: created"),
+    pytest.param(UNSET, b"old", b"new", UNSET, UNSET, id="unset, expected a value: nothing"),
+    pytest.param(b"old", b"old", b"new", b"new", b"new", id="holds expected: swapped"),
+    pytest.param(b"old", b"other", b"new", b"old", b"old", id="holds another value: nothing"),
+    pytest.param(b"old", b"", b"new", b"old", b"old", id="holds a value, empty expected: not created again"),
+    pytest.param(b"", b"", b"new", b"new", b"new", id="holds empty, empty expected: swapped"),
+    pytest.param(b"old", b"old", b"", b"", b"", id="swapped to empty"),
+    pytest.param(b"\x00\xff", b"\x00\xff", b"\xfe\x00", b"\xfe\x00", b"\xfe\x00", id="binary values"),
+]
+
+
+def with_value(before: bytes | None) -> ClusterState:
+    s = published()
+    if before is not None:
+        s.kv_set("p0", "k", before, False)
+    s.take_journal()
+    return s
+
+
+@pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), TABLE)
+def test_compare_set_semantics_in_the_state_machine(before, expected, desired, answer, after):
+    s = with_value(before)
+    value, effects = s.kv_compare_set("p1", "k", expected, desired, "call-1")
+    assert (value, s.kv_get("p2", "k")) == (answer, after)
+    changed = after != before
+    assert effects == ([KeyChanged("k", after)] if changed else [])
+    assert [type(e).__name__ for e in s.take_journal()] == (["KeySwapped"] if changed else [])
+
+
+def test_a_retried_swap_is_answered_not_applied_again_even_after_a_replay():
+    s = published()
+    assert s.kv_compare_set("p0", "k", b"", b"A", "r1") == (b"A", [KeyChanged("k", b"A")])
+    assert s.kv_compare_set("p1", "k", b"A", b"", "r2") == (b"", [KeyChanged("k", b"")])  # back to the start
+    assert s.kv_compare_set("p0", "k", b"", b"A", "r1") == (b"A", [])  # p0's retry: answered as before
+    assert s.kv_get("p2", "k") == b""
+    raw = [journal.encode(e) for e in s.take_journal()]
+    rebuilt = ClusterState(s.config)
+    for r in raw:
+        rebuilt.replay(journal.decode(r))
+    assert rebuilt.kv_get("p2", "k") == b""
+    assert rebuilt.kv_compare_set("p0", "k", b"", b"A", "r1") == (b"A", [])
+    assert rebuilt.kv_compare_set("p0", "k", b"", b"A", "r3") == (b"A", [KeyChanged("k", b"A")])  # a new call
+
+
+@pytest.mark.parametrize(("key", "desired", "message"), [
+    ("", b"v", "key of 0 bytes: expected 1 to"),
+    ("k" * (DEFAULT_LIMITS.kv_key_bytes + 1), b"v", f"expected 1 to {DEFAULT_LIMITS.kv_key_bytes} bytes"),
+    ("k", b"v" * (DEFAULT_LIMITS.kv_value_bytes + 1), f"expected at most {DEFAULT_LIMITS.kv_value_bytes}"),
+])
+@pytest.mark.parametrize("matches", [True, False], ids=["compare matches", "compare fails"])
+def test_bad_input_is_refused_whether_or_not_the_compare_matches_and_changes_nothing(key, desired, message, matches):
+    s = with_value(b"old")
+    with pytest.raises(InvalidArgument, match=message):
+        s.kv_compare_set("p0", key, b"old" if matches else b"other", desired, "r1")
+    assert s.kv_dir("p0", "") == [("k", b"old")]
+    assert s.take_journal() == []
+
+
+# Over the wire, on both stores the coordinator can journal to.
+
+@pytest.fixture(params=["memory", "etcd"])
+def pair(request, start_coordinator):
+    args = () if request.param == "memory" else ("--store", request.getfixturevalue("etcd").url, "--cluster-id",
+                                                 f"cas-{uuid.uuid4().hex[:8]}")
+    coordinator = start_coordinator(*args, num_processes=2)
+    made = clients(coordinator.address, 2)
+    yield made
+    for c in made:
+        c.close()
+
+
+def test_compare_set_semantics_over_grpc(pair):
+    a, b = pair
+    for i, case in enumerate(TABLE):
+        before, expected, desired, answer, after = case.values
+        key = f"table/{i}"
+        if before is not None:
+            a.kv_set(key, before)
+        assert b.kv_compare_set(key, expected, desired) == answer, case.id
+        assert a.kv_try_get(key) == after, case.id
+    with pytest.raises(ifrt.InvalidArgument, match="key of 0 bytes: expected 1 to"):
+        a.kv_compare_set("", b"", b"v")
+
+
+def test_a_raced_create_has_one_winner_and_everyone_reads_it(pair):
+    a, b = pair
+    answers = [c.kv_compare_set("leader", b"", name) for c, name in ((a, b"a"), (b, b"b"))]
+    assert answers == [b"a", b"a"]  # the second caller is told who won
+
+
+# Exactly once across a leader SIGKILL on etcd.
+
+def test_a_retry_after_a_leader_sigkill_is_answered_not_applied_again(etcd):
+    args = ("--store", etcd.url, "--cluster-id", "swapping", "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", "30")
+    replicas = [LocalCoordinator(*args, num_processes=2) for _ in range(2)]
+    made: list[ifrt.Client] = []
+    try:
+        leader = serving(*replicas)
+        made = clients(",".join(c.address for c in replicas), 2)
+        a, b = made
+        first = pb.KeyValueCompareSetRequest(client_uid=a.client_uid, key="k", expected=b"", desired=b"A",
+                                             request_id="retried-call")
+        call = lambda: a._unary("KeyValueCompareSet", lambda _: first, time.monotonic() + 60)  # noqa: E731
+        assert call().value == b"A"
+        assert b.kv_compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
+        leader.stop(signal.SIGKILL)
+        serving(*(c for c in replicas if c is not leader))
+        retried = call()  # as the client retries a call whose answer was lost with the leader
+        assert (retried.found, retried.value) == (True, b"A")
+        assert b.kv_try_get("k") == b""  # not swapped a second time
+    finally:
+        for c in made:
+            c.close()
+        for c in replicas:
+            c.close()
+
+
+def test_compare_set_counters_of_four_processes_survive_a_leader_sigkill_exactly_once(etcd):
+    args = ("--store", etcd.url, "--cluster-id", "counting", "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", "5")
+    replicas = [LocalCoordinator(*args, num_processes=5) for _ in range(2)]
+    addresses = ",".join(c.address for c in replicas)
+    workers = []
+    try:
+        leader = serving(*replicas)
+        workers = [coordination_worker(addresses, i, 5, "swap", "counter", "150") for i in range(4)]
+        with ifrt.Client(addresses, process_id=4, num_processes=5, timeout=90) as client:
+            client.discover()
+            while int((client.kv_try_get("counter") or b"0").split(b":")[0]) < 200:  # polling, not a guess of time
+                time.sleep(0.05)
+            leader.stop(signal.SIGKILL)
+            serving(*(c for c in replicas if c is not leader))
+            for w in workers:
+                w.expect("swapped", timeout=300)  # each process won 150 steps, as its answers told it
+            count = int(client.kv_get("counter", timeout=30).split(b":")[0])
+            assert count == 600  # every step a process won is in the counter once: none lost, none doubled
+    finally:
+        for w in workers:
+            w.stop()
+        for c in replicas:
+            c.close()
+
+
+OTHER_KEYS = [("kv_set", "jax/address", b"x", False), ("kv_get", "jax/address"), ("kv_compare_set", "k", b"", b"x"),
+              ("kv_dir", "torch"), ("kv_delete", "torchrun", True)]
+
+
+@pytest.mark.parametrize("published_yet", [False, True], ids=["before publication", "after publication"])
+def test_callers_that_are_no_process_may_use_the_agent_keys_only(published_yet):
+    # torchrun's agents meet before any worker exists: they are no process of the topology.
+    s = published() if published_yet else ClusterState(published().config)
+    agent = "agent-" + uuid.uuid4().hex
+    assert s.kv_compare_set(agent, "torchrun/job/state", b"", b"v1", "r1")[0] == b"v1"
+    s.kv_set(agent, "torchrun/job/other", b"x", False)
+    assert s.kv_get(agent, "torchrun/job/state") == b"v1"
+    assert [k for k, _ in s.kv_dir(agent, "torchrun/job/")] == ["torchrun/job/other", "torchrun/job/state"]
+    assert s.kv_delete(agent, "torchrun/job/other", False)[0] == 1
+    for method, *args in OTHER_KEYS:
+        with pytest.raises(ifrt.UnknownClient):
+            getattr(s, method)(agent, *args)
+
+
+def test_retries_are_remembered_for_a_bounded_number_of_agents():
+    from coordinator.state import AGENTS_REMEMBERED
+
+    s = published()
+    first = "agent-first"
+    s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")
+    s.kv_compare_set("p0", "torchrun/k", b"A", b"B", "p0-r1")
+    assert s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"A"  # a retry: answered, not compared
+    for i in range(AGENTS_REMEMBERED):
+        s.kv_compare_set(f"agent-{i}", f"torchrun/{i}", b"", b"x", "r1")
+    # The first agent is forgotten now: its retry compares again (and finds B there).
+    assert s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"B"

@@ -1,0 +1,229 @@
+"""The status page in a real headless Chromium, and `ifrt status --svg`, against a real coordinator and real processes
+(one killed by pid): the failed process is drawn failed and named, in the browser's pixels and its DOM."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+import subprocess
+import urllib.request
+import xml.etree.ElementTree as ET
+import zlib
+from pathlib import Path
+
+import pytest
+
+from coordinator.local import LocalCoordinator
+from coordinator.status_page import events, fragment, page
+from ifrt import status_svg
+from tests import test_status
+from tests.requirements import require
+from tests.test_liveness import Worker
+from tests.test_metrics import metrics_port
+from tests.test_status import FAILED_REASON, HOST, ifrt_status, wait_status
+
+children = test_status.children  # the same fixture: child processes killed by pid at the end
+
+FAILED_RGB = tuple(int(status_svg.COLORS["failed"][i:i + 2], 16) for i in (1, 3, 5))
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars")
+
+
+def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Runs Debian's chromium headless with a new empty profile (no network but the loopback page it is given)."""
+    binary = shutil.which("chromium")
+    if binary is None:
+        require("chromium", "the status page is tested in a real headless browser (apt-get install -y chromium)")
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+    profile.mkdir()
+    return subprocess.run([binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+
+
+def png_pixels(path: Path) -> tuple[int, int, list[bytearray]]:
+    """Width, height and the RGB(A) rows of an 8-bit PNG (what Chromium writes), decoded with the standard library."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunks.setdefault(kind, []).append(data[pos + 8:pos + 8 + length])
+        pos += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][0][:10])
+    assert depth == 8 and color in (2, 6), (depth, color)
+    bpp = 3 if color == 2 else 4
+    raw = zlib.decompress(b"".join(chunks[b"IDAT"]))
+    stride, rows, prior = width * bpp, [], bytearray(width * bpp)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - bpp] if i >= bpp else 0
+            up, corner = prior[i], prior[i - bpp] if i >= bpp else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 0xFF
+            elif kind == 2:
+                line[i] = (line[i] + up) & 0xFF
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 0xFF
+            elif kind == 4:
+                p = left + up - corner
+                pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
+                line[i] = (line[i] + (left if pa <= pb and pa <= pc else up if pb <= pc else corner)) & 0xFF
+        rows.append(line)
+        prior = line
+    return width, height, [bytearray(b"".join(bytes(r[x:x + 3]) for x in range(0, stride, bpp))) for r in rows]
+
+
+def count_color(rows: list[bytearray], rgb: tuple[int, ...]) -> int:
+    needle = bytes(rgb)
+    return sum(sum(1 for x in range(0, len(r), 3) if r[x:x + 3] == needle) for r in rows)
+
+
+def test_the_page_in_chromium_draws_the_killed_process_failed_and_names_it(start_coordinator, children, tmp_path):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", "--metrics-port", "0", "--metrics-bind", "127.0.0.1",
+                                    num_processes=4)
+    children += [Worker(coordinator.address, pid, 4) for pid in range(4)]
+    for w in children:
+        w.expect("topology")
+    children[2].kill9()
+    view = wait_status(coordinator.address, lambda v: v["state"] == "degraded")
+    assert [p["process_id"] for p in view["failed"]] == [2]
+    url = f"http://127.0.0.1:{metrics_port(coordinator)}/"
+
+    # The DOM after the page's own script has fetched a fresh view (it says when it updated).
+    dom = chromium(tmp_path, "--virtual-time-budget=5000", "--dump-dom", url)
+    assert dom.returncode == 0, dom.stderr
+    assert re.search(r'<p id="note"[^>]*>updated ', dom.stdout), dom.stdout[-2000:]
+    failed = re.findall(r'<g class="process (\w+)" data-process="(\d+)"', dom.stdout)
+    assert sorted(failed) == [("alive", "0"), ("alive", "1"), ("alive", "3"), ("failed", "2")]
+    hover = re.search(rf"<title>process 2 on {re.escape(HOST)} \(127\.0\.0\.1\): failed, (.*?); heard from "
+                      r"[\d.]+s ago</title>", dom.stdout)
+    assert hover and FAILED_REASON.fullmatch(hover.group(1)), dom.stdout[-3000:]
+    assert f"process 2 on {HOST} failed: " in dom.stdout  # the events, in the page's text
+    for gid in (2 << 17, (2 << 17) + 1):  # process 2's devices, by global id
+        assert f'class="id">{gid}</text>' in dom.stdout
+
+    shot = tmp_path / "status-page.png"
+    taken = chromium(tmp_path, "--window-size=1200,700", f"--screenshot={shot}", url)
+    assert taken.returncode == 0 and shot.exists(), taken.stderr
+    width, height, rows = png_pixels(shot)
+    assert (width, height) == (1200, 700)
+    assert count_color(rows, FAILED_RGB) > 500  # process 2's device cells and frame, not a stray pixel
+    assert count_color(rows, tuple(int(status_svg.COLORS["alive"][i:i + 2], 16) for i in (1, 3, 5))) > 1500
+
+
+def test_the_json_view_and_cli_svg_show_the_same_failed_process(start_coordinator, children, tmp_path):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", "--metrics-port", "0", "--metrics-bind", "127.0.0.1",
+                                    "--attempt", "3", num_processes=2)
+    children += [Worker(coordinator.address, pid, 2, env={"IFRT_ATTEMPT": "3"}) for pid in range(2)]
+    for w in children:
+        w.expect("topology")
+    children[1].kill9()
+    wait_status(coordinator.address, lambda v: v["state"] == "degraded")
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(coordinator)}/status.json", timeout=10) as answer:
+        view = json.loads(answer.read())
+    assert (view["state"], view["attempt"], view["replicas"]) == (
+        "degraded", 3, [{"address": coordinator.address, "role": "leader"}])
+    assert [(p["process_id"], p["slice"], p["device_ids"], p["mesh_positions"]) for p in view["processes"]] == [
+        (0, 0, [0, 1], [0, 1]), (1, 0, [1 << 17, (1 << 17) + 1], [2, 3])]
+
+    picture = tmp_path / "cluster.svg"
+    result = ifrt_status("--coordinator", coordinator.address, "--svg", str(picture))
+    assert result.returncode == 0, result.stderr
+    root = ET.parse(picture).getroot()  # well-formed, standalone SVG
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    marks = {g.get("data-process"): g.get("class") for g in root.iter("{http://www.w3.org/2000/svg}g")
+             if g.get("data-process")}
+    assert marks == {"0": "process alive", "1": "process failed"}
+    assert "cluster default: degraded" in result.stdout
+
+
+def _view(processes: int, per_host: int = 1, failed: tuple[int, ...] = (), missing: tuple[int, ...] = ()) -> dict:
+    procs = [{"process_id": i, "host": f"host-{i // per_host:05d}", "host_address": f"10.0.{i // 256}.{i % 256}",
+              "local_rank": i % per_host, "address": "", "devices": 8, "state": "failed" if i in failed else "alive",
+              "reason": "lost its connection" if i in failed else "", "incarnation": 0, "heartbeat_age_s": 0.2,
+              "attached": i not in failed, "slice": i // 64, "device_ids": [i << 17 | d for d in range(8)]}
+             for i in range(processes) if i not in missing]
+    return {"cluster_id": "big", "state": "degraded" if failed else "published", "generation": 1,
+            "fingerprint": "ab" * 32, "registered": len(procs), "expected": processes, "missing": list(missing),
+            "missing_count": len(missing), "failed": [], "processes": procs, "leader": "c:1", "replica": "c:1",
+            "store": "memory", "reason": None, "waited_s": 0.0, "time_to_publish_s": 1.0, "sessions_open": 0,
+            "heartbeat_timeout_s": 10.0, "replicas": [{"address": "c:1", "role": "leader"}], "attempt": 0}
+
+
+def test_a_large_cluster_is_drawn_as_tiles_that_still_show_the_failed_and_missing():
+    view = _view(16384, failed=(9000,), missing=(12345,))
+    picture = status_svg.svg(view)
+    assert "<rect" in picture and picture.count("<rect") < 1100  # ~1,000 tiles, not 16,384 hosts of 8 devices
+    tiles = re.findall(r'fill="(#[0-9a-f]{6})"><title>([^<]*)</title>', picture)
+    assert len(tiles) <= status_svg.MAX_TILES
+    failed = [t for c, t in tiles if c == status_svg.COLORS["failed"]]
+    assert len(failed) == 1 and "process 9000 on host-09000 (10.0.35.40): failed, lost its connection" in failed[0]
+    missing = [t for c, t in tiles if c == status_svg.COLORS["missing"]]
+    assert len(missing) == 1 and "process 12345 on (not registered): missing" in missing[0]
+    assert "process 9000 on host-09000 failed: lost its connection" in page(view)
+
+
+def test_a_standby_page_names_the_leader_and_draws_nothing_it_does_not_know():
+    standby = {"cluster_id": "c", "state": "standby", "leader": "10.0.0.1:8476", "reason": "another replica leads",
+               "replicas": [{"address": "10.0.0.2:8476", "role": "standby"}], "store": "etcd", "attempt": 0,
+               "leader_error": "the leader's view could not be fetched: refused"}
+    text = fragment(standby)
+    assert "10.0.0.1:8476" in text and "stands by" in text and "<svg" not in text
+    with_leader = fragment({**standby, "leader_view": _view(4, failed=(1,))})
+    assert "<svg" in with_leader and 'class="process failed" data-process="1"' in with_leader
+
+
+def test_events_list_failures_before_the_publication():
+    assert events(_view(4, failed=(2,))) == ["process 2 on host-00002 failed: lost its connection",
+                                             "generation 1 published 1.00s after the first registration"]
+
+
+@pytest.mark.parametrize("processes", [1, 64, 65, 4096])
+def test_the_picture_is_well_formed_xml_at_every_size(processes):
+    ET.fromstring(status_svg.svg(_view(processes, per_host=1)))
+
+
+def test_a_standby_page_names_the_leader_and_shows_its_view(etcd, children, tmp_path):
+    args = ("--store", etcd.url, "--leader-ttl", "2", "--cluster-id", "job-p", "--metrics-port", "0",
+            "--metrics-bind", "127.0.0.1", "--attempt", "2")
+    first = LocalCoordinator(*args, num_processes=1)
+    try:
+        first.wait_for_log("serving:")
+        second = LocalCoordinator(*args, num_processes=1)
+        try:
+            second.wait_for_log(f"standing by: the coordinator at {first.address} leads")
+            children.append(Worker(first.address, 0, 1, env={"IFRT_ATTEMPT": "2"}))
+            children[0].expect("topology")
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(second)}/status.json", timeout=10) as r:
+                view = json.loads(r.read())
+            assert (view["state"], view["leader"], view["leader_view"]["state"]) == ("standby", first.address,
+                                                                                   "published")
+            assert [p["process_id"] for p in view["leader_view"]["processes"]] == [0]
+            assert view["attempt"] == view["leader_view"]["attempt"] == 2
+            text = ifrt_status("--coordinator", f"{second.address},{first.address}").stdout
+            assert "cluster job-p: published" in text and "\nattempt:    2\n" in text, text
+            dom = chromium(tmp_path, "--virtual-time-budget=3000", "--dump-dom",
+                           f"http://127.0.0.1:{metrics_port(second)}/status")
+            assert f"This replica stands by; what the leader {first.address} reports:" in dom.stdout, dom.stdout
+            assert '<g class="process alive" data-process="0"' in dom.stdout
+            assert re.search(r'<p id="note"[^>]*>updated ', dom.stdout)
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_restarting_slow_and_missing_processes_are_marked_with_why_on_hover():
+    view = _view(4, missing=(3,))
+    view["processes"][1].update(state="joining", incarnation=1)  # back after a failure, not yet in the topology
+    view["processes"][2].update(heartbeat_age_s=6.0)  # over half the 10 s heartbeat timeout
+    picture = status_svg.svg(view)
+    marks = dict((pid, m) for m, pid in re.findall(r'<g class="process (\w+)" data-process="(\d+)"', picture))
+    assert marks == {"0": "alive", "1": "restarting", "2": "slow", "3": "missing"}
+    assert "process 2 on host-00002 (10.0.0.2): slow; heard from 6.0s ago" in picture
+    assert "process 3 on (not registered): missing, has not registered" in picture
+    assert "process 1 on host-00001 restarted (incarnation 1)" in events(view)

@@ -1,0 +1,221 @@
+"""ifrt.torch: torch.distributed started from the topology, in real PyTorch processes (CPU, gloo) against a real
+coordinator; the start-up exchange and device meshes on their own."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.requirements import require
+
+if importlib.util.find_spec("torch") is None:
+    require("torch", "pip install 'ifrt-topology[torch]' (scripts/test.sh installs a CPU build)")
+
+import numpy as np
+import torch.distributed as dist
+
+import ifrt
+import ifrt.torch
+from coordinator.local import LocalCoordinator
+from ifrt import wire
+from ifrt.mesh import Mesh
+from ifrt.records import Device, Process
+from ifrt.topology import Topology
+
+WORKER = Path(__file__).with_name("torch_worker.py")
+TIMEOUT = 120
+LAUNCH_ORDER = (2, 0, 3, 1)
+"""Local ranks in the order the processes start: the ranks follow local ranks, not arrival."""
+
+
+def start_workers(address: str, local_ranks: tuple[int, ...]) -> list[subprocess.Popen]:
+    """One torch process per local rank, one CPU device each, ids assigned by the coordinator."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "GLOO_", "NCCL_", "MASTER_"))}
+    base.update(IFRT_COORDINATOR=address, IFRT_CPU_DEVICE_COUNT="1", OMP_NUM_THREADS="1")
+    return [subprocess.Popen([sys.executable, str(WORKER)], env=dict(base, IFRT_LOCAL_RANK=str(rank)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in local_ranks]
+
+
+def results(workers: list[subprocess.Popen]) -> list[dict]:
+    """Each worker's JSON answer, in launch order; fails naming a worker that failed (its pid and stderr)."""
+    answers = []
+    for worker in workers:
+        try:
+            out, err = worker.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.kill(worker.pid, signal.SIGKILL)
+            out, err = worker.communicate()
+            pytest.fail(f"torch worker {worker.pid} did not finish within {TIMEOUT}s; stderr:\n{err[-3000:]}")
+        assert worker.returncode == 0, f"torch worker {worker.pid} exited {worker.returncode}:\n{err[-3000:]}"
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    return answers
+
+
+@pytest.mark.slow
+def test_four_processes_get_ranks_from_ifrt_and_compute_on_its_mesh(start_coordinator):
+    coordinator = start_coordinator(num_processes=4, log_level="WARNING")
+    answers = results(start_workers(coordinator.address, LAUNCH_ORDER))
+
+    assert [a["process_id"] for a in answers] == list(LAUNCH_ORDER)  # ids by local rank on this host
+    for a in answers:
+        assert a["rank"] == a["process_id"] and a["world_size"] == 4 and a["backend"] == "gloo"
+        assert a["same_topology_again"]
+        assert a["all_reduce"] == 1 + 2 + 3 + 4
+        assert a["all_gather"] == [0, 10, 20, 30]
+        assert a["ifrt_mesh_processes"] == [[3, 2], [1, 0]]
+        assert a["device_mesh"] == a["ifrt_mesh_processes"]  # the ifrt mesh's order reaches torch
+        assert a["mesh_dim_names"] == ["dp", "tp"]
+        assert a["tp_sum"] == (5 if a["rank"] in (2, 3) else 1)  # its "tp" group is its row of the ifrt mesh
+    assert len({a["store_prefix"] for a in answers}) == 1
+    assert answers[0]["store_prefix"].startswith("ifrt/torch/g1/")
+
+
+def test_a_default_group_that_exists_already_is_refused_saying_what_to_do():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ifrt.torch.BackendAlreadyInitialized, match=r"remove the other torch\.distributed"):
+            ifrt.torch.init_process_group(coordinator="127.0.0.1:1", timeout=5)
+    finally:
+        dist.destroy_process_group()
+    assert not ifrt.torch.is_initialized()
+
+
+def test_importing_ifrt_does_not_import_torch_until_ifrt_torch_is_used():
+    probe = ("import sys, ifrt\n"
+             "before = 'torch' in sys.modules\n"
+             "store = ifrt.torch.Store\n"
+             "print(before, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]
+
+
+# The start-up exchange, with clients in this process.
+
+def clients(address: str, n: int) -> list[ifrt.Client]:
+    made = [ifrt.Client(address, process_id=p, num_processes=n, transfer=False, timeout=30) for p in range(n)]
+    threads = [threading.Thread(target=c.discover) for c in made]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(c.topology is not None for c in made)
+    return made
+
+
+def exchange(members: list[ifrt.Client], deadline_s: float = 30) -> list[str | Exception]:
+    """Each member's StartupExchange result (the c10d prefix) or error, run together."""
+    got: dict[int, str | Exception] = {}
+
+    def run(i: int) -> None:
+        try:
+            got[i] = ifrt.torch.StartupExchange(members[i], members[i].topology, time.monotonic() + deadline_s).run()
+        except Exception as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=deadline_s + 10)
+    return [got[i] for i in range(len(members))]
+
+
+def test_a_restarted_start_against_a_durable_journal_never_reads_the_previous_starts_c10d_keys(etcd):
+    args = ("--store", etcd.url, "--cluster-id", "torch-restart", "--leader-ttl", "2")
+    first_coordinator = LocalCoordinator(*args, num_processes=2)
+    try:
+        first = clients(first_coordinator.address, 2)
+        old, same = exchange(first)
+        assert old == same
+        first[1].kv_set(f"{old}0//cpu//0/1", b"127.0.0.1:40001")  # what gloo leaves behind: a peer's address
+        generation = first[0].topology.generation
+        for c in first:
+            c.close()
+    finally:
+        first_coordinator.stop(signal.SIGKILL)  # the whole job dies; its journal stays in etcd
+        first_coordinator.close()
+
+    with LocalCoordinator(*args, num_processes=2) as again:
+        second = clients(again.address, 2)  # the same processes: same ids and generation, the old keys still there
+        assert second[0].topology.generation == generation
+        assert second[1].kv_try_get(f"{old}0//cpu//0/1") == b"127.0.0.1:40001"
+        (alone,) = exchange(second[1:], deadline_s=1.5)  # process 0 has not begun: only the old records exist
+        assert isinstance(alone, ifrt.DiscoveryTimeout) and "previous start" in str(alone)
+        new, seen = exchange(second)
+        assert new == seen != old
+        assert second[1].kv_dir(old) == {}  # process 0 of the new start removed the old start's keys
+        for c in second:
+            c.close()
+
+
+def test_a_process_that_dies_during_start_up_ends_the_start_naming_it(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
+    dies = ("import os, ifrt\n"
+            f"ifrt.Client({coordinator.address!r}, process_id=1, num_processes=2, transfer=False).discover()\n"
+            "os._exit(3)  # no goodbye: the coordinator declares it failed\n")
+    doomed = subprocess.Popen([sys.executable, "-c", dies], stderr=subprocess.PIPE, text=True)
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer=False, timeout=30) as leader:
+        topology = leader.discover()
+        assert doomed.wait(timeout=30) == 3, doomed.stderr.read()
+        started = time.monotonic()
+        with pytest.raises(ifrt.BarrierFailed, match=r"start-up cannot complete: process 1 \(.*\) failed"):
+            ifrt.torch.StartupExchange(leader, topology, time.monotonic() + 30).run()
+        assert time.monotonic() - started < 15  # the heartbeat timeout and a recheck, not the 30 s deadline
+
+
+def test_a_start_up_that_times_out_names_the_processes_that_did_not_answer(start_coordinator):
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    first, second = clients(coordinator.address, 2)
+    with first, second, pytest.raises(ifrt.DiscoveryTimeout, match=r"processes did not answer: 1 \("):
+        ifrt.torch.StartupExchange(first, first.topology, time.monotonic() + 1.5).run()
+
+
+# Device meshes and interfaces, on plain values.
+
+def two_processes_of(devices: int) -> Topology:
+    processes = (Process(0, "a", ""), Process(1, "b", ""))
+    records = tuple(Device(p << 17 | i, p, i, "cpu", "cpu") for p in (0, 1) for i in range(devices))
+    return Topology(wire.encode(wire.TopologyContent("", 1, 2, processes, records)), 0)
+
+
+def test_mesh_ranks_follow_the_ifrt_mesh_order():
+    topology = two_processes_of(1)
+    mesh = topology.mesh((2, 1), ("dp", "tp"), devices=[1 << 17, 0])
+    assert ifrt.torch.mesh_ranks(mesh) == [[1], [0]]
+
+
+def test_a_mesh_with_several_devices_of_one_process_is_refused_saying_why():
+    topology = two_processes_of(2)
+    with pytest.raises(ValueError, match=r"holds 2 devices of process 0 \(global ids \[0, 1\]\) and 1 more "
+                                         r"processes hold several: a torch DeviceMesh has one entry per rank"):
+        ifrt.torch.mesh_ranks(topology.mesh((2, 2), ("dp", "tp")))
+    firsts = Mesh(np.array([0, 1 << 17]), ("dp",), topology)  # one device per process is fine
+    assert ifrt.torch.mesh_ranks(firsts) == [0, 1]
+
+
+def test_the_socket_interface_is_the_one_holding_the_advertised_address():
+    interfaces = [("lo", "127.0.0.1"), ("eth0", "10.0.0.5"), ("eth0", "fe80::1"), ("ib0", "192.168.1.2")]
+    assert ifrt.torch.interface_of("10.0.0.5", interfaces) == "eth0"
+    assert ifrt.torch.interface_of("fe80::0001", interfaces) == "eth0"
+    assert ifrt.torch.interface_of("10.9.9.9", interfaces) is None
+    assert ifrt.torch.interface_of("127.0.0.1") == "lo"  # this host's own table
+
+
+@pytest.mark.slow
+def test_the_ddp_example_matches_its_single_process_reference():
+    example = Path(__file__).resolve().parents[1] / "examples" / "torch_ddp.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    done = subprocess.run([sys.executable, str(example), "--processes", "2"], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch: outputs match reference (max |difference|" in done.stdout
+    assert "rank 1 of 2" in done.stdout

@@ -1,0 +1,142 @@
+"""ifrt.torch.Store: every c10d store method on a real coordinator, called from Python and from c10d's C++ side."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from tests.requirements import require
+
+if importlib.util.find_spec("torch") is None:
+    require("torch", "pip install 'ifrt-topology[torch]' (scripts/test.sh installs a CPU build)")
+
+import torch.distributed as dist
+
+import ifrt
+import ifrt.torch
+from coordinator.local import LocalCoordinator
+from tests.test_compare_set import TABLE
+
+SHORT = 0.5
+
+
+@pytest.fixture(scope="module")
+def client():
+    """One process of a one-process cluster, shared by this module's tests (each uses its own prefix)."""
+    with LocalCoordinator(num_processes=1, log_level="WARNING") as coordinator, \
+            ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer=False, timeout=30) as made:
+        made.discover()
+        yield made
+
+
+@pytest.fixture
+def store(client):
+    return ifrt.torch.Store(client, f"test/{uuid.uuid4().hex[:8]}/", timeout=SHORT)
+
+
+def test_values_are_bytes_both_ways_and_keys_str_or_bytes(store, client):
+    store.set("bin", b"\x00\xff\x80")
+    store.set(b"text", "é")
+    assert store.get(b"bin") == b"\x00\xff\x80"
+    assert store.get("text") == "é".encode()
+    assert client.kv_try_get(store.prefix + "bin") == b"\x00\xff\x80"  # stored in ifrt's KV under the prefix
+    store.set("bin", b"again")  # set overwrites, as c10d expects
+    assert store.get("bin") == b"again"
+
+
+def test_add_check_delete_and_num_keys(store):
+    assert store.add("n", 3) == 3
+    assert store.add(b"n", -1) == 2
+    assert store.get("n") == b"2"
+    assert store.check(["n"]) and not store.check(["n", "absent"])
+    assert store.num_keys() == 1
+    assert store.delete_key("n") is True
+    assert store.delete_key("n") is False
+    assert store.num_keys() == 0
+
+
+def test_multi_get_multi_set_and_append(store):
+    store.multi_set(["a", b"b"], [b"1", "2"])
+    assert store.multi_get(["b", "a"]) == [b"2", b"1"]
+    store.append("log", b"x")
+    store.append("log", "yz")
+    assert store.get("log") == b"xyz"
+    with pytest.raises(ValueError, match="multi_set got 2 keys and 1 values"):
+        store.multi_set(["a", "b"], [b"1"])
+
+
+@pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), TABLE)
+def test_compare_set_answers_as_tcpstore_does(store, before, expected, desired, answer, after):
+    if before is not None:
+        store.set("k", before)
+    # TCPStore's answer for an unset key and a non-empty `expected` is `expected` itself
+    assert store.compare_set("k", expected, desired) == (expected if answer is None else answer)
+    assert store.check(["k"]) == (after is not None)
+    if after is not None:
+        assert store.get("k") == after
+
+
+def test_get_and_wait_time_out_with_torchs_error_naming_the_keys(store):
+    store.set("here", b"1")
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match=r"ifrt store: key 'absent' not set within 0\.5s"):
+        store.get("absent")
+    assert time.monotonic() - started < 30
+    with pytest.raises(dist.DistStoreError, match=r"keys 'x', 'y' not set within 0\.2s"):
+        store.wait(["here", "x", "y"], timedelta(seconds=0.2))
+    store.wait(["here"])
+
+
+def test_a_blocked_get_returns_once_another_caller_sets_the_key(client):
+    store = ifrt.torch.Store(client, f"test/{uuid.uuid4().hex[:8]}/", timeout=30)
+    threading.Timer(0.3, store.set, ("late", b"v")).start()
+    assert store.get("late") == b"v"
+
+
+def test_the_watch_ends_a_wait_with_its_own_error(store):
+    def peer_failed() -> None:
+        raise ifrt.BarrierFailed("process 1 failed")
+
+    store.watch = peer_failed
+    store.set_timeout(timedelta(seconds=30))
+    started = time.monotonic()
+    with pytest.raises(ifrt.BarrierFailed, match="process 1 failed"):
+        store.get("never")
+    assert time.monotonic() - started < 10
+
+
+def test_a_timeout_names_the_process_expected_to_set_the_key(client, store):
+    exchange = ifrt.torch.StartupExchange(client, client.topology, time.monotonic() + 5)
+    store.describe_missing = exchange.describe_keys
+    with pytest.raises(dist.DistStoreError, match=r"key '0//cpu//0/0' not set .*: expected from process 0 \("):
+        store.get("0//cpu//0/0")
+
+
+def test_c10d_reaches_every_method_through_its_cpp_side(store):
+    prefixed = dist.PrefixStore("pg", store)  # a C++ store calling the Python one
+    prefixed.set("a", "1")
+    assert prefixed.get("a") == b"1"
+    assert prefixed.add("n", 5) == 5
+    assert prefixed.compare_set("a", "1", "2") == b"2"
+    assert prefixed.check(["a", "n"])
+    assert prefixed.num_keys() == 2
+    assert prefixed.delete_key("a")
+    assert prefixed.multi_get(["n"]) == [b"5"]
+    with pytest.raises(dist.DistStoreError, match=r"key 'pg/absent' not set"):
+        prefixed.wait(["absent"], timedelta(seconds=0.2))
+
+
+def test_a_process_group_starts_on_the_store_alone(store):
+    store.set_timeout(timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        assert dist.get_world_size(group) == 1
+    finally:
+        dist.destroy_process_group()
+    assert store.num_keys() > 0  # c10d's keys went to ifrt, under the prefix
