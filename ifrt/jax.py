@@ -25,14 +25,12 @@ JAX versions (``process << 17 | local`` like ifrt in JAX 0.4.x, ``process << 11 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +41,9 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.jax needs jax: pip install 'ifrt-topology[jax]' ({e})") from e
 
-from ifrt import events, failfast
+from ifrt import failfast, startup
 from ifrt.client import Backoff, Client
-from ifrt.errors import BarrierFailed, DiscoveryTimeout, IfrtError, KeyValueTimeout, TopologyError
+from ifrt.errors import IfrtError, TopologyError
 from ifrt.mesh import Mesh
 from ifrt.settings import PLUGIN_ENV
 from ifrt.topology import Topology
@@ -54,10 +52,6 @@ from plugins import jax_plugin
 
 log = logging.getLogger("ifrt.jax")
 
-KEY_PREFIX = "ifrt/jax"
-"""Key-value prefix of the start-up exchange: ``ifrt/jax/g<generation>/...``."""
-RECHECK_S = 1.0
-"""How often a waiting process re-reads process 0's address record and checks for failed peers."""
 
 
 class BackendAlreadyInitialized(IfrtError, RuntimeError):
@@ -198,31 +192,22 @@ def _use_gloo() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-class StartupExchange:
-    """The start-up exchange in ifrt's key-value store (see the module doc), with a timeout on every wait.
+class StartupExchange(startup.StartupExchange):
+    """JAX's start-up exchange (``ifrt.startup``): process 0's record carries JAX's coordinator address (a port it
+    reserved on its advertised host), each answer the devices its JAX will have."""
 
-    Keys, for generation G and process 0's fresh nonce N0:
-      ``ifrt/jax/gG/address``         process 0: {"address", "nonce": N0}, overwritten by every start
-      ``ifrt/jax/gG/N0/join/<p>``     process p: {"nonce": Np, "devices": [...]}
-      ``ifrt/jax/gG/N0/ready``        process 0: {"address", "nonces": {p: Np}, "devices": {p: [...]}}
-    """
+    runtime, what = "jax", "JAX start-up"
 
     def __init__(self, client: Client, topology: Topology, deadline: float) -> None:
-        self.client, self.topology, self.deadline = client, topology, deadline
-        self.prefix = f"{KEY_PREFIX}/g{topology.generation}"
-        self.nonce = uuid.uuid4().hex
+        super().__init__(client, topology, deadline)
         self.views: dict[int, list[dict[str, Any]]] = {}
-        self.leader_nonce: str | None = None
-        """Process 0's nonce for the start this process took part in, once ``run`` returned."""
         self._port: socket.socket | None = None
-        self._failed: dict[int, str] = {}
-        client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
 
     def run(self, jax_view: list[dict[str, Any]]) -> str:
         """JAX's coordinator address, once every process has answered this start; fills ``views``."""
-        if self.topology.process_id == 0:
-            return self._lead(jax_view)
-        return self._follow(jax_view)
+        record = self.exchange({"devices": jax_view}, self._reserve)
+        self.views = {p: answer["devices"] for p, answer in self.answers.items()}
+        return record["address"]
 
     def wait_listening(self, address: str) -> None:
         """Waits until JAX's service in process 0 accepts connections: a JAX client that dials too early retries
@@ -242,97 +227,15 @@ class StartupExchange:
             self._port.close()
             self._port = None
 
-    def _lead(self, jax_view: list[dict[str, Any]]) -> str:
+    def _reserve(self) -> dict[str, Any]:
         self._port = _reserve_port()
-        address = _join_host_port(self._advertised_host(), self._port.getsockname()[1])
-        self._set(f"{self.prefix}/address", _dump({"address": address, "nonce": self.nonce}))
-        views, nonces = {0: jax_view}, {0: self.nonce}
-        for p in range(1, self.topology.num_processes):
-            answer = self._wait(f"{self.prefix}/{self.nonce}/join/{p}", lambda: self._missing_joins())
-            views[p], nonces[p] = answer["devices"], answer["nonce"]
-        ready = {"address": address, "nonces": {str(p): n for p, n in nonces.items()},
-                 "devices": {str(p): v for p, v in views.items()}}
-        self._set(f"{self.prefix}/{self.nonce}/ready", _dump(ready), overwrite=False)
-        self.views, self.leader_nonce = views, self.nonce
-        return address
-
-    def _follow(self, jax_view: list[dict[str, Any]]) -> str:
-        me = str(self.topology.process_id)
-        mine = _dump({"nonce": self.nonce, "devices": jax_view})
-        stale: set[str] = set()  # process 0 nonces of earlier starts, whose records are still in the store
-        pause = Backoff(0.01, 0.2)
-
-        def no_address() -> str:
-            return "process 0 has not published JAX's coordinator address" + (
-                " for this start (the store holds only a previous start's)" if stale else "")
-
-        while True:
-            leader = self._wait(f"{self.prefix}/address", no_address)["nonce"]
-            if leader in stale:  # process 0 of this start has not overwritten the record yet
-                self._check_deadline(no_address)
-                time.sleep(min(pause.next(), max(0.0, self._remaining())))
-                continue
-            self._set(f"{self.prefix}/{leader}/join/{me}", mine)
-            try:
-                ready = self._get(f"{self.prefix}/{leader}/ready", min(RECHECK_S, self._remaining()))
-            except KeyValueTimeout:
-                self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
-                                     f"{self._missing_joins(leader)}")
-                continue  # process 0 may have been restarted meanwhile: read its address again
-            if ready["nonces"].get(me) != self.nonce:
-                stale.add(leader)
-                continue
-            self.views, self.leader_nonce = {int(p): v for p, v in ready["devices"].items()}, leader
-            return ready["address"]
-
-    def _set(self, key: str, value: bytes, overwrite: bool = True) -> None:
-        self.client.kv_set(key, value, allow_overwrite=overwrite, timeout=max(1.0, self._remaining()))
-
-    def _wait(self, key: str, what_is_missing: Callable[[], str]) -> dict[str, Any]:
-        """The record at ``key``, checking for failed peers every RECHECK_S; DiscoveryTimeout at the deadline."""
-        while True:
-            try:
-                return self._get(key, min(RECHECK_S, self._remaining()))
-            except KeyValueTimeout:
-                self._check_deadline(what_is_missing)
-
-    def _get(self, key: str, timeout: float) -> dict[str, Any]:
-        self._check_failures()
-        if timeout <= 0:
-            raise KeyValueTimeout(f"key {key!r}: no time left")
-        return json.loads(self.client.kv_get(key, timeout=timeout))
-
-    def _check_deadline(self, what_is_missing: Callable[[], str]) -> None:
-        self._check_failures()
-        if self._remaining() <= 0:
-            raise DiscoveryTimeout(f"JAX start-up of process {self.topology.process_id} timed out: "
-                                   f"{what_is_missing()} (topology generation {self.topology.generation})")
-
-    def _check_failures(self) -> None:
-        failed = dict(self._failed)  # the session thread adds to it
-        if failed:
-            p, why = min(failed.items())
-            raise BarrierFailed(f"JAX start-up cannot complete: process {p} {why}")
-
-    def _missing_joins(self, leader: str | None = None) -> str:
-        joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}
-        missing = sorted(set(range(1, self.topology.num_processes)) - joined)
-        return f"processes {missing} did not answer" if missing else "every process answered"
-
-    def _on_event(self, event: events.Event) -> None:
-        if isinstance(event, events.ProcessFailed):
-            self._failed[event.process_id] = f"failed: {event.reason}"
-        elif isinstance(event, events.ProcessRestarted):
-            self._failed.pop(event.process_id, None)
+        return {"address": _join_host_port(self._advertised_host(), self._port.getsockname()[1])}
 
     def _advertised_host(self) -> str:
         address = self.topology.process(0).address
         if address:
             return address.rpartition(":")[0].strip("[]")
         return local_address_toward(self.client.settings.coordinators)
-
-    def _remaining(self) -> float:
-        return self.deadline - time.monotonic()
 
 
 def _reserve_port() -> socket.socket:
@@ -354,10 +257,6 @@ def _reserve_port() -> socket.socket:
 
 def _join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _dump(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
 # Checks and mapping: pure functions over the topology and JAX's devices.

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
-import json
 import logging
 import os
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -37,22 +35,19 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.torch needs torch: pip install 'ifrt-topology[torch]' ({e})") from e
 
-from ifrt import events, failfast
-from ifrt.client import Backoff, Client
-from ifrt.errors import BarrierFailed, DiscoveryTimeout, IfrtError, KeyValueTimeout
+from ifrt import failfast, startup
+from ifrt.client import Client
+from ifrt.errors import IfrtError, KeyValueTimeout
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.mesh import Mesh
+from ifrt.startup import RECHECK_S
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.torch")
 
-KEY_PREFIX = "ifrt/torch"
-"""Key-value prefix of the start-up exchange and of c10d's keys: ``ifrt/torch/g<generation>/<nonce>/...``."""
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """A Store's default timeout for ``get`` and ``wait``: c10d's own default."""
-RECHECK_S = 1.0
-"""How often a waiting call looks for failed peers (a long wait is made of waits this long)."""
 SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 CUDA_PLATFORMS = frozenset({"cuda", "gpu"})
 
@@ -282,73 +277,16 @@ def default_backend(topology: Topology) -> str:
     return "gloo"
 
 
-class StartupExchange:
-    """The start-up exchange (see the module doc), with a timeout on every wait and failed peers ending it.
+class StartupExchange(startup.StartupExchange):
+    """torch.distributed's start-up exchange (``ifrt.startup``): its nonce scopes c10d's keys to this start
+    (``ifrt/torch/gG/N0/c10d/...``)."""
 
-    Keys, for generation G and process 0's fresh nonce N0:
-      ``ifrt/torch/gG/start``             process 0: {"nonce": N0}, overwritten by every start
-      ``ifrt/torch/gG/N0/join/<p>``       process p: {"nonce": Np}
-      ``ifrt/torch/gG/N0/ready``          process 0: {"nonces": {p: Np}}
-      ``ifrt/torch/gG/N0/c10d/...``       c10d's keys for this start
-    """
-
-    def __init__(self, client: Client, topology: Topology, deadline: float) -> None:
-        self.client, self.topology, self.deadline = client, topology, deadline
-        self.prefix = f"{KEY_PREFIX}/g{topology.generation}"
-        self.nonce = uuid.uuid4().hex
-        self._failed: dict[int, str] = {}
-        client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
+    runtime, what = "torch", "torch.distributed start-up"
 
     def run(self) -> str:
         """The c10d key prefix of this start, once every process has answered it."""
-        leader = self._lead() if self.topology.process_id == 0 else self._follow()
-        return f"{self.prefix}/{leader}/c10d/"
-
-    def _lead(self) -> str:
-        previous = self.client.kv_try_get(f"{self.prefix}/start")
-        if previous is not None:  # an earlier start's keys: nobody reads them again
-            self.client.kv_delete(f"{self.prefix}/{json.loads(previous)['nonce']}/", prefix=True)
-        self._set(f"{self.prefix}/start", {"nonce": self.nonce})
-        nonces = {0: self.nonce}
-        for p in range(1, self.topology.num_processes):
-            nonces[p] = self._wait(f"{self.prefix}/{self.nonce}/join/{p}", self._missing_joins)["nonce"]
-        self._set(f"{self.prefix}/{self.nonce}/ready", {"nonces": {str(p): n for p, n in nonces.items()}})
-        return self.nonce
-
-    def _follow(self) -> str:
-        me = str(self.topology.process_id)
-        stale: set[str] = set()  # process 0 nonces of earlier starts, whose records are still in the store
-        pause = Backoff(0.01, 0.2)
-
-        def no_start() -> str:
-            return "process 0 has not begun the start-up" + (
-                " (the store holds only a previous start's record)" if stale else "")
-
-        while True:
-            leader = self._wait(f"{self.prefix}/start", no_start)["nonce"]
-            if leader in stale:  # process 0 of this start has not overwritten the record yet
-                self._check_deadline(no_start)
-                time.sleep(min(pause.next(), max(0.0, self._remaining())))
-                continue
-            self._set(f"{self.prefix}/{leader}/join/{me}", {"nonce": self.nonce})
-            try:
-                ready = self._get(f"{self.prefix}/{leader}/ready", min(RECHECK_S, self._remaining()))
-            except KeyValueTimeout:
-                self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
-                                     f"{self._missing_joins(leader)}")
-                continue  # process 0 may have been restarted meanwhile: read its record again
-            if ready["nonces"].get(me) != self.nonce:
-                stale.add(leader)
-                continue
-            return leader
-
-    def check_failures(self) -> None:
-        """BarrierFailed naming the lowest failed process, if a process failed since the start began."""
-        failed = dict(self._failed)  # the session thread adds to it
-        if failed:
-            p, why = min(failed.items())
-            raise BarrierFailed(f"torch.distributed start-up cannot complete: process {p} "
-                                f"({self._host(p)}) {why}")
+        self.exchange({})
+        return f"{self.prefix}/{self.leader_nonce}/c10d/"
 
     def describe_keys(self, keys: Sequence[str]) -> str:
         """Who should set c10d's ``keys``: those ending in a rank (``.../<rank>``) name that process."""
@@ -356,54 +294,7 @@ class StartupExchange:
                         and int(m.group(1)) < self.topology.num_processes})
         if not ranks:
             return ""
-        return "expected from " + ", ".join(f"process {p} ({self._host(p)})" for p in ranks)
-
-    def _set(self, key: str, value: dict[str, Any]) -> None:
-        self.client.kv_set(key, _dump(value), allow_overwrite=True, timeout=max(1.0, self._remaining()))
-
-    def _wait(self, key: str, what_is_missing: Callable[[], str]) -> dict[str, Any]:
-        """The record at ``key``, checking for failed peers every RECHECK_S; DiscoveryTimeout at the deadline."""
-        while True:
-            try:
-                return self._get(key, min(RECHECK_S, self._remaining()))
-            except KeyValueTimeout:
-                self._check_deadline(what_is_missing)
-
-    def _get(self, key: str, timeout: float) -> dict[str, Any]:
-        self.check_failures()
-        if timeout <= 0:
-            raise KeyValueTimeout(f"key {key!r}: no time left")
-        return json.loads(self.client.kv_get(key, timeout=timeout))
-
-    def _check_deadline(self, what_is_missing: Callable[[], str]) -> None:
-        self.check_failures()
-        if self._remaining() <= 0:
-            raise DiscoveryTimeout(f"torch.distributed start-up of process {self.topology.process_id} timed out: "
-                                   f"{what_is_missing()} (topology generation {self.topology.generation})")
-
-    def _missing_joins(self, leader: str | None = None) -> str:
-        joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}
-        missing = sorted(set(range(1, self.topology.num_processes)) - joined)
-        if not missing:
-            return "every process answered"
-        return "processes did not answer: " + ", ".join(f"{p} ({self._host(p)})" for p in missing)
-
-    def _host(self, process_id: int) -> str:
-        process = self.topology.process(process_id)
-        return f"{process.hostname} {process.address}".strip()
-
-    def _on_event(self, event: events.Event) -> None:
-        if isinstance(event, events.ProcessFailed):
-            self._failed[event.process_id] = f"failed: {event.reason}"
-        elif isinstance(event, events.ProcessRestarted):
-            self._failed.pop(event.process_id, None)
-
-    def _remaining(self) -> float:
-        return self.deadline - time.monotonic()
-
-
-def _dump(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        return "expected from " + ", ".join(f"process {p} ({self.host(p)})" for p in ranks)
 
 
 # The network interface gloo and NCCL use.

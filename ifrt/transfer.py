@@ -135,10 +135,6 @@ class Endpoint:
         self._max_handshakes = MAX_HANDSHAKES
         self._noisy = Throttled(log)
         self._closed = False
-        if self.auth_key is None:
-            log.warning("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
-                        "port from a member's address can send to this process; set IFRT_TOKEN (the coordinator's "
-                        "--token-file) to require the token", self.address)
         threading.Thread(target=self._accept, name=f"ifrt-transfer-accept-{self.address}", daemon=True).start()
         with Endpoint._bound_lock:
             Endpoint._bound[self.address] = self
@@ -148,8 +144,12 @@ class Endpoint:
         with self._topology_known:
             if self._topology is not None and topology.generation < self._topology.generation:
                 return
-            self._topology = topology
+            first, self._topology = self._topology is None, topology
             self._topology_known.notify_all()
+        if first and self.auth_key is None:  # said once the endpoint serves a job, not by a discovery that failed
+            log.warning("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
+                        "port from a member's address can send to this process; set IFRT_TOKEN (the coordinator's "
+                        "--token-file) to require the token", self.address)
 
     @property
     def open_connections(self) -> int:

@@ -304,7 +304,10 @@ def test_sessions_that_read_nothing_hold_at_most_their_backlog(start_coordinator
 
     async def attack() -> set[grpc.StatusCode]:
         hold = asyncio.Event()
-        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+        # No window growth on the attacker's side (gRPC's BDP probing grows it under load): what it does not read
+        # stays on the coordinator's side of the connection, where the bound must hold it.
+        options = (*OWN, ("grpc.http2.bdp_probe", 0))
+        async with grpc.aio.insecure_channel(coordinator.address, options=options) as channel:
             calls = [session_stream(channel, client, [pb.SessionRequest(watch=pb.WatchKeys(prefix="big/"))], hold)
                      for _ in range(16)]
             for call in calls:
@@ -347,7 +350,8 @@ def test_an_overlong_request_id_is_refused(start_coordinator):
 # 7. Sessions that never open are ended; one connection's streams are limited.
 
 def test_session_streams_that_never_open_are_ended(start_coordinator):
-    coordinator = start_coordinator("--first-message-timeout", "1", num_processes=1)
+    coordinator = start_coordinator("--first-message-timeout", "1", "--max-concurrent-streams", "1024",
+                                    num_processes=1)
     before = Resources(coordinator.pid)
 
     async def attack() -> set[grpc.StatusCode]:

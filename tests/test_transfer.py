@@ -363,10 +363,16 @@ def test_a_flood_of_strangers_is_one_log_line_and_a_count(two_clients, caplog):
     assert "49 more stranger records held back" in caplog.text
 
 
-def test_an_endpoint_without_a_token_says_transfers_are_unauthenticated(caplog):
-    endpoint = Endpoint("127.0.0.1:0")
-    endpoint.close()
-    assert f"transfers to {endpoint.address} are unauthenticated (no cluster token)" in caplog.text
+def test_an_endpoint_without_a_token_says_transfers_are_unauthenticated_once_it_serves_a_job(start_coordinator,
+                                                                                             caplog):
+    unused = Endpoint("127.0.0.1:0")  # bound by a discovery that then failed: nothing to say yet
+    unused.close()
+    assert "unauthenticated" not in caplog.text
+    coordinator = start_coordinator(num_processes=1)
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=1, timeout=30, session=False) as client:
+        client.discover()
+        said = f"transfers to {client.endpoint.address} are unauthenticated (no cluster token)"
+        assert caplog.text.count(said) == 1
 
 
 def test_a_coordinator_without_a_token_says_transfers_are_unauthenticated(start_coordinator, tmp_path):

@@ -1,0 +1,156 @@
+"""A runtime's start-up exchange in ifrt's key-value store, scoped to one start of the job.
+
+Before a runtime starts from the topology (``ifrt.jax``, ``ifrt.torch``), every process answers process 0's fresh
+start: process 0 publishes a nonce (and whatever its runtime needs, e.g. JAX's coordinator address), each process
+answers under that nonce with a nonce of its own, and process 0 publishes everyone's answer. A process accepts only
+a record that carries its own fresh nonce, so a job restarted against a durable journal never reads a previous
+start's records. Keys, for runtime R, topology generation G and process 0's nonce N0::
+
+    ifrt/R/gG/start          process 0: {"nonce": N0, **record}, overwritten by every start
+    ifrt/R/gG/N0/join/<p>    process p: {"nonce": Np, **answer}
+    ifrt/R/gG/N0/ready       process 0: {"nonces": {p: Np}, "answers": {p: answer}, **record}
+
+Every wait has the start's deadline (DiscoveryTimeout naming who did not answer), and a peer that fails meanwhile
+ends it at once in every process (BarrierFailed naming it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from ifrt import events
+from ifrt.client import Backoff, Client
+from ifrt.errors import BarrierFailed, DiscoveryTimeout, KeyValueTimeout
+from ifrt.topology import Topology
+
+RECHECK_S = 1.0
+"""How often a waiting process reads the records again and checks for failed peers."""
+_FIELDS = ("nonces", "answers")
+
+
+class StartupExchange:
+    """One start of a runtime; ``runtime`` names its keys (``ifrt/<runtime>/``) and ``what`` its messages."""
+
+    runtime: ClassVar[str]
+    what: ClassVar[str]
+
+    def __init__(self, client: Client, topology: Topology, deadline: float) -> None:
+        self.client, self.topology, self.deadline = client, topology, deadline
+        self.prefix = f"ifrt/{self.runtime}/g{topology.generation}"
+        self.nonce = uuid.uuid4().hex
+        self.answers: dict[int, dict[str, Any]] = {}
+        """Every process's answer to the start this process took part in, once ``exchange`` returned."""
+        self.leader_nonce: str | None = None
+        """Process 0's nonce for that start."""
+        self._failed: dict[int, str] = {}
+        client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
+
+    def exchange(self, answer: dict[str, Any], record: Callable[[], dict[str, Any]] = dict) -> dict[str, Any]:
+        """Takes part in this start with ``answer``; returns process 0's record (``record()``, called in process 0
+        only) once every process has answered."""
+        if self.topology.process_id == 0:
+            return self._lead(answer, record())
+        return self._follow(answer)
+
+    def check_failures(self) -> None:
+        """BarrierFailed naming the lowest failed process, if a process failed since the start began."""
+        failed = dict(self._failed)  # the session thread adds to it
+        if failed:
+            p, why = min(failed.items())
+            raise BarrierFailed(f"{self.what} cannot complete: process {p} ({self.host(p)}) {why}")
+
+    def host(self, process_id: int) -> str:
+        """Where ``process_id`` runs, for messages: its hostname and transfer address."""
+        process = self.topology.process(process_id)
+        return f"{process.hostname} {process.address}".strip()
+
+    def _lead(self, answer: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+        previous = self.client.kv_try_get(f"{self.prefix}/start")
+        if previous is not None:  # an earlier start's keys: nobody reads them again
+            self.client.kv_delete(f"{self.prefix}/{json.loads(previous)['nonce']}/", prefix=True)
+        self._set(f"{self.prefix}/start", {**record, "nonce": self.nonce})
+        answers, nonces = {0: answer}, {0: self.nonce}
+        for p in range(1, self.topology.num_processes):
+            joined = self._wait(f"{self.prefix}/{self.nonce}/join/{p}", self._missing_joins)
+            nonces[p] = joined.pop("nonce")
+            answers[p] = joined
+        self._set(f"{self.prefix}/{self.nonce}/ready", {**record, "nonces": {str(p): n for p, n in nonces.items()},
+                                                        "answers": {str(p): a for p, a in answers.items()}})
+        self.answers, self.leader_nonce = answers, self.nonce
+        return record
+
+    def _follow(self, answer: dict[str, Any]) -> dict[str, Any]:
+        me = str(self.topology.process_id)
+        stale: set[str] = set()  # process 0 nonces of earlier starts, whose records are still in the store
+        pause = Backoff(0.01, 0.2)
+
+        def no_start() -> str:
+            return "process 0 has not begun this start-up" + (
+                " (the store holds only a previous start's record)" if stale else "")
+
+        while True:
+            leader = self._wait(f"{self.prefix}/start", no_start)["nonce"]
+            if leader in stale:  # process 0 of this start has not overwritten the record yet
+                self._check_deadline(no_start)
+                time.sleep(min(pause.next(), max(0.0, self._remaining())))
+                continue
+            self._set(f"{self.prefix}/{leader}/join/{me}", {**answer, "nonce": self.nonce})
+            try:
+                ready = self._get(f"{self.prefix}/{leader}/ready", min(RECHECK_S, self._remaining()))
+            except KeyValueTimeout:
+                self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
+                                     f"{self._missing_joins(leader)}")
+                continue  # process 0 may have been restarted meanwhile: read its record again
+            if ready["nonces"].get(me) != self.nonce:
+                stale.add(leader)
+                continue
+            self.answers, self.leader_nonce = {int(p): a for p, a in ready["answers"].items()}, leader
+            return {k: v for k, v in ready.items() if k not in _FIELDS}
+
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self.client.kv_set(key, dump(value), allow_overwrite=True, timeout=max(1.0, self._remaining()))
+
+    def _wait(self, key: str, what_is_missing: Callable[[], str]) -> dict[str, Any]:
+        """The record at ``key``, checking for failed peers every RECHECK_S; DiscoveryTimeout at the deadline."""
+        while True:
+            try:
+                return self._get(key, min(RECHECK_S, self._remaining()))
+            except KeyValueTimeout:
+                self._check_deadline(what_is_missing)
+
+    def _get(self, key: str, timeout: float) -> dict[str, Any]:
+        self.check_failures()
+        if timeout <= 0:
+            raise KeyValueTimeout(f"key {key!r}: no time left")
+        return json.loads(self.client.kv_get(key, timeout=timeout))
+
+    def _check_deadline(self, what_is_missing: Callable[[], str]) -> None:
+        self.check_failures()
+        if self._remaining() <= 0:
+            raise DiscoveryTimeout(f"{self.what} of process {self.topology.process_id} timed out: "
+                                   f"{what_is_missing()} (topology generation {self.topology.generation})")
+
+    def _missing_joins(self, leader: str | None = None) -> str:
+        joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}
+        missing = sorted(set(range(1, self.topology.num_processes)) - joined)
+        if not missing:
+            return "every process answered"
+        return "processes did not answer: " + ", ".join(f"{p} ({self.host(p)})" for p in missing)
+
+    def _on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.ProcessFailed):
+            self._failed[event.process_id] = f"failed: {event.reason}"
+        elif isinstance(event, events.ProcessRestarted):
+            self._failed.pop(event.process_id, None)
+
+    def _remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def dump(value: Any) -> bytes:
+    """A record's bytes: canonical JSON, so equal records are equal bytes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()

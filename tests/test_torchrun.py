@@ -1,0 +1,184 @@
+"""torchrun with ``--rdzv-backend ifrt``: real torchrun agents and gloo workers, real coordinators on loopback.
+
+Each torchrun runs 2 workers of tests/torchrun_worker.py (plain ``torch.distributed.init_process_group``) as one
+"node" with its own loopback address (``--local-addr 127.0.0.x``), as a host would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+
+import ifrt
+from coordinator.assignment import assign_process_ids
+from coordinator.registration import Registration
+from ifrt.torchrun import (
+    KEY_PREFIX,
+    HostKey,
+    IfrtRendezvousBackend,
+    create_rendezvous_handler,
+    endpoint_replicas,
+    node_ranks,
+)
+from tests.conftest import finish
+from tests.test_failover import Replicas
+
+BIN = Path(sys.executable).parent
+WORKER = Path(__file__).with_name("torchrun_worker.py")
+CONF = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,read_timeout=30"
+RUN_S = 120  # the longest one torchrun may take here (torch imports on 2 shared cores); runs take ~10-30 s
+
+
+@pytest.fixture
+def torchrun(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Starts torchrun agents, each ("node" ``node_addr``) with 2 workers writing into ``tmp_path``; any agent
+    still running at the end is stopped with its workers (its own session, by its pid)."""
+    started: list[subprocess.Popen] = []
+
+    def start(endpoint: str, run_id: str, node_addr: str, *worker_args: str, nnodes: str = "2",
+              max_restarts: int = 0) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "TORCHELASTIC_"))}
+        env["TEST_NODE_ADDR"] = node_addr
+        command = [str(BIN / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "ifrt",
+                   "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--local-addr", node_addr, "--rdzv-conf", CONF,
+                   "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(WORKER),
+                   "--out", str(tmp_path), *worker_args]
+        agent = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        started.append(agent)
+        return agent
+
+    yield start
+    for agent in started:  # its session, also when the agent itself was killed already: it and its workers
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.communicate()
+
+
+def finish_all(agents: list[subprocess.Popen]) -> None:
+    for agent in agents:
+        code, _, err = finish(agent, RUN_S)
+        assert code == 0, f"torchrun {agent.pid} exited with {code}:\n{err[-4000:]}"
+
+
+def results(out: Path, world: int = 4) -> list[dict]:
+    """Every worker's report, by rank; checks the DDP step and the all_reduce agree in all of them."""
+    reports = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["dist_rank"])
+    assert [r["dist_rank"] for r in reports] == list(range(world)), reports
+    assert {r["dist_world"] for r in reports} == {world}
+    assert {r["all_reduce"] for r in reports} == {world * (world + 1) / 2}
+    assert len({tuple(r["params"]) for r in reports}) == 1, "DDP left the workers with different parameters"
+    for r in reports:
+        assert int(r["RANK"]) == 2 * int(r["GROUP_RANK"]) + int(r["LOCAL_RANK"]) == r["dist_rank"]
+    return reports
+
+
+def wait_for(condition, what: str, timeout: float = RUN_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.1)
+
+
+# The contract: node ranks are ifrt's host order, the same order the coordinator gives process ids in.
+def test_node_ranks_give_workers_the_process_ids_the_coordinator_would_assign():
+    hosts = [HostKey("b", "10.0.0.10"), HostKey("b", "10.0.0.9"), HostKey("a", "fe80::1"), HostKey("a", "10.0.0.11"),
+             HostKey("a", "node-x"), HostKey("b", "::1")]
+    ranks = node_ranks({f"agent{i}": h for i, h in enumerate(hosts)})
+    registrations = [Registration(f"{i}/{local}", "", 12, None, h.hostname, h.address, local, "", ())
+                     for i, h in enumerate(hosts) for local in range(2)]
+    assigned = assign_process_ids(registrations)
+    for uid, process_id in assigned.items():
+        agent, local = uid.split("/")
+        assert ranks[f"agent{agent}"] * 2 + int(local) == process_id, (uid, ranks, assigned)
+
+
+def test_endpoint_names_replicas_with_ifrts_default_port():
+    assert endpoint_replicas("c1, c2:9000") == ("c1:8476", "c2:9000")
+    assert endpoint_replicas("::1") == ("[::1]:8476",)
+    with pytest.raises(ifrt.InvalidArgument, match="--rdzv-endpoint is empty"):
+        endpoint_replicas(" , ")
+    with pytest.raises(ifrt.InvalidArgument, match="port from 1 to 65535"):
+        endpoint_replicas("c1:0")
+
+
+@pytest.mark.parametrize("key, value", [("read_timeout", "0"), ("join_timeout", "soon"),
+                                        ("keep_alive_interval", "-1")])
+def test_a_bad_rdzv_conf_value_is_named_and_changes_nothing(monkeypatch, key, value):
+    monkeypatch.delenv("IFRT_COORDINATOR", raising=False)
+    params = RendezvousParameters("ifrt", "127.0.0.1:8476", "job", 1, 2, **{key: value})
+    with pytest.raises(ifrt.InvalidArgument, match=f"--rdzv-conf {key}='{value}': expected a positive integer"):
+        create_rendezvous_handler(params)
+    assert "IFRT_COORDINATOR" not in os.environ  # nothing handed on to workers
+
+
+def test_backend_fences_writes_with_the_stored_state(start_coordinator):
+    """torch's backend contract: set with no token creates only; a stale token loses and gets the current state."""
+    coordinator = start_coordinator(num_processes=4)
+    with ifrt.Client(coordinator.address, session=False, transfer=False) as a, \
+            ifrt.Client(coordinator.address, session=False, transfer=False) as b:
+        first, second = (IfrtRendezvousBackend(c, f"{KEY_PREFIX}job/state") for c in (a, b))
+        assert first.get_state() is None
+        assert first.set_state(b"s1") == (b"s1", b"s1", True)
+        assert second.set_state(b"other") == (b"s1", b"s1", False)  # no token: creates only
+        assert second.set_state(b"s2", b"s1") == (b"s2", b"s2", True)
+        assert first.set_state(b"s3", b"s1") == (b"s2", b"s2", False)  # a stale token
+        assert first.get_state() == (b"s2", b"s2")
+
+
+def test_two_agents_of_two_workers_train_a_ddp_step_with_nodes_in_ifrt_host_order(start_coordinator, torchrun,
+                                                                                   tmp_path):
+    coordinator = start_coordinator(num_processes=4)
+    # torch's own rendezvous sorts nodes by address text ("127.0.0.10" < "127.0.0.9"); ifrt's order is numeric.
+    agents = [torchrun(coordinator.address, "ddp", addr, "--ifrt") for addr in ("127.0.0.10", "127.0.0.9")]
+    finish_all(agents)
+    reports = results(tmp_path)
+    assert [r["process_id"] for r in reports] == [0, 1, 2, 3]  # ifrt.torch in the workers: the same ranks
+    assert {r["node_addr"]: r["GROUP_RANK"] for r in reports} == {"127.0.0.9": "0", "127.0.0.10": "1"}
+    assert {r["MASTER_ADDR"] for r in reports} == {"127.0.0.9"}  # node rank 0 hosts the workers' store
+
+
+def test_rendezvous_completes_after_the_leading_replica_is_killed(etcd, torchrun, tmp_path):
+    replicas = Replicas(etcd)
+    try:
+        first = torchrun(replicas.addresses, "failover", "127.0.0.2")
+        with ifrt.Client(replicas.addresses, session=False, transfer=False) as probe:
+            wait_for(lambda: probe.kv_try_get(f"{KEY_PREFIX}failover/state", timeout=10) is not None,
+                     "rendezvous state from the first agent")
+        replicas.kill_leader()  # the first agent waits in the rendezvous, its state on the killed leader
+        second = torchrun(replicas.addresses, "failover", "127.0.0.3")
+        finish_all([first, second])
+        results(tmp_path)
+    finally:
+        replicas.close()
+
+
+def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinator, torchrun, tmp_path):
+    coordinator = start_coordinator(num_processes=4)
+    agents = [torchrun(coordinator.address, "restart", addr, "--hang-node", "1", max_restarts=1)
+              for addr in ("127.0.0.2", "127.0.0.3")]
+    wait_for((tmp_path / "hang.pid").exists, "worker waiting to be killed")
+    os.kill(int((tmp_path / "hang.pid").read_text()), signal.SIGKILL)
+    finish_all(agents)
+    reports = results(tmp_path)
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in reports if r["GROUP_RANK"] == "1"} == {"1"}
+
+
+def test_nnodes_min_max_starts_with_one_node_and_admits_a_late_one(start_coordinator, torchrun, tmp_path):
+    coordinator = start_coordinator(num_processes=4)
+    first = torchrun(coordinator.address, "elastic", "127.0.0.2", "--until-world", "4", nnodes="1:2")
+    wait_for(lambda: any(tmp_path.glob("waiting*")), "a group of the first node alone")
+    second = torchrun(coordinator.address, "elastic", "127.0.0.3", "--until-world", "4", nnodes="1:2")
+    finish_all([first, second])
+    reports = results(tmp_path)
+    assert {r["node_addr"] for r in reports} == {"127.0.0.2", "127.0.0.3"}
