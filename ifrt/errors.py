@@ -151,6 +151,36 @@ class DiscoveryTimeout(IfrtError, TimeoutError):
         """The coordinator's last progress answer (None if it was never reached)."""
 
 
+class BackendAlreadyInitialized(IfrtError, RuntimeError):
+    """The runtime's own distributed layer (JAX's backend or ``jax.distributed``, a default ``torch.distributed``
+    process group) already exists in this process, so ifrt cannot start it from the topology."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class PreflightFailed(IfrtError):
+    """Some processes cannot reach the transfer endpoints of others; ``report`` (``ifrt.preflight``) names every
+    such pair."""
+
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, report: Any = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class TransferError(IfrtError):
+    """A transfer failed: a bad or truncated frame, a peer that went away, an unknown device."""
+
+    status = "DATA_LOSS"
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """Nothing arrived from the named device within the timeout."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
 EXIT_PEER_FAILED = 75
 """Exit code of a process that fail-fast ended because another process of the job failed or restarted, or the
 coordinator declared this one failed (sysexits' EX_TEMPFAIL: this program has no bug, restart the job). A bug in

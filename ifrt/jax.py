@@ -43,7 +43,7 @@ except ImportError as e:  # the optional extra is missing
 
 from ifrt import failfast, startup
 from ifrt.client import Backoff, Client
-from ifrt.errors import IfrtError, TopologyError
+from ifrt.errors import BackendAlreadyInitialized, TopologyError
 from ifrt.mesh import Mesh
 from ifrt.settings import PLUGIN_ENV
 from ifrt.topology import Topology
@@ -53,9 +53,6 @@ from plugins import jax_plugin
 log = logging.getLogger("ifrt.jax")
 
 
-
-class BackendAlreadyInitialized(IfrtError, RuntimeError):
-    """JAX's backend (or ``jax.distributed``) already exists in this process, so ifrt cannot start JAX."""
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ifrt.errors import IfrtError, InvalidArgument
+from ifrt.errors import InvalidArgument, PreflightFailed
 from ifrt.records import Process
 from ifrt.transfer import HELLO, connect, encode_header
 
@@ -69,15 +69,6 @@ PARALLEL = 32
 DEFAULT_TIMEOUT_S = 60.0
 KEY_ROOT = "ifrt/preflight"
 
-
-class PreflightFailed(IfrtError):
-    """Some processes cannot reach the transfer endpoints of others; ``report`` names every such pair."""
-
-    status = "FAILED_PRECONDITION"
-
-    def __init__(self, report: PreflightReport) -> None:
-        super().__init__(report.describe())
-        self.report = report
 
 
 @dataclass(frozen=True)
@@ -285,7 +276,7 @@ def run_if_requested(client: Client) -> PreflightReport | None:
         raise InvalidArgument(f"{PREFLIGHT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
     report = run(client, timeout)
     if not report.ok:
-        raise PreflightFailed(report)
+        raise PreflightFailed(report.describe(), report)
     log.info("%s", report.describe())
     return report
 

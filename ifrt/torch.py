@@ -37,7 +37,7 @@ except ImportError as e:  # the optional extra is missing
 
 from ifrt import failfast, startup
 from ifrt.client import Client
-from ifrt.errors import IfrtError, KeyValueTimeout
+from ifrt.errors import BackendAlreadyInitialized, KeyValueTimeout
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.mesh import Mesh
 from ifrt.startup import RECHECK_S
@@ -51,9 +51,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 CUDA_PLATFORMS = frozenset({"cuda", "gpu"})
 
-
-class BackendAlreadyInitialized(IfrtError, RuntimeError):
-    """A default ``torch.distributed`` process group already exists in this process, so ifrt cannot start one."""
 
 
 # The c10d store.

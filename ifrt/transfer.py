@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from ifrt.errors import IfrtError, InvalidArgument
+from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.ratelimit import Throttled
 
@@ -68,13 +68,6 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 RECV_TIMEOUT_S = 60.0
 """How long a receive waits when not told (``timeout=None``): no wait is unbounded."""
 
-
-class TransferError(IfrtError):
-    """A transfer failed: a bad or truncated frame, a peer that went away, an unknown device."""
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """Nothing arrived from the named device within the timeout."""
 
 
 def wait_seconds(timeout: float | None, default: float) -> float:

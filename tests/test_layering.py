@@ -81,6 +81,10 @@ STATUS = {
     "JobFailed": "ABORTED",
     "PeerFailed": "ABORTED",
     "CoordinatorGone": "UNAVAILABLE",
+    "BackendAlreadyInitialized": "FAILED_PRECONDITION",
+    "PreflightFailed": "FAILED_PRECONDITION",
+    "TransferError": "DATA_LOSS",
+    "TransferTimeout": "DEADLINE_EXCEEDED",
 }
 
 
