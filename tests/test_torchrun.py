@@ -49,6 +49,7 @@ def torchrun(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
               max_restarts: int = 0) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "TORCHELASTIC_"))}
         env["TEST_NODE_ADDR"] = node_addr
+        env["LOGLEVEL"] = "INFO"  # torch elastic's rendezvous rounds in the agent's output, for a failure's report
         command = [str(BIN / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "ifrt",
                    "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--local-addr", node_addr, "--rdzv-conf", CONF,
                    "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", str(WORKER),
@@ -66,9 +67,17 @@ def torchrun(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
 
 
 def finish_all(agents: list[subprocess.Popen]) -> None:
+    """Waits for every agent; a failure shows what each of them said (a hang in one often starts in another)."""
+    outcomes = []
     for agent in agents:
-        code, _, err = finish(agent, RUN_S)
-        assert code == 0, f"torchrun {agent.pid} exited with {code}:\n{err[-4000:]}"
+        try:
+            code, _, err = finish(agent, RUN_S)
+        except AssertionError as e:  # it outlived RUN_S and was killed
+            code, err = None, str(e)
+        outcomes.append((agent.pid, code, err))
+    if any(code != 0 for _, code, _ in outcomes):
+        said = "\n".join(f"--- torchrun {pid} exited with {code}:\n{err[-3000:]}" for pid, code, err in outcomes)
+        raise AssertionError(f"not every torchrun succeeded:\n{said}")
 
 
 def results(out: Path, world: int = 4) -> list[dict]:
