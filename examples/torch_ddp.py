@@ -70,6 +70,7 @@ def run_process() -> dict:
     gathered = [torch.zeros_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     same_everywhere = all(torch.equal(g, flat) for g in gathered)
+    dist.barrier()  # every rank done with the group before any tears it down (gloo aborts a peer otherwise)
     dist.destroy_process_group()
     return {"process_id": topology.process_id, "rank": rank, "world_size": world, "max_difference": difference,
             "same_in_every_process": same_everywhere, "seconds_to_group": ready}

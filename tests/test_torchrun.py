@@ -76,7 +76,7 @@ def finish_all(agents: list[subprocess.Popen]) -> None:
             code, err = None, str(e)
         outcomes.append((agent.pid, code, err))
     if any(code != 0 for _, code, _ in outcomes):
-        said = "\n".join(f"--- torchrun {pid} exited with {code}:\n{err[-3000:]}" for pid, code, err in outcomes)
+        said = "\n".join(f"--- torchrun {pid} exited with {code}:\n{err[-20000:]}" for pid, code, err in outcomes)
         raise AssertionError(f"not every torchrun succeeded:\n{said}")
 
 

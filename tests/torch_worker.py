@@ -42,6 +42,7 @@ def main() -> None:
         "tp_sum": tp_sum.item(),
         "store_prefix": ifrt.torch.store().prefix,
     }), flush=True)
+    dist.barrier()  # every rank done with the group before any tears it down (gloo aborts a peer otherwise)
     dist.destroy_process_group()
 
 

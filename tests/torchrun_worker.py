@@ -57,6 +57,9 @@ def main() -> None:
     model(x).sum().backward()
     optimizer.step()
     params = [round(v, 6) for t in model.parameters() for v in t.detach().flatten().tolist()]
+    # Every rank done with the group before any tears it down: gloo aborts a process (std::terminate) whose peer
+    # closes a connection while it still has work on it.
+    dist.barrier()
     dist.destroy_process_group()
     report = {**env, "node_addr": os.environ.get("TEST_NODE_ADDR"), "dist_rank": rank, "dist_world": world,
               "process_id": process_id, "all_reduce": total.item(), "params": params}
