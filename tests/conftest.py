@@ -43,6 +43,15 @@ def discover_process(address: str, *args: str, devices: int = 1, env: dict[str, 
                              "--json", *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def doomed_peer(address: str) -> subprocess.Popen:
+    """Process 1 of a 2-process job that discovers, then exits (code 3) without a goodbye: the coordinator declares
+    it failed once its heartbeat timeout passes."""
+    dies = ("import os, ifrt\n"
+            f"ifrt.Client({address!r}, process_id=1, num_processes=2, transfer=False).discover()\n"
+            "os._exit(3)\n")
+    return subprocess.Popen([sys.executable, "-c", dies], stderr=subprocess.PIPE, text=True)
+
+
 def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of a child, killing it by pid if it outlives ``timeout``."""
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import doomed_peer
 from tests.requirements import require
 
 if importlib.util.find_spec("torch") is None:
@@ -159,10 +160,7 @@ def test_a_restarted_start_against_a_durable_journal_never_reads_the_previous_st
 
 def test_a_process_that_dies_during_start_up_ends_the_start_naming_it(start_coordinator):
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
-    dies = ("import os, ifrt\n"
-            f"ifrt.Client({coordinator.address!r}, process_id=1, num_processes=2, transfer=False).discover()\n"
-            "os._exit(3)  # no goodbye: the coordinator declares it failed\n")
-    doomed = subprocess.Popen([sys.executable, "-c", dies], stderr=subprocess.PIPE, text=True)
+    doomed = doomed_peer(coordinator.address)
     with ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer=False, timeout=30) as leader:
         topology = leader.discover()
         assert doomed.wait(timeout=30) == 3, doomed.stderr.read()
