@@ -40,6 +40,66 @@ PROCESS_PHASE_ALIVE: ProcessPhase
 PROCESS_PHASE_FAILED: ProcessPhase
 PROCESS_PHASE_LEFT: ProcessPhase
 
+class WatchJobRequest(_message.Message):
+    __slots__ = ("host", "agent_uid")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    AGENT_UID_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    agent_uid: str
+    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ...) -> None: ...
+
+class AttemptFailure(_message.Message):
+    __slots__ = ("attempt", "process_id", "host", "reason")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    process_id: int
+    host: str
+    reason: str
+    def __init__(self, attempt: _Optional[int] = ..., process_id: _Optional[int] = ..., host: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobState(_message.Message):
+    __slots__ = ("attempt", "failures", "exhausted")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    failures: _containers.RepeatedCompositeFieldContainer[AttemptFailure]
+    exhausted: bool
+    def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+
+class JobEvent(_message.Message):
+    __slots__ = ("state", "process_failed", "attempt_started", "exhausted")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_STARTED_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    process_failed: AttemptFailure
+    attempt_started: JobState
+    exhausted: JobState
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ...) -> None: ...
+
+class NextAttemptRequest(_message.Message):
+    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id")
+    ENDED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ended_attempt: int
+    failure: AttemptFailure
+    max_restarts: int
+    request_id: str
+    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class NextAttemptResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: JobState
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ...) -> None: ...
+
 class LocalDevice(_message.Message):
     __slots__ = ("local_id", "platform", "kind", "slice_key", "attributes", "coordinates")
     class AttributesEntry(_message.Message):

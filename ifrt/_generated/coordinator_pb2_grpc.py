@@ -896,3 +896,157 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class JobAgentsStub:
+    """The per-host agents of `ifrt run`, which start, watch and restart the job's
+    processes. An agent is not a process of the topology: it registers nothing
+    and holds no process secret; it carries the job's token like every call.
+    The job's attempts: attempt numbers start at the coordinator's --attempt and
+    grow by one per restart. Processes name theirs (RegisterRequest.attempt,
+    IFRT_ATTEMPT); a process of an ended attempt is refused, and nothing an ended
+    attempt stored (key-values, barriers, registrations) is seen by the next.
+    Every RPC may also answer the statuses listed above the Coordinator service.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.WatchJob = channel.unary_stream(
+                '/ifrt.topology.v1.JobAgents/WatchJob',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.WatchJobRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.JobEvent.FromString,
+                _registered_method=True)
+        self.NextAttempt = channel.unary_unary(
+                '/ifrt.topology.v1.JobAgents/NextAttempt',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.NextAttemptRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.NextAttemptResponse.FromString,
+                _registered_method=True)
+
+
+class JobAgentsServicer:
+    """The per-host agents of `ifrt run`, which start, watch and restart the job's
+    processes. An agent is not a process of the topology: it registers nothing
+    and holds no process secret; it carries the job's token like every call.
+    The job's attempts: attempt numbers start at the coordinator's --attempt and
+    grow by one per restart. Processes name theirs (RegisterRequest.attempt,
+    IFRT_ATTEMPT); a process of an ended attempt is refused, and nothing an ended
+    attempt stored (key-values, barriers, registrations) is seen by the next.
+    Every RPC may also answer the statuses listed above the Coordinator service.
+    """
+
+    def WatchJob(self, request, context):
+        """The job as an agent needs it: first a JobState (the current attempt and
+        every failure so far), then, in the order the coordinator decided them,
+        each failure of a process of the current attempt, each new attempt, and
+        the end of the job's restarts.
+        INVALID_ARGUMENT     the host or agent_uid is empty or too long.
+        RESOURCE_EXHAUSTED   too many agents watch (--max-agents).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NextAttempt(self, request, context):
+        """Ends attempt `ended_attempt` after a failure and starts the next one,
+        decided once: the first call for an attempt decides (and is journaled
+        before it is answered), and every later call for the same attempt (a
+        retry, another agent) gets the same answer, also after a failover.
+        OK                   `attempt` is the attempt to run now; `exhausted`
+        when the job had max_restarts restarts already:
+        no attempt starts and every agent stops.
+        INVALID_ARGUMENT     a string is too long, or ended_attempt is ahead of
+        the job's current attempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JobAgentsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'WatchJob': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJob,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.WatchJobRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.JobEvent.SerializeToString,
+            ),
+            'NextAttempt': grpc.unary_unary_rpc_method_handler(
+                    servicer.NextAttempt,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.NextAttemptRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.NextAttemptResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ifrt.topology.v1.JobAgents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ifrt.topology.v1.JobAgents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class JobAgents:
+    """The per-host agents of `ifrt run`, which start, watch and restart the job's
+    processes. An agent is not a process of the topology: it registers nothing
+    and holds no process secret; it carries the job's token like every call.
+    The job's attempts: attempt numbers start at the coordinator's --attempt and
+    grow by one per restart. Processes name theirs (RegisterRequest.attempt,
+    IFRT_ATTEMPT); a process of an ended attempt is refused, and nothing an ended
+    attempt stored (key-values, barriers, registrations) is seen by the next.
+    Every RPC may also answer the statuses listed above the Coordinator service.
+    """
+
+    @staticmethod
+    def WatchJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ifrt.topology.v1.JobAgents/WatchJob',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.WatchJobRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NextAttempt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.JobAgents/NextAttempt',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.NextAttemptRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.NextAttemptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
