@@ -34,7 +34,7 @@ from functools import cached_property
 
 from ifrt import wire
 from ifrt.ids import global_device_id
-from ifrt.records import Device, LocalDevice, Process
+from ifrt.records import Device, LocalDevice, Process, TopologyContent
 from plugins.cuda import gpu_device
 
 CONTENTS = ("synthetic", "gpu", "tpu")
@@ -196,7 +196,7 @@ def _natural(key: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)), key
 
 
-def topology_content(cluster: Cluster) -> wire.TopologyContent:
+def topology_content(cluster: Cluster) -> TopologyContent:
     """The topology the coordinator publishes for ``cluster`` (explicit process ids 0..N-1), built as it builds it."""
     hosts = [cluster.host(pid) for pid in range(cluster.n)]
     slice_keys = sorted({d.slice_key for h in hosts for d in h.devices}, key=_natural)
@@ -205,7 +205,7 @@ def topology_content(cluster: Cluster) -> wire.TopologyContent:
     devices = tuple(Device(global_device_id(pid, d.local_id), pid, d.local_id, d.platform, d.kind,
                            slice_index[d.slice_key], d.attributes, h.plugin, d.coordinates)
                     for pid, h in enumerate(hosts) for d in h.devices)
-    return wire.TopologyContent("", 1, cluster.n, processes, devices)
+    return TopologyContent("", 1, cluster.n, processes, devices)
 
 
 def measure(cluster: Cluster, repeat: int = 3) -> dict:

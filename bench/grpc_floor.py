@@ -4,7 +4,7 @@
 
 A grpc.aio server whose handler does nothing but wait until all N calls arrived and answer each with the same
 bytes, driven like the discovery benchmark: two client processes, one channel (and so one connection) per
-simulated process with `ifrt.client.CHANNEL_OPTIONS`, N calls at once. Prints one JSON object per N: the server's
+simulated process with `ifrt.client_config.CHANNEL_OPTIONS`, N calls at once. Prints one JSON object per N: the server's
 utime+stime from "go" to the last answer, per process, with the connections made after "go" (as in
 `bench/discovery.py`: `cpu_per_process_ms`) and made before it (`call_only_cpu_per_process_ms`). The coordinator
 cannot cost less than the first per process while each process connects and makes one unary call with grpc.aio.
@@ -48,7 +48,7 @@ async def serve(n: int) -> None:
 
 
 async def drive(port: int, count: int, connect_first: bool) -> None:
-    from ifrt.client import CHANNEL_OPTIONS
+    from ifrt.client_config import CHANNEL_OPTIONS
 
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) for _ in range(count)]
     if connect_first:

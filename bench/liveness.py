@@ -55,10 +55,11 @@ import grpc
 from ifrt_driver import guard_memory
 
 import ifrt
+from coordinator.cluster import ClusterConfig
+from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalCoordinator
-from coordinator.state import ClusterConfig
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.client import CHANNEL_OPTIONS
+from ifrt.client_config import CHANNEL_OPTIONS
 from ifrt.events import CoordinatorLost, Event, ProcessFailed
 from ifrt.ids import MAX_PROCESSES
 
@@ -323,7 +324,8 @@ def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool
     """Measures the coordinator's CPU and RSS while ``num_processes`` sessions stay attached (and heartbeat every
     quarter timeout if ``legacy``)."""
     context = multiprocessing.get_context("spawn")
-    interval_s = ClusterConfig(num_processes, heartbeat_timeout_s=SESSION_HEARTBEAT_TIMEOUT_S).heartbeat_interval_s
+    cluster = ClusterConfig(num_processes, heartbeat_timeout_s=SESSION_HEARTBEAT_TIMEOUT_S)
+    interval_s = CoordinatorConfig(cluster=cluster).keepalive_interval_s
     record: dict[str, Any] = {"measurement": "sessions", "processes": num_processes, "devices_per_process": DEVICES,
                               "heartbeat_timeout_s": SESSION_HEARTBEAT_TIMEOUT_S, "heartbeat_interval_s": interval_s,
                               "drivers": drivers, "legacy_heartbeats": legacy, "window_s": window_s,

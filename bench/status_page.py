@@ -4,7 +4,7 @@
 
 Builds the view the coordinator's page draws (what ``ifrt status --json`` gives, plus each process's slice, device
 global ids and default mesh order from real ``ifrt.records.Device`` records) with one process failed, one missing
-and 1 % slow, then times, best of ``--repeat``: reading a Status answer into the view (``ifrt.status.to_dict``,
+and 1 % slow, then times, best of ``--repeat``: reading a Status answer into the view (``ifrt.status_view.to_dict``,
 on the coordinator's event loop at every refresh), the per-generation topology extras (cached by the coordinator, so
 paid once per generation), merging them into a view, the SVG, and the whole page (paid at every refresh). Prints
 one JSON object.
@@ -19,8 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.status_page import fragment, page
-from ifrt import status as status_view
-from ifrt import status_svg
+from ifrt import status_svg, status_view
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.records import Device
 

@@ -14,7 +14,7 @@ import grpc
 
 from coordinator.noise import noisy
 from ifrt.errors import ERROR_TRAILER, Unauthenticated
-from ifrt.security import TOKEN_METADATA
+from ifrt.protocol import TOKEN_METADATA
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):

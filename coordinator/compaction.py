@@ -3,9 +3,10 @@
 A key's value needs only its latest write. An increment or swap that a retry may still ask about (one of its
 client's last ``ANSWERS_REMEMBERED`` answers) keeps its entry for the answer, even when a later write replaced
 its value; a deletion stays only while it removes such a kept write. Everything else (registrations, failures,
-departures, barriers, live-set agreements, preemption) stays. Replaying the kept entries, in their order, builds
-the same state as replaying them all, and so does a journal of which only an oldest part was compacted (a store
-that cannot replace its journal at once applies the result oldest first, in steps).
+departures, barriers, live-set agreements, preemption) stays, within the current job attempt; of the attempts that
+ended, key-values, barriers and agreements go (a new attempt starts them empty). Replaying the kept entries,
+in their order, builds the same state as replaying them all, and so does a journal of which only an oldest part was
+compacted (a store that cannot replace its journal at once applies the result oldest first, in steps).
 
     set k=A   set k=B   incr n (call r1)   del k   incr n (call r2)        ->   incr n (r1)   incr n (r2)
     dropped   dropped   kept: r1's answer  dropped kept: n's value
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator import journal
-from coordinator.state import ANSWERS_REMEMBERED
+from coordinator.retries import ANSWERS_REMEMBERED
 
 MIN_BYTES = 32 << 20
 """Superseded journal bytes below which no compaction runs (the journal is then small anyway)."""
@@ -24,10 +25,29 @@ MIN_ENTRIES = 10_000
 """Superseded entries below which no compaction runs."""
 
 _WRITES = (journal.KeySet, journal.KeyIncremented, journal.KeySwapped)
+_STANDALONE = (*_WRITES, journal.KeysDeleted, journal.BarrierFinished, journal.LiveSetDecided)
+"""Entries that name no registration, so an ended attempt's are dropped: the next attempt starts without them, and a
+replay of a journal compacted only in part needs none of them to apply what follows (a failure or a departure
+needs the registration it names, so those stay)."""
 
 
 def needed(entries: Sequence[journal.Entry]) -> list[bool]:
     """For each entry, whether a replay still needs it (see the module's docstring)."""
+    start = _current_attempt_start(entries)
+    return [not isinstance(e, _STANDALONE) for e in entries[:start]] + _needed_in_attempt(entries[start:])
+
+
+def _current_attempt_start(entries: Sequence[journal.Entry]) -> int:
+    """Where the current job attempt's entries begin: after the decision that started it (0: the first attempt)."""
+    for i in range(len(entries) - 1, -1, -1):
+        entry = entries[i]
+        if isinstance(entry, journal.AttemptDecided) and not entry.exhausted:
+            return i + 1
+    return 0
+
+
+def _needed_in_attempt(entries: Sequence[journal.Entry]) -> list[bool]:
+    """``needed`` within one attempt's entries."""
     keep = [True] * len(entries)
     final = _final_writes(entries)
     answers = _remembered_answers(entries)

@@ -1,20 +1,21 @@
-"""The coordinator daemon's tunables, each with its default and the reason for it."""
+"""The coordinator daemon's tunables in one object, each with its default and the reason for it: the cluster's
+(the pure state machine's ``ClusterConfig``) and the server's around it. ``coordinator.main``'s flags fill it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.state import ClusterConfig
+from coordinator.cluster import PING_INTERVAL_SHARE, PING_TIMEOUT_SHARE, ClusterConfig
 from coordinator.store import EtcdAccess
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
+    """Everything the daemon is run with; ``cluster`` is what the state machine decides by."""
+
     cluster: ClusterConfig
     bind: str = "0.0.0.0:8476"
     """Where to listen for processes (host:port; port 0 picks a free one, see ready_file)."""
-    max_wait_s: float = 30.0
-    """Longest one Register call is held open waiting for the topology; clients call again after it."""
     tick_interval_s: float | None = None
     """How often silent processes and overdue barriers are looked for; None: a twentieth of the heartbeat timeout,
     between 0.02 and 0.1 s. A tick looks only at processes without a session or call, so it can be this frequent:
@@ -27,12 +28,24 @@ class CoordinatorConfig:
         return min(0.1, max(0.02, self.cluster.heartbeat_timeout_s / 20))
 
     @property
+    def keepalive_interval_s(self) -> float:
+        """How often the coordinator pings each connection (HTTP/2 keepalive): twice per heartbeat timeout."""
+        return self.cluster.heartbeat_timeout_s * PING_INTERVAL_SHARE
+
+    @property
+    def keepalive_timeout_s(self) -> float:
+        """How long a ping may go unanswered before the coordinator drops the connection (ending its session): 3/8
+        of the heartbeat timeout, so a peer whose gRPC core is slow to answer (a host busy with a registration
+        storm) keeps its session; the reconnect grace (ClusterConfig.reconnect_grace_s) takes what remains."""
+        return self.cluster.heartbeat_timeout_s * PING_TIMEOUT_SHARE
+
+    @property
     def keepalive_options(self) -> tuple[tuple[str, int], ...]:
-        """gRPC server options that carry liveness: every connection is pinged each heartbeat interval (in gRPC's
+        """gRPC server options that carry liveness: every connection is pinged each keepalive interval (in gRPC's
         core, no Python involved) and dropped once a ping goes unanswered for the keepalive timeout, which ends
         the process's session (see ClusterState.detach)."""
-        interval_ms = max(1, round(self.cluster.heartbeat_interval_s * 1000))
-        timeout_ms = max(1, round(self.cluster.keepalive_timeout_s * 1000))
+        interval_ms = max(1, round(self.keepalive_interval_s * 1000))
+        timeout_ms = max(1, round(self.keepalive_timeout_s * 1000))
         return (
             ("grpc.keepalive_time_ms", interval_ms),
             ("grpc.keepalive_timeout_ms", timeout_ms),
@@ -43,6 +56,17 @@ class CoordinatorConfig:
         )
     progress_interval_s: float = 10.0
     """How often the log names who is still missing while the cluster is incomplete."""
+    progress_hosts: int = 32
+    """Registered hosts listed in one progress answer (the count is always exact)."""
+    gc_interval_s: float = 1.0
+    """How often young garbage is collected (a few milliseconds at most: the heap start-up made is frozen)."""
+    busy_callers: int = 16
+    """From this many calls waiting for the journal on, the writer lets entries gather between store writes."""
+    write_spacing: float = 4.0
+    """Under load, a store write starts no sooner than this many times the last write's duration after that one
+    started (``max_write_spacing_s`` at most): the store is then busy about a quarter of the time or less, and each
+    write carries everything queued meanwhile."""
+    max_write_spacing_s: float = 0.05
     shutdown_grace_s: float = 1.0
     """How long calls in flight may finish after SIGTERM/SIGINT before they are cancelled."""
     store: str = "memory"

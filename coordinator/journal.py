@@ -1,9 +1,9 @@
 """The durable decisions of the state machine, as records a store keeps in order and a new leader replays.
 
 Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
-registrations, key-values and their deletions, finished barriers, live-set agreements, and a preemption notice
-and its sync step. Liveness (heartbeats, open calls) is not: after a replay,
-every process gets a grace period to re-attach.
+registrations, key-values and their deletions, finished barriers, live-set agreements, a preemption notice
+and its sync step, and each decision of the job's next attempt. Liveness (heartbeats, open calls) is not: after a
+replay, every process gets a grace period to re-attach.
 """
 
 from __future__ import annotations
@@ -105,11 +105,24 @@ class PreemptionSyncDecided:
     step: int
 
 
+@dataclass(frozen=True)
+class AttemptDecided:
+    """NextAttempt's decision: job attempt ``ended`` ended with this failure (process -1: not known), and the next
+    one started, unless the restarts were ``exhausted``. ``request_id``: the call that decided (for its retries)."""
+
+    ended: int
+    process_id: int
+    host: str
+    reason: str
+    exhausted: bool
+    request_id: str
+
+
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
-         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided)
+         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
                                                          KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
-                                                         PreemptionNoticed, PreemptionSyncDecided)}
+                                                         PreemptionNoticed, PreemptionSyncDecided, AttemptDecided)}
 
 
 def encode(entry: Entry) -> bytes:

@@ -32,6 +32,7 @@ FLAGS = {
     "connection_idle_seconds": "--max-connection-idle",
     "connections": "--max-connections",
     "event_history": "--max-event-history",
+    "agents": "--max-agents",
 }
 """The ``ifrt-coordinator`` flag that sets each limit (named in every error about it)."""
 
@@ -88,6 +89,9 @@ class Limits:
     """Job events (failures, departures, restarts, generations, a preemption notice) kept for sessions that attach
     or reconnect late: four for each of 2**14 processes. A session further behind gets a snapshot of each process's
     state instead of the events it missed."""
+    agents: int = 4096
+    """Job watches (WatchJob) held open at once: one per host agent (``ifrt run``), so a job of 4096 hosts fits; each
+    holds at most --max-session-backlog-bytes of unread events."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -10,15 +10,15 @@ import os
 import sys
 
 from coordinator import logs
+from coordinator.cluster import ClusterConfig, FailurePolicy
 from coordinator.config import CoordinatorConfig
 from coordinator.limits import FLAGS as LIMIT_FLAGS
 from coordinator.limits import Limits
 from coordinator.server import BindError, serve
-from coordinator.state import ClusterConfig, FailurePolicy
 from coordinator.store import EtcdAccess, open_store
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES, MAX_PROCESSES, MAX_PROCESSES_INT64
-from ifrt.settings import read_secret_file
+from ifrt.protocol import read_secret_file
 
 DEFAULTS = CoordinatorConfig(cluster=ClusterConfig(num_processes=1))
 
@@ -145,6 +145,9 @@ def parser() -> argparse.ArgumentParser:
                              "the descriptor limit, raised to its hard limit at start, less 64 the coordinator "
                              "keeps for itself; a job needs a descriptor limit of at least --num-processes + 128, "
                              "and the coordinator warns at start when it is lower)")
+    limits.add_argument("--max-agents", dest="agents", type=int, default=default.agents, metavar="N",
+                        help="job watches (WatchJob, one per `ifrt run` agent) held open at once; further ones are "
+                             "refused with RESOURCE_EXHAUSTED (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
     p.add_argument("--ready-file", metavar="PATH",

@@ -22,11 +22,10 @@ from prometheus_client.registry import Collector
 
 from coordinator import health, status_page
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, StatusReport
-from ifrt import status as status_view
-from ifrt import status_svg
+from ifrt import status_svg, status_view
 from ifrt._generated import coordinator_pb2
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
-from ifrt.security import TOKEN_METADATA
+from ifrt.protocol import TOKEN_METADATA
 
 if TYPE_CHECKING:
     from coordinator.service import CoordinatorService
@@ -266,7 +265,7 @@ class _PageView:
                              status_view.LEADER}]
         if standby and answer.leader and answer.leader != answer.replica:
             view["replicas"].append({"address": answer.leader, "role": status_view.LEADER})
-        view["attempt"] = service.replica.config.attempt
+        view["attempt"] = answer.attempt  # the job's current attempt (a standby: its --attempt)
         if standby and answer.leader and answer.leader != answer.replica:
             view.update(await self._leader_view(answer.leader))
         topology = service.state.topology if not standby else None
@@ -291,4 +290,4 @@ class _PageView:
         view = status_view.to_dict(answer)
         if view["state"] == status_view.STANDBY:
             return {"leader_error": f"{leader} no longer leads: {view['reason']}."}
-        return {"leader_view": {**view, "attempt": self._service.replica.config.attempt}}
+        return {"leader_view": view}  # with the leader's current attempt

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits
+from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES
@@ -69,7 +70,7 @@ def _text(value: str, what: str, limit: int, *, where: str = "", required: bool 
 _DeviceRow = tuple[int, str, str, str, tuple[int, ...], tuple[tuple[str, str], ...]]
 _known: dict[_DeviceRow, LocalDevice] = {}
 """Devices seen before, by their fields: hosts of one cluster mostly report equal devices, so each is built (and
-held in memory) once. Bounded by clearing."""
+held in memory) once. Bounded by clearing; a cache, not state: what it holds never changes a registration."""
 _KNOWN_MOST = 1 << 16
 
 
@@ -144,8 +145,8 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
                  secret_hash: str = "", raw: bytes = b"") -> Registration:
     """The registration a request describes (``secret_hash``: the hash of the process secret its call carried;
     ``raw``: the request's bytes as received, kept for the journal); InvalidArgument (naming the value, the limit
-    and the flag that raises it) if it is malformed or over one of ``limits``. Pure: nothing is changed either
-    way."""
+    and the flag that raises it) if it is malformed or over one of ``limits``. Changes no state of the coordinator
+    either way; equal devices are shared through this module's bounded cache of devices seen before."""
     if not request.client_uid or len(request.client_uid) > MAX_CLIENT_UID:
         long = len(request.client_uid) > MAX_CLIENT_UID
         shown = f"of {len(request.client_uid)} characters" if long else repr(request.client_uid)
@@ -186,6 +187,5 @@ def to_request(r: Registration) -> bytes:
     if r.attempt is not None:
         request.attempt = r.attempt
     for d in r.devices:
-        request.devices.add(local_id=d.local_id, platform=d.platform, kind=d.kind, slice_key=d.slice_key,
-                            coordinates=d.coordinates, attributes=d.attributes)
+        wire.add_local_device(request, d)
     return request.SerializeToString()

@@ -23,18 +23,13 @@ import math
 from collections.abc import Awaitable, Callable
 
 from coordinator import compaction, journal
-from coordinator.state import ClusterConfig, ClusterState
+from coordinator.cluster import ClusterConfig
+from coordinator.config import CoordinatorConfig
+from coordinator.state import ClusterState
 from coordinator.store import Store, StoreError
+from ifrt import wire
 
 log = logging.getLogger("ifrt.coordinator")
-
-BUSY_CALLERS = 16
-"""From this many calls waiting for the journal on, the writer lets entries gather between store writes."""
-SPACING = 4
-"""Under load, a store write starts no sooner than this many times the last write's duration after that one
-started (``MAX_SPACING_S`` at most): the store is then busy about a quarter of the time or less, and each write
-carries everything queued meanwhile."""
-MAX_SPACING_S = 0.05
 
 
 class NotServing(RuntimeError):
@@ -54,8 +49,10 @@ class Replica:
 
     def __init__(self, config: ClusterConfig, store: Store, advertise: str, clock: Callable[[], float],
                  on_serving: Callable[[], None], on_step_down: Callable[[str], None],
-                 report: Callable[[bool], Awaitable[None]] = _no_report) -> None:
+                 report: Callable[[bool], Awaitable[None]] = _no_report,
+                 tunables: CoordinatorConfig | None = None) -> None:
         self.config = config
+        self._tunables = tunables or CoordinatorConfig(cluster=config)  # the writer's spacing under load
         self.store = store
         self.state = ClusterState(config)
         self.epoch = 0
@@ -135,15 +132,17 @@ class Replica:
 
     async def _write(self) -> None:
         """Appends pending entries in order, everything queued per store write (group commit). While many calls
-        wait, writes are spaced out (``SPACING``): a burst of calls then costs the store, and this process, a few
-        large transactions instead of one per store round trip, and its last calls wait at most one spacing more.
+        wait, writes are spaced out (``CoordinatorConfig.write_spacing``): a burst of calls then costs the store,
+        and this process, a few large transactions instead of one per store round trip, and its last calls wait at
+        most one spacing more.
         Fewer waiting calls (a lone caller, a few sequential clients) are never held back."""
         loop = asyncio.get_running_loop()
         last_started, last_took = -math.inf, 0.0
         while True:
             await self._wake.wait()
-            if len(self._waiters) >= BUSY_CALLERS:
-                spacing = min(SPACING * last_took, MAX_SPACING_S)
+            tunables = self._tunables
+            if len(self._waiters) >= tunables.busy_callers:
+                spacing = min(tunables.write_spacing * last_took, tunables.max_write_spacing_s)
                 if (linger := last_started + spacing - loop.time()) > 0:
                     await asyncio.sleep(linger)
             self._wake.clear()
@@ -202,8 +201,9 @@ class Replica:
         entries = await self.store.load()
         state = ClusterState(self.config)
         decoded = [journal.decode(raw) for raw in entries]
-        for entry in decoded:
-            state.replay(entry)
+        with wire.gc_paused():  # replay builds every generation's objects: none is garbage yet
+            for entry in decoded:
+                state.replay(entry)
         state.reset_liveness(self._clock())
         self._garbage = compaction.Garbage.of(decoded, [len(raw) for raw in entries], compacted=False)
         if self._garbage.due():  # a journal that grew under an earlier leader

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from coordinator import noise
+from coordinator.agents import AGENTS_SERVICE, JobAgentsService
 from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
 from coordinator.health import HealthService
@@ -26,10 +27,6 @@ from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import Store, open_store
 
 log = logging.getLogger("ifrt.coordinator")
-
-
-GC_INTERVAL_S = 1.0
-"""How often young garbage is collected (a few milliseconds at most: the heap start-up made is frozen)."""
 
 
 class BindError(RuntimeError):
@@ -43,7 +40,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s, config.etcd_access,
                                 attempt=config.cluster.attempt)
     metrics = Metrics() if config.metrics_port is not None else None
-    interceptors = [TokenCheck(config.token, SERVICE)] if config.token else []
+    interceptors = ([TokenCheck(config.token, SERVICE), TokenCheck(config.token, AGENTS_SERVICE)] if config.token
+                    else [])
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor())  # counts refused calls too
     limits = config.cluster.limits
@@ -75,9 +73,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
             await health.set(name, status)
 
     await report(False)  # the servicer starts out SERVING for ""; nothing is served before the journal is replayed
-    service = CoordinatorService(config.cluster, store, advertise=advertise, max_wait_s=config.max_wait_s,
-                                 report=report)
-    server.add_generic_rpc_handlers((service.handlers(), health.handlers()))
+    service = CoordinatorService(config, store, advertise=advertise, report=report)
+    agents = JobAgentsService(service)
+    server.add_generic_rpc_handlers((service.handlers(), agents.handlers(), health.handlers()))
     if metrics is not None:
         metrics.watch(service, token=config.token, tls=bool(config.tls_cert))
         try:
@@ -99,7 +97,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
                   asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
                   asyncio.create_task(service.tick_every(config.tick_s)),
                   asyncio.create_task(noise.flush_every()),
-                  asyncio.create_task(_collect_young_garbage_every(GC_INTERVAL_S))]
+                  asyncio.create_task(_collect_young_garbage_every(config.gc_interval_s))]
     try:
         await stop.wait()
     finally:

@@ -44,6 +44,8 @@ from typing import Protocol
 
 import grpc
 
+from ifrt.hostport import join_host_port, split_host_port
+
 log = logging.getLogger("ifrt.coordinator")
 
 ETCD_SCHEME = "etcd://"
@@ -142,7 +144,7 @@ class EtcdStore:
         if access.ca:
             tls = {"ca_cert": _read(access.ca), "cert_key": _read(access.key), "cert_chain": _read(access.cert)}
             # Endpoints are dialled by IP (one channel for all): check certificates against the first name given.
-            tls["tls_server_name"] = endpoints[0].rpartition(":")[0].strip("[]")
+            tls["tls_server_name"] = split_host_port(endpoints[0])[0]
         self._access = access
         self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints], **tls)
         # A journal is read in one range request, far over gRPC's 4 MiB default for an answer (etcd bounds requests,
@@ -479,8 +481,8 @@ def _auth_expired(error: Exception) -> bool:
 
 def _ip_endpoint(endpoint: str) -> str:
     """``etcd1:2379`` -> ``10.0.0.5:2379``: the etcd client dials IP literals only."""
-    host, _, port = endpoint.rpartition(":")
+    host, port = split_host_port(endpoint)
     try:
-        return f"{socket.gethostbyname(host)}:{port}"
+        return join_host_port(socket.gethostbyname(host), port)
     except OSError:
         return endpoint

@@ -41,8 +41,11 @@ from ifrt.ids import global_device_id, split_global_id
 from ifrt.records import Device, LocalDevice, Process
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from ifrt.client import Client
     from ifrt.mesh import Mesh
+    from ifrt.settings import DiscoverOptions
     from ifrt.topology import Topology
 
 __all__ = [
@@ -81,27 +84,17 @@ _default_client: Client | None = None
 _default_lock = threading.Lock()
 
 
-def discover(
-    coordinator: str | Sequence[str] | None = None,
-    *,
-    process_id: int | None = None,
-    num_processes: int | None = None,
-    plugin: str | None = None,
-    local_device_ids: Sequence[int] | None = None,
-    timeout: float = 300.0,
-    token: str | None = None,
-) -> Topology:
+def discover(coordinator: str | Sequence[str] | None = None, **options: Unpack[DiscoverOptions]) -> Topology:
     """Registers this process's devices with the coordinator and returns the published topology.
 
-    Each argument falls back to ``IFRT_COORDINATOR`` (comma-separated replicas allowed), ``IFRT_PROCESS_ID``
-    (unset: the coordinator assigns ids), ``IFRT_NUM_PROCESSES``, ``IFRT_PLUGIN`` (default ``cpu``) and
-    ``IFRT_TOKEN`` / ``IFRT_TOKEN_FILE``. The process keeps this client as its default one; it is closed at exit.
+    ``coordinator`` falls back to ``IFRT_COORDINATOR`` (comma-separated replicas allowed); the keyword ``options``
+    (process_id, num_processes, plugin, local_device_ids, timeout, token) are ``ifrt.settings.DiscoverOptions``.
+    The process keeps this client as its default one; it is closed at exit.
     """
     global _default_client
     from ifrt.client import Client
 
-    client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
-                    local_device_ids=local_device_ids, timeout=timeout, token=token)
+    client = Client(coordinator, **options)
     with _default_lock:
         previous, _default_client = _default_client, client
     if previous is not None:

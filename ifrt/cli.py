@@ -8,10 +8,18 @@ import logging
 import os
 import sys
 
-from ifrt import clusters, reachability, render
+from ifrt import reachability, render
 from ifrt.client import Client
 from ifrt.errors import IfrtError
-from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PLUGIN_ENV, PROCESS_ID_ENV, proxies_set, resolve
+from ifrt.settings import (
+    COORDINATOR_ENV,
+    NUM_PROCESSES_ENV,
+    PLUGIN_ENV,
+    PROCESS_ID_ENV,
+    present_launchers,
+    proxies_set,
+    resolve,
+)
 from plugins import all_plugins
 
 
@@ -94,6 +102,16 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--token-file", metavar="PATH",
                     help="file holding the cluster's token (default $IFRT_TOKEN_FILE or $IFRT_TOKEN; TLS from "
                          "$IFRT_TLS_CA, $IFRT_TLS_CERT, $IFRT_TLS_KEY)")
+    from ifrt.run.shell import add_arguments as run_arguments
+
+    run_arguments(commands.add_parser(
+        "run", help="start this host's workers and restart the whole job in place when a process fails",
+        description="One agent per host: starts N workers (IFRT_LOCAL_RANK, IFRT_LOCAL_WORLD_SIZE, IFRT_ATTEMPT and "
+                    "the resolved IFRT_* settings), watches them and the job, and on a failure anywhere stops them "
+                    "and starts the coordinator's next attempt, up to --max-restarts. Exits 0 when every worker "
+                    "exited 0; 1 when the restarts are exhausted (with every attempt's failure); 2 for bad flags or "
+                    "settings; 69 when the coordinator stayed out of reach; the workers' status after SIGTERM or "
+                    "SIGINT (see docs/failures.md)."))
     return p
 
 
@@ -115,7 +133,7 @@ _LAUNCHER_FIELDS = ("coordinator", "process_id", "num_processes", "local_rank", 
 
 def _env(as_json: bool) -> int:
     launchers = [{"source": found.source, **{f: getattr(found, f) for f in _LAUNCHER_FIELDS}}
-                 for found in clusters.present(os.environ)]
+                 for found in present_launchers()]
     try:
         settings = resolve()
     except IfrtError as e:
@@ -134,7 +152,7 @@ def _env(as_json: bool) -> int:
         if field == "cluster_id" and not value:
             value = "(not set: joins the cluster the coordinator serves, 'default' unless its --cluster-id says)"
         print(f"{field}: {value}")
-    proxies = proxies_set(os.environ)
+    proxies = proxies_set()
     if proxies:
         how = ("through the proxy (IFRT_USE_PROXY=1)" if settings.use_proxy else
                "directly: ifrt ignores them (set IFRT_USE_PROXY=1 to go through the proxy)")
@@ -159,7 +177,7 @@ def _shown(field: str, value: object) -> object:
 def _status(args: argparse.Namespace) -> int:
     import time
 
-    from ifrt import status  # imports grpc: only for this command
+    from ifrt import status, status_view  # imports grpc: only for this command
 
     if args.count is not None and (args.watch is None or args.count < 1):
         print("ifrt status: --count N needs --watch and N >= 1", file=sys.stderr)
@@ -181,7 +199,7 @@ def _status(args: argparse.Namespace) -> int:
             else:
                 if args.watch is not None and not args.json:
                     print(f"--- {time.strftime('%H:%M:%S')}")
-                print(json.dumps(view) if args.json else status.render(view), flush=True)
+                print(json.dumps(view) if args.json else status_view.render(view), flush=True)
                 if args.svg is not None and not _write_svg(args.svg, view):
                     return 1
             reports += 1
@@ -240,6 +258,10 @@ def _log_to_stderr(verbose: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        from ifrt.run.shell import main as run_agent  # imports grpc: only for this command
+
+        return run_agent(args)
     if args.command == "status":
         return _status(args)
     if args.command == "plugins":

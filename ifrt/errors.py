@@ -74,6 +74,19 @@ class ProcessDeclaredFailed(IfrtError):
     status = "FAILED_PRECONDITION"
 
 
+class AttemptEnded(IfrtError):
+    """The job attempt this call belongs to ended (the coordinator started the next one after a failure): the call's
+    wait is over and its process is restarted by its agent (``ifrt run``) as part of the new attempt."""
+
+    status = "ABORTED"
+
+
+class ResourceExhausted(InvalidArgument):
+    """A coordinator-wide bound is reached (e.g. ``--max-agents`` job watches); the message names it and its flag."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
 class BarrierFailed(IfrtError):
     """A barrier participant failed or left before everyone arrived; the message names it and why."""
 

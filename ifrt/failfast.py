@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Literal
 
 from ifrt import events
 from ifrt.errors import CoordinatorGone, IfrtError, InvalidArgument, JobFailed, PeerFailed
+from ifrt.settings import FAILOVER_WINDOW_ENV as FAILOVER_WINDOW_ENV  # this module's setting: named here too
+from ifrt.settings import failover_window
 
 if TYPE_CHECKING:
     from ifrt.client import Client
@@ -40,7 +42,6 @@ log = logging.getLogger("ifrt.failfast")
 OnFailure = Literal["exit", "raise"] | Callable[[JobFailed], object]
 FAILOVER_WINDOW_S = 30.0
 """A coordinator out of reach this long is a failure (a standby takes over after its leader TTL, 5 s by default)."""
-FAILOVER_WINDOW_ENV = "IFRT_FAILOVER_WINDOW"  # "30": seconds, instead of FAILOVER_WINDOW_S
 RAISE_GRACE_S = 30.0
 """With ``"raise"`` or a callable: the most time the program gets to save its state before the exit anyway."""
 RAISE_SIGNAL = signal.SIGUSR2
@@ -231,17 +232,7 @@ def arm(client: Client, topology: Topology, on_failure: OnFailure, runtime: str,
 def failover_window_from_env(env: Mapping[str, str] | None = None) -> float:
     """IFRT_FAILOVER_WINDOW in seconds, else FAILOVER_WINDOW_S; InvalidArgument naming the value if it is not a
     positive number."""
-    raw = (os.environ if env is None else env).get(FAILOVER_WINDOW_ENV, "").strip()
-    if not raw:
-        return FAILOVER_WINDOW_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0 or seconds == float("inf"):
-        raise InvalidArgument(f"{FAILOVER_WINDOW_ENV}={raw!r}: expected a positive number of seconds, e.g. "
-                              f"{FAILOVER_WINDOW_S:g}")
-    return seconds
+    return failover_window(FAILOVER_WINDOW_S, env)
 
 
 def _heartbeat_timeout(client: Client) -> float:

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
@@ -42,10 +41,12 @@ except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.jax needs jax: pip install 'ifrt-topology[jax]' ({e})") from e
 
 from ifrt import failfast, startup
-from ifrt.client import Backoff, Client
+from ifrt.client import Client
+from ifrt.connection import Backoff
 from ifrt.errors import BackendAlreadyInitialized, TopologyError
+from ifrt.hostport import join_host_port, split_host_port
 from ifrt.mesh import Mesh
-from ifrt.settings import PLUGIN_ENV
+from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, env_plugin
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
 from plugins import jax_plugin
@@ -70,18 +71,13 @@ _lock = threading.Lock()
 def initialize(
     coordinator: str | Sequence[str] | None = None,
     *,
-    process_id: int | None = None,
-    num_processes: int | None = None,
-    plugin: str | None = None,
-    local_device_ids: Sequence[int] | None = None,
-    timeout: float = 300.0,
-    token: str | None = None,
     on_failure: failfast.OnFailure = "exit",
+    **options: Unpack[DiscoverOptions],
 ) -> Topology:
     """Discovers the topology with ifrt, then starts ``jax.distributed`` with its process ids; returns it.
 
-    Same arguments as ``ifrt.discover`` (the plugin defaults to ``jax``; ``token`` is the cluster's token, else
-    IFRT_TOKEN_FILE or IFRT_TOKEN). Calling it again returns the same
+    Same arguments as ``ifrt.discover`` (``ifrt.settings.DiscoverOptions``; the plugin defaults to ``jax``;
+    ``token`` is the cluster's token, else IFRT_TOKEN_FILE or IFRT_TOKEN). Calling it again returns the same
     topology. BackendAlreadyInitialized if JAX's backend exists already; TopologyError, raised in every
     process, if some process's JAX devices differ from what it registered; DiscoveryTimeout after ``timeout``.
     Afterwards a failed peer or a lost coordinator ends this process as ``on_failure`` says (``ifrt.failfast``).
@@ -92,11 +88,11 @@ def initialize(
             return _started.topology
         failfast.check(on_failure)
         _refuse_if_started()
-        deadline = time.monotonic() + timeout
-        plugin = plugin or os.environ.get(PLUGIN_ENV, "").strip() or "jax"
+        deadline = time.monotonic() + options.get("timeout", DISCOVER_TIMEOUT_S)
+        plugin = options.get("plugin") or env_plugin() or "jax"
+        local_device_ids = options.get("local_device_ids")
         jax_view = _jax_view(local_device_ids)
-        client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
-                        local_device_ids=local_device_ids, timeout=timeout, token=token)
+        client = Client(coordinator, **{**options, "plugin": plugin})
         exchange = None
         try:
             topology = client.discover()
@@ -209,11 +205,11 @@ class StartupExchange(startup.StartupExchange):
     def wait_listening(self, address: str) -> None:
         """Waits until JAX's service in process 0 accepts connections: a JAX client that dials too early retries
         only after about a second."""
-        host, _, port = address.rpartition(":")
+        host, port = split_host_port(address)
         pause = Backoff(0.002, 0.05)
         while True:
             try:
-                with socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, self._remaining())):
+                with socket.create_connection((host, int(port)), timeout=max(0.1, self._remaining())):
                     return
             except OSError:
                 self._check_deadline(lambda: f"JAX's coordination service at {address} (process 0) is not listening")
@@ -226,12 +222,12 @@ class StartupExchange(startup.StartupExchange):
 
     def _reserve(self) -> dict[str, Any]:
         self._port = _reserve_port()
-        return {"address": _join_host_port(self._advertised_host(), self._port.getsockname()[1])}
+        return {"address": join_host_port(self._advertised_host(), self._port.getsockname()[1])}
 
     def _advertised_host(self) -> str:
         address = self.topology.process(0).address
         if address:
-            return address.rpartition(":")[0].strip("[]")
+            return split_host_port(address)[0]
         return local_address_toward(self.client.settings.coordinators)
 
 
@@ -250,10 +246,6 @@ def _reserve_port() -> socket.socket:
         except OSError:
             sock.close()
     raise OSError("cannot bind a free TCP port for JAX's coordinator on this host")
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # Checks and mapping: pure functions over the topology and JAX's devices.

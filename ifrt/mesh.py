@@ -20,14 +20,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ifrt.records import Device
 
-if TYPE_CHECKING:
-    from ifrt.topology import Topology
+
+class DeviceSet(Protocol):
+    """What a mesh needs of the topology it is built over (``ifrt.Topology`` is one)."""
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def global_ids(self) -> np.ndarray: ...
+
+    def device(self, global_id: int) -> Device: ...
 
 
 def normalize(device_assignment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -94,7 +103,7 @@ class VirtualDevice:
 class Mesh:
     """Global device ids in an n-d array with named axes; ``parent`` and ``positions`` are set for a submesh."""
 
-    def __init__(self, devices: np.ndarray, axis_names: Sequence[str], topology: Topology | None = None, *,
+    def __init__(self, devices: np.ndarray, axis_names: Sequence[str], topology: DeviceSet | None = None, *,
                  parent: Mesh | None = None, positions: np.ndarray | None = None) -> None:
         devices = np.asarray(devices, dtype=np.int64)
         if devices.ndim != len(axis_names):
@@ -126,9 +135,6 @@ class Mesh:
     @property
     def size(self) -> int:
         return self._devices.size
-
-    def axis_size(self, name: str) -> int:
-        return self.shape[self._axis(name)]
 
     def device_records(self) -> tuple[Device, ...]:
         """The topology's Device records, in mesh order (flattened)."""
@@ -216,16 +222,3 @@ class Mesh:
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"Mesh({axes}{', submesh' if self.parent else ''})"
-
-
-def mesh_from_topology(topology: Topology, shape: Sequence[int], axis_names: Sequence[str],
-                       devices: Sequence[Device | int] | None = None) -> Mesh:
-    """A mesh of ``shape`` over ``devices`` (default: all, in topology-aware order)."""
-    if devices is None:
-        hostnames = {p.process_id: p.hostname for p in topology.processes}
-        ids = [d.id for d in topology_order(topology.devices, hostnames)]
-    else:
-        ids = [d.id if isinstance(d, Device) else int(d) for d in devices]
-    if int(np.prod(shape)) != len(ids):
-        raise ValueError(f"mesh shape {list(shape)} holds {int(np.prod(shape))} devices; {len(ids)} were given")
-    return Mesh(np.array(ids, dtype=np.int64).reshape(tuple(shape)), axis_names, topology)

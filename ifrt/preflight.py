@@ -31,43 +31,46 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ifrt.client_config import DEFAULTS
 from ifrt.errors import InvalidArgument, PreflightFailed
+from ifrt.frames import CHALLENGE_BYTES, HELLO, connect, encode_header, token_proof
+from ifrt.hostport import split_host_port
 from ifrt.records import Process
-from ifrt.transfer import HELLO, connect, encode_header
+from ifrt.settings import PREFLIGHT_ENV as PREFLIGHT_ENV
+from ifrt.settings import PREFLIGHT_TIMEOUT_ENV as PREFLIGHT_TIMEOUT_ENV
 
 if TYPE_CHECKING:
-    from ifrt.client import Client
     from ifrt.topology import Topology
 
 log = logging.getLogger("ifrt.preflight")
-
-PREFLIGHT_ENV = "IFRT_PREFLIGHT"  # "1": discover() runs the pre-flight before it returns
-PREFLIGHT_TIMEOUT_ENV = "IFRT_PREFLIGHT_TIMEOUT"  # "60": seconds the whole check may take under IFRT_PREFLIGHT=1
-TRUE_VALUES = ("1", "true", "yes", "on")
 
 ALL_PAIRS_MAX = 64
 """Up to this many processes, every process probes every other one: 4032 connections in all at 64, each
 process opening 63 at once, which any host takes in a fraction of a second."""
 SAMPLE = 8
-"""Above ALL_PAIRS_MAX, the random peers each process probes besides its two ring neighbours."""
-PROBE_TIMEOUT_S = 2.0
-"""Longest one probe waits for a connection: an endpoint on a healthy network answers in milliseconds, while a
-firewall that drops packets answers never, so this bounds how late such a pair is reported."""
-PARALLEL = 32
-"""Probes one process runs at once."""
-DEFAULT_TIMEOUT_S = 60.0
+"""Above ALL_PAIRS_MAX, the random peers each process probes besides its two ring neighbours. Both shape the plan
+that every process computes alike: they are not tunables (the probes' timings are, in ``ClientConfig``)."""
 KEY_ROOT = "ifrt/preflight"
+
+
+class Gathering(Protocol):
+    """The coordinator's calls through which a pre-flight gathers every process's results (``Client`` has them)."""
+
+    def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None: ...
+
+    def barrier(self, name: str, timeout: float, process_ids: Sequence[int] | None = None) -> None: ...
+
+    def kv_dir(self, prefix: str, timeout: float = 60.0) -> dict[str, bytes]: ...
 
 
 
@@ -81,7 +84,8 @@ class Unreachable:
 
     def __str__(self) -> str:
         s, t = self.source, self.target
-        return (f"process {s.process_id} ({s.hostname}, {_host(s.address) or 'no endpoint'}) cannot reach process "
+        source = split_host_port(s.address)[0] or "no endpoint"
+        return (f"process {s.process_id} ({s.hostname}, {source}) cannot reach process "
                 f"{t.process_id} ({t.hostname}) at {t.address}: {self.error}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,9 +178,7 @@ def probe(source: int, target: Process, timeout: float, auth_key: bytes | None =
         with connect(target.address, timeout, source_host) as sock:
             sock.settimeout(timeout)
             sock.sendall(encode_header(HELLO, 0, source, target.process_id))
-            if auth_key is not None:
-                from ifrt.transfer import CHALLENGE_BYTES, token_proof  # the token handshake of authenticated jobs
-
+            if auth_key is not None:  # the token handshake of authenticated jobs
                 challenge = b""
                 while len(challenge) < CHALLENGE_BYTES:
                     got = sock.recv(CHALLENGE_BYTES - len(challenge))
@@ -194,32 +196,34 @@ def probe(source: int, target: Process, timeout: float, auth_key: bytes | None =
     return None
 
 
-def probe_peers(topology: Topology, targets: list[int], timeout: float,
-                auth_key: bytes | None = None) -> dict[int, str]:
-    """Probes ``targets`` (process ids) at once, at most PARALLEL at a time; {process id: why it failed}."""
+def probe_peers(topology: Topology, targets: list[int], timeout: float, auth_key: bytes | None = None,
+                parallel: int = DEFAULTS.preflight_parallel) -> dict[int, str]:
+    """Probes ``targets`` (process ids) at once, at most ``parallel`` at a time; {process id: why it failed}."""
     me = topology.process_id
-    own = None if auth_key is not None else topology.process(me).address.rpartition(":")[0].strip("[]") or None
+    own = None if auth_key is not None else split_host_port(topology.process(me).address)[0] or None
     reachable = [topology.process(q) for q in targets if topology.process(q).address]
     if not reachable:
         return {}
-    with ThreadPoolExecutor(max_workers=min(PARALLEL, len(reachable)), thread_name_prefix="ifrt-preflight") as pool:
+    with ThreadPoolExecutor(max_workers=min(parallel, len(reachable)), thread_name_prefix="ifrt-preflight") as pool:
         results = list(pool.map(lambda p: (p.process_id, probe(me, p, timeout, auth_key, own)), reachable))
     return {q: error for q, error in results if error is not None}
 
 
-_runs: weakref.WeakKeyDictionary[Client, int] = weakref.WeakKeyDictionary()
+_runs: weakref.WeakKeyDictionary[Gathering, int] = weakref.WeakKeyDictionary()
 _runs_lock = threading.Lock()
 
 
-def _next_run(client: Client) -> int:
+def _next_run(through: Gathering) -> int:
     with _runs_lock:
-        n = _runs[client] = _runs.get(client, 0) + 1
+        n = _runs[through] = _runs.get(through, 0) + 1
         return n
 
 
-def run(client: Client, timeout: float = DEFAULT_TIMEOUT_S, *, probe_timeout: float = PROBE_TIMEOUT_S,
-        attempt: str | None = None) -> PreflightReport:
-    """Probes this process's peers, gathers every process's failures through the coordinator, returns the report.
+def run(through: Gathering, topology: Topology, timeout: float = DEFAULTS.preflight_timeout_s, *,
+        auth_key: bytes | None = None, probe_timeout: float = DEFAULTS.preflight_probe_timeout_s,
+        parallel: int = DEFAULTS.preflight_parallel, attempt: str | None = None) -> PreflightReport:
+    """Probes this process's peers in ``topology``, gathers every process's failures ``through`` the coordinator,
+    returns the report. ``auth_key``: the cluster's token, when the job runs with one.
 
     Every process of the job must call it (the barrier waits for all). Raises BarrierTimeout naming the processes
     that did not get there within ``timeout`` seconds, BarrierFailed when one of them failed meanwhile.
@@ -228,19 +232,17 @@ def run(client: Client, timeout: float = DEFAULT_TIMEOUT_S, *, probe_timeout: fl
         raise InvalidArgument(f"pre-flight timeout={timeout!r} is not positive: expected seconds > 0")
     start = time.monotonic()
     deadline = start + timeout
-    topology = client.discover()
     me, n = topology.process_id, topology.num_processes
-    tag = attempt if attempt is not None else f"r{_next_run(client)}"
+    tag = attempt if attempt is not None else f"r{_next_run(through)}"
     prefix = f"{KEY_ROOT}/g{topology.generation}/{topology.fingerprint[:16]}/{tag}"
     targets = peers(me, n, topology.fingerprint)
-    auth_key = getattr(client.endpoint, "auth_key", None)  # set when the job runs with a cluster token
-    failed = probe_peers(topology, targets, min(probe_timeout, max(0.1, timeout / 4)), auth_key)
+    failed = probe_peers(topology, targets, min(probe_timeout, max(0.1, timeout / 4)), auth_key, parallel)
     if failed:
         log.warning("pre-flight: process %d cannot reach processes %s", me, sorted(failed))
-        client.kv_set(f"{prefix}/failed/{me}", json.dumps(sorted(failed.items())).encode(), allow_overwrite=True,
+        through.kv_set(f"{prefix}/failed/{me}", json.dumps(sorted(failed.items())).encode(), allow_overwrite=True,
                       timeout=max(0.1, deadline - time.monotonic()))
-    client.barrier(prefix, timeout=max(0.1, deadline - time.monotonic()))
-    found = client.kv_dir(f"{prefix}/failed/", timeout=max(0.1, deadline - time.monotonic()))
+    through.barrier(prefix, timeout=max(0.1, deadline - time.monotonic()))
+    found = through.kv_dir(f"{prefix}/failed/", timeout=max(0.1, deadline - time.monotonic()))
     return PreflightReport(
         generation=topology.generation, fingerprint=topology.fingerprint, num_processes=n,
         pairs_probed=pairs_probed(n), all_pairs=n <= ALL_PAIRS_MAX,
@@ -258,28 +260,10 @@ def _unreachable(topology: Topology, found: Mapping[str, bytes]) -> tuple[Unreac
     return tuple(sorted(pairs, key=lambda u: (u.source.process_id, u.target.process_id)))
 
 
-def requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``IFRT_PREFLIGHT`` asks discover() to run the pre-flight."""
-    env = os.environ if environ is None else environ
-    return env.get(PREFLIGHT_ENV, "").strip().lower() in TRUE_VALUES
-
-
-def run_if_requested(client: Client) -> PreflightReport | None:
-    """Under ``IFRT_PREFLIGHT=1``: runs the pre-flight (``IFRT_PREFLIGHT_TIMEOUT`` seconds, default 60) and raises
-    PreflightFailed, naming every unreachable pair, when one is found. Does nothing otherwise."""
-    if not requested():
-        return None
-    raw = os.environ.get(PREFLIGHT_TIMEOUT_ENV, "").strip()
-    try:
-        timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise InvalidArgument(f"{PREFLIGHT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    report = run(client, timeout)
+def passed(report: PreflightReport) -> PreflightReport:
+    """``report`` (logged) when every pair is reachable, else PreflightFailed naming every unreachable pair: what
+    discover() does with its pre-flight under ``IFRT_PREFLIGHT=1``."""
     if not report.ok:
         raise PreflightFailed(report.describe(), report)
     log.info("%s", report.describe())
     return report
-
-
-def _host(address: str) -> str:
-    return address.rpartition(":")[0].strip("[]")

@@ -13,15 +13,11 @@ import time
 
 import grpc
 
+from ifrt.client_config import DEFAULTS, ClientConfig
+from ifrt.hostport import split_host_port
+
 log = logging.getLogger("ifrt.client.connect")
 """Lines about a coordinator that cannot be reached (the CLI shows them without --verbose)."""
-
-FIRST_REPORT_S = 2.0
-"""A coordinator unreachable this long is reported (shorter outages, e.g. a replica failover, pass silently)."""
-REPORT_EVERY_S = 5.0
-"""...and then again this often while it stays unreachable."""
-WARN_AFTER_S = 30.0
-"""Reports are INFO until the coordinator has been unreachable this long, then WARNING."""
 
 _CONNECT_FAILURE = "failed to connect to all addresses"
 _PREFIXES = re.compile(r"^(?:(?:UNKNOWN|UNAVAILABLE|UNAUTHENTICATED|INTERNAL): )*(?:ipv[46]:\S+?: )?"
@@ -45,7 +41,7 @@ def certificate_problem(cause: str, target: str, ca_file: str | None) -> str | N
     """What to set when ``cause`` is the coordinator's certificate being refused; None for any other cause."""
     if not any(marker in cause for marker in _BAD_CERTIFICATE):
         return None
-    host = target.rpartition(":")[0].strip("[]")
+    host = split_host_port(target)[0]
     if "Hostname Verification" in cause or "Peer name" in cause:
         return (f"the coordinator's TLS certificate does not name {host!r}, the address this process dialled "
                 f"({cause}): dial a name or IP its certificate lists (subjectAltName), or reissue its --tls-cert with "
@@ -58,7 +54,8 @@ def certificate_problem(cause: str, target: str, ca_file: str | None) -> str | N
 class UnreachableReport:
     """Logs, a few seconds into an outage and then every few seconds, which coordinator cannot be reached and why."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: ClientConfig = DEFAULTS) -> None:
+        self._config = config
         self._since: float | None = None
         self._next = 0.0
         self.cause: str | None = None
@@ -69,11 +66,11 @@ class UnreachableReport:
         now = time.monotonic()
         self.cause = f"{target}: {cause}"
         if self._since is None:
-            self._since, self._next = now, now + FIRST_REPORT_S
+            self._since, self._next = now, now + self._config.unreachable_report_after_s
         if now < self._next:
             return
-        self._next = now + REPORT_EVERY_S
-        level = logging.WARNING if now - self._since >= WARN_AFTER_S else logging.INFO
+        self._next = now + self._config.unreachable_report_every_s
+        level = logging.WARNING if now - self._since >= self._config.warn_after_s else logging.INFO
         log.log(level, "cannot reach %s: %s (retrying for %.0f s more)", target, cause, max(0.0, deadline - now))
 
     def reached(self) -> None:

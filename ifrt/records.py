@@ -90,3 +90,15 @@ class Process:
 
     def to_dict(self) -> dict:
         return {"process_id": self.process_id, "hostname": self.hostname, "address": self.address}
+
+
+@dataclass(frozen=True)
+class TopologyContent:
+    """Everything a published topology holds (what every process of one generation shares; ``ifrt.wire`` gives
+    its canonical bytes)."""
+
+    cluster_id: str
+    generation: int
+    num_processes: int
+    processes: tuple[Process, ...]
+    devices: tuple[Device, ...]

@@ -3,7 +3,6 @@ and a quick probe that tells a TLS/plaintext mismatch at once instead of after a
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import socket
 import ssl
@@ -12,12 +11,10 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from ifrt.hostport import split_host_port
+from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from ifrt.settings import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, Settings
 
-TOKEN_METADATA = "ifrt-token"
-"""Call metadata carrying the cluster's shared token (compared in constant time by the coordinator)."""
-SECRET_METADATA = "ifrt-process-secret"
-"""Call metadata carrying this process's own secret: only the process that registered may act for it."""
 PROBE_TIMEOUT_S = 1.0
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
 _TLS_ALERT = 0x15
@@ -26,11 +23,6 @@ _TLS_ALERT = 0x15
 def new_process_secret() -> str:
     """A fresh random secret for one process incarnation."""
     return secrets.token_hex(16)
-
-
-def proof_of(secret: str) -> str:
-    """What the coordinator keeps and compares: the secret's sha256, never the secret itself."""
-    return hashlib.sha256(secret.encode()).hexdigest() if secret else ""
 
 
 def open_channel(target: str, settings: Settings, process_secret: str,
@@ -57,10 +49,10 @@ def transport_mismatch(target: str, tls: bool, client_cert: bool = False,
     """Why ``target`` cannot be spoken to as configured (TLS against plaintext, the reverse, or mutual TLS without
     a client certificate), or None when it can, when nothing listens there yet, or when the answer is unclear
     (the caller's retries cover those)."""
-    host, _, port = target.rpartition(":")
+    host, port = split_host_port(target)
     if not port.isdigit():
         return None
-    address = (host.strip("[]"), int(port))
+    address = (host, int(port))
     if tls:
         answer = _tls_answer(address, timeout)
         if answer == "plaintext":

@@ -1,4 +1,9 @@
-"""The live session of a discovered process: heartbeats out, cluster events in, reconnecting until closed."""
+"""The live session of a discovered process: cluster events in, key watches out, reconnecting until closed.
+
+Liveness rides on the session's connection: the coordinator and this process ping each other (gRPC keepalive,
+``ClientConfig.channel_options``), and a connection that drops ends the session. The session sends no Heartbeat
+messages: while it is open, the coordinator does not count a process silent, whatever it sends.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,13 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.connection import Connection
 from ifrt.errors import IfrtError, ProcessDeclaredFailed, UnknownClient, from_rpc_error
 from ifrt.events import (
     CoordinatorLost,
@@ -23,28 +29,47 @@ from ifrt.events import (
     ProcessRestarted,
     TopologyChanged,
 )
+from ifrt.settings import SESSION_GATE_ENV, session_gate
 from ifrt.topology import Topology
-
-if TYPE_CHECKING:
-    from ifrt.client import Client
 
 log = logging.getLogger("ifrt.client")
 
-FIRST_HEARTBEAT_INTERVAL_S = 0.5
-"""Until the coordinator says how often it wants heartbeats."""
-GATE_ENV = "IFRT_TEST_SESSION_GATE"
-"""For tests: the path of a file; while it does not exist, the session does not open (nor reopen), so a test can make
-events happen before a process attaches, without timing."""
+GATE_ENV = SESSION_GATE_ENV
+"""For tests: the variable naming a file without which no session opens (read in ``ifrt.settings``)."""
+
+
+class SessionOwner(Protocol):
+    """What a session acts for: the process's registration, the topology it holds, where its events go."""
+
+    client_uid: str
+    topology: Topology | None
+    topology_position: int
+    """The number of the job event that published the held topology."""
+
+    @property
+    def process_id(self) -> int: ...
+
+    def adopt(self, topology: Topology) -> bool:
+        """Takes ``topology`` if it is another generation than the one held; returns whether it was."""
+        ...
+
+    def register_again(self) -> Topology:
+        """Re-sends the registration (after the coordinator lost its state); returns the topology."""
+        ...
+
+    def key_changed(self, key: str, value: bytes | None) -> None: ...
+
+    def preemption_noticed(self, process_id: int) -> None: ...
 
 
 class Session:
-    """Runs in its own daemon thread; hands every event to ``emit`` and topology changes to the client."""
+    """Runs in its own daemon thread; hands every event to ``emit`` and topology changes to its owner."""
 
-    def __init__(self, client: Client, emit: Callable[[Event], None]) -> None:
-        self._client = client
+    def __init__(self, owner: SessionOwner, connection: Connection, emit: Callable[[Event], None]) -> None:
+        self._owner = owner
+        self._connection = connection
         self._emit = emit
         self._closed = threading.Event()
-        self._interval_s = FIRST_HEARTBEAT_INTERVAL_S
         self._call: grpc.Future | None = None
         self._lost = False
         self.attached = threading.Event()
@@ -52,10 +77,10 @@ class Session:
         self._watch_lock = threading.Lock()
         self._prefixes: set[str] = set()  # key prefixes watched, sent again on every new stream
         self._acks: dict[str, threading.Event] = {}  # prefix -> set once the coordinator watches it for us
-        self._outbox: queue.Queue | None = None  # messages for the current stream besides heartbeats
-        self.position = client.topology_position
+        self._outbox: queue.Queue | None = None  # messages for the current stream (key watches)
+        self.position = owner.topology_position
         """The number of the last job event received (at first, that of the held topology's publication)."""
-        self._gate = os.environ.get(GATE_ENV, "")
+        self._gate = session_gate()
         self._thread = threading.Thread(target=self._run, name="ifrt-session", daemon=True)
 
     def start(self) -> None:
@@ -85,11 +110,11 @@ class Session:
         while not self._closed.is_set():
             while self._gate and not os.path.exists(self._gate) and not self._closed.wait(0.01):
                 pass
-            target = self._client.current_coordinator()
+            target = self._connection.current()
             stream_done = threading.Event()
             outbox: queue.Queue = queue.Queue()
             try:
-                self._call = self._client.stub(target).Session(self._requests(stream_done, outbox))
+                self._call = self._connection.stub(target).Session(self._requests(stream_done, outbox))
                 for event in self._call:  # type: ignore[attr-defined]
                     self._handle(event, target)
                 if not self._closed.is_set():
@@ -103,7 +128,7 @@ class Session:
                     self._rejoin()
                     continue
                 if isinstance(error, ProcessDeclaredFailed):
-                    self._emit(ProcessFailed(self._client.process_id, str(error)))
+                    self._emit(ProcessFailed(self._owner.process_id, str(error)))
                     break
                 self._lose(str(error))
             finally:
@@ -111,23 +136,20 @@ class Session:
                 outbox.put(None)  # ends the request stream at once
                 self.attached.clear()
             if self._lost:
-                self._client.rotate(target)
-                self._closed.wait(self._client.backoff.next())
+                self._connection.rotate(target)
+                self._closed.wait(self._connection.backoff.next())
 
     def _requests(self, stream_done: threading.Event, outbox: queue.Queue) -> Iterator[pb.SessionRequest]:
-        generation = self._client.topology.generation if self._client.topology else 0
+        generation = self._owner.topology.generation if self._owner.topology else 0
         with self._watch_lock:  # a watch asked for from now on goes to this outbox; earlier ones are sent below
             self._outbox = outbox
             prefixes = sorted(self._prefixes)
-        yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._client.client_uid, generation=generation,
+        yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._owner.client_uid, generation=generation,
                                                     since_event=self.position))
         for prefix in prefixes:
             yield pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix))
         while not stream_done.is_set() and not self._closed.is_set():
-            try:
-                message = outbox.get(timeout=self._interval_s)
-            except queue.Empty:
-                message = pb.SessionRequest(heartbeat=pb.Heartbeat())
+            message = outbox.get()  # None: the stream ended or the session closes
             if message is None or stream_done.is_set() or self._closed.is_set():
                 return
             yield message
@@ -140,8 +162,7 @@ class Session:
             self.position = number
         if kind == "attached":
             self.attached.set()
-            self._interval_s = event.attached.heartbeat_interval_ms / 1000
-            self._client.backoff.reset()
+            self._connection.answered(target)
             if self._lost:
                 self._lost = False
                 log.warning("session with coordinator %s restored", target)
@@ -155,21 +176,21 @@ class Session:
         elif kind == "topology_changed":
             shared = event.topology_changed
             canonical = wire.decompress(shared.encoding, shared.topology)
-            topology = Topology(canonical, self._client.process_id, expected_fingerprint=shared.fingerprint)
-            if self._client.adopt(topology):
+            topology = Topology(canonical, self._owner.process_id, expected_fingerprint=shared.fingerprint)
+            if self._owner.adopt(topology):
                 self._emit(TopologyChanged(topology))
         elif kind == "shutdown":
             self._lose(event.shutdown.reason)
         elif kind == "key_changed":
             change = event.key_changed
-            self._client.key_changed(change.key, None if change.deleted else change.value)
+            self._owner.key_changed(change.key, None if change.deleted else change.value)
         elif kind == "watching":
             with self._watch_lock:
                 ack = self._acks.get(event.watching.prefix)
             if ack is not None:
                 ack.set()
         elif kind == "preemption_notice":
-            self._client.preemption_noticed(event.preemption_notice.process_id)
+            self._owner.preemption_noticed(event.preemption_notice.process_id)
         elif kind == "snapshot":
             self._catch_up(event.snapshot)
 
@@ -183,7 +204,7 @@ class Session:
         for e in missed:
             self._emit(e)
         if snapshot.HasField("preemption_notice"):
-            self._client.preemption_noticed(snapshot.preemption_notice.process_id)
+            self._owner.preemption_noticed(snapshot.preemption_notice.process_id)
 
     def _lose(self, reason: str) -> None:
         self.attached.clear()
@@ -194,10 +215,10 @@ class Session:
 
     def _rejoin(self) -> None:
         try:
-            topology = self._client.register_again()
+            topology = self._owner.register_again()
         except Exception as e:  # the loop keeps trying; the reason reaches the watchers
             self._lose(f"registering again failed: {e}")
             return
-        self.position = self._client.topology_position  # the new coordinator's numbers
-        if self._client.adopt(topology):
+        self.position = self._owner.topology_position  # the new coordinator's numbers
+        if self._owner.adopt(topology):
             self._emit(TopologyChanged(topology))

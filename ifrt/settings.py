@@ -13,9 +13,12 @@ import signal
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 from ifrt import clusters
 from ifrt.errors import InvalidArgument
+from ifrt.hostport import split_host_port
+from ifrt.protocol import read_secret_file
 
 log = logging.getLogger("ifrt.settings")
 
@@ -37,8 +40,54 @@ PREEMPTION_SIGNALS_ENV = "IFRT_PREEMPTION_SIGNALS"  # "TERM" or "TERM,USR1": sig
 USE_PROXY_ENV = "IFRT_USE_PROXY"  # "1": dial the coordinator through http_proxy/https_proxy/grpc_proxy
 PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
 """What gRPC reads to route a channel through a proxy (ifrt's channels ignore them unless IFRT_USE_PROXY=1)."""
+PREFLIGHT_ENV = "IFRT_PREFLIGHT"  # "1": discover() runs the pre-flight before it returns
+PREFLIGHT_TIMEOUT_ENV = "IFRT_PREFLIGHT_TIMEOUT"  # "60": seconds the whole check may take under IFRT_PREFLIGHT=1
+FAILOVER_WINDOW_ENV = "IFRT_FAILOVER_WINDOW"  # "30": seconds a started runtime waits for a coordinator to answer
+SESSION_GATE_ENV = "IFRT_TEST_SESSION_GATE"
+"""For tests: the path of a file; while it does not exist, the session does not open (nor reopen), so a test can make
+events happen before a process attaches, without timing."""
 
 DEFAULT_PLUGIN = "cpu"
+DISCOVER_TIMEOUT_S = 300.0
+"""How long ``discover()`` waits by default for every process to register (a large job starts slowly)."""
+
+
+class DiscoverOptions(TypedDict, total=False):
+    """The keyword arguments of ``ifrt.discover``, ``ifrt.jax.initialize``, ``ifrt.torch.init_process_group`` and
+    ``ifrt.Client``; each one not given falls back to its ``IFRT_*`` variable, then to the launcher's environment.
+
+    - ``process_id``: this process's id (``IFRT_PROCESS_ID``; unset: the coordinator assigns ids)
+    - ``num_processes``: the job's process count (``IFRT_NUM_PROCESSES``; unset: take the coordinator's)
+    - ``plugin``: the device plugin (``IFRT_PLUGIN``; default ``cpu``)
+    - ``local_device_ids``: which of the plugin's devices this process owns (default: all it lists)
+    - ``timeout``: seconds to wait for every process to register (default ``DISCOVER_TIMEOUT_S``, 300)
+    - ``token``: the cluster's shared secret (else ``IFRT_TOKEN_FILE``, then ``IFRT_TOKEN``)
+    """
+
+    process_id: int | None
+    num_processes: int | None
+    plugin: str | None
+    local_device_ids: Sequence[int] | None
+    timeout: float
+    token: str | None
+
+
+class ProcessOptions(DiscoverOptions, total=False):
+    """What ``ifrt.Client`` (and ``resolve``) take besides the discover options; each falls back to its ``IFRT_*``
+    variable (``IFRT_LOCAL_RANK``, ``IFRT_CLUSTER_ID``, ``IFRT_TRANSFER_BIND``, ``IFRT_TOKEN_FILE``, ``IFRT_TLS_*``,
+    ``IFRT_ATTEMPT``, ``IFRT_PREEMPTION_SIGNALS``, ``IFRT_USE_PROXY``) in ``environ`` (default: the process's)."""
+
+    local_rank: int | None
+    cluster_id: str | None
+    transfer_bind: str | None
+    token_file: str | None
+    tls_ca: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    attempt: int | None
+    preemption_signals: Sequence[int | str] | None
+    use_proxy: bool | None
+    environ: Mapping[str, str] | None
 
 
 @dataclass(frozen=True)
@@ -88,8 +137,8 @@ def parse_coordinators(value: str) -> tuple[str, ...]:
                               f"run under a launcher that names one (looked for: "
                               f"{', '.join(d.name for d in clusters.DETECTORS)}; none found)")
     for a in addresses:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        host, port = split_host_port(a)
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(f"coordinator address {a!r} is not HOST:PORT with a port from 1 to 65535")
     return addresses
 
@@ -107,28 +156,19 @@ def _int_from(name: str, value: object, minimum: int) -> int:
     return number
 
 
-def resolve(
-    coordinator: str | Sequence[str] | None = None,
-    *,
-    process_id: int | None = None,
-    num_processes: int | None = None,
-    plugin: str | None = None,
-    local_device_ids: Sequence[int] | None = None,
-    timeout: float = 300.0,
-    local_rank: int | None = None,
-    cluster_id: str | None = None,
-    transfer_bind: str | None = None,
-    token: str | None = None,
-    token_file: str | None = None,
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
-    attempt: int | None = None,
-    preemption_signals: Sequence[int | str] | None = None,
-    use_proxy: bool | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> Settings:
-    """The settings for one process; InvalidArgument naming the variable or argument that is wrong."""
+def resolve(coordinator: str | Sequence[str] | None = None, **options: Unpack[ProcessOptions]) -> Settings:
+    """The settings for one process (``options``: see ProcessOptions); InvalidArgument naming the variable or
+    argument that is wrong, TypeError for an argument it does not take."""
+    unknown = sorted(options.keys() - ProcessOptions.__optional_keys__)
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r} (the options are "
+                        f"{', '.join(sorted(ProcessOptions.__optional_keys__))})")
+    process_id, num_processes = options.get("process_id"), options.get("num_processes")
+    plugin, local_device_ids = options.get("plugin"), options.get("local_device_ids")
+    timeout, token = options.get("timeout", DISCOVER_TIMEOUT_S), options.get("token")
+    tls_ca, tls_cert, tls_key = options.get("tls_ca"), options.get("tls_cert"), options.get("tls_key")
+    attempt, cluster_id, local_rank = options.get("attempt"), options.get("cluster_id"), options.get("local_rank")
+    environ = options.get("environ")
     env = os.environ if environ is None else environ
     launcher = clusters.detect(env)
 
@@ -179,13 +219,13 @@ def resolve(
         local_world_size=pick(None, LOCAL_WORLD_SIZE_ENV, "local_world_size", 1) or 1,
         cluster_id=cluster_id if cluster_id is not None else env.get(CLUSTER_ID_ENV, "").strip(),
         hostname=socket.gethostname(),
-        transfer_bind=transfer_bind or env.get(TRANSFER_BIND_ENV, "").strip() or None,
+        transfer_bind=options.get("transfer_bind") or env.get(TRANSFER_BIND_ENV, "").strip() or None,
         launcher=None if launcher is None else launcher.source,
-        token=_token(token, token_file, env),
+        token=_token(token, options.get("token_file"), env),
         **tls,
         attempt=pick(attempt, ATTEMPT_ENV, "attempt", 0),
-        preemption_signals=_signals(preemption_signals, env),
-        use_proxy=_use_proxy(use_proxy, env),
+        preemption_signals=_signals(options.get("preemption_signals"), env),
+        use_proxy=_use_proxy(options.get("use_proxy"), env),
         slice_index=None if launcher is None else launcher.slice_index,
     )
 
@@ -220,9 +260,20 @@ def _use_proxy(given: bool | None, env: Mapping[str, str]) -> bool:
                           "the coordinator directly, the default)")
 
 
-def proxies_set(env: Mapping[str, str]) -> list[str]:
+def proxies_set(environ: Mapping[str, str] | None = None) -> list[str]:
     """The proxy variables gRPC would follow that are set here, e.g. ``["https_proxy=http://proxy:3128"]``."""
+    env = os.environ if environ is None else environ
     return [f"{var}={env[var]}" for var in PROXY_VARIABLES if env.get(var, "").strip()]
+
+
+def own_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``IFRT_*`` variables alone: what a caller that is no job process (torchrun's agent) may take."""
+    return {k: v for k, v in (os.environ if environ is None else environ).items() if k.startswith("IFRT_")}
+
+
+def present_launchers(environ: Mapping[str, str] | None = None) -> list[clusters.Detected]:
+    """Every launcher whose environment is present here, highest priority first (for diagnostics)."""
+    return clusters.present(os.environ if environ is None else environ)
 
 
 def _token(token: str | None, token_file: str | None, env: Mapping[str, str]) -> str | None:
@@ -243,25 +294,49 @@ def _token(token: str | None, token_file: str | None, env: Mapping[str, str]) ->
     return value
 
 
-def read_secret_file(path: str, origin: str) -> str:
-    """The secret held by ``path`` (surrounding whitespace removed); InvalidArgument naming the file, never its
-    content."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = f.read().strip()
-            mode = os.fstat(f.fileno()).st_mode
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidArgument(f"cannot read {path!r} ({origin}): {e}") from None
-    if not value:
-        raise InvalidArgument(f"{path!r} ({origin}) is empty: expected a secret")
-    if mode & 0o077:
-        log.warning("the secret in %s (%s) is readable by other users (mode %o): chmod 600 %s", path, origin,
-                    mode & 0o777, path)
-    return value
-
-
 def _readable(path: str | None, origin: str) -> str | None:
     """``path`` if it names a readable file; InvalidArgument naming the setting otherwise."""
     if path is not None and not os.access(path, os.R_OK):
         raise InvalidArgument(f"{origin}={path!r} is not a readable file")
     return path
+
+
+def env_plugin(environ: Mapping[str, str] | None = None) -> str | None:
+    """The device plugin ``IFRT_PLUGIN`` names (``"cpu"``), or None when it is unset."""
+    env = os.environ if environ is None else environ
+    return env.get(PLUGIN_ENV, "").strip() or None
+
+
+def preflight_timeout(default: float, environ: Mapping[str, str] | None = None) -> float | None:
+    """The seconds discover()'s pre-flight may take when ``IFRT_PREFLIGHT=1`` asks for one (``IFRT_PREFLIGHT_TIMEOUT``,
+    else ``default``), or None when none is asked for; InvalidArgument naming a timeout that is not a number."""
+    env = os.environ if environ is None else environ
+    if env.get(PREFLIGHT_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+        return None
+    raw = env.get(PREFLIGHT_TIMEOUT_ENV, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise InvalidArgument(f"{PREFLIGHT_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+
+
+def failover_window(default: float, environ: Mapping[str, str] | None = None) -> float:
+    """``IFRT_FAILOVER_WINDOW`` in seconds, else ``default``; InvalidArgument naming the value if it is not a
+    positive number."""
+    raw = (os.environ if environ is None else environ).get(FAILOVER_WINDOW_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgument(f"{FAILOVER_WINDOW_ENV}={raw!r}: expected a positive number of seconds, e.g. "
+                              f"{default:g}")
+    return seconds
+
+
+def session_gate(environ: Mapping[str, str] | None = None) -> str:
+    """The file ``IFRT_TEST_SESSION_GATE`` names (tests only: no session opens while it is missing), or ""."""
+    env = os.environ if environ is None else environ
+    return env.get(SESSION_GATE_ENV, "")

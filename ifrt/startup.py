@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ifrt import events
-from ifrt.client import Backoff, Client
+from ifrt.client import Client
+from ifrt.connection import Backoff
 from ifrt.errors import BarrierFailed, DiscoveryTimeout, KeyValueTimeout
 from ifrt.topology import Topology
 

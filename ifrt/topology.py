@@ -14,8 +14,8 @@ import numpy as np
 from ifrt import wire
 from ifrt.errors import TopologyError
 from ifrt.ids import LOCAL_ID_BITS, MAX_LOCAL_DEVICES
-from ifrt.mesh import Mesh, mesh_from_topology
-from ifrt.records import Device, Process
+from ifrt.mesh import Mesh, topology_order
+from ifrt.records import Device, Process, TopologyContent
 
 _ID = attrgetter("id")
 
@@ -95,7 +95,14 @@ class Topology:
              devices: Sequence[Device | int] | None = None) -> Mesh:
         """A device mesh; by default over all devices in topology-aware order (one process's devices, then one
         host's, one slice's, adjacent along the innermost axes; ring order where devices have coordinates)."""
-        return mesh_from_topology(self, shape, axis_names, devices)
+        if devices is None:
+            hostnames = {p.process_id: p.hostname for p in self.processes}
+            ids = [d.id for d in topology_order(self.devices, hostnames)]
+        else:
+            ids = [d.id if isinstance(d, Device) else int(d) for d in devices]
+        if int(np.prod(shape)) != len(ids):
+            raise ValueError(f"mesh shape {list(shape)} holds {int(np.prod(shape))} devices; {len(ids)} were given")
+        return Mesh(np.array(ids, dtype=np.int64).reshape(tuple(shape)), axis_names, self)
 
     # This process's view.
     @property
@@ -139,7 +146,7 @@ class Topology:
     def from_dict(cls, d: Mapping[str, Any]) -> Topology:
         """The topology ``to_dict`` described; TopologyError if it is inconsistent or its fingerprint differs."""
         try:
-            content = wire.TopologyContent(
+            content = TopologyContent(
                 cluster_id=str(d.get("cluster_id", "")),
                 generation=int(d["generation"]),
                 num_processes=int(d["num_processes"]),

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 try:
     import torch
@@ -38,8 +38,10 @@ except ImportError as e:  # the optional extra is missing
 from ifrt import failfast, startup
 from ifrt.client import Client
 from ifrt.errors import BackendAlreadyInitialized, KeyValueTimeout
+from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.mesh import Mesh
+from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions
 from ifrt.startup import RECHECK_S
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
@@ -195,23 +197,19 @@ def init_process_group(
     backend: str | None = None,
     coordinator: str | Sequence[str] | None = None,
     *,
-    process_id: int | None = None,
-    num_processes: int | None = None,
-    plugin: str | None = None,
-    local_device_ids: Sequence[int] | None = None,
-    timeout: float = 300.0,
-    token: str | None = None,
     on_failure: failfast.OnFailure = "exit",
+    **options: Unpack[DiscoverOptions],
 ) -> Topology:
     """Discovers the topology with ifrt, then starts ``torch.distributed`` with ``rank = process_id`` and
     ``world_size = num_processes`` on a Store scoped to this start; returns the topology.
 
-    The other arguments are ``ifrt.discover``'s. ``backend``: gloo on CPU, nccl where the process's devices are
-    CUDA GPUs. Calling it again returns the same topology; BackendAlreadyInitialized if another default process
-    group exists. DiscoveryTimeout names who is missing; BarrierFailed, in every process, names a process that
-    failed during the start. Afterwards a failed peer or a lost coordinator ends this process as ``on_failure``
-    says (``ifrt.failfast``), aborting the process groups first unless it exits at once (NCCL's abort unblocks a
-    collective waiting on a hung peer; torch 2.13's gloo abort does not).
+    The other arguments are ``ifrt.discover``'s (``ifrt.settings.DiscoverOptions``). ``backend``: gloo on CPU,
+    nccl where the process's devices are CUDA GPUs. Calling it again returns the same topology;
+    BackendAlreadyInitialized if another default process group exists. DiscoveryTimeout names who is missing;
+    BarrierFailed, in every process, names a process that failed during the start. Afterwards a failed peer or a
+    lost coordinator ends this process as ``on_failure`` says (``ifrt.failfast``), aborting the process groups
+    first unless it exits at once (NCCL's abort unblocks a collective waiting on a hung peer; torch 2.13's gloo
+    abort does not).
     """
     global _started
     with _lock:
@@ -223,9 +221,8 @@ def init_process_group(
                 "a default torch.distributed process group already exists in this process: "
                 "ifrt.torch.init_process_group() starts it itself with the topology's ranks; remove the other "
                 "torch.distributed.init_process_group() call (or destroy that group first)")
-        deadline = time.monotonic() + timeout
-        client = Client(coordinator, process_id=process_id, num_processes=num_processes, plugin=plugin,
-                        local_device_ids=local_device_ids, timeout=timeout, token=token)
+        deadline = time.monotonic() + options.get("timeout", DISCOVER_TIMEOUT_S)
+        client = Client(coordinator, **options)
         try:
             topology = client.discover()
             exchange = StartupExchange(client, topology, deadline)
@@ -298,7 +295,7 @@ class StartupExchange(startup.StartupExchange):
 def _advertised_ip(client: Client, topology: Topology) -> str:
     """The IP this process is reached at: its transfer endpoint's host, else its address toward the coordinator."""
     address = topology.process(topology.process_id).address
-    host = address.rpartition(":")[0].strip("[]") if address else ""
+    host = split_host_port(address)[0]
     return host or local_address_toward(client.settings.coordinators)
 
 

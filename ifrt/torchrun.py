@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from ifrt.client import Client
 from ifrt.clusters.base import DEFAULT_PORT
 from ifrt.errors import IfrtError, InvalidArgument
-from ifrt.settings import COORDINATOR_ENV, parse_coordinators
+from ifrt.settings import COORDINATOR_ENV, own_variables, parse_coordinators
 from ifrt.torch import Store
 from ifrt.transfer import local_address_toward
 
@@ -70,8 +70,7 @@ def create_rendezvous_handler(params: RendezvousParameters) -> IfrtRendezvousHan
     keep_alive_interval = _positive(params, "keep_alive_interval", 5)
     keep_alive_max_attempt = _positive(params, "keep_alive_max_attempt", 3)
     # Only IFRT_* settings (token, TLS): the launcher's own variables describe workers, not this agent.
-    environ = {k: v for k, v in os.environ.items() if k.startswith("IFRT_")}
-    client = Client(coordinators, session=False, transfer=False, environ=environ)
+    client = Client(coordinators, session=False, transfer=False, environ=own_variables())
     os.environ.setdefault(COORDINATOR_ENV, ",".join(coordinators))  # workers start from the same replicas
     prefix = f"{KEY_PREFIX}{params.run_id}/"
     store = Store(client, prefix=f"{prefix}store/", timeout=float(read_timeout))

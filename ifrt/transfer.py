@@ -4,11 +4,11 @@ Each process binds an ``Endpoint`` before it registers and advertises its addres
 ``Channels(topology)`` then sends to and receives from any device: a socket to a peer process is opened on
 first use and reused; a transfer between two devices of the same process never touches a socket.
 
-A frame is a fixed header (magic, version, sequence number, source and destination device, dtype, shape,
-payload length) followed by the raw array bytes. Sequence numbers run per (source, destination) pair, so a
-lost, repeated or reordered frame is an error, as is a bad header or a peer that goes away mid-frame. A
-sender numbers and writes a frame in one step under the lock of its destination process, so threads sending
-on the same pair put frames on the wire in sequence order. Every receive waits a finite time.
+A frame (its bytes: ``ifrt.frames``) is a fixed header (magic, version, sequence number, source and destination
+device, dtype, shape, payload length) followed by the raw array bytes. Sequence numbers run per (source,
+destination) pair, so a lost, repeated or reordered frame is an error, as is a bad header or a peer that goes
+away mid-frame. A sender numbers and writes a frame in one step under the lock of its destination process, so
+threads sending on the same pair put frames on the wire in sequence order. Every receive waits a finite time.
 
 With the cluster's token, a new connection is challenged before its first frame: the endpoint sends a random
 nonce and the connecting process answers with an HMAC of it under the token; a stranger is logged and closed.
@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import hmac
-import ipaddress
 import logging
 import math
 import numbers
 import os
 import queue
 import socket
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -41,6 +38,21 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
+from ifrt.frames import (
+    ALLOWED_KINDS,
+    ARRAY,
+    CHALLENGE_BYTES,
+    HEADER,
+    HELLO,
+    addresses_of,
+    connect,
+    encode_header,
+    ip_of,
+    read_frame,
+    recv_exactly,
+    token_proof,
+)
+from ifrt.hostport import join_host_port, split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.ratelimit import Throttled
 
@@ -49,15 +61,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ifrt.transfer")
 
-MAGIC = b"IFRT"
-VERSION = 1
-HELLO, ARRAY = 1, 2
-# magic, version, kind, ndim, dtype length, sequence, source device, destination device, payload bytes
-HEADER = struct.Struct("!4sBBBBQqqQ")
-MAX_NDIM = 32
-ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing to unpickle
-CHUNK = 4 << 20
-CHALLENGE_BYTES = 32  # the token challenge, and its HMAC-SHA256 answer, are both this long
 HANDSHAKE_TIMEOUT_S = 10.0
 """From a connection's accept to the end of its handshake (hello, topology check, token challenge): then it closes."""
 MAX_HANDSHAKES = 64
@@ -79,26 +82,6 @@ def wait_seconds(timeout: float | None, default: float) -> float:
     return float(given)
 
 
-def _recv_exactly(sock: socket.socket, buffer: memoryview, what: str, deadline: float | None = None) -> None:
-    got = 0
-    while got < len(buffer):
-        if deadline is not None:  # the whole read, not each recv: a peer sending a byte at a time gets no longer
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-        n = sock.recv_into(buffer[got:], min(CHUNK, len(buffer) - got))
-        if n == 0:
-            raise TransferError(f"the peer closed the connection mid-frame: got {got} of {len(buffer)} bytes of {what}")
-        got += n
-
-
-def encode_header(kind: int, seq: int, src: int, dst: int, array: np.ndarray | None = None) -> bytes:
-    """The header (and dtype and shape) of one frame; the payload follows it."""
-    if array is None:
-        return HEADER.pack(MAGIC, VERSION, kind, 0, 0, seq, src, dst, 0)
-    dtype = array.dtype.str.encode()
-    return (HEADER.pack(MAGIC, VERSION, kind, array.ndim, len(dtype), seq, src, dst, array.nbytes) + dtype
-            + struct.pack(f"!{array.ndim}Q", *array.shape))
-
-
 class Endpoint:
     """This process's transfer listener; incoming arrays wait in one queue per (source, destination) device."""
 
@@ -112,12 +95,12 @@ class Endpoint:
         from the address of the process it says it is (see ``expect``)."""
         self.auth_key = token.encode() if token else None
         self.handshake_timeout = handshake_timeout
-        host, _, port = bind.rpartition(":")
+        host, port = split_host_port(bind)
         try:
-            self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=128)
+            self._listener = socket.create_server((host, int(port)), backlog=128)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot bind the transfer endpoint to {bind!r}: {e}") from e
-        self.address = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
+        self.address = join_host_port(advertise_host or host, self._listener.getsockname()[1])
         self._queues: dict[tuple[int, int], queue.Queue] = {}
         self._failed: dict[int, TransferError] = {}  # source process -> why its connection ended badly
         self._lock = threading.Lock()
@@ -267,7 +250,7 @@ class Endpoint:
                 header = conn.recv(HEADER.size, socket.MSG_PEEK)
                 if not header:
                     return  # a clean close between frames
-                _, seq, src, dst, array = self._read_frame(conn, hello=False)
+                _, seq, src, dst, array = read_frame(conn, hello=False)
                 want = expected.get((src, dst), 0)
                 if seq != want:
                     raise TransferError(f"frame {seq} from device {src} to device {dst}: expected frame {want} "
@@ -297,7 +280,7 @@ class Endpoint:
         says (logged, counted when repeated)."""
         deadline = time.monotonic() + self.handshake_timeout
         try:
-            _, _, src_process, dst_process, _ = self._read_frame(conn, hello=True, deadline=deadline)
+            _, _, src_process, dst_process, _ = read_frame(conn, hello=True, deadline=deadline)
         except (TransferError, OSError) as e:
             with self._lock:
                 hung_up = self._closed or conn not in self._handshaking  # closed as the oldest: logged then
@@ -331,11 +314,11 @@ class Endpoint:
             claimed = topology.process(src_process)
         except KeyError:
             return f"topology generation {topology.generation} has no process {src_process}"
-        host = claimed.address.rpartition(":")[0].strip("[]")
+        host = split_host_port(claimed.address)[0]
         if not host:
             return f"process {src_process} advertised no transfer endpoint"
-        source = _ip(str(peer[0]))
-        if source not in _addresses_of(host):
+        source = ip_of(str(peer[0]))
+        if source not in addresses_of(host):
             return (f"it connects from {peer[0]}, but process {src_process} is at {host} in topology generation "
                     f"{topology.generation}")
         return None
@@ -347,7 +330,7 @@ class Endpoint:
         try:
             conn.sendall(challenge)
             answer = bytearray(CHALLENGE_BYTES)
-            _recv_exactly(conn, memoryview(answer), "the answer to the token challenge", deadline)
+            recv_exactly(conn, memoryview(answer), "the answer to the token challenge", deadline)
         except (OSError, TransferError) as e:
             self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): no answer to "
                                 "the token challenge: %s", peer, src_process, e)
@@ -357,37 +340,6 @@ class Endpoint:
                                 "hold the cluster's token", peer, src_process)
             return False
         return True
-
-    @staticmethod
-    def _read_frame(conn: socket.socket, hello: bool,
-                    deadline: float | None = None) -> tuple[int, int, int, int, np.ndarray | None]:
-        raw = bytearray(HEADER.size)
-        _recv_exactly(conn, memoryview(raw), "a frame header", deadline)
-        magic, version, kind, ndim, dtype_len, seq, src, dst, nbytes = HEADER.unpack(raw)
-        if magic != MAGIC or version != VERSION:
-            raise TransferError(f"bad frame header: magic {magic!r} version {version}, expected {MAGIC!r} "
-                                f"version {VERSION}")
-        if kind != (HELLO if hello else ARRAY):
-            raise TransferError(f"unexpected frame kind {kind}: expected {'HELLO' if hello else 'ARRAY'}")
-        if hello:
-            return kind, seq, src, dst, None
-        if ndim > MAX_NDIM or not 0 < dtype_len <= 16:
-            raise TransferError(f"bad array header: ndim {ndim} (at most {MAX_NDIM}), dtype length {dtype_len}")
-        meta = bytearray(dtype_len + 8 * ndim)
-        _recv_exactly(conn, memoryview(meta), "an array header")
-        try:
-            dtype = np.dtype(meta[:dtype_len].decode())
-        except (TypeError, UnicodeDecodeError) as e:
-            raise TransferError(f"bad dtype {bytes(meta[:dtype_len])!r} in frame {seq}") from e
-        if dtype.kind not in ALLOWED_KINDS:
-            raise TransferError(f"dtype {dtype} in frame {seq} is not a plain numeric type")
-        shape = struct.unpack(f"!{ndim}Q", meta[dtype_len:])
-        if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != nbytes:
-            raise TransferError(f"frame {seq} says {nbytes} payload bytes for shape {shape} of {dtype}")
-        array = np.empty(shape, dtype=dtype)
-        _recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), f"frame {seq}'s {nbytes}-byte payload")
-        return kind, seq, src, dst, array
-
 
 class Channels:
     """Send and receive numpy arrays between devices of the topology; close it (or use ``with``) when done."""
@@ -485,7 +437,7 @@ class Channels:
         address = self.topology.process(process_id).address
         if not address:
             raise TransferError(f"process {process_id} advertised no transfer endpoint")
-        own = self.topology.process(self.topology.process_id).address.rpartition(":")[0].strip("[]")
+        own = split_host_port(self.topology.process(self.topology.process_id).address)[0]
         try:  # endpoints listen before their process registers: a refusal means the peer is gone
             sock = connect(address, self._connect_timeout, own if self.endpoint.auth_key is None else None)
         except (OSError, ValueError) as e:
@@ -495,7 +447,7 @@ class Channels:
             sock.sendall(encode_header(HELLO, 0, self.topology.process_id, process_id))
             if self.endpoint.auth_key is not None:
                 challenge = bytearray(CHALLENGE_BYTES)
-                _recv_exactly(sock, memoryview(challenge), f"process {process_id}'s token challenge")
+                recv_exactly(sock, memoryview(challenge), f"process {process_id}'s token challenge")
                 sock.sendall(token_proof(self.endpoint.auth_key, bytes(challenge)))
         except (OSError, TransferError) as e:
             sock.close()
@@ -513,55 +465,13 @@ def _hang_up(conn: socket.socket) -> None:
         conn.shutdown(socket.SHUT_RDWR)
 
 
-def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """``text`` as an address (an IPv4 address mapped into IPv6 as the IPv4 one), or None if it is not one."""
-    try:
-        address = ipaddress.ip_address(text.split("%")[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def _addresses_of(host: str) -> set:
-    """The addresses ``host`` (an address, or a name to resolve) stands for; empty if it resolves to none."""
-    literal = _ip(host)
-    if literal is not None:
-        return {literal}
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return set()
-    return {_ip(str(info[4][0])) for info in infos} - {None}
-
-
-def connect(address: str, timeout: float, source_host: str | None = None) -> socket.socket:
-    """A TCP connection to a transfer endpoint at ``address`` ("host:port"), from ``source_host`` when given and
-    usable (a process's transfer connections leave from its own endpoint's host, which is what a peer checks)."""
-    host, _, port = address.rpartition(":")
-    target = (host.strip("[]"), int(port))
-    if source_host:
-        try:
-            return socket.create_connection(target, timeout=timeout, source_address=(source_host, 0))
-        except OSError as e:  # that address cannot reach the target (say, loopback toward another host)
-            if e.errno not in (errno.EADDRNOTAVAIL, errno.EINVAL, errno.ENETUNREACH, errno.EAFNOSUPPORT):
-                raise
-    return socket.create_connection(target, timeout=timeout)
-
-
-def token_proof(key: bytes, challenge: bytes) -> bytes:
-    """What answers a challenge: an HMAC of it under the cluster token (the token itself never crosses the wire)."""
-    return hmac.new(key, b"ifrt-transfer:" + challenge, hashlib.sha256).digest()
-
-
 def local_address_toward(targets: Sequence[str]) -> str:
     """The IP this host uses to reach the first target (no packet is sent), for advertising an endpoint."""
-    host, _, port = targets[0].rpartition(":")
+    host, port = split_host_port(targets[0])
     try:
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host.strip("[]"), int(port)))
+            probe.connect((host, int(port)))
             return probe.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())

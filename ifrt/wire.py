@@ -1,4 +1,5 @@
-"""The compact canonical wire form of a topology, and its once-per-generation compression.
+"""The compact canonical wire form of a topology, its once-per-generation compression, and a local device as a
+registration sends it.
 
 Canonical means: the same topology always encodes to the same bytes (processes by id, devices by global id,
 strings tabled in first-use order, integer columns delta and run-length coded with maximal runs), so the
@@ -15,7 +16,6 @@ import hashlib
 import types
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import TopologyError
 from ifrt.ids import LOCAL_ID_BITS, MAX_LOCAL_DEVICES, MAX_PROCESSES_INT64
-from ifrt.records import Device, Process
+from ifrt.records import Device, LocalDevice, Process, TopologyContent
 
 FRONT_CODING_WIDTH = 64
 """Hostnames and addresses up to this many characters are front coded with numpy (longer ones in a loop)."""
@@ -37,15 +37,12 @@ MAX_DEVICES = 1 << 24
 """Refuse to decode more devices than this: run lengths could otherwise ask for any number in a few bytes."""
 
 
-@dataclass(frozen=True)
-class TopologyContent:
-    """Everything the canonical bytes encode (what every process of one generation shares)."""
-
-    cluster_id: str
-    generation: int
-    num_processes: int
-    processes: tuple[Process, ...]
-    devices: tuple[Device, ...]
+def add_local_device(request: pb.RegisterRequest, device: LocalDevice, slice_key: str = "") -> None:
+    """Appends ``device`` to a registration (``slice_key``: its slice where the device names none); its host
+    attributes stay on its host."""
+    request.devices.add(local_id=device.local_id, platform=device.platform, kind=device.kind,
+                        slice_key=device.slice_key or slice_key, coordinates=device.coordinates,
+                        attributes=device.attributes)
 
 
 def fingerprint(canonical: bytes) -> str:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from plugins.base import DEFAULT_PROPERTIES, DevicePlugin
+from plugins.base import DevicePlugin
 from plugins.registry import ENTRY_POINT_GROUP, PluginError, PluginInfo, all_plugins, get_plugin
 
-__all__ = ["DEFAULT_PROPERTIES", "ENTRY_POINT_GROUP", "DevicePlugin", "PluginError", "PluginInfo", "all_plugins",
-           "get_plugin"]
+__all__ = ["ENTRY_POINT_GROUP", "DevicePlugin", "PluginError", "PluginInfo", "all_plugins", "get_plugin"]

@@ -24,8 +24,8 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ifrt.errors import InvalidArgument
 from ifrt.records import LocalDevice
@@ -149,7 +149,6 @@ class CudaPlugin(DevicePlugin):
     """NVIDIA GPUs as NVML sees them; unavailable without nvidia-ml-py or a driver."""
 
     name = "cuda"
-    properties: ClassVar[Mapping[str, Mapping[str, object]]] = {"*": {"interconnect": "pcie", "direct_transfer": True}}
 
     def check(self) -> str | None:
         try:

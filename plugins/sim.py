@@ -15,7 +15,6 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
 
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES
@@ -94,7 +93,6 @@ class SimPlugin(DevicePlugin):
     """Synthetic accelerators described by ``IFRT_SIM_SPEC``."""
 
     name = "sim"
-    properties: ClassVar[Mapping[str, Mapping[str, object]]] = {"*": {"interconnect": "ici", "direct_transfer": True}}
 
     def local_devices(self, local_device_ids: Sequence[int] | None = None) -> list[LocalDevice]:
         return select(devices_from_spec(os.environ.get(SPEC_ENV, "")), local_device_ids)

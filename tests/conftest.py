@@ -1,4 +1,5 @@
-"""Shared fixtures: a real ifrt-coordinator daemon on loopback, `ifrt discover` subprocesses, real etcd servers.
+"""Shared fixtures: a real ifrt-coordinator daemon on loopback, worker processes, real etcd servers (the helpers
+they and the tests share are in tests/helpers.py).
 
 What the suite needs from the machine (etcd, network namespaces, jax) is checked by tests/requirements.py's
 ``require``: a failure under CI=true, a skip that says why elsewhere.
@@ -6,17 +7,13 @@ What the suite needs from the machine (etcd, network namespaces, jax) is checked
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from coordinator.local import LocalCoordinator
-
-BIN = Path(sys.executable).parent
+from tests import helpers
+from tests.workers import COORDINATION_WORKER, Worker
 
 
 @pytest.fixture
@@ -34,43 +31,51 @@ def start_coordinator() -> Iterator[Callable[..., LocalCoordinator]]:
         coordinator.close()
 
 
-def discover_process(address: str, *args: str, devices: int = 1, env: dict[str, str] | None = None,
-                     timeout: float = 60) -> subprocess.Popen:
-    """`ifrt discover --json` in a child process (its own interpreter, like a job's process)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
-    full_env.update(IFRT_CPU_DEVICE_COUNT=str(devices), **(env or {}))
-    return subprocess.Popen([str(BIN / "ifrt"), "discover", "--coordinator", address, "--timeout", str(timeout),
-                             "--json", *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def doomed_peer(address: str) -> subprocess.Popen:
-    """Process 1 of a 2-process job that discovers, then exits (code 3) without a goodbye: the coordinator declares
-    it failed once its heartbeat timeout passes."""
-    dies = ("import os, ifrt\n"
-            f"ifrt.Client({address!r}, process_id=1, num_processes=2, transfer=False).discover()\n"
-            "os._exit(3)\n")
-    return subprocess.Popen([sys.executable, "-c", dies], stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of a child, killing it by pid if it outlives ``timeout``."""
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, err = process.communicate()
-        raise AssertionError(f"child {process.pid} did not finish within {timeout}s; stderr:\n{err}") from None
-    return process.returncode, out, err
-
-
 @pytest.fixture
 def free_port() -> int:
     """A loopback port that was free a moment ago (for a coordinator started after its clients)."""
-    import socket
+    return helpers.free_port()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+@pytest.fixture
+def workers() -> Iterator[Callable[..., Worker]]:
+    """Starts worker processes (tests/workers.py), each stopped afterwards; a process id keeps its transfer port
+    across restarts, as a job's fixed port would (unless ``transfer_port`` is given, or the id is assigned)."""
+    started: list[Worker] = []
+    ports: dict[int, int] = {}
+
+    def start(address: str, process_id: int | None, *args, **kwargs) -> Worker:
+        if "transfer_port" not in kwargs and process_id is not None:
+            kwargs["transfer_port"] = ports.setdefault(process_id, helpers.free_port())
+        started.append(Worker(address, process_id, *args, **kwargs))
+        return started[-1]
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def coordination_workers(workers) -> Callable[..., Worker]:
+    """Starts tests/coordination_worker.py processes (one device, no transfer endpoint, ``env`` added to their IFRT_*
+    settings), each stopped afterwards."""
+    def start(address: str, process_id: int, num_processes: int, *args: str, **env: str) -> Worker:
+        return workers(address, process_id, num_processes, *args, devices=1, transfer_port=None,
+                       script=COORDINATION_WORKER, env=env)
+
+    return start
+
+
+@pytest.fixture
+def children() -> Iterator[list]:
+    """Child processes (Popen or Worker) to kill by pid at the end, whatever state they are in."""
+    started: list = []
+    yield started
+    for child in started:
+        process = child.process if isinstance(child, Worker) else child
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ from types import TracebackType
 
 import pytest
 
+from tests.helpers import free_ports
 from tests.requirements import require
 
 HOST = "127.0.0.1"
@@ -81,18 +82,6 @@ def skip_without_etcd() -> str:
 
 requires_etcd = pytest.mark.usefixtures("etcd_installed")
 """Marks a test that starts etcd itself: the ``etcd_installed`` fixture (tests/conftest.py) calls skip_without_etcd."""
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that were free a moment ago (all bound at once, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _etcd_env() -> dict[str, str]:

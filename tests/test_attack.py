@@ -57,7 +57,7 @@ class Resources:
 
 
 def settle() -> None:
-    """Waits out one round of the daemon's collection of garbage (coordinator.server.GC_INTERVAL_S, 1 s)."""
+    """Waits out one round of the daemon's collection of garbage (CoordinatorConfig.gc_interval_s, 1 s)."""
     time.sleep(2)
 
 

@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
-from tests.test_coordination import clients, coordination_worker
-
-LEADER_TTL = "2"
-
-
-def serving(*coordinators: LocalCoordinator, timeout: float = 30) -> LocalCoordinator:
-    """The one of ``coordinators`` that leads, once it serves."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for c in coordinators:
-            if c.process.poll() is None and "serving:" in c.log:
-                return c
-        time.sleep(0.05)
-    raise AssertionError("no replica serves:\n" + "\n---\n".join(c.log for c in coordinators))
+from tests.helpers import clients
+from tests.replicas import LEADER_TTL, Replicas, kill_the_leader_midway
 
 
 def test_a_new_attempt_sees_nothing_of_the_last_and_refuses_its_processes(etcd):
@@ -67,25 +54,11 @@ def test_a_new_attempt_sees_nothing_of_the_last_and_refuses_its_processes(etcd):
         second.close()
 
 
-def test_increments_from_eight_processes_survive_a_leader_kill_exactly_once(etcd):
-    args = ("--store", etcd.url, "--cluster-id", "counting", "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", "5")
-    replicas = [LocalCoordinator(*args, num_processes=9) for _ in range(2)]
-    addresses = ",".join(c.address for c in replicas)
-    workers = []
-    try:
-        leader = serving(*replicas)
-        workers = [coordination_worker(addresses, i, 9, "increment", "counter", "1000") for i in range(8)]
-        with ifrt.Client(addresses, process_id=8, num_processes=9, timeout=90) as client:
-            client.discover()
-            while int(client.kv_try_get("counter") or b"0") < 2000:  # polling the count, not a guess of time
-                time.sleep(0.05)
-            leader.stop(signal.SIGKILL)
-            serving(*(c for c in replicas if c is not leader))
-            lasts = [w.expect("incremented", timeout=300)["last"] for w in workers]
+def test_increments_from_eight_processes_survive_a_leader_kill_exactly_once(etcd, coordination_workers):
+    with Replicas(etcd, num_processes=9, cluster_id="counting", heartbeat="5") as replicas:
+        counting = [coordination_workers(replicas.addresses, i, 9, "increment", "counter", "1000") for i in range(8)]
+        with kill_the_leader_midway(replicas, 8, 9, lambda c: int(c.kv_try_get("counter") or b"0") >= 2000,
+                                    "2000 increments before the kill") as client:
+            lasts = [w.expect("incremented", timeout=300)["last"] for w in counting]
             assert max(lasts) == 8000
             assert client.kv_get("counter", timeout=30) == b"8000"
-    finally:
-        for w in workers:
-            w.stop()
-        for c in replicas:
-            c.close()

@@ -9,12 +9,10 @@ import re
 import subprocess
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 import ifrt.clusters
 from ifrt.clusters import DEFAULT_PORT, DETECTORS, Detected, detect, present
-from ifrt.clusters.hostlist import expand_hostlist, format_hostlist, iter_hostlist
+from ifrt.clusters.hostlist import expand_hostlist, iter_hostlist
 from ifrt.clusters.jobset import JobSet
 from ifrt.clusters.kubeflow import KubeflowTrainer
 from ifrt.clusters.kubernetes import Kubernetes
@@ -24,7 +22,7 @@ from ifrt.clusters.slurm import Slurm, tasks_on_node
 from ifrt.clusters.torchrun import Torchrun
 from ifrt.clusters.tpu import GkeTpu
 from ifrt.errors import InvalidArgument
-from tests.conftest import BIN
+from tests.helpers import BIN
 
 # What a login shell and a container put in every environment: none of it names a launcher.
 BASE = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/home/ml", "USER": "ml", "LANG": "C.UTF-8", "SHLVL": "1"}
@@ -454,26 +452,6 @@ def test_the_first_host_of_a_huge_range_costs_nothing():
     assert next(iter_hostlist("n[0-999999999999]")) == "n0"
 
 
-_name = st.text("abz09-.", min_size=1, max_size=4)
-_host = st.one_of(
-    _name,
-    st.builds(lambda prefix, n, pad: f"{prefix}{str(n).zfill(pad)}", _name, st.integers(0, 130), st.integers(1, 4)),
-)
-
-
-@given(st.lists(_host, min_size=1, max_size=25))
-def test_expanding_a_formatted_host_list_returns_the_list(hosts):
-    assert expand_hostlist(format_hostlist(hosts)) == hosts
-
-
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=30), st.integers(1, 4))
-def test_consecutive_numbers_compress_to_ranges_and_back(numbers, pad):
-    hosts = [f"node{str(n).zfill(pad)}" for n in sorted(set(numbers))]
-    formatted = format_hostlist(hosts)
-    assert expand_hostlist(formatted) == hosts
-    assert len(formatted) <= len(",".join(hosts))
-
-
 # --- malformed values --------------------------------------------------------------------------------------------
 
 
@@ -596,7 +574,7 @@ def test_the_priority_order_is_the_documented_order():
 
 def test_the_launchers_slice_reaches_the_published_topology(start_coordinator):
     # Two single-host slices of a multislice job; the cpu plugin names no slice, so the launcher's does.
-    from tests.conftest import discover_process, finish
+    from tests.helpers import discover_process, finish
 
     coordinator = start_coordinator(num_processes=2)
     children = [discover_process(coordinator.address, env={

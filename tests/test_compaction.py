@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import time
 import uuid
 
@@ -14,16 +13,14 @@ from hypothesis import strategies as st
 
 import ifrt
 from coordinator import compaction, journal
-from coordinator.local import LocalCoordinator
 from coordinator.replica import Replica
 from coordinator.state import ANSWERS_REMEMBERED, ClusterState
 from coordinator.store import EtcdStore, MemoryStore
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError
+from tests.helpers import clients, in_thread, published
+from tests.replicas import Replicas
 from tests.resources import rss_bytes
-from tests.test_attempts import LEADER_TTL, serving
-from tests.test_coordination import clients, in_thread
-from tests.test_liveness_state import published
 
 MiB = 1 << 20
 KEYS = ["a", "ab", "abc", "b", "ba"]  # prefixes of each other, for prefix deletions
@@ -69,7 +66,7 @@ def replayed(entries) -> ClusterState:
 
 def observable(s: ClusterState):
     """What replay must rebuild: the topology, every key's value, and what a retry of each call is answered."""
-    return (s.topology, s._kv.dir(""), {uid: list(done.items()) for uid, done in s._answers.items()})
+    return (s.topology, s._kv.dir(""), {uid: list(done.items()) for uid, done in s._kv.retries.answers.items()})
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,49 +200,42 @@ def journal_keys(etcd, cluster_id: str) -> int:
 
 
 def test_a_leader_killed_after_compaction_loses_nothing(etcd):
-    args = ("--store", etcd.url, "--cluster-id", "compacting", "--leader-ttl", LEADER_TTL,
-            "--heartbeat-timeout", "30")
-    replicas = [LocalCoordinator(*args, num_processes=2) for _ in range(2)]
-    made: list[ifrt.Client] = []
-    try:
-        leader = serving(*replicas)
-        made = clients(",".join(c.address for c in replicas), 2)
-        a, b = made
-        before = a.topology
-        increment = pb.KeyValueIncrementRequest(client_uid=a.client_uid, key="count", amount=1,
-                                                request_id=uuid.uuid4().hex)
-        retry = lambda: a._unary("KeyValueIncrement", lambda _: increment, time.monotonic() + 60)  # noqa: E731
-        assert retry().value == 1
-        for _ in range(4):
-            b.kv_increment("count")
-        a.kv_set("gone/x", b"x")
-        other = in_thread(lambda: b.barrier("before-compaction", timeout=30))
-        a.barrier("before-compaction", timeout=30)
-        assert other.get(timeout=30) is None
-        written = 0
-        while "compacted the journal" not in leader.log:  # overwrites until the leader compacts
-            assert written < 4 * compaction.MIN_BYTES // (MiB // 2), leader.log
-            a.kv_set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
-            written += 1
-            time.sleep(0.01 if written > compaction.MIN_BYTES // (MiB // 2) else 0)
-        a.kv_set("blob", b"last", allow_overwrite=True)
-        a.kv_delete("gone/", prefix=True)
-        keys = journal_keys(etcd, "compacting")
-        assert keys < 10, f"{keys} journal keys after compacting {written} overwrites of 512 KiB"
-        leader.stop(signal.SIGKILL)
-        standby = serving(*(c for c in replicas if c is not leader))
-        found = int(re.search(r"replayed (\d+) journal entries", standby.log).group(1))
-        assert found < 20, standby.log
-        assert retry().value == 1  # answered as before the kill, not applied again
-        assert a.kv_increment("count") == 6
-        assert a.kv_get("blob", timeout=30) == b"last"
-        assert a.kv_try_get("gone/x") is None
-        a.barrier("before-compaction", timeout=30)  # a finished barrier answers as it did
-        after = a.register_again()
-        assert (after.generation, after.fingerprint, after.process_id) == \
-            (before.generation, before.fingerprint, before.process_id)
-    finally:
-        for c in made:
-            c.close()
-        for c in replicas:
-            c.close()
+    with Replicas(etcd, num_processes=2, cluster_id="compacting", heartbeat="30") as replicas:
+        a, b = made = clients(replicas.addresses, 2)
+        try:
+            before = a.topology
+            increment = pb.KeyValueIncrementRequest(client_uid=a.client_uid, key="count", amount=1,
+                                                    request_id=uuid.uuid4().hex)
+            retry = lambda: a._unary("KeyValueIncrement", lambda _: increment, time.monotonic() + 60)  # noqa: E731
+            assert retry().value == 1
+            for _ in range(4):
+                b.kv_increment("count")
+            a.kv_set("gone/x", b"x")
+            other = in_thread(lambda: b.barrier("before-compaction", timeout=30))
+            a.barrier("before-compaction", timeout=30)
+            assert other.get(timeout=30) is None
+            written = 0
+            while "compacted the journal" not in replicas.leader.log:  # overwrites until the leader compacts
+                assert written < 4 * compaction.MIN_BYTES // (MiB // 2), replicas.leader.log
+                a.kv_set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
+                written += 1
+                time.sleep(0.01 if written > compaction.MIN_BYTES // (MiB // 2) else 0)
+            a.kv_set("blob", b"last", allow_overwrite=True)
+            a.kv_delete("gone/", prefix=True)
+            keys = journal_keys(etcd, "compacting")
+            assert keys < 10, f"{keys} journal keys after compacting {written} overwrites of 512 KiB"
+            replicas.kill_leader()
+            standby = replicas.leader
+            found = int(re.search(r"replayed (\d+) journal entries", standby.log).group(1))
+            assert found < 20, standby.log
+            assert retry().value == 1  # answered as before the kill, not applied again
+            assert a.kv_increment("count") == 6
+            assert a.kv_get("blob", timeout=30) == b"last"
+            assert a.kv_try_get("gone/x") is None
+            a.barrier("before-compaction", timeout=30)  # a finished barrier answers as it did
+            after = a.register_again()
+            assert (after.generation, after.fingerprint, after.process_id) == \
+                (before.generation, before.fingerprint, before.process_id)
+        finally:
+            for c in made:
+                c.close()

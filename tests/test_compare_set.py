@@ -3,7 +3,6 @@ exactly once across a leader SIGKILL on etcd."""
 
 from __future__ import annotations
 
-import signal
 import time
 import uuid
 
@@ -12,13 +11,11 @@ import pytest
 import ifrt
 from coordinator import journal
 from coordinator.limits import DEFAULT_LIMITS
-from coordinator.local import LocalCoordinator
 from coordinator.state import ClusterState, KeyChanged
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
-from tests.test_attempts import LEADER_TTL, serving
-from tests.test_coordination import clients, coordination_worker
-from tests.test_liveness_state import published
+from tests.helpers import clients, published
+from tests.replicas import Replicas, kill_the_leader_midway
 
 UNSET = None
 
@@ -118,53 +115,31 @@ def test_a_raced_create_has_one_winner_and_everyone_reads_it(pair):
 # Exactly once across a leader SIGKILL on etcd.
 
 def test_a_retry_after_a_leader_sigkill_is_answered_not_applied_again(etcd):
-    args = ("--store", etcd.url, "--cluster-id", "swapping", "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", "30")
-    replicas = [LocalCoordinator(*args, num_processes=2) for _ in range(2)]
-    made: list[ifrt.Client] = []
-    try:
-        leader = serving(*replicas)
-        made = clients(",".join(c.address for c in replicas), 2)
-        a, b = made
-        first = pb.KeyValueCompareSetRequest(client_uid=a.client_uid, key="k", expected=b"", desired=b"A",
-                                             request_id="retried-call")
-        call = lambda: a._unary("KeyValueCompareSet", lambda _: first, time.monotonic() + 60)  # noqa: E731
-        assert call().value == b"A"
-        assert b.kv_compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
-        leader.stop(signal.SIGKILL)
-        serving(*(c for c in replicas if c is not leader))
-        retried = call()  # as the client retries a call whose answer was lost with the leader
-        assert (retried.found, retried.value) == (True, b"A")
-        assert b.kv_try_get("k") == b""  # not swapped a second time
-    finally:
-        for c in made:
-            c.close()
-        for c in replicas:
-            c.close()
+    with Replicas(etcd, num_processes=2, cluster_id="swapping", heartbeat="30") as replicas:
+        a, b = made = clients(replicas.addresses, 2)
+        try:
+            first = pb.KeyValueCompareSetRequest(client_uid=a.client_uid, key="k", expected=b"", desired=b"A",
+                                                 request_id="retried-call")
+            call = lambda: a._unary("KeyValueCompareSet", lambda _: first, time.monotonic() + 60)  # noqa: E731
+            assert call().value == b"A"
+            assert b.kv_compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
+            replicas.kill_leader()
+            retried = call()  # as the client retries a call whose answer was lost with the leader
+            assert (retried.found, retried.value) == (True, b"A")
+            assert b.kv_try_get("k") == b""  # not swapped a second time
+        finally:
+            for c in made:
+                c.close()
 
 
-def test_compare_set_counters_of_four_processes_survive_a_leader_sigkill_exactly_once(etcd):
-    args = ("--store", etcd.url, "--cluster-id", "counting", "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", "5")
-    replicas = [LocalCoordinator(*args, num_processes=5) for _ in range(2)]
-    addresses = ",".join(c.address for c in replicas)
-    workers = []
-    try:
-        leader = serving(*replicas)
-        workers = [coordination_worker(addresses, i, 5, "swap", "counter", "150") for i in range(4)]
-        with ifrt.Client(addresses, process_id=4, num_processes=5, timeout=90) as client:
-            client.discover()
-            while int((client.kv_try_get("counter") or b"0").split(b":")[0]) < 200:  # polling, not a guess of time
-                time.sleep(0.05)
-            leader.stop(signal.SIGKILL)
-            serving(*(c for c in replicas if c is not leader))
-            for w in workers:
-                w.expect("swapped", timeout=300)  # each process won 150 steps, as its answers told it
+def test_compare_set_counters_of_four_processes_survive_a_leader_sigkill_exactly_once(etcd, coordination_workers):
+    with Replicas(etcd, num_processes=5, cluster_id="counting", heartbeat="5") as replicas:
+        swapping = [coordination_workers(replicas.addresses, i, 5, "swap", "counter", "150") for i in range(4)]
+        swaps = lambda c: int((c.kv_try_get("counter") or b"0").split(b":")[0])  # noqa: E731
+        with kill_the_leader_midway(replicas, 4, 5, lambda c: swaps(c) >= 200, "200 swaps before the kill") as client:
+            won = [w.expect("swapped", timeout=300)["swapped"] for w in swapping]  # as each one's answers told it
             count = int(client.kv_get("counter", timeout=30).split(b":")[0])
-            assert count == 600  # every step a process won is in the counter once: none lost, none doubled
-    finally:
-        for w in workers:
-            w.stop()
-        for c in replicas:
-            c.close()
+            assert count == sum(won) == 600  # every step a process won is in the counter once: none lost, none doubled
 
 
 OTHER_KEYS = [("kv_set", "jax/address", b"x", False), ("kv_get", "jax/address"), ("kv_compare_set", "k", b"", b"x"),

@@ -6,68 +6,17 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import signal
-import socket
 import subprocess
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import ifrt
-from tests.conftest import BIN, discover_process, finish
-from tests.test_liveness import Worker, barrier_started_for
+from tests.helpers import BIN, barrier_started_for, clients, discover_process, finish, free_port, in_thread
 
 HEARTBEAT_TIMEOUT = 1.0
 SLACK = 5.0  # scheduling on a loaded 2-core machine
-WORKER = Path(__file__).with_name("coordination_worker.py")
-
-
-def coordination_worker(address: str, process_id: int, num_processes: int, *args: str, **env: str) -> Worker:
-    """tests/coordination_worker.py in its own process, one device, ``env`` added to its IFRT_* settings."""
-    return Worker(address, process_id, num_processes, *args, devices=1, transfer_port=None, script=WORKER, env=env)
-
-
-@pytest.fixture
-def procs():
-    started: list[Worker] = []
-
-    def start(*args, **kwargs) -> Worker:
-        started.append(coordination_worker(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for p in started:
-        p.stop()
-
-
-def clients(address: str, n: int, **options: object) -> list[ifrt.Client]:
-    """``n`` processes of one cluster as Clients in this test (with ``options``, e.g. ``attempt``), discovered
-    together."""
-    made = [ifrt.Client(address, process_id=i, num_processes=n, timeout=60, **options) for i in range(n)]
-    threads = [threading.Thread(target=c.discover) for c in made]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(c.topology is not None for c in made)
-    return made
-
-
-def in_thread(call) -> queue.Queue:
-    """Runs ``call`` in a thread; its result (or the IfrtError it raised) arrives on the queue returned."""
-    result: queue.Queue = queue.Queue()
-
-    def run():
-        try:
-            result.put(call())
-        except ifrt.IfrtError as e:
-            result.put(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    return result
 
 
 def test_try_get_increment_delete_and_a_watch_of_a_prefix(start_coordinator):
@@ -89,9 +38,9 @@ def test_try_get_increment_delete_and_a_watch_of_a_prefix(start_coordinator):
             a.kv_increment("other")
 
 
-def test_eight_processes_increment_one_key_8000_times(start_coordinator, procs):
+def test_eight_processes_increment_one_key_8000_times(start_coordinator, coordination_workers):
     coordinator = start_coordinator(num_processes=8)
-    workers = [procs(coordinator.address, i, 8, "increment", "counter", "1000") for i in range(8)]
+    workers = [coordination_workers(coordinator.address, i, 8, "increment", "counter", "1000") for i in range(8)]
     lasts = [w.expect("incremented", timeout=240)["last"] for w in workers]
     assert max(lasts) == 8000  # every increment counted once: none lost, none applied twice
 
@@ -129,9 +78,9 @@ def test_a_barrier_named_with_two_participant_sets_is_invalid_naming_both(start_
         assert waiting.get(timeout=10) is None
 
 
-def test_live_processes_agree_and_leave_out_a_process_killed_while_they_wait(start_coordinator, procs):
+def test_live_processes_agree_and_leave_out_a_process_killed_while_they_wait(start_coordinator, coordination_workers):
     coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), num_processes=3)
-    w1, w2 = (procs(coordinator.address, i, 3, "live", "60") for i in (1, 2))
+    w1, w2 = (coordination_workers(coordinator.address, i, 3, "live", "60") for i in (1, 2))
     with ifrt.Client(coordinator.address, process_id=0, num_processes=3, timeout=60) as client:
         client.discover()
         for w in (w1, w2):
@@ -150,10 +99,10 @@ def test_live_processes_agree_and_leave_out_a_process_killed_while_they_wait(sta
         assert line["live"] == {"0": 0, "1": 0} and line["t"] - killed_at < HEARTBEAT_TIMEOUT + SLACK
 
 
-def test_every_process_reaches_the_preemption_sync_point_at_the_same_step(start_coordinator, procs):
+def test_every_process_reaches_the_preemption_sync_point_at_the_same_step(start_coordinator, coordination_workers):
     coordinator = start_coordinator(num_processes=4)
     speeds = (0.01, 0.02, 0.04, 0.07)  # seconds per step: four processes at different speeds
-    workers = [procs(coordinator.address, i, 4, "steps", str(s), IFRT_PREEMPTION_SIGNALS="TERM")
+    workers = [coordination_workers(coordinator.address, i, 4, "steps", str(s), IFRT_PREEMPTION_SIGNALS="TERM")
                for i, s in enumerate(speeds)]
     for w in workers:
         w.expect("step", step=3)  # every process is stepping
@@ -170,9 +119,7 @@ def test_every_process_reaches_the_preemption_sync_point_at_the_same_step(start_
 
 def unreachable_proxy() -> str:
     """An http proxy URL on a loopback port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def proxy_env(proxy: str) -> dict[str, str]:

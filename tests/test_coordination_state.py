@@ -11,8 +11,7 @@ from coordinator.preemption import PreemptionResolved
 from coordinator.state import ClusterConfig, ClusterState, KeyChanged, Notify
 from ifrt.errors import BarrierCancelled, BarrierTimeout, ClusterMismatch, InvalidArgument
 from ifrt.events import PreemptionNotice
-from tests.test_liveness_state import TIMEOUT, heartbeat_all_but, published
-from tests.test_state import admit, reg
+from tests.helpers import TIMEOUT, admit, lose_session, published, reg
 
 
 def test_increment_starts_at_zero_and_a_retry_is_not_applied_twice():
@@ -90,7 +89,7 @@ def test_a_process_that_dies_while_others_wait_is_left_out():
     s = published(3)
     s.live_processes("p0", "c0", 60, 0.0)
     s.live_processes("p2", "c2", 60, 0.0)
-    heartbeat_all_but(s, 1, TIMEOUT + 0.5)
+    lose_session(s, 1)
     effects = s.tick(TIMEOUT + 0.5)  # process 1 never called and is declared failed
     [resolved] = [e for e in effects if isinstance(e, LiveSetResolved)]
     assert resolved.members == ((0, 0), (2, 0)) and resolved.error is None
@@ -100,7 +99,6 @@ def test_a_live_process_that_does_not_call_is_named_at_the_timeout():
     s = published(3)
     s.live_processes("p0", "c0", 2.0, 0.0)
     s.live_processes("p1", "c1", 60, 0.5)
-    heartbeat_all_but(s, None, 2.0)
     [resolved] = [e for e in s.tick(2.0) if isinstance(e, LiveSetResolved)]
     assert isinstance(resolved.error, BarrierTimeout)
     assert str(resolved.error) == ("live_processes found no agreement after 2.0s: 1 of 3 live processes did not call "
@@ -124,7 +122,7 @@ def test_preemption_sync_without_a_notice_is_the_callers_notice_and_skips_the_de
     outcome, effects = s.preemption_sync("p2", 7, 60, 0.0)
     assert outcome is None and effects == [Notify(PreemptionNotice(2), 2)]
     s.preemption_sync("p0", 5, 60, 0.1)
-    heartbeat_all_but(s, 1, TIMEOUT + 0.5)
+    lose_session(s, 1)
     [decided] = [e for e in s.tick(TIMEOUT + 0.5) if isinstance(e, PreemptionResolved)]
     assert decided == PreemptionResolved(7, None)
 

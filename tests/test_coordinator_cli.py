@@ -3,7 +3,6 @@
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,11 @@ import pytest
 from coordinator.local import LocalCoordinator
 from coordinator.main import parser
 from ifrt import Topology
-from ifrt._generated import coordinator_pb2 as pb
-from tests.conftest import discover_process, finish
-
-COORDINATOR = str(Path(sys.executable).parent / "ifrt-coordinator")
-
-
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([COORDINATOR, *args], capture_output=True, text=True, timeout=60)
+from tests.helpers import discover_process, finish, register_request, run_coordinator, taken_port
 
 
 def test_help_explains_every_flag():
-    out = run("--help").stdout
+    out = run_coordinator("--help").stdout
     flags = [a.option_strings[-1] for a in parser()._actions if a.option_strings and a.dest != "help"]
     assert len(flags) >= 15
     for action in parser()._actions:
@@ -51,22 +43,13 @@ def test_ifrt_cli_help_explains_every_flag():
     (("--num-processes", "2", "--store", "redis://db:6379"), "expected memory or etcd://HOST:PORT"),
 ])
 def test_bad_flags_exit_with_a_usage_error(args, message):
-    result = run(*args)
+    result = run_coordinator(*args)
     assert result.returncode == 2
     assert message in result.stderr
 
 
 INT32_PROCESSES = 1 << 14  # process ids below this keep every global id (process_id << 17 | local_id) in int32
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"
-
-
-def register_request(process_id: int, wait_ms: int) -> bytes:
-    """A RegisterRequest of one cpu device with an explicit process id, as a client sends it."""
-    request = pb.RegisterRequest(client_uid=f"filler-{process_id}", hostname=f"host-{process_id}", plugin="cpu",
-                                 address=f"10.0.0.1:{process_id}", wait_ms=wait_ms,
-                                 devices=[pb.LocalDevice(local_id=0, platform="cpu", kind="cpu")])
-    request.process_id = process_id
-    return request.SerializeToString()
 
 
 def log_has(coordinator: LocalCoordinator, text: str, timeout: float) -> None:
@@ -93,7 +76,8 @@ async def register_fillers(coordinator: LocalCoordinator, count: int, batch: int
         register = channel.unary_unary(REGISTER)
         for first in range(0, count, batch):
             last = min(first + batch, count)
-            calls = [register(register_request(pid, wait_ms=600_000), timeout=600) for pid in range(first, last)]
+            calls = [register(register_request(pid, wait_ms=600_000).SerializeToString(), timeout=600)
+                     for pid in range(first, last)]
             try:
                 await asyncio.to_thread(log_has, coordinator, f": {last}/{count + 1} registered", 120)
             finally:
@@ -123,7 +107,7 @@ def test_int64_ids_lift_the_process_limit(start_coordinator):
 def test_without_int64_ids_a_process_id_past_the_limit_is_refused(start_coordinator):
     coordinator = start_coordinator(num_processes=INT32_PROCESSES)
     with grpc.insecure_channel(coordinator.address) as channel, pytest.raises(grpc.RpcError) as info:
-        channel.unary_unary(REGISTER)(register_request(16384, wait_ms=0), timeout=30)
+        channel.unary_unary(REGISTER)(register_request(16384).SerializeToString(), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ("process id 16384 is out of range: expected 0 <= process_id < 16384 (num_processes 16384, id limit "
             "16384)") in info.value.details()
@@ -131,17 +115,14 @@ def test_without_int64_ids_a_process_id_past_the_limit_is_refused(start_coordina
 
 
 def test_without_int64_ids_more_processes_than_the_limit_are_refused():
-    result = run("--num-processes", "16385")
+    result = run_coordinator("--num-processes", "16385")
     assert result.returncode == 2
     assert "num_processes 16385 is out of range: expected 1 <= num_processes <= 16384" in result.stderr
 
 
 def test_taken_port_is_a_clear_error():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        result = run("--num-processes", "1", "--bind", f"127.0.0.1:{port}")
+    with taken_port() as port:
+        result = run_coordinator("--num-processes", "1", "--bind", f"127.0.0.1:{port}")
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
 

@@ -13,28 +13,7 @@ import pytest
 import ifrt
 from ifrt import Client, Topology
 from ifrt._generated import coordinator_pb2 as pb
-from tests.conftest import discover_process, finish
-
-
-def discover_all(address: str, num: int, **kwargs) -> list[Topology]:
-    """Runs ``num`` in-process clients concurrently (threads) and returns their topologies by index."""
-    results: list[Topology | BaseException | None] = [None] * num
-
-    def run(i: int) -> None:
-        try:
-            with Client(address, process_id=i, num_processes=num, timeout=60, **kwargs) as client:
-                results[i] = client.discover()
-        except BaseException as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(num)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    errors = [r for r in results if not isinstance(r, Topology)]
-    assert not errors, errors[:3]
-    return results  # type: ignore[return-value]
+from tests.helpers import discover_all, discover_process, finish
 
 
 def test_four_processes_get_identical_topologies_with_correct_ids(start_coordinator):

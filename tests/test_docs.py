@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import finish
+from tests.helpers import finish
 from tests.requirements import require
 
 ROOT = Path(__file__).parents[1]

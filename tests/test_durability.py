@@ -14,16 +14,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.replica import BUSY_CALLERS
 from coordinator.server import serve
 from coordinator.state import ClusterConfig, ClusterState
 from coordinator.store import EtcdStore
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
+from tests.helpers import health, poll_until, register_request
 
 NUM = 2
 WAIT_S = 30
@@ -82,13 +81,8 @@ class Harness:
         if self._channel is not None:
             self._channel.close()
 
-    def health(self) -> str:
-        with grpc.insecure_channel(self.address) as channel:
-            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
-
     async def wait_serving(self, timeout: float = 30) -> None:
-        await until(lambda: self.health() == "SERVING", "the coordinator to serve", timeout)
+        await until(lambda: health(self.address, timeout=5) == "SERVING", "the coordinator to serve", timeout)
 
     def call(self, method: str, request) -> asyncio.Task:
         """One call of ``method`` in a thread, as a task whose result is the answer or the RpcError."""
@@ -119,10 +113,8 @@ class Harness:
 
 
 async def until(condition, what: str, timeout: float = 30) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await asyncio.to_thread(_safely, condition):
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.05)
+    """Polls ``condition`` off the event loop until it holds; a call refused by a connection counts as not yet."""
+    await asyncio.to_thread(poll_until, lambda: _safely(condition), timeout=timeout, what=what)
 
 
 def _safely(condition) -> bool:
@@ -132,16 +124,9 @@ def _safely(condition) -> bool:
         return False
 
 
-def registration(pid: int, wait_ms: int = 0) -> pb.RegisterRequest:
-    request = pb.RegisterRequest(client_uid=f"uid-{pid}", hostname=f"host-{pid}", process_id=pid, plugin="cpu",
-                                 address=f"127.0.0.1:{7000 + pid}", wait_ms=wait_ms)
-    request.devices.add(local_id=0, platform="cpu", kind="cpu")
-    return request
-
-
 async def published(h: Harness) -> bytes:
     """Registers processes 0 and 1 (durably); returns the topology bytes they hold."""
-    answers = await asyncio.gather(*(h.call("Register", registration(pid, wait_ms=10_000)) for pid in range(NUM)))
+    answers = await asyncio.gather(*(h.call("Register", register_request(pid, wait_ms=10_000)) for pid in range(NUM)))
     assert all(isinstance(a, pb.RegisterResponse) and a.topology for a in answers), answers
     return wire.decompress(answers[0].encoding, answers[0].topology)
 
@@ -175,7 +160,7 @@ def test_a_value_is_not_read_before_it_is_durable(harness):
             await not_answered_while_held(reading, "a read of the value")
             await h.fail_the_held_append()
             assert status(await setting) == grpc.StatusCode.UNAVAILABLE
-            assert await asyncio.to_thread(h.health) == "NOT_SERVING"  # as callers hear of it
+            assert await asyncio.to_thread(health, h.address, timeout=5) == "NOT_SERVING"  # as callers hear of it
             assert status(await reading) == grpc.StatusCode.UNAVAILABLE
             await h.bring_etcd_back()
             assert not any(b"nccl/id" in entry for entry in await h.next_leaders_journal())
@@ -188,18 +173,18 @@ def test_a_value_is_not_read_before_it_is_durable(harness):
 def test_a_retried_registration_is_not_answered_before_the_topology_is_durable(harness):
     async def scenario():
         async with harness() as h:
-            first = await h.call("Register", registration(0))
+            first = await h.call("Register", register_request(0))
             assert first.progress.registered == 1
             h.store.holding = True
-            completing = h.call("Register", registration(1, wait_ms=10_000))
+            completing = h.call("Register", register_request(1, wait_ms=10_000))
             await asyncio.wait_for(h.store.held.wait(), WAIT_S)
-            retry = h.call("Register", registration(0))
+            retry = h.call("Register", register_request(0))
             await not_answered_while_held(retry, "process 0's retried registration")
             await h.fail_the_held_append()
             assert status(await retry) == grpc.StatusCode.UNAVAILABLE
             assert status(await completing) == grpc.StatusCode.UNAVAILABLE
             await h.bring_etcd_back()
-            after = await h.call("Register", registration(0))
+            after = await h.call("Register", register_request(0))
             assert after.progress.registered == 1 and not after.topology  # generation 1 was never published
             held = await published(h)
             assert wire.decode(held).generation == 1
@@ -233,9 +218,9 @@ def test_a_repeated_barrier_arrival_is_not_answered_before_the_result_is_durable
 
 
 def test_a_burst_queued_behind_a_failed_append_is_never_written(harness):
-    """More callers at once than the writer lets through unspaced (coordinator.replica.BUSY_CALLERS): none is
+    """More callers at once than the writer lets through unspaced (CoordinatorConfig.busy_callers): none is
     answered while an append is held, and once it fails, none of their entries is ever written."""
-    callers = 2 * BUSY_CALLERS
+    callers = 2 * CoordinatorConfig.busy_callers
 
     async def scenario():
         async with harness() as h:
@@ -295,7 +280,7 @@ def test_a_bug_in_a_handler_is_internal_not_unknown(harness, monkeypatch):
             answer = await h.call("KeyValueDir", pb.KeyValueDirRequest(client_uid="uid-0", prefix=""))
             assert status(answer) == grpc.StatusCode.INTERNAL
             assert "KeyError" in answer.details() and "a bug in a handler" in answer.details()
-            assert await asyncio.to_thread(h.health) == "SERVING"  # the others are still served
+            assert await asyncio.to_thread(health, h.address, timeout=5) == "SERVING"  # the others are still served
             monkeypatch.undo()
             assert status(await h.call("KeyValueDir", pb.KeyValueDirRequest(client_uid="uid-0"))) == grpc.StatusCode.OK
 

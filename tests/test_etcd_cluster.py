@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError
 
-from tests.etcd_cluster import EtcdCluster, free_ports, requires_etcd
+from tests.etcd_cluster import EtcdCluster, requires_etcd
+from tests.helpers import free_ports
 
 BOUND = 30.0  # seconds any one test's asyncio part may take in all
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.local import LocalCoordinator
-from tests.conftest import discover_process, finish
-from tests.etcd_cluster import etcd_binary, free_ports, skip_without_etcd
+from tests.etcd_cluster import etcd_binary, skip_without_etcd
+from tests.helpers import discover_process, finish, free_ports
 from tests.tls import make_certs
 
 PASSWORD = "etcd-pass-7c2e"

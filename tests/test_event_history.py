@@ -10,8 +10,7 @@ from coordinator.state import ClusterState, FailurePolicy
 from ifrt.errors import InvalidArgument
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.ids import MAX_PROCESSES
-from tests.test_liveness_state import published
-from tests.test_state import reg
+from tests.helpers import published, reg
 
 LOST = "lost its connection and did not come back within 0.125s"
 

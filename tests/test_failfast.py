@@ -112,33 +112,32 @@ def check_survivors_end(job: Job, signalled_at: float, how: str) -> list[float]:
     return took
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("runtime", ["jax", "torch"])
-def test_a_process_killed_mid_loop_ends_the_others_within_the_heartbeat_timeout(start_coordinator, runtime):
+def survivors_end_after(start_coordinator, runtime: str, sig: signal.Signals) -> list[float]:
+    """Sends ``sig`` to VICTIM of a job mid-loop and checks the others end (``check_survivors_end``); returns how
+    long each took."""
     job = Job(start_coordinator, runtime, "loop")
     try:
         job.wait_steps()
         signalled_at = time.monotonic()
-        os.kill(job.workers[VICTIM].pid, signal.SIGKILL)
-        took = check_survivors_end(job, signalled_at, "SIGKILL")
+        os.kill(job.workers[VICTIM].pid, sig)
+        took = check_survivors_end(job, signalled_at, sig.name)
     finally:
         job.stop()
-    print(f"{runtime}: SIGKILL to survivors' exit: {', '.join(f'{t:.2f}s' for t in took)}")
+    print(f"{runtime}: {sig.name} to survivors' exit: {', '.join(f'{t:.2f}s' for t in took)}")
+    return took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["jax", "torch"])
+def test_a_process_killed_mid_loop_ends_the_others_within_the_heartbeat_timeout(start_coordinator, runtime):
+    took = survivors_end_after(start_coordinator, runtime, signal.SIGKILL)
     assert max(took) < HEARTBEAT_TIMEOUT_S + 1.0 + 1.0  # + 1 s of slack for a machine shared by other tests
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["jax", "torch"])
 def test_a_process_stopped_mid_loop_ends_the_others_within_the_heartbeat_timeout(start_coordinator, runtime):
-    job = Job(start_coordinator, runtime, "loop")
-    try:
-        job.wait_steps()
-        signalled_at = time.monotonic()
-        os.kill(job.workers[VICTIM].pid, signal.SIGSTOP)
-        took = check_survivors_end(job, signalled_at, "SIGSTOP")
-    finally:
-        job.stop()
-    print(f"{runtime}: SIGSTOP to survivors' exit: {', '.join(f'{t:.2f}s' for t in took)}")
+    took = survivors_end_after(start_coordinator, runtime, signal.SIGSTOP)
     assert max(took) < HEARTBEAT_TIMEOUT_S + 1.0 + 1.0
 
 

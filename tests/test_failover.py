@@ -8,44 +8,30 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import threading
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
-from tests.conftest import discover_process, finish
-from tests.test_liveness import Worker, barrier_started_for
+from tests.helpers import barrier_started_for, discover_process, finish, free_port, health, poll_until
+from tests.replicas import LEADER_TTL, Replicas
+from tests.workers import Worker
 
 NUM = 3
-LEADER_TTL = "2"
-HEARTBEAT = "3"
+HEARTBEAT = "3"  # the replicas' default --heartbeat-timeout
 
 
-def health(address: str) -> str:
-    """What the standard gRPC health service says about the coordinator service at ``address``."""
-    with grpc.insecure_channel(address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="ifrt.topology.v1.Coordinator"), timeout=10)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+COORDINATOR_SERVICE = "ifrt.topology.v1.Coordinator"
 
 
 def wait_health(address: str, status: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while (seen := health(address)) != status:
-        assert time.monotonic() < deadline, f"{address} stayed {seen}, expected {status}"
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Waits until the health service at ``address`` reports the coordinator service ``status``."""
+    poll_until(lambda: health(address, COORDINATOR_SERVICE), lambda seen: seen == status, timeout,
+               f"{address} to report {status}")
 
 
 @pytest.fixture(autouse=True)
@@ -68,36 +54,6 @@ def reference_fingerprint(ports: dict[int, int], cluster_id: str = "job") -> str
         outputs = [finish(c) for c in children]
     assert all(code == 0 for code, _, _ in outputs), outputs
     return json.loads(outputs[0][1])["fingerprint"]
-
-
-class Replicas:
-    """Two coordinator replicas on one etcd: ``leader`` serves, the other stands by."""
-
-    def __init__(self, etcd, cluster_id: str = "job", heartbeat: str = HEARTBEAT) -> None:
-        args = ("--store", etcd.url, "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", heartbeat,
-                "--cluster-id", cluster_id)
-        self.all = [LocalCoordinator(*args, num_processes=NUM) for _ in range(2)]
-        self.addresses = ",".join(c.address for c in self.all)
-        self.leader = self.wait_leader()
-
-    def wait_leader(self, timeout: float = 30, exclude: LocalCoordinator | None = None) -> LocalCoordinator:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for c in self.all:
-                if c is not exclude and c.process.poll() is None and "serving:" in c.log:
-                    return c
-            time.sleep(0.05)
-        raise AssertionError("no replica serves:\n" + "\n---\n".join(c.log for c in self.all))
-
-    def kill_leader(self) -> LocalCoordinator:
-        dead = self.leader
-        dead.stop(signal.SIGKILL)
-        self.leader = self.wait_leader(exclude=dead)
-        return dead
-
-    def close(self) -> None:
-        for c in self.all:
-            c.close()
 
 
 @pytest.fixture
@@ -246,7 +202,7 @@ def test_etcd_outage_is_reported_then_survived(etcd, ports):
                              transfer_bind=f"127.0.0.1:{ports[0]}")
         with client:
             assert finish_all(discover_in_thread(client), [first, second]) == {expected}
-        assert health(coordinator.address) == "SERVING"
+        assert health(coordinator.address, COORDINATOR_SERVICE) == "SERVING"
         for w in (first, second):
             w.stop()
     finally:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ifrt._generated import coordinator_pb2 as pb
-from tests.conftest import discover_process, finish
+from tests.helpers import discover_process, finish, free_ports
 
 CLUSTER = "fuzz-target"
 PROCESSES = 4
@@ -239,14 +239,6 @@ TCP_JUNK = st.one_of(
     st.builds(lambda junk: PREFACE + junk, st.binary(max_size=256)),
     st.sampled_from([b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03"]),
 )
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def run_processes(address: str, ports: list[int], ids: range) -> Iterator:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import doomed_peer
+from tests.helpers import json_answers, survivor_of_a_doomed_peer, together
 from tests.requirements import require
 
 if importlib.util.find_spec("jax") is None:
@@ -53,18 +52,8 @@ def start_workers(address: str, count: int, scenario: str, devices: int = 2,
 
 
 def results(workers: list[subprocess.Popen]) -> list[dict]:
-    """Each worker's JSON answer (its last stdout line), in process order; fails naming a worker that failed."""
-    answers = []
-    for worker in workers:
-        try:
-            out, err = worker.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            out, err = worker.communicate()
-            pytest.fail(f"JAX worker {worker.pid} did not finish within {TIMEOUT}s; stderr:\n{err[-3000:]}")
-        assert worker.returncode == 0, f"JAX worker {worker.pid} exited {worker.returncode}:\n{err[-3000:]}"
-        answers.append(json.loads(out.strip().splitlines()[-1]))
-    return answers
+    """Each worker's JSON answer (its last stdout line), in start order; fails naming a worker that failed."""
+    return json_answers(workers, TIMEOUT)
 
 
 @pytest.mark.slow
@@ -178,22 +167,14 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
 
     def exchange(members: list[ifrt.Client], deadline_s: float = 30) -> tuple[list, list[ifrt.jax.StartupExchange]]:
         runs = [ifrt.jax.StartupExchange(c, c.topology, time.monotonic() + deadline_s) for c in members]
-        got: dict[int, object] = {}
 
-        def run(i: int) -> None:
+        def run(exchange: ifrt.jax.StartupExchange) -> object:
             try:
-                got[i] = runs[i].run(view)
-            except Exception as e:
-                got[i] = e
+                return exchange.run(view)
             finally:
-                runs[i].release_port()
+                exchange.release_port()
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(members))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=deadline_s + 10)
-        return [got[i] for i in range(len(members))], runs
+        return together(runs, run, timeout=deadline_s + 10), runs
 
     first = clients()
     (address, same), (lead, follow) = exchange(first)
@@ -214,10 +195,7 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
 
 def test_a_process_that_dies_during_start_up_ends_the_others_wait(start_coordinator):
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
-    doomed = doomed_peer(coordinator.address)
-    with ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer=False, timeout=30) as leader:
-        topology = leader.discover()
-        assert doomed.wait(timeout=30) == 3, doomed.stderr.read()
+    with survivor_of_a_doomed_peer(coordinator.address) as (leader, topology):
         started = time.monotonic()
         exchange = ifrt.jax.StartupExchange(leader, topology, time.monotonic() + 30)
         try:

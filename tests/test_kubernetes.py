@@ -17,7 +17,7 @@ import yaml
 from coordinator.main import parser as coordinator_parser
 from coordinator.service import SERVICE
 from ifrt.settings import resolve
-from tests.conftest import BIN
+from tests.helpers import BIN
 from tests.jobset_schema import JOBSET_V1ALPHA2
 
 DEPLOY = Path(__file__).parents[1] / "deploy" / "kubernetes"

@@ -37,6 +37,23 @@ def test_values_ids_errors_and_plugins_import_without_grpc_or_numpy():
     assert seen == {"loaded": []}
 
 
+CLIENT = ("ifrt.client", "ifrt.connection", "ifrt.session", "ifrt.settings", "ifrt.clusters", "ifrt.security",
+          "ifrt.status", "ifrt.topology", "ifrt.transfer", "ifrt.preflight", "ifrt.failfast", "ifrt.jax", "ifrt.torch",
+          "ifrt.run", "plugins")
+"""What a job's process imports to reach the coordinator: the coordinator and the shared modules load none of it."""
+
+
+def test_the_coordinator_and_the_shared_modules_load_no_client_module():
+    seen = run_fresh(
+        "import json, sys\n"
+        "import coordinator.main, ifrt.hostport, ifrt.protocol, ifrt.records, ifrt.status_view, ifrt.wire\n"
+        f"client = {CLIENT!r}\n"
+        "print(json.dumps({'loaded': sorted(m for m in sys.modules if m.split('.')[0] in client\n"
+        "                                   or '.'.join(m.split('.')[:2]) in client)}))\n"
+    )
+    assert seen == {"loaded": []}
+
+
 def test_the_package_still_offers_discover_client_topology_and_mesh():
     seen = run_fresh(
         "import json, sys\n"
@@ -66,6 +83,8 @@ STATUS = {
     "ClusterMismatch": "FAILED_PRECONDITION",
     "UnknownClient": "NOT_FOUND",
     "ProcessDeclaredFailed": "FAILED_PRECONDITION",
+    "AttemptEnded": "ABORTED",
+    "ResourceExhausted": "RESOURCE_EXHAUSTED",
     "BarrierFailed": "ABORTED",
     "BarrierTimeout": "DEADLINE_EXCEEDED",
     "BarrierCancelled": "CANCELLED",
@@ -99,6 +118,24 @@ def test_each_error_has_its_one_grpc_status(name):
 def test_every_error_class_is_in_the_status_table():
     assert set(ERROR_CLASSES) == set(STATUS)
     assert ifrt.IfrtError.code is grpc.StatusCode.UNKNOWN
+
+
+def test_every_error_class_in_any_module_is_defined_in_ifrt_errors_with_its_status():
+    seen = run_fresh(
+        "import importlib, json, pkgutil\n"
+        "import coordinator, ifrt, plugins\n"
+        "from ifrt.errors import IfrtError\n"
+        "for package in (ifrt, coordinator, plugins):\n"
+        "    for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        "        importlib.import_module(module.name)\n"
+        "def below(cls):\n"
+        "    for sub in cls.__subclasses__():\n"
+        "        yield sub\n"
+        "        yield from below(sub)\n"
+        "print(json.dumps({'errors': sorted({f'{c.__module__}.{c.__qualname__}' for c in below(IfrtError)})}))\n"
+    )
+    assert [name for name in seen["errors"] if not name.startswith("ifrt.errors.")] == []
+    assert seen["errors"] == sorted(f"ifrt.errors.{name}" for name in STATUS)
 
 
 def test_a_status_without_a_trailer_still_maps_to_its_class():

@@ -3,10 +3,6 @@ changed by a refused request. Pure checks first, then the flags against a real d
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import grpc
 import pytest
 
@@ -20,9 +16,8 @@ from coordinator.state import ClusterConfig, ClusterState
 from ifrt import Client
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument, KeyExists
-from tests.test_state import admit, reg
+from tests.helpers import admit, device, reg, register_request, run_coordinator
 
-COORDINATOR = str(Path(sys.executable).parent / "ifrt-coordinator")
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"
 
 
@@ -50,23 +45,13 @@ def test_a_limit_out_of_range_is_refused_naming_its_flag(fields, message):
 
 
 def test_the_daemon_refuses_to_raise_devices_per_process_past_the_id_layout():
-    result = subprocess.run([COORDINATOR, "--num-processes", "1", "--max-devices-per-process", "131073"],
-                            capture_output=True, text=True, timeout=60)
+    result = run_coordinator("--num-processes", "1", "--max-devices-per-process", "131073")
     assert result.returncode == 2
     assert ("ifrt-coordinator: --max-devices-per-process 131073 is out of range: expected at most 131072 (2**17)"
             in result.stderr)
 
 
 # Registration.
-
-def device(local_id=0, **fields) -> pb.LocalDevice:
-    return pb.LocalDevice(local_id=local_id, platform="cpu", kind="cpu", **fields)
-
-
-def register_request(**fields) -> pb.RegisterRequest:
-    fields = {"client_uid": "uid", "hostname": "host", "plugin": "cpu", "devices": [device()], **fields}
-    return pb.RegisterRequest(**fields)
-
 
 SMALL = Limits(devices_per_process=2, attributes_per_device=1, string_bytes=8)
 

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,131 +16,10 @@ import ifrt
 import ifrt.client
 from ifrt import events
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.security import SECRET_METADATA
+from tests.helpers import SERVICE, barrier_started_for, next_event, watcher
 
 HEARTBEAT_TIMEOUT = 1.0
 SLACK = 5.0  # scheduling on a loaded 2-core machine; detection itself is within the heartbeat timeout + a tick
-SERVICE = "/ifrt.topology.v1.Coordinator"
-WORKER = Path(__file__).with_name("live_worker.py")
-
-
-class Worker:
-    """A worker script (tests/live_worker.py by default) in its own process; its JSON lines arrive on ``lines``,
-    and every line ``expect`` has read is kept in ``seen``."""
-
-    def __init__(self, address: str, process_id: int | None, num_processes: int, *args: str, devices: int = 2,
-                 transfer_port: int | None = 0, wrapper: list[str] | tuple[str, ...] = (), script: Path = WORKER,
-                 env: dict[str, str] | None = None):
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
-        full_env.update(IFRT_COORDINATOR=address, IFRT_NUM_PROCESSES=str(num_processes),
-                        IFRT_CPU_DEVICE_COUNT=str(devices), **(env or {}))
-        if process_id is not None:
-            full_env["IFRT_PROCESS_ID"] = str(process_id)
-        if transfer_port is not None:
-            full_env["IFRT_TRANSFER_BIND"] = f"127.0.0.1:{transfer_port}"
-        self.process = subprocess.Popen([*wrapper, sys.executable, str(script), *args], env=full_env,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.seen: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:  # type: ignore[union-attr]
-            self.lines.put(json.loads(line))
-
-    def expect(self, key: str, timeout: float = 30, **match) -> dict:
-        """The next line that has ``key`` (and the ``match`` values), skipping others."""
-        deadline = time.monotonic() + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                break
-            self.seen.append(line)
-            if key in line and all(line.get(k) == v for k, v in match.items()):
-                return line
-        raise AssertionError(f"worker {self.process.pid} printed no {key} {match} within {timeout}s; "
-                             f"it printed {self.seen[-5:]}")
-
-    def tell(self, line: str) -> None:
-        """Sends ``line`` to the worker's standard input (e.g. "arrive" with --barrier-when-told)."""
-        self.process.stdin.write(line + "\n")  # type: ignore[union-attr]
-        self.process.stdin.flush()  # type: ignore[union-attr]
-
-    def kill9(self) -> float:
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        return time.monotonic()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()  # type: ignore[union-attr]
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-
-
-@pytest.fixture
-def workers():
-    """Starts workers; a process id keeps its transfer port across restarts, as a job's fixed port would."""
-    started: list[Worker] = []
-    ports: dict[int, int] = {}
-
-    def start(address: str, process_id: int, *args, **kwargs) -> Worker:
-        if process_id not in ports:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports[process_id] = s.getsockname()[1]
-        worker = Worker(address, process_id, *args, transfer_port=ports[process_id], **kwargs)
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()
-
-
-def barrier_started_for(address: str, client: ifrt.Client, name: str, timeout: float = 30) -> str:
-    """Waits until barrier ``name`` exists on the coordinator at ``address``; returns what the coordinator said.
-
-    Asks as process 0 (``client``, with its process secret) arriving at it with participants [1, 2], a list no
-    real call uses and that leaves process 0 out: a coordinator that holds the barrier refuses that with
-    INVALID_ARGUMENT naming the barrier's own participants, one that does not hold it yet refuses it as
-    "process 0 is not a participant"; neither changes anything.
-    """
-    request = pb.BarrierRequest(client_uid=client.client_uid, name=name, process_ids=[1, 2], timeout_ms=1000)
-    metadata = ((SECRET_METADATA, client.process_secret),)
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary("/ifrt.topology.v1.Coordinator/Barrier")
-        while True:
-            with pytest.raises(grpc.RpcError) as info:
-                call(request.SerializeToString(), timeout=10, metadata=metadata)
-            if "was started for processes" in (info.value.details() or ""):
-                return info.value.details()
-            assert time.monotonic() < deadline, f"no barrier {name!r} at {address} within {timeout}s: {info.value}"
-            time.sleep(0.05)  # polling, until the caller's arrival has reached the coordinator
-
-
-def watcher(client: ifrt.Client) -> queue.Queue:
-    """Every event the client receives, with the time it arrived."""
-    received: queue.Queue = queue.Queue()
-    client.on_event(lambda e: received.put((time.monotonic(), e)))
-    return received
-
-
-def next_event(received: queue.Queue, kind: type, timeout: float = 30, **match):
-    deadline = time.monotonic() + timeout
-    while (remaining := deadline - time.monotonic()) > 0:
-        try:
-            at, event = received.get(timeout=remaining)
-        except queue.Empty:
-            break
-        if isinstance(event, kind) and all(getattr(event, k) == v for k, v in match.items()):
-            return at, event
-    raise AssertionError(f"no {kind.__name__} {match} within {timeout}s")
 
 
 def cluster(start_coordinator, workers, n=3, *flags: str, worker_args=()):

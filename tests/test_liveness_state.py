@@ -3,6 +3,7 @@
 import pytest
 
 from coordinator.barriers import BarrierResolved
+from coordinator.config import CoordinatorConfig
 from coordinator.limits import Limits
 from coordinator.state import ClusterConfig, ClusterState, Evict, FailurePolicy, Forgotten, Notify, Republish
 from ifrt.errors import (
@@ -15,38 +16,13 @@ from ifrt.errors import (
     UnknownClient,
 )
 from ifrt.events import ProcessFailed, ProcessLeft, ProcessRestarted
-from tests.test_state import admit, reg
-
-TIMEOUT = 1.0
-
-
-def published(n=3, **config):
-    """A cluster of ``n`` processes (uids p0..), published at t=0, every session attached."""
-    s = ClusterState(ClusterConfig(num_processes=n, heartbeat_timeout_s=TIMEOUT, **config))
-    for i in range(n):
-        admit(s, reg(f"p{i}", i, host=f"h{i}"), 0.0)
-    for i in range(n):
-        s.attach(f"p{i}", 0.0)
-    return s
-
-
-def heartbeat_all_but(s, silent, now):
-    """Every process but ``silent`` sends a Heartbeat message at ``now`` (a sign of life; its open session already
-    vouches for it); ``silent``, if still attached, lost its session at t=0 and stays away."""
-    for i in range(s.config.num_processes):
-        if i != silent:
-            s.heartbeat(f"p{i}", now)
-    if silent is not None and any(p.process_id == silent and p.attached for p in s.report(now).processes):
-        s.detach(f"p{silent}", 0.0)
-
-
-def failures(effects):
-    return [e.event for e in effects if isinstance(e, Notify) and isinstance(e.event, ProcessFailed)]
+from tests.helpers import TIMEOUT, admit, failures, lose_session, published, reg
 
 
 def test_the_timing_adds_up_to_the_heartbeat_timeout():
     config = ClusterConfig(num_processes=1, heartbeat_timeout_s=10.0)
-    assert (config.heartbeat_interval_s, config.keepalive_timeout_s, config.reconnect_grace_s) == (5.0, 3.75, 1.25)
+    server = CoordinatorConfig(cluster=config)
+    assert (server.keepalive_interval_s, server.keepalive_timeout_s, config.reconnect_grace_s) == (5.0, 3.75, 1.25)
 
 
 def test_an_attached_process_is_alive_however_long_it_sends_nothing():
@@ -182,7 +158,7 @@ def test_restart_is_refused_while_the_holder_is_connected():
 
 def test_elastic_policy_drops_the_failed_process():
     s = published(3, on_failure=FailurePolicy.ELASTIC, min_processes=2)
-    heartbeat_all_but(s, 0, 1.5)
+    lose_session(s, 0)
     effects = s.tick(1.5)
     assert failures(effects) == [ProcessFailed(0, "lost its connection and did not come back within 0.125s")]
     assert Republish(s.topology, 3) in effects
@@ -193,7 +169,7 @@ def test_elastic_policy_drops_the_failed_process():
 
 def test_elastic_policy_below_the_minimum_is_fatal():
     s = published(3, on_failure=FailurePolicy.ELASTIC, min_processes=3)
-    heartbeat_all_but(s, 0, 1.5)
+    lose_session(s, 0)
     effects = s.tick(1.5)
     assert "fewer than --min-processes 3: the cluster cannot continue" in failures(effects)[0].reason
     assert not any(isinstance(e, Republish) for e in effects)
@@ -203,7 +179,7 @@ def test_elastic_policy_below_the_minimum_is_fatal():
 def test_leave_is_reported_as_left():
     s = published()
     assert s.leave("p2", 0.5)[0] == Notify(ProcessLeft(2), 2)
-    heartbeat_all_but(s, 2, 5.0)
+    lose_session(s, 2, at=0.5)  # a process that left is not failed for going
     assert failures(s.tick(5.0)) == []
 
 
@@ -220,7 +196,7 @@ def test_barrier_completes_when_everyone_arrived():
 def test_barrier_fails_at_once_when_a_participant_fails():
     s = published()
     s.arrive("p0", "sync", frozenset({0, 1}), 60, 0.1)
-    heartbeat_all_but(s, 1, 1.5)
+    lose_session(s, 1)
     effects = s.tick(1.5)
     [resolved] = [e for e in effects if isinstance(e, BarrierResolved)]
     assert isinstance(resolved.error, BarrierFailed)
@@ -233,7 +209,6 @@ def test_barrier_fails_at_once_when_a_participant_fails():
 def test_barrier_timeout_names_who_did_not_arrive():
     s = published()
     s.arrive("p0", "sync", frozenset(), 0.5, 0.0)
-    heartbeat_all_but(s, None, 0.6)
     [resolved] = s.tick(0.6)
     assert isinstance(resolved.error, BarrierTimeout)
     assert "2 of 3 processes did not arrive: 1 (h1 (10.0.0.1)), 2 (h2 (10.0.0.1))" in str(resolved.error)

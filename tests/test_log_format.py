@@ -9,11 +9,8 @@ import re
 import socket
 import sys
 
-import pytest
-
 from coordinator.local import LocalCoordinator
 from coordinator.logs import JsonFormatter
-from tests.test_liveness import Worker
 
 HOST = socket.gethostname()
 TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -33,14 +30,6 @@ def json_lines(coordinator: LocalCoordinator) -> list[dict]:
 
 def events(lines: list[dict], name: str) -> list[dict]:
     return [line for line in lines if line.get("event") == name]
-
-
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        w.stop()
 
 
 def test_formatter_writes_one_object_with_the_extra_fields_and_the_exception():
@@ -66,9 +55,9 @@ def test_formatter_writes_one_object_with_the_extra_fields_and_the_exception():
 def test_daemon_logs_registration_publication_and_failure_as_json(start_coordinator, workers):
     coordinator = start_coordinator("--log-format", "json", "--cluster-id", "job-7", "--heartbeat-timeout", "1",
                                     num_processes=2)
-    workers += [Worker(coordinator.address, pid, 2) for pid in (0, 1)]
-    fingerprints = {w.expect("topology")["topology"] for w in workers}
-    workers[1].kill9()
+    started = [workers(coordinator.address, pid, 2) for pid in (0, 1)]
+    fingerprints = {w.expect("topology")["topology"] for w in started}
+    started[1].kill9()
     coordinator.wait_for_log('"event": "process_failed"')
     coordinator.stop()
 

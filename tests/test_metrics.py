@@ -5,13 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,10 +18,10 @@ from coordinator.local import LocalCoordinator
 from coordinator.server import serve
 from coordinator.state import ClusterConfig
 from ifrt._generated import coordinator_pb2 as pb
-from tests.test_liveness import Worker
+from tests.helpers import poll_until, run_coordinator, taken_port
+from tests.replicas import leader_and_standby
 
 COORDINATOR = "ifrt.topology.v1.Coordinator"
-COORDINATOR_BIN = str(Path(sys.executable).parent / "ifrt-coordinator")
 METRICS_LINE = re.compile(r"serving metrics on http://[^ ]+:(\d+)/metrics")
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -49,31 +45,13 @@ def rpcs(samples: Samples, method: str, code: str = "OK") -> float:
 
 def wait_metrics(port: int, done: Callable[[Samples], bool], timeout: float = 30) -> Samples:
     """Scrapes again until ``done(samples)``; fails naming the last scrape after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not done(samples := scrape(port)):
-        assert time.monotonic() < deadline, f"metrics never matched within {timeout}s; last: {samples}"
-        time.sleep(0.1)
-    return samples
+    return poll_until(lambda: scrape(port), done, timeout, "the metrics", interval=0.1)
 
 
 def metrics_port(coordinator: LocalCoordinator) -> int:
     found = METRICS_LINE.search(coordinator.log)
     assert found, coordinator.log
     return int(found.group(1))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        w.stop()
 
 
 def test_metrics_follow_a_cluster_that_registers_fails_and_restarts(start_coordinator, workers):
@@ -89,9 +67,8 @@ def test_metrics_follow_a_cluster_that_registers_fails_and_restarts(start_coordi
     assert get(empty, "ifrt_time_to_publish_seconds") is None  # nothing published yet
     assert rpcs(empty, "Register") == 0.0
 
-    transfer_ports = {pid: free_port() for pid in range(3)}  # fixed, so a restarted process is the same process
-    workers += [Worker(coordinator.address, pid, 3, transfer_port=transfer_ports[pid]) for pid in range(3)]
-    for w in workers:
+    started = [workers(coordinator.address, pid, 3) for pid in range(3)]  # a restart keeps its transfer port
+    for w in started:
         w.expect("topology")
     running = wait_metrics(port, lambda m: get(m, "ifrt_sessions_open") == 3.0)
     assert (get(running, "ifrt_processes_registered"), get(running, "ifrt_generation"),
@@ -105,13 +82,12 @@ def test_metrics_follow_a_cluster_that_registers_fails_and_restarts(start_coordi
     assert 0.0 <= get(running, "ifrt_heartbeat_age_max_seconds") < 1.0  # older than the timeout would be failed
     registers_before = rpcs(running, "Register")
 
-    workers[1].kill9()
+    started[1].kill9()
     failed = wait_metrics(port, lambda m: get(m, "ifrt_processes_failed") == 1.0)
     assert get(failed, "ifrt_cluster_state", state="degraded") == 1.0
     assert (get(failed, "ifrt_processes_registered"), get(failed, "ifrt_generation")) == (3.0, 1.0)
 
-    workers.append(Worker(coordinator.address, 1, 3, transfer_port=transfer_ports[1]))
-    assert workers[-1].expect("topology")["generation"] == 1
+    assert workers(coordinator.address, 1, 3).expect("topology")["generation"] == 1
     restarted = wait_metrics(port, lambda m: get(m, "ifrt_processes_failed") == 0.0
                              and get(m, "ifrt_sessions_open") == 3.0)
     assert get(restarted, "ifrt_cluster_state", state="published") == 1.0
@@ -157,38 +133,24 @@ def test_two_coordinators_in_one_process_keep_their_own_metrics(tmp_path, caplog
 
 
 def test_only_the_leading_replica_reports_leader_1(etcd):
-    args = ("--store", etcd.url, "--leader-ttl", "2", "--cluster-id", "job-m", "--metrics-port", "0",
-            "--metrics-bind", "127.0.0.1")
-    first = LocalCoordinator(*args, num_processes=2)
-    try:
-        first.wait_for_log("serving:")
-        second = LocalCoordinator(*args, num_processes=2)
-        try:
-            second.wait_for_log(f"standing by: the coordinator at {first.address} leads")
-            leader, standby = scrape(metrics_port(first)), scrape(metrics_port(second))
-            assert (get(leader, "ifrt_leader"), get(standby, "ifrt_leader")) == (1.0, 0.0)
-            assert get(leader, "ifrt_processes_registered") == 0.0
-            assert get(standby, "ifrt_processes_registered") is None  # a standby knows nothing of the processes
-        finally:
-            second.close()
-    finally:
-        first.close()
+    with leader_and_standby(etcd, "--metrics-port", "0", "--metrics-bind", "127.0.0.1", num_processes=2,
+                            cluster_id="job-m") as (first, second):
+        leader, standby = scrape(metrics_port(first)), scrape(metrics_port(second))
+        assert (get(leader, "ifrt_leader"), get(standby, "ifrt_leader")) == (1.0, 0.0)
+        assert get(leader, "ifrt_processes_registered") == 0.0
+        assert get(standby, "ifrt_processes_registered") is None  # a standby knows nothing of the processes
 
 
 def test_a_metrics_port_out_of_range_is_a_usage_error():
-    result = subprocess.run([COORDINATOR_BIN, "--num-processes", "1", "--metrics-port", "70000"], capture_output=True,
-                            text=True, timeout=60)
+    result = run_coordinator("--num-processes", "1", "--metrics-port", "70000")
     assert result.returncode == 2
     assert "--metrics-port 70000 is out of range: expected 0 to 65535" in result.stderr
 
 
 def test_a_metrics_port_in_use_stops_the_daemon_with_a_clear_error():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        result = subprocess.run([COORDINATOR_BIN, "--num-processes", "1", "--bind", "127.0.0.1:0", "--metrics-port",
-                                 str(port), "--metrics-bind", "127.0.0.1"], capture_output=True, text=True, timeout=60)
+    with taken_port() as port:
+        result = run_coordinator("--num-processes", "1", "--bind", "127.0.0.1:0", "--metrics-port", str(port),
+                                 "--metrics-bind", "127.0.0.1")
     assert result.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in result.stderr
 

@@ -8,7 +8,6 @@ import pytest
 
 from coordinator.local import LocalCoordinator
 from tests.netns import Hosts, skip_without_netns
-from tests.test_liveness import Worker
 
 HEARTBEAT = 2.0
 
@@ -33,14 +32,6 @@ def coordinator_on_h1(hosts):
     yield start
     for c in started:
         c.close()
-
-
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-    yield lambda *a, **k: started.append(Worker(*a, **k)) or started[-1]
-    for w in started:
-        w.stop()
 
 
 def test_assigned_ids_follow_host_addresses_not_arrival(hosts, coordinator_on_h1, workers):

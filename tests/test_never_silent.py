@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ifrt
-from tests.conftest import BIN, discover_process, finish
+from tests.helpers import BIN, discover_process, finish
 from tests.tls import make_certs
 
 REPORT = re.compile(r"cannot reach 127\.0\.0\.1:(\d+): (.+) \(retrying for (\d+) s more\)")

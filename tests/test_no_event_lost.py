@@ -18,11 +18,10 @@ from ifrt import events
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.security import SECRET_METADATA
 from ifrt.session import GATE_ENV
-from tests import test_liveness
-from tests.test_failover import NUM, Replicas, client0, free_port, start_worker
-from tests.test_liveness import SERVICE, next_event, watcher
+from tests.helpers import SERVICE, free_port, next_event, poll_until, watcher
+from tests.replicas import Replicas
+from tests.test_failover import NUM, client0, start_worker
 
-workers = test_liveness.workers  # the liveness tests' fixture: worker processes, stopped afterwards
 HEARTBEAT_TIMEOUT = "10"  # a held session leaves its process on the clock: this long before it would be failed
 LEFT, FAILED = pb.PROCESS_PHASE_LEFT, pb.PROCESS_PHASE_FAILED
 JOB_EVENTS = (events.ProcessFailed, events.ProcessLeft, events.ProcessRestarted, events.PreemptionNotice)
@@ -30,16 +29,15 @@ JOB_EVENTS = (events.ProcessFailed, events.ProcessLeft, events.ProcessRestarted,
 
 def wait_phases(address: str, expected: dict[int, int], timeout: float = 60) -> None:
     """Waits until the coordinator at ``address`` reports each process id in ``expected`` in its phase."""
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         status = channel.unary_unary(f"{SERVICE}/Status")
-        while True:
+
+        def phases() -> dict[int, int]:
             report = pb.StatusResponse.FromString(status(pb.StatusRequest().SerializeToString(), timeout=10))
-            phases = {p.process_id: p.phase for p in report.processes}
-            if all(phases.get(pid) == phase for pid, phase in expected.items()):
-                return
-            assert time.monotonic() < deadline, f"{address} reports {phases}, expected {expected}"
-            time.sleep(0.05)  # polling the coordinator's own view until it decided
+            return {p.process_id: p.phase for p in report.processes}
+
+        poll_until(phases, lambda seen: all(seen.get(pid) == phase for pid, phase in expected.items()), timeout,
+                   f"{address} to report the phases {expected}")
 
 
 def drained(client: ifrt.Client) -> None:

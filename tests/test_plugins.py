@@ -15,7 +15,7 @@ from plugins import PluginError, all_plugins, get_plugin
 from plugins.cpu import CpuPlugin
 from plugins.cuda import CudaPlugin
 from plugins.sim import devices_from_spec
-from tests.conftest import discover_process, finish
+from tests.helpers import discover_process, finish
 
 FIXTURES = Path(__file__).with_name("fixture_plugins")
 ROOT = Path(__file__).parents[1]
@@ -156,29 +156,10 @@ def test_host_attributes_stay_in_the_process_and_out_of_the_topology(start_coord
     assert b"0000:4" not in topology.canonical_bytes  # uncompressed: a bus id sent would show
 
 
-# properties
-def test_device_properties_have_defaults_and_plugin_overrides():
-    assert get_plugin("cpu").device_properties("cpu") == {
-        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "none", "direct_transfer": False}
-    assert get_plugin("sim").device_properties("tpu-v5e") == {
-        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "ici", "direct_transfer": True}
-    assert get_plugin("cuda").device_properties("NVIDIA H100 80GB HBM3") == {
-        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "pcie", "direct_transfer": True}
-
-
-def test_a_kinds_properties_override_the_plugins(third_party):
-    plugin = get_plugin("fake-accel")
-    assert plugin.device_properties("fa-1") == {
-        "memory_bytes": 1 << 34, "cores_per_chip": 1, "interconnect": "fabric", "direct_transfer": False}
-    assert plugin.device_properties("fa-2") == {
-        "memory_bytes": None, "cores_per_chip": 1, "interconnect": "none", "direct_transfer": False}
-
-
 # third-party plugins
 def test_third_party_plugin_is_found_and_used(third_party, monkeypatch):
     plugin = get_plugin("fake-accel")
     assert [d.kind for d in plugin.local_devices()] == ["fa-1"] * 3
-    assert plugin.device_properties("fa-1")["interconnect"] == "fabric"
     assert isinstance(plugin.local_devices([2])[0], LocalDevice)
 
 

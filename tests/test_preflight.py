@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,6 +18,7 @@ import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt import preflight
 from ifrt.preflight import ALL_PAIRS_MAX, SAMPLE, PreflightFailed, pairs_probed, peers
+from tests.helpers import free_port, together
 from tests.netns import Hosts, skip_without_iptables, skip_without_netns
 
 IFRT = Path(sys.executable).with_name("ifrt")
@@ -38,7 +37,9 @@ def test_large_jobs_probe_a_ring_and_a_bounded_sample_the_same_everywhere():
     plan = {p: peers(p, n, "f00d") for p in range(n)}
     assert all(len(targets) == 2 + SAMPLE and p not in targets for p, targets in plan.items())
     assert all({(p - 1) % n, (p + 1) % n} <= set(targets) for p, targets in plan.items())  # the ring
-    assert sum(len(t) for t in plan.values()) == pairs_probed(n)
+    # What a report says was probed is the number of distinct pairs the processes' own plans probe (a peer named
+    # twice in one plan would be counted twice by a sum of their lengths, though probed once).
+    assert len({(p, q) for p, targets in plan.items() for q in targets}) == pairs_probed(n)
     probed_by = {q: sum(q in t for t in plan.values()) for q in range(n)}
     assert min(probed_by.values()) >= 2  # every endpoint is probed, by its two ring neighbours at least
     # Another process computes the same plan, whatever its hash seed: a process knows what its peers probed.
@@ -48,25 +49,6 @@ def test_large_jobs_probe_a_ring_and_a_bounded_sample_the_same_everywhere():
                                capture_output=True, text=True, check=True, timeout=60)
         assert other.stdout.strip() == str(list(plan.values()))
     assert peers(5, n, "another fingerprint") != plan[5]  # the sample follows the topology
-
-
-def _in_threads(clients: list[ifrt.Client], call) -> list:
-    """``call(client)`` for every client at once (a job's processes act together); results or exceptions."""
-    results: list = [None] * len(clients)
-
-    def one(i: int) -> None:
-        try:
-            results[i] = call(clients[i])
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a process's call did not return within 60s"
-    return results
 
 
 @pytest.fixture
@@ -90,22 +72,20 @@ def cluster():
 
 def test_a_healthy_cluster_passes_with_the_same_report_everywhere(cluster):
     clients = cluster(3)
-    _in_threads(clients, lambda c: c.discover())
-    reports = _in_threads(clients, lambda c: c.preflight(timeout=30))
+    together(clients, lambda c: c.discover())
+    reports = together(clients, lambda c: c.preflight(timeout=30))
     assert all(isinstance(r, preflight.PreflightReport) and r.ok for r in reports), reports
     assert {(r.pairs_probed, r.all_pairs, r.generation, r.fingerprint) for r in reports} == {
         (6, True, clients[0].topology.generation, clients[0].topology.fingerprint)}
     assert "every transfer endpoint is reachable" in reports[0].describe()
     # A second check uses fresh keys and a fresh barrier: it runs again rather than repeating the first result.
-    assert all(r.ok for r in _in_threads(clients, lambda c: c.preflight(timeout=30)))
+    assert all(r.ok for r in together(clients, lambda c: c.preflight(timeout=30)))
 
 
 def _nothing_listening() -> SimpleNamespace:
     """What a process advertises as its endpoint, with nothing listening there: a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return SimpleNamespace(address=f"127.0.0.1:{port}", auth_key=None, close=lambda: None, expect=lambda topology: None)
+    return SimpleNamespace(address=f"127.0.0.1:{free_port()}", auth_key=None, close=lambda: None,
+                           expect=lambda topology: None)
 
 
 def test_discover_under_IFRT_PREFLIGHT_fails_in_every_process_naming_the_pair(cluster, monkeypatch):
@@ -113,7 +93,7 @@ def test_discover_under_IFRT_PREFLIGHT_fails_in_every_process_naming_the_pair(cl
     monkeypatch.setenv(preflight.PREFLIGHT_TIMEOUT_ENV, "30")
     healthy, gone = cluster(2)
     gone.endpoint = _nothing_listening()
-    errors = _in_threads([healthy, gone], lambda c: c.discover())
+    errors = together([healthy, gone], lambda c: c.discover())
     assert all(isinstance(e, PreflightFailed) for e in errors), errors
     for error in errors:
         [pair] = error.report.unreachable
@@ -127,7 +107,7 @@ def test_discover_without_IFRT_PREFLIGHT_probes_nothing(cluster, monkeypatch):
     monkeypatch.delenv(preflight.PREFLIGHT_ENV, raising=False)
     healthy, gone = cluster(2)
     gone.endpoint = _nothing_listening()
-    assert all(isinstance(t, ifrt.Topology) for t in _in_threads([healthy, gone], lambda c: c.discover()))
+    assert all(isinstance(t, ifrt.Topology) for t in together([healthy, gone], lambda c: c.discover()))
 
 
 # Several hosts: `ifrt doctor` on each, one host's transfer port dropped by its own firewall.

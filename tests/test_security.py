@@ -3,7 +3,6 @@ TLS (certificates made with openssl at run time), process secrets, and the trans
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -15,14 +14,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.security import SECRET_METADATA
 from ifrt.transfer import CHALLENGE_BYTES, HELLO, Channels, TransferTimeout, encode_header
-from tests.conftest import BIN, discover_process, finish
+from tests.helpers import BIN, clients, discover_processes, health, poll_until
 from tests.tls import make_certs
 
 TOKEN = "s3cret-token-5a1f"
@@ -42,20 +40,6 @@ def token_file(tmp_path) -> Path:
     return path
 
 
-def discover_all(address: str, n: int, env: dict[str, str], timeout: float = 60) -> list[dict]:
-    children = [discover_process(address, "--process-id", str(pid), "--num-processes", str(n), env=env,
-                                 timeout=timeout) for pid in range(n)]
-    results = [finish(c, timeout + 30) for c in children]
-    assert [code for code, _, _ in results] == [0] * n, [err for _, _, err in results]
-    return [json.loads(out) for _, out, _ in results]
-
-
-def health(address: str) -> str:
-    with grpc.insecure_channel(address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
-
-
 def timed_discover(**kwargs) -> tuple[Exception | None, float]:
     start = time.monotonic()
     try:
@@ -70,7 +54,7 @@ def timed_discover(**kwargs) -> tuple[Exception | None, float]:
 
 def test_the_token_lets_the_job_in_and_is_never_shown(start_coordinator, token_file):
     coordinator = start_coordinator("--token-file", str(token_file), num_processes=2)
-    topologies = discover_all(coordinator.address, 2, {"IFRT_TOKEN_FILE": str(token_file)})
+    topologies = discover_processes(coordinator.address, 2, {"IFRT_TOKEN_FILE": str(token_file)})
     assert len({t["fingerprint"] for t in topologies}) == 1
     assert "token required" in coordinator.log and TOKEN not in coordinator.log
     shown = subprocess.run([str(BIN / "ifrt"), "env"], capture_output=True, text=True, timeout=60,
@@ -90,7 +74,7 @@ def test_a_call_without_the_token_or_with_another_is_unauthenticated_and_changes
         coordinator.wait_for_log(why)
     assert health(coordinator.address) == "SERVING"  # probes need no token
     # Had a stranger been admitted as process 0, the real process 0 would now be refused as a duplicate.
-    topologies = discover_all(coordinator.address, 2, {"IFRT_TOKEN": TOKEN})
+    topologies = discover_processes(coordinator.address, 2, {"IFRT_TOKEN": TOKEN})
     assert sorted(t["process_id"] for t in topologies) == [0, 1] and {t["generation"] for t in topologies} == {1}
     assert "not-the-token" not in coordinator.log
 
@@ -108,7 +92,7 @@ def test_a_tls_coordinator_serves_clients_that_trust_its_ca(start_coordinator, c
     coordinator = start_coordinator("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
                                     num_processes=2)
     assert "(pid" in coordinator.log and ", TLS, no token" in coordinator.log
-    topologies = discover_all(coordinator.address, 2, tls_env(certs))
+    topologies = discover_processes(coordinator.address, 2, tls_env(certs))
     assert len({t["fingerprint"] for t in topologies}) == 1
 
 
@@ -136,7 +120,7 @@ def test_mutual_tls_admits_certified_clients_only(start_coordinator, certs):
     error, took = timed_discover(coordinator=coordinator.address, tls_ca=str(certs / "ca.pem"))
     assert isinstance(error, ifrt.TransportMismatch), error
     assert "requires a client certificate" in str(error) and took < MISMATCH_WITHIN_S
-    topologies = discover_all(coordinator.address, 2, tls_env(certs, client_cert=True))
+    topologies = discover_processes(coordinator.address, 2, tls_env(certs, client_cert=True))
     assert len({t["fingerprint"] for t in topologies}) == 1
 
 
@@ -145,15 +129,9 @@ def test_mutual_tls_admits_certified_clients_only(start_coordinator, certs):
 @pytest.fixture
 def two_processes(start_coordinator):
     coordinator = start_coordinator(num_processes=2)
-    clients = [ifrt.Client(coordinator.address, process_id=pid, num_processes=2, timeout=60) for pid in range(2)]
-    threads = [threading.Thread(target=c.discover) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(c.topology is not None for c in clients)
-    yield coordinator, clients
-    for c in clients:
+    made = clients(coordinator.address, 2)
+    yield coordinator, made
+    for c in made:
         c.close()
 
 
@@ -221,15 +199,9 @@ def test_leave_from_an_unknown_client_is_not_found(two_processes):
 @pytest.fixture
 def token_pair(start_coordinator, token_file):
     coordinator = start_coordinator("--token-file", str(token_file), num_processes=2)
-    clients = [ifrt.Client(coordinator.address, process_id=pid, num_processes=2, timeout=60, token=TOKEN)
-               for pid in range(2)]
-    threads = [threading.Thread(target=c.discover) for c in clients]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    yield clients
-    for c in clients:
+    made = clients(coordinator.address, 2, token=TOKEN)
+    yield made
+    for c in made:
         c.close()
 
 
@@ -255,10 +227,7 @@ def test_a_stranger_on_a_transfer_endpoint_is_refused_and_logged(token_pair, cap
             stranger.shutdown(socket.SHUT_WR)
         stranger.settimeout(15)
         assert stranger.recv(1) == b""  # closed by the endpoint
-    deadline = time.monotonic() + 10
-    while "refused a transfer connection" not in caplog.text:
-        assert time.monotonic() < deadline, caplog.text
-        time.sleep(0.02)
+    poll_until(lambda: "refused a transfer connection" in caplog.text, timeout=10, what="the refusal logged")
     assert ("does not hold the cluster's token" if answer else "no answer to the token challenge") in caplog.text
     with Channels(b.topology, b.endpoint) as into, pytest.raises(TransferTimeout):
         into.recv(src_device=0, timeout=0.5)  # nothing the stranger sent was taken as process 0's

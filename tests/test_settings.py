@@ -1,7 +1,7 @@
 import pytest
 
 from ifrt.errors import InvalidArgument
-from ifrt.settings import resolve
+from ifrt.settings import preflight_timeout, resolve
 
 
 def test_arguments_win_over_environment():
@@ -66,3 +66,27 @@ def test_no_coordinator_anywhere_lists_what_was_tried():
     with pytest.raises(InvalidArgument,
                        match="looked for: torchrun, ompi, slurm, tpu, kubeflow, lws, jobset, kubernetes; none found"):
         resolve(environ={})
+
+
+def test_a_misspelt_discover_option_is_refused_by_name():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'proces_id'"):
+        resolve("c:1", proces_id=1, environ={})  # type: ignore[call-arg]
+
+
+def test_discover_options_take_their_defaults_when_not_given():
+    s = resolve("c:1", environ={})
+    assert (s.process_id, s.num_processes, s.plugin, s.local_device_ids, s.timeout, s.token) == (
+        None, None, "cpu", None, 300.0, None)
+
+
+@pytest.mark.parametrize(("env", "seconds"), [
+    ({}, None), ({"IFRT_PREFLIGHT": "0"}, None), ({"IFRT_PREFLIGHT": "1"}, 60.0),
+    ({"IFRT_PREFLIGHT": "yes", "IFRT_PREFLIGHT_TIMEOUT": "12.5"}, 12.5),
+])
+def test_discover_runs_a_preflight_only_when_the_environment_asks(env, seconds):
+    assert preflight_timeout(60.0, env) == seconds
+
+
+def test_a_preflight_timeout_that_is_not_a_number_is_named():
+    with pytest.raises(InvalidArgument, match="IFRT_PREFLIGHT_TIMEOUT='soon' is not a number of seconds"):
+        preflight_timeout(60.0, {"IFRT_PREFLIGHT": "1", "IFRT_PREFLIGHT_TIMEOUT": "soon"})

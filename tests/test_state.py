@@ -5,26 +5,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import journal
-from coordinator.registration import Registration
 from coordinator.state import ClusterConfig, ClusterState, Published, Waiting
 from ifrt import wire
 from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessDeclaredFailed, ProcessIdTaken
-from ifrt.records import LocalDevice
-
-
-def reg(uid, process_id=None, *, host="h", ip="10.0.0.1", rank=0, devices=2, num_processes=0, cluster_id=""):
-    return Registration(uid, cluster_id, num_processes, process_id, host, ip, rank, f"{host}:9000",
-                        tuple(LocalDevice(i, "cpu", "cpu") for i in range(devices)))
+from tests.helpers import admit, reg
 
 
 def state(n=4, **kwargs):
     return ClusterState(ClusterConfig(num_processes=n, cluster_id="job", **kwargs))
-
-
-def admit(s, r, now):
-    outcome, effects = s.register(r, now)
-    assert effects == []
-    return outcome
 
 
 def snapshot(s):
@@ -176,8 +164,6 @@ def journaled_cluster():
     for i in range(4):
         s.arrive(f"u{i}", "step-1", frozenset(), 10, 3.0)  # completes (BarrierFinished)
     s.arrive("u0", "lonely", frozenset({0, 1}), 0.5, 3.0)
-    for i in range(4):
-        s.heartbeat(f"u{i}", 3.6)
     s.tick(3.6)  # "lonely" times out
     s.arrive("u0", "sync", frozenset({0, 2}), 60, 3.7)
     s.leave("u2", 4.0)  # Left; "sync" fails

@@ -8,17 +8,13 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
-from coordinator.local import LocalCoordinator
 from coordinator.state import ClusterConfig, ClusterState
-from tests.conftest import discover_process
-from tests.test_liveness import Worker
-from tests.test_state import admit, reg
+from tests.helpers import admit, discover_process, poll_until, reg
+from tests.replicas import leader_and_standby
+from tests.workers import Worker
 
 IFRT = str(Path(sys.executable).parent / "ifrt")
 HOST = socket.gethostname()
@@ -42,23 +38,7 @@ def status_json(address: str) -> dict:
 
 def wait_status(address: str, done: Callable[[dict], bool], timeout: float = 30) -> dict:
     """Asks again until ``done(status)``; fails with the last answer after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not done(view := status_json(address)):
-        assert time.monotonic() < deadline, f"status never matched within {timeout}s; last: {view}"
-        time.sleep(0.1)
-    return view
-
-
-@pytest.fixture
-def children():
-    """Child processes to kill (by pid) at the end, whatever state they are in."""
-    started: list = []
-    yield started
-    for child in started:
-        process = child.process if isinstance(child, Worker) else child
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    return poll_until(lambda: status_json(address), done, timeout, "the status", interval=0.1)
 
 
 def test_report_of_the_state_machine_names_the_missing_the_failed_and_heartbeat_ages():
@@ -117,10 +97,7 @@ def test_waiting_with_explicit_ids_names_the_missing_ids(start_coordinator, chil
 def test_waiting_with_assigned_ids_counts_the_missing(start_coordinator, children):
     coordinator = start_coordinator(num_processes=3)
     children += [discover_process(coordinator.address, env={"IFRT_LOCAL_RANK": rank}) for rank in ("0", "1")]
-    deadline = time.monotonic() + 30
-    while coordinator.log.count("registered a process") < 2:
-        assert time.monotonic() < deadline, coordinator.log
-        time.sleep(0.05)
+    poll_until(lambda: coordinator.log.count("registered a process"), lambda n: n >= 2, what="2 registrations")
     view = status_json(coordinator.address)
     assert (view["state"], view["registered"], view["missing"], view["missing_count"]) == ("waiting", 2, [], 1)
     assert [(p["process_id"], p["local_rank"]) for p in view["processes"]] == [(None, 0), (None, 1)]
@@ -161,29 +138,19 @@ def test_degraded_lists_the_killed_process_and_why(start_coordinator, children):
 
 
 def test_a_standby_says_standby_and_names_the_leader(etcd):
-    args = ("--store", etcd.url, "--leader-ttl", "2", "--cluster-id", "job-s")
-    first = LocalCoordinator(*args, num_processes=2)
-    try:
-        first.wait_for_log("serving:")
-        second = LocalCoordinator(*args, num_processes=2)
-        try:
-            second.wait_for_log(f"standing by: the coordinator at {first.address} leads")
-            standby = status_json(second.address)
-            assert (standby["state"], standby["leader"], standby["replica"]) == ("standby", first.address,
-                                                                                 second.address)
-            assert standby["registered"] is None and standby["generation"] is None
-            assert f"the coordinator at {first.address} leads" in standby["reason"]
-            text = ifrt_status("--coordinator", second.address).stdout
-            assert "cluster job-s: standby" in text and f"leader:     {first.address}" in text
+    with leader_and_standby(etcd, num_processes=2, cluster_id="job-s") as (first, second):
+        standby = status_json(second.address)
+        assert (standby["state"], standby["leader"], standby["replica"]) == ("standby", first.address,
+                                                                             second.address)
+        assert standby["registered"] is None and standby["generation"] is None
+        assert f"the coordinator at {first.address} leads" in standby["reason"]
+        text = ifrt_status("--coordinator", second.address).stdout
+        assert "cluster job-s: standby" in text and f"leader:     {first.address}" in text
 
-            both = status_json(f"{second.address},{first.address}")
-            assert (both["state"], both["leader"], both["replica"]) == ("waiting", first.address, first.address)
-            assert both["replicas"] == [{"address": second.address, "role": "standby"},
-                                        {"address": first.address, "role": "leader"}]
-        finally:
-            second.close()
-    finally:
-        first.close()
+        both = status_json(f"{second.address},{first.address}")
+        assert (both["state"], both["leader"], both["replica"]) == ("waiting", first.address, first.address)
+        assert both["replicas"] == [{"address": second.address, "role": "standby"},
+                                    {"address": first.address, "role": "leader"}]
 
 
 def test_watch_prints_a_report_each_interval_until_the_count(start_coordinator):

@@ -15,16 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local import LocalCoordinator
 from coordinator.status_page import events, fragment, page
 from ifrt import status_svg
-from tests import test_status
+from tests.replicas import leader_and_standby
 from tests.requirements import require
-from tests.test_liveness import Worker
 from tests.test_metrics import metrics_port
 from tests.test_status import FAILED_REASON, HOST, ifrt_status, wait_status
-
-children = test_status.children  # the same fixture: child processes killed by pid at the end
+from tests.workers import Worker
 
 FAILED_RGB = tuple(int(status_svg.COLORS["failed"][i:i + 2], 16) for i in (1, 3, 5))
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -188,33 +185,23 @@ def test_the_picture_is_well_formed_xml_at_every_size(processes):
 
 
 def test_a_standby_page_names_the_leader_and_shows_its_view(etcd, children, tmp_path):
-    args = ("--store", etcd.url, "--leader-ttl", "2", "--cluster-id", "job-p", "--metrics-port", "0",
-            "--metrics-bind", "127.0.0.1", "--attempt", "2")
-    first = LocalCoordinator(*args, num_processes=1)
-    try:
-        first.wait_for_log("serving:")
-        second = LocalCoordinator(*args, num_processes=1)
-        try:
-            second.wait_for_log(f"standing by: the coordinator at {first.address} leads")
-            children.append(Worker(first.address, 0, 1, env={"IFRT_ATTEMPT": "2"}))
-            children[0].expect("topology")
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(second)}/status.json", timeout=10) as r:
-                view = json.loads(r.read())
-            assert (view["state"], view["leader"], view["leader_view"]["state"]) == ("standby", first.address,
-                                                                                   "published")
-            assert [p["process_id"] for p in view["leader_view"]["processes"]] == [0]
-            assert view["attempt"] == view["leader_view"]["attempt"] == 2
-            text = ifrt_status("--coordinator", f"{second.address},{first.address}").stdout
-            assert "cluster job-p: published" in text and "\nattempt:    2\n" in text, text
-            dom = chromium(tmp_path, "--virtual-time-budget=3000", "--dump-dom",
-                           f"http://127.0.0.1:{metrics_port(second)}/status")
-            assert f"This replica stands by; what the leader {first.address} reports:" in dom.stdout, dom.stdout
-            assert '<g class="process alive" data-process="0"' in dom.stdout
-            assert re.search(r'<p id="note"[^>]*>updated ', dom.stdout)
-        finally:
-            second.close()
-    finally:
-        first.close()
+    with leader_and_standby(etcd, "--metrics-port", "0", "--metrics-bind", "127.0.0.1", "--attempt", "2",
+                            num_processes=1, cluster_id="job-p") as (first, second):
+        children.append(Worker(first.address, 0, 1, env={"IFRT_ATTEMPT": "2"}))
+        children[0].expect("topology")
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(second)}/status.json", timeout=10) as r:
+            view = json.loads(r.read())
+        assert (view["state"], view["leader"], view["leader_view"]["state"]) == ("standby", first.address,
+                                                                               "published")
+        assert [p["process_id"] for p in view["leader_view"]["processes"]] == [0]
+        assert view["attempt"] == view["leader_view"]["attempt"] == 2
+        text = ifrt_status("--coordinator", f"{second.address},{first.address}").stdout
+        assert "cluster job-p: published" in text and "\nattempt:    2\n" in text, text
+        dom = chromium(tmp_path, "--virtual-time-budget=3000", "--dump-dom",
+                       f"http://127.0.0.1:{metrics_port(second)}/status")
+        assert f"This replica stands by; what the leader {first.address} reports:" in dom.stdout, dom.stdout
+        assert '<g class="process alive" data-process="0"' in dom.stdout
+        assert re.search(r'<p id="note"[^>]*>updated ', dom.stdout)
 
 
 def test_restarting_slow_and_missing_processes_are_marked_with_why_on_hover():

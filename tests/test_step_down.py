@@ -12,6 +12,7 @@ import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
+from tests.replicas import serving
 
 WAIT_S = 60.0
 MOVED_ON_WITHIN_S = 25.0
@@ -53,10 +54,7 @@ def finished(result: dict, timeout: float):
 
 def test_a_pending_barrier_and_key_value_read_finish_on_the_new_leader(two_replicas, monkeypatch):
     monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "1")
-    deadline = time.monotonic() + 30
-    while (first := next((r for r in two_replicas if "serving:" in r.log), None)) is None:
-        assert time.monotonic() < deadline, "no replica leads"
-        time.sleep(0.05)
+    first = serving(*two_replicas)
     standby = next(r for r in two_replicas if r is not first)
     addresses = ",".join([first.address, standby.address])
     clients = [ifrt.Client(addresses, process_id=pid, num_processes=2, timeout=60) for pid in range(2)]

@@ -4,18 +4,17 @@ coordinator; the start-up exchange and device meshes on their own."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import doomed_peer
+from tests import helpers
+from tests.helpers import json_answers, survivor_of_a_doomed_peer, together
 from tests.requirements import require
 
 if importlib.util.find_spec("torch") is None:
@@ -47,18 +46,8 @@ def start_workers(address: str, local_ranks: tuple[int, ...]) -> list[subprocess
 
 
 def results(workers: list[subprocess.Popen]) -> list[dict]:
-    """Each worker's JSON answer, in launch order; fails naming a worker that failed (its pid and stderr)."""
-    answers = []
-    for worker in workers:
-        try:
-            out, err = worker.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.kill(worker.pid, signal.SIGKILL)
-            out, err = worker.communicate()
-            pytest.fail(f"torch worker {worker.pid} did not finish within {TIMEOUT}s; stderr:\n{err[-3000:]}")
-        assert worker.returncode == 0, f"torch worker {worker.pid} exited {worker.returncode}:\n{err[-3000:]}"
-        answers.append(json.loads(out.strip().splitlines()[-1]))
-    return answers
+    """Each worker's JSON answer (its last stdout line), in start order; fails naming a worker that failed."""
+    return json_answers(workers, TIMEOUT)
 
 
 @pytest.mark.slow
@@ -102,32 +91,14 @@ def test_importing_ifrt_does_not_import_torch_until_ifrt_torch_is_used():
 # The start-up exchange, with clients in this process.
 
 def clients(address: str, n: int) -> list[ifrt.Client]:
-    made = [ifrt.Client(address, process_id=p, num_processes=n, transfer=False, timeout=30) for p in range(n)]
-    threads = [threading.Thread(target=c.discover) for c in made]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert all(c.topology is not None for c in made)
-    return made
+    """``n`` processes without transfer endpoints as Clients in this test, discovered together."""
+    return helpers.clients(address, n, transfer=False, timeout=30)
 
 
 def exchange(members: list[ifrt.Client], deadline_s: float = 30) -> list[str | Exception]:
     """Each member's StartupExchange result (the c10d prefix) or error, run together."""
-    got: dict[int, str | Exception] = {}
-
-    def run(i: int) -> None:
-        try:
-            got[i] = ifrt.torch.StartupExchange(members[i], members[i].topology, time.monotonic() + deadline_s).run()
-        except Exception as e:
-            got[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(members))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=deadline_s + 10)
-    return [got[i] for i in range(len(members))]
+    return together(members, lambda c: ifrt.torch.StartupExchange(c, c.topology, time.monotonic() + deadline_s).run(),
+                    timeout=deadline_s + 10)
 
 
 def test_a_restarted_start_against_a_durable_journal_never_reads_the_previous_starts_c10d_keys(etcd):
@@ -160,10 +131,7 @@ def test_a_restarted_start_against_a_durable_journal_never_reads_the_previous_st
 
 def test_a_process_that_dies_during_start_up_ends_the_start_naming_it(start_coordinator):
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
-    doomed = doomed_peer(coordinator.address)
-    with ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer=False, timeout=30) as leader:
-        topology = leader.discover()
-        assert doomed.wait(timeout=30) == 3, doomed.stderr.read()
+    with survivor_of_a_doomed_peer(coordinator.address) as (leader, topology):
         started = time.monotonic()
         with pytest.raises(ifrt.BarrierFailed, match=r"start-up cannot complete: process 1 \(.*\) failed"):
             ifrt.torch.StartupExchange(leader, topology, time.monotonic() + 30).run()

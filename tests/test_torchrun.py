@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,8 +29,8 @@ from ifrt.torchrun import (
     endpoint_replicas,
     node_ranks,
 )
-from tests.conftest import finish
-from tests.test_failover import Replicas
+from tests.helpers import finish, poll_until
+from tests.replicas import Replicas
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).with_name("torchrun_worker.py")
@@ -90,13 +89,6 @@ def results(out: Path, world: int = 4) -> list[dict]:
     for r in reports:
         assert int(r["RANK"]) == 2 * int(r["GROUP_RANK"]) + int(r["LOCAL_RANK"]) == r["dist_rank"]
     return reports
-
-
-def wait_for(condition, what: str, timeout: float = RUN_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
-        time.sleep(0.1)
 
 
 # The contract: node ranks are ifrt's host order, the same order the coordinator gives process ids in.
@@ -162,8 +154,8 @@ def test_rendezvous_completes_after_the_leading_replica_is_killed(etcd, torchrun
     try:
         first = torchrun(replicas.addresses, "failover", "127.0.0.2")
         with ifrt.Client(replicas.addresses, session=False, transfer=False) as probe:
-            wait_for(lambda: probe.kv_try_get(f"{KEY_PREFIX}failover/state", timeout=10) is not None,
-                     "rendezvous state from the first agent")
+            poll_until(lambda: probe.kv_try_get(f"{KEY_PREFIX}failover/state", timeout=10) is not None,
+                       timeout=RUN_S, what="rendezvous state from the first agent")
         replicas.kill_leader()  # the first agent waits in the rendezvous, its state on the killed leader
         second = torchrun(replicas.addresses, "failover", "127.0.0.3")
         finish_all([first, second])
@@ -176,7 +168,7 @@ def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinato
     coordinator = start_coordinator(num_processes=4)
     agents = [torchrun(coordinator.address, "restart", addr, "--hang-node", "1", max_restarts=1)
               for addr in ("127.0.0.2", "127.0.0.3")]
-    wait_for((tmp_path / "hang.pid").exists, "worker waiting to be killed")
+    poll_until((tmp_path / "hang.pid").exists, timeout=RUN_S, what="a worker waiting to be killed")
     os.kill(int((tmp_path / "hang.pid").read_text()), signal.SIGKILL)
     finish_all(agents)
     reports = results(tmp_path)
@@ -186,7 +178,7 @@ def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinato
 def test_nnodes_min_max_starts_with_one_node_and_admits_a_late_one(start_coordinator, torchrun, tmp_path):
     coordinator = start_coordinator(num_processes=4)
     first = torchrun(coordinator.address, "elastic", "127.0.0.2", "--until-world", "4", nnodes="1:2")
-    wait_for(lambda: any(tmp_path.glob("waiting*")), "a group of the first node alone")
+    poll_until(lambda: any(tmp_path.glob("waiting*")), timeout=RUN_S, what="a group of the first node alone")
     second = torchrun(coordinator.address, "elastic", "127.0.0.3", "--until-world", "4", nnodes="1:2")
     finish_all([first, second])
     reports = results(tmp_path)

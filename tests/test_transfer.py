@@ -22,6 +22,7 @@ import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt.errors import InvalidArgument
 from ifrt.transfer import ARRAY, HELLO, Channels, Endpoint, TransferError, TransferTimeout, encode_header, wait_seconds
+from tests.helpers import poll_until
 from tests.netns import Hosts, skip_without_netns
 from tests.resources import open_fds
 
@@ -259,13 +260,6 @@ def test_unbounded_or_malformed_timeouts_are_refused(timeout):
 # Bounded under attack: silent peers, strangers and floods cost an endpoint a bounded number of descriptors,
 # threads and log lines, and members keep talking.
 
-def eventually(condition, within: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {within}s: {what}"
-        time.sleep(0.02)
-
-
 def connect_from(source: str, address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     return socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
@@ -289,7 +283,7 @@ def test_a_peer_silent_before_its_hello_is_closed_after_the_handshake_timeout(se
         with connect_from("127.0.0.1", endpoint.address) as silent:
             silent.sendall(sent)
             assert closed_by_the_endpoint(silent, within=20)  # 40 handshake timeouts
-        eventually(lambda: endpoint.open_connections == 0, what="the closed connection leaves the endpoint")
+        poll_until(lambda: endpoint.open_connections == 0, what="the closed connection leaves the endpoint")
         assert "no valid hello within 0.5s" in caplog.text
     finally:
         endpoint.close()
@@ -319,7 +313,7 @@ def test_connections_that_close_leave_the_endpoint(two_clients):
     for _ in range(20):  # and connections made by Channels, the way a job makes them
         with Channels(other.topology, other.endpoint) as out:
             out.send(np.arange(3), client.topology.local_devices[0].id)
-    eventually(lambda: client.endpoint.open_connections == 0, what="200 closed connections leave the endpoint")
+    poll_until(lambda: client.endpoint.open_connections == 0, what="200 closed connections leave the endpoint")
     with Channels(client.topology, client.endpoint) as into:
         for _ in range(20):
             assert into.recv(other.topology.local_devices[0].id, timeout=10).tolist() == [0, 1, 2]
@@ -407,7 +401,7 @@ def test_an_endpoint_out_of_descriptors_keeps_accepting_and_members_still_talk(p
             sock.setblocking(False)
             sock.connect_ex((host, int(port)))
             silent.append(sock)
-        eventually(lambda: "cannot accept connections" in log_path.read_text(), what="the worker ran out")
+        poll_until(lambda: "cannot accept connections" in log_path.read_text(), what="the worker ran out")
         peer = 1 << 17
         with client.channels() as channels:  # while the silent connections are still open
             channels.send(np.arange(10), peer)
@@ -415,7 +409,7 @@ def test_an_endpoint_out_of_descriptors_keeps_accepting_and_members_still_talk(p
     finally:
         for sock in silent:
             sock.close()
-    eventually(lambda: open_fds(worker.pid) <= baseline + 10, what="the worker lets go of the silent connections")
+    poll_until(lambda: open_fds(worker.pid) <= baseline + 10, what="the worker lets go of the silent connections")
     client.barrier("echo-done", timeout=60)
     assert worker.wait(30) == 0
     lines = log_path.read_text().splitlines()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from ifrt import global_device_id, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import TopologyError
-from ifrt.records import Device, Process
+from ifrt.records import Device, LocalDevice, Process
 
 
 def content(num_processes=4, devices_per_process=8, attributes=False, kind="tpu-v5e"):
@@ -237,3 +237,14 @@ def test_realistic_gpu_hosts_fit_in_4_bytes_a_device_unless_they_publish_uuids()
 def test_inconsistent_content_is_refused(devices, message):
     with pytest.raises(TopologyError, match=message):
         wire.encode(wire.TopologyContent("", 1, 1, (Process(0, "h"),), devices))
+
+
+def test_a_registered_device_leaves_its_host_attributes_home_and_takes_the_default_slice():
+    request = pb.RegisterRequest()
+    wire.add_local_device(request, LocalDevice(3, "gpu", "h100", coordinates=(1, 2), attributes={"memory": "80"},
+                                               host_attributes={"uuid": "GPU-5e1f"}), "7")
+    wire.add_local_device(request, LocalDevice(4, "gpu", "h100", slice_key="nvl0"), "7")
+    assert [(d.local_id, d.platform, d.kind, d.slice_key, list(d.coordinates), dict(d.attributes))
+            for d in request.devices] == [(3, "gpu", "h100", "7", [1, 2], {"memory": "80"}),
+                                          (4, "gpu", "h100", "nvl0", [], {})]
+    assert b"GPU-5e1f" not in request.SerializeToString()

@@ -183,10 +183,14 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """The live session of a registered process: SessionOpen first, then a
-        Heartbeat every heartbeat interval (the first SessionEvent says how often).
-        The coordinator streams cluster events back. WatchKeys on the stream asks
-        for every later change of keys under a prefix (KeyValueChange events),
+        """The live session of a registered process: SessionOpen first; the
+        coordinator answers `attached`, then streams cluster events back. The
+        session's connection carries liveness: the coordinator pings it (HTTP/2
+        keepalive, every half --heartbeat-timeout) and drops it when a ping goes
+        unanswered, which ends the session; a process whose session ended and
+        that does not attach again within the reconnect grace is failed. No
+        message needs to flow to stay alive. WatchKeys on the stream asks for
+        every later change of keys under a prefix (KeyValueChange events),
         acknowledged by a `watching` event once changes flow.
         NOT_FOUND            the coordinator does not know this client (it
         restarted without a store): register again.

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ifrt.errors import InvalidArgument
+from ifrt.hostport import join_host_port, split_host_port
 
 DEFAULT_PORT = 8476
 """The coordinator's port when the launcher's environment does not name one (the launchers' own ports are theirs)."""
@@ -63,7 +64,7 @@ class Detected:
         """The coordinator without its port (and without IPv6 brackets)."""
         if self.coordinator is None:
             return None
-        return self.coordinator.rpartition(":")[0].strip("[]")
+        return split_host_port(self.coordinator)[0]
 
 
 class ClusterEnvironment:
@@ -222,8 +223,3 @@ def host_of(address: str) -> str | None:
         if not _DIGITS.fullmatch(port):
             return None
     return text.strip("[]") if text and is_host(text) else None
-
-
-def join_host_port(host: str, port: int) -> str:
-    """"node001", 8476 -> "node001:8476"; an IPv6 literal gets brackets: "[fe80::1]:8476"."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,4 +1,4 @@
-"""SLURM's compressed host lists, both ways: "node[001-003,007],gpu5" <-> node001 node002 node003 node007 gpu5.
+"""SLURM's compressed host lists, expanded: "node[001-003,007],gpu5" -> node001 node002 node003 node007 gpu5.
 
 The syntax, as SLURM writes it in SLURM_JOB_NODELIST / SLURM_STEP_NODELIST:
 
@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 _RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
-_TRAILING_NUMBER = re.compile(r"(.*?)([0-9]+)")
 
 # One host pattern: literal text and bracket groups; a group is a list of (low, high, width) ranges.
 _Part = str | list[tuple[int, int, int]]
@@ -94,34 +93,3 @@ def iter_hostlist(value: str) -> Iterator[str]:
 def expand_hostlist(value: str) -> list[str]:
     """"node[001-003,007],gpu5" -> ["node001", "node002", "node003", "node007", "gpu5"]; ValueError if malformed."""
     return list(iter_hostlist(value))
-
-
-def format_hostlist(hosts: Sequence[str]) -> str:
-    """The inverse of expand_hostlist, keeping order: ["n01", "n02", "n03", "gpu5"] -> "n[01-03],gpu5"."""
-    items: list[tuple[str, list[list[str]]]] = []  # (prefix, ranges as [low digits, high digits])
-    for host in hosts:
-        if not host or any(ch in host for ch in ",[]") or host != "".join(host.split()):
-            raise ValueError(f"host name {host!r} is empty or holds ',', '[', ']' or white space")
-        m = _TRAILING_NUMBER.fullmatch(host)
-        if m is None:
-            items.append((host, []))
-            continue
-        prefix, digits = m[1], m[2]
-        if items and items[-1][0] == prefix and items[-1][1]:
-            ranges = items[-1][1]
-            low, high = ranges[-1]
-            if int(digits) == int(high) + 1 and digits == str(int(digits)).zfill(len(low)):
-                ranges[-1][1] = digits
-            else:
-                ranges.append([digits, digits])
-        else:
-            items.append((prefix, [[digits, digits]]))
-    out = []
-    for prefix, ranges in items:
-        if not ranges:
-            out.append(prefix)
-        elif len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
-            out.append(prefix + ranges[0][0])
-        else:
-            out.append(prefix + "[" + ",".join(lo if lo == hi else f"{lo}-{hi}" for lo, hi in ranges) + "]")
-    return ",".join(out)

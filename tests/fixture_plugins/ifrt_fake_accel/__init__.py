@@ -6,7 +6,6 @@ from plugins import DevicePlugin
 
 class FakeAccelPlugin(DevicePlugin):
     name = "fake-accel"
-    properties = {"fa-1": {"memory_bytes": 1 << 34, "interconnect": "fabric"}}  # noqa: RUF012
 
     def local_devices(self, local_device_ids=None):
         devices = [LocalDevice(i, "fake", "fa-1", attributes={"serial": f"FA{i:04d}"},

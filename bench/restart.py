@@ -1,0 +1,218 @@
+"""Restart after a failure: from a SIGKILL of one worker to every worker computing again (the first step of the new
+attempt), 4 workers as 2 hosts of 2 on loopback, the same training loop (examples/train_checkpoint.py) four ways:
+
+- ifrt-jax / ifrt-torch: two ``ifrt run --nproc-per-host 2 --host-rank H --num-hosts 2 --max-restarts 1``
+  agents against an ``ifrt-coordinator`` that already serves (``--heartbeat-timeout 1``), ``--runtime jax|torch``;
+- torchrun: two ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --max-restarts 1`` agents,
+  ``--runtime torchrun`` (plain ``torch.distributed``);
+- jax-alone: four processes of ``--runtime jax`` without an agent: no restart; the time until the three survivors
+  have exited (ifrt's fail fast).
+
+    .venv/bin/python bench/restart.py [--repeat 3] [--ways ifrt-jax,ifrt-torch,torchrun,jax-alone]
+
+Process 3 (on the second host) is killed once every process printed step 5. Every line of the agents and workers is
+stamped when it arrives; the phases of a restart: detection (kill -> the agent's line naming the failure), stopping
+(-> the agent asks for the next attempt), agreement (-> the new attempt starts), discovery and runtime start
+(-> the last worker's start line; its imports apart, as the worker measured them), first step (-> the last
+worker's first step). Prints one JSON object per run, then one with the medians per way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from coordinator.local import LocalCoordinator  # noqa: E402
+
+TRAIN = ROOT / "examples" / "train_checkpoint.py"
+BIN = Path(sys.executable).parent
+WAYS = ("ifrt-jax", "ifrt-torch", "torchrun", "jax-alone")
+VICTIM, KILL_AT, STEPS = 3, 5, 400
+TIMEOUT = 120.0
+
+
+class Lines:
+    """A child's output lines (stdout and stderr), each with the wall-clock time it arrived."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        stdin=subprocess.DEVNULL)
+        self.lines: list[tuple[float, str]] = []
+        self.ended: float | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            self.lines.append((time.time(), line.rstrip("\n")))
+        self.process.wait()
+        self.ended = time.time()
+
+    def first(self, pattern: str, after: float = 0.0) -> tuple[float, re.Match] | None:
+        for t, line in list(self.lines):
+            if t >= after and (m := re.search(pattern, line)):
+                return t, m
+        return None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT))
+    return env
+
+
+def train(runtime: str, checkpoints: str) -> list[str]:
+    return [str(TRAIN), "--runtime", runtime, "--checkpoint-dir", checkpoints, "--steps", str(STEPS),
+            "--step-seconds", "0.05"]
+
+
+def start(way: str, address: str, checkpoints: str) -> list[Lines]:
+    env = base_env()
+    if way.startswith("ifrt-"):
+        env.update(IFRT_COORDINATOR=address)
+        return [Lines([str(BIN / "ifrt"), "run", "--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2",
+                       "--max-restarts", "1", "--grace-seconds", "2", "--", sys.executable,
+                       *train(way.removeprefix("ifrt-"), checkpoints)], env) for h in range(2)]
+    if way == "torchrun":
+        port = address.rpartition(":")[2]
+        return [Lines([str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
+                       "--node-rank", str(h), "--tee", "3", *train("torchrun", checkpoints)], env)
+                for h in range(2)]
+    env.update(IFRT_COORDINATOR=address)
+    return [Lines([sys.executable, *train("jax", checkpoints)], dict(env, IFRT_PROCESS_ID=str(p),
+                                                                        IFRT_NUM_PROCESSES="4"))
+            for p in range(4)]
+
+
+def step_pattern(process: int | str, step: int | str, attempt: str) -> str:
+    return rf"step {step} process {process} attempt {attempt} pid (\d+)"
+
+
+def one_run(way: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ifrt-bench-restart-") as checkpoints, contextlib.ExitStack() as stack:
+        if way == "torchrun":  # torchrun's c10d store listens in its first agent; no coordinator
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                address = f"127.0.0.1:{s.getsockname()[1]}"
+        else:
+            address = stack.enter_context(LocalCoordinator("--heartbeat-timeout", "1", num_processes=4,
+                                                           log_level="WARNING")).address
+        children = start(way, address, checkpoints)
+        try:
+            return measure(way, children)
+        except TimeoutError as e:  # reported as this run's result: the job did not recover
+            return {"way": way, "error": str(e).splitlines()[0]}
+        finally:
+            for child in children:
+                child.stop()
+
+
+def find(children: list[Lines], pattern: str, after: float = 0.0) -> tuple[float, re.Match] | None:
+    """The earliest line of any child matching ``pattern`` (arrived after ``after``)."""
+    found = [f for c in children if (f := c.first(pattern, after)) is not None]
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def wait_for(probe, what: str, children: list[Lines]):
+    deadline = time.monotonic() + TIMEOUT
+    while (found := probe()) is None:
+        if time.monotonic() > deadline:
+            tail = "\n".join(line for c in children for _, line in c.lines[-15:])
+            raise TimeoutError(f"{what} did not happen within {TIMEOUT}s:\n{tail}")
+        time.sleep(0.01)
+    return found
+
+
+def measure(way: str, children: list[Lines]) -> dict:
+    first_attempt = "0" if way != "jax-alone" else "-"
+    for p in range(4):
+        wait_for(lambda p=p: find(children, step_pattern(p, KILL_AT, first_attempt)),
+                 f"process {p} at step {KILL_AT}", children)
+    victim = find(children, step_pattern(VICTIM, KILL_AT, first_attempt))
+    assert victim is not None
+    killed = time.time()
+    os.kill(int(victim[1].group(1)), signal.SIGKILL)
+    if way == "jax-alone":
+        wait_for(lambda: all(c.ended for i, c in enumerate(children) if i != VICTIM) or None,
+                 "the survivors' exits", children)
+        return {"way": way, "survivors_exited_s": max(c.ended for i, c in enumerate(children) if i != VICTIM) - killed,
+                "exit_codes": [c.process.returncode for i, c in enumerate(children) if i != VICTIM]}
+    old = {find(children, step_pattern(p, KILL_AT, first_attempt))[1].group(1) for p in range(4)}  # type: ignore
+    later = r"\S+"  # torchrun's restart count differs between its agents: a new attempt is a new pid
+
+    def new_run(pattern: str) -> tuple[float, re.Match] | None:
+        found = [(t, m) for c in children for t, line in list(c.lines)
+                 if t >= killed and (m := re.search(pattern, line)) and m.group("pid") not in old]
+        return min(found, key=lambda f: f[0]) if found else None
+
+    firsts = [wait_for(lambda p=p: new_run(rf"step \d+ process {p} attempt \S+ pid (?P<pid>\d+)"),
+                       f"process {p}'s first step of the next attempt", children) for p in range(4)]
+    computing = max(t for t, _ in firsts) - killed
+    result: dict = {"way": way, "computing_again_s": round(computing, 3)}
+    starts = [wait_for(lambda p=p: new_run(rf"started process {p} attempt {later} pid (?P<pid>\d+) imports ([\d.]+)s"),
+                       f"process {p}'s start line", children) for p in range(4)]
+    imports = max(float(m.group(2)) for _, m in starts)
+    result["imports_s"] = round(imports, 3)
+    result["without_imports_s"] = round(computing - imports, 3)
+    if way.startswith("ifrt-"):
+        detected = wait_for(lambda: find(children, r"ifrt run: .*failed", killed), "detection", children)[0]
+        asked = wait_for(lambda: find(children, r"ifrt run: asking the coordinator", killed), "asking", children)[0]
+        began = max(wait_for(lambda c=c: c.first(r"ifrt run: attempt 1 started", killed), "attempt 1", children)[0]
+                    for c in children)
+        started = max(t for t, _ in starts)
+        result.update(detection_s=round(detected - killed, 3), stopping_s=round(asked - detected, 3),
+                      agreement_s=round(began - asked, 3),
+                      discovery_and_runtime_start_s=round(started - began - imports, 3),
+                      first_step_s=round(killed + computing - started, 3))
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--ways", default=",".join(WAYS))
+    args = p.parse_args()
+    ways = [w for w in args.ways.split(",") if w]
+    runs: dict[str, list[dict]] = {w: [] for w in ways}
+    for _ in range(args.repeat):
+        for way in ways:
+            result = one_run(way)
+            runs[way].append(result)
+            print(json.dumps(result), flush=True)
+    medians = {}
+    for way, results in runs.items():
+        done = [r for r in results if "error" not in r]
+        medians[way] = {key: round(statistics.median(r[key] for r in done), 3) for key in (done or [{}])[0]
+                        if isinstance(done[0][key], float)}
+        medians[way]["failed_runs"] = len(results) - len(done)
+    print(json.dumps({"medians": medians, "repeat": args.repeat, "cpus": os.cpu_count()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The JobAgents service: the job as its host agents (``ifrt run``) see it, beside the Coordinator service.
+
+An agent is no process of the job: it watches the job (``WatchJob``: the current attempt, then each failure of a
+process of it, each new attempt and the end of the restarts, in the order the coordinator decided them) and, after
+a failure, asks for the next attempt (``NextAttempt``, decided once by the state machine and journaled). Watches are
+bounded in number (``--max-agents``) and each in unread bytes (``--max-session-backlog-bytes``), like sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from coordinator.attempts import (
+    UNKNOWN_PROCESS,
+    AttemptFailure,
+    AttemptProcessFailed,
+    AttemptsExhausted,
+    AttemptStarted,
+    JobView,
+    NextAttempt,
+)
+from coordinator.calls import abort, internal_errors, parse
+from coordinator.effects import Effect
+from coordinator.limits import FLAGS, Limits, shown
+from coordinator.outbox import Outbox
+from coordinator.service import CoordinatorService
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import CoordinatorUnavailable, IfrtError, InvalidArgument, ResourceExhausted
+
+log = logging.getLogger("ifrt.coordinator")
+
+AGENTS_SERVICE = pb.DESCRIPTOR.services_by_name["JobAgents"].full_name
+
+
+class _Closed:
+    """Queued to end a watch with ``error``."""
+
+    def __init__(self, error: IfrtError) -> None:
+        self.error = error
+
+
+class JobAgentsService:
+    """Serves WatchJob and NextAttempt from ``service``'s state; hears its effects to feed every watch."""
+
+    def __init__(self, service: CoordinatorService) -> None:
+        self._service = service
+        self._limits: Limits = service.replica.config.limits
+        self._watches: set[Outbox] = set()
+        service.effect_listeners.append(self._on_effects)
+        service.step_down_listeners.append(self._on_step_down)
+
+    @property
+    def watching(self) -> int:
+        """Job watches open now."""
+        return len(self._watches)
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        """Raw-bytes handlers for WatchJob and NextAttempt."""
+        return grpc.method_handlers_generic_handler(AGENTS_SERVICE, {
+            "WatchJob": grpc.unary_stream_rpc_method_handler(internal_errors(self.watch_job)),
+            "NextAttempt": grpc.unary_unary_rpc_method_handler(internal_errors(self.next_attempt)),
+        })
+
+    async def watch_job(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        """Sends the JobState, then every job event after it, until the agent goes or this replica steps down."""
+        request = await parse(pb.WatchJobRequest, raw, context)
+        what = f"job watch of the agent on {shown(request.host)}"
+        service, limits = self._service, self._limits
+        try:
+            _check_watch(request, limits)
+        except IfrtError as e:
+            await abort(context, e, what)
+        await service.serving(context, what)
+        await service.commit(context, what)  # only durable state is sent
+        if len(self._watches) >= limits.agents:  # no await from here until the watch is counted
+            await abort(context, ResourceExhausted(
+                f"{len(self._watches)} agents watch the job: expected at most {limits.agents} (the coordinator's "
+                f"{FLAGS['agents']})"), what)
+        outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
+            f"this job watch left {waiting} bytes of events unread: expected at most "
+            f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch again")))
+        outbox.put_nowait(pb.JobEvent(state=_job_state(service.state.attempts.view())).SerializeToString())
+        self._watches.add(outbox)
+        log.debug("the agent %s on %s watches the job", shown(request.agent_uid), shown(request.host))
+        try:
+            while True:
+                item = await outbox.get()
+                if isinstance(item, _Closed):
+                    await abort(context, item.error, what, level=logging.DEBUG)
+                await context.write(item)
+        finally:
+            self._watches.discard(outbox)
+
+    async def next_attempt(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Ends ``ended_attempt`` and starts the next (or ends the restarts), once; answers the job's state."""
+        request = await parse(pb.NextAttemptRequest, raw, context)
+        f = request.failure
+        failure = AttemptFailure(request.ended_attempt, f.process_id if request.HasField("failure") else
+                                 UNKNOWN_PROCESS, f.host, f.reason)
+        call = NextAttempt(request.ended_attempt, failure, request.max_restarts, request.request_id)
+        service = self._service
+        view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt}",
+                                     lambda: service.state.next_attempt(call))
+        return pb.NextAttemptResponse(state=_job_state(view)).SerializeToString()
+
+    def _on_effects(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            match effect:
+                case AttemptProcessFailed(failure=failure) if failure.attempt == self._service.state.attempts.current:
+                    event = pb.JobEvent(process_failed=_failure(failure))
+                case AttemptStarted(view=view):
+                    event = pb.JobEvent(attempt_started=_job_state(view))
+                case AttemptsExhausted(view=view):
+                    log.error("the job's restarts are exhausted after attempt %d: no attempt starts", view.attempt,
+                              extra={"event": "attempts_exhausted", "attempt": view.attempt})
+                    event = pb.JobEvent(exhausted=_job_state(view))
+                case _:
+                    continue
+            message = event.SerializeToString()
+            for outbox in self._watches:
+                outbox.put_nowait(message)
+
+    def _on_step_down(self, why: str) -> None:
+        for outbox in self._watches:
+            outbox.put_nowait(_Closed(CoordinatorUnavailable(f"the coordinator stepped down ({why}): watch the job "
+                                                             "on the replica that leads")))
+
+
+def _check_watch(request: pb.WatchJobRequest, limits: Limits) -> None:
+    for what, text in (("host", request.host), ("agent_uid", request.agent_uid)):
+        size = len(text.encode())
+        if not size or size > limits.string_bytes:
+            raise InvalidArgument(f"{what} {shown(text)} is {size} bytes long: expected 1 to {limits.string_bytes} "
+                                  f"(the coordinator's {FLAGS['string_bytes']})")
+
+
+def _failure(f: AttemptFailure) -> pb.AttemptFailure:
+    return pb.AttemptFailure(attempt=f.attempt, process_id=f.process_id, host=f.host, reason=f.reason)
+
+
+def _job_state(view: JobView) -> pb.JobState:
+    return pb.JobState(attempt=view.attempt, failures=[_failure(f) for f in view.failures], exhausted=view.exhausted)

@@ -1,0 +1,100 @@
+"""What the state machine hands the shell: the answers of a registration and the effects to carry out. Plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.agreement import LiveSetResolved
+from coordinator.attempts import AttemptProcessFailed, AttemptsExhausted, AttemptStarted
+from coordinator.barriers import BarrierResolved
+from coordinator.preemption import PreemptionResolved
+from coordinator.registration import Registration
+from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
+from ifrt.records import TopologyContent
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A new registration was admitted (for the log): how many are in, and the missing explicit ids when few."""
+
+    registration: Registration
+    registered: int
+    expected: int
+    missing_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FirstPublication:
+    """Generation 1 was published by this registration: every waiting Register call can be answered."""
+
+    topology: TopologyContent
+    number: int
+    """The job event number of its publication."""
+    waited_s: float
+    """From the first registration to the publication."""
+
+
+# The answer of a registration. What led to it (an admission, the first publication) rides along for the shell,
+# outside equality: two equal answers say the same to their caller.
+@dataclass(frozen=True)
+class Waiting:
+    """Admitted; the topology is not complete yet."""
+
+    registered: int
+    expected: int
+    admitted: Admitted | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Published:
+    """The topology is complete; ``process_id`` is the caller's."""
+
+    process_id: int
+    topology: TopologyContent
+    admitted: Admitted | None = field(default=None, compare=False)
+    first: FirstPublication | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Effect: tell every live session about ``event``, job event number ``number``."""
+
+    event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice
+    number: int = 0
+
+
+@dataclass(frozen=True)
+class Republish:
+    """Effect: a new generation; send it to every live session."""
+
+    topology: TopologyContent
+    number: int = 0
+    """The job event number of its publication."""
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Effect: close this client's session, telling it why."""
+
+    client_uid: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """Effect (for the log): a registration dropped before publication."""
+
+    who: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeyChanged:
+    """Effect: ``key`` now holds ``value`` (None: deleted); tell the sessions that watch a prefix of it."""
+
+    key: str
+    value: bytes | None
+
+
+Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | PreemptionResolved
+          | AttemptStarted | AttemptsExhausted | AttemptProcessFailed)

@@ -1,0 +1,83 @@
+"""The key-value commands: the store, retries answered as their first call was, and the journal entries that
+replay them. No I/O; who may call is the router's check (``ClusterState``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from coordinator import journal
+from coordinator.effects import Effect, KeyChanged
+from coordinator.kv import KeyValueStore
+from coordinator.limits import Limits, check_call_id
+from coordinator.retries import RetryAnswers
+
+
+class KeyValues:
+    """Every key's value and each client's remembered answers; ``record`` journals a decision."""
+
+    def __init__(self, limits: Limits, record: Callable[[journal.Entry], None]) -> None:
+        self.limits = limits
+        self.store = KeyValueStore(limits)
+        self.retries = RetryAnswers()
+        self._record = record
+
+    def set(self, key: str, value: bytes, allow_overwrite: bool) -> list[Effect]:
+        """Stores a value; returns the change (empty when the key held that value already)."""
+        if not self.store.set(key, value, allow_overwrite):
+            return []
+        self._record(journal.KeySet(key, value))
+        return [KeyChanged(key, value)]
+
+    def increment(self, client_uid: str, key: str, amount: int, request_id: str, *,
+                  agent: bool) -> tuple[int, list[Effect]]:
+        """Adds ``amount`` to the integer ``key`` holds (0 when unset); returns the sum. A retry (the same
+        ``request_id`` from the same client) is answered the sum it made, not applied again."""
+        check_call_id("request_id", request_id, self.limits)
+        if isinstance(answer := self.retries.get(client_uid, request_id), int):
+            return answer, []
+        total = self.store.increment(key, amount)
+        self._record(journal.KeyIncremented(key, total, client_uid, request_id))  # replayed as the value
+        self.retries.remember(client_uid, request_id, total, agent=agent)
+        return total, [KeyChanged(key, str(total).encode())]
+
+    def compare_set(self, client_uid: str, key: str, expected: bytes, desired: bytes, request_id: str, *,
+                    agent: bool) -> tuple[bytes | None, list[Effect]]:
+        """TCPStore's compare-and-set; returns what the key holds now (None: unset). A retry of a swap (the same
+        ``request_id`` from the same client) is answered as the swap was, not applied again."""
+        check_call_id("request_id", request_id, self.limits)
+        if isinstance(answer := self.retries.get(client_uid, request_id), bytes):
+            return answer, []
+        value, changed = self.store.compare_set(key, expected, desired)
+        if not changed:  # nothing to remember: a retry compares again, as if this call never happened
+            return value, []
+        self._record(journal.KeySwapped(key, desired, client_uid, request_id))
+        self.retries.remember(client_uid, request_id, desired, agent=agent)
+        return value, [KeyChanged(key, desired)]
+
+    def delete(self, key: str, prefix: bool) -> tuple[int, list[Effect]]:
+        """Deletes ``key`` (or every key starting with it); returns how many keys went."""
+        deleted = self.store.delete(key, prefix)
+        if deleted:
+            self._record(journal.KeysDeleted(key, prefix))
+        return len(deleted), [KeyChanged(k, None) for k in deleted]
+
+    def replay(self, entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped | journal.KeysDeleted, *,
+               agent: bool) -> None:
+        """Applies a journaled key-value decision again."""
+        match entry:
+            case journal.KeySet(key=key, value=value):
+                self.store.restore(key, value)
+            case journal.KeyIncremented(key=key, value=value, client_uid=uid, request_id=request_id):
+                self.store.restore(key, str(value).encode())
+                self.retries.remember(uid, request_id, value, agent=agent)
+            case journal.KeySwapped(key=key, value=value, client_uid=uid, request_id=request_id):
+                self.store.restore(key, value)
+                self.retries.remember(uid, request_id, value, agent=agent)
+            case journal.KeysDeleted(key=key, prefix=prefix):
+                self.store.delete(key, prefix)
+
+    def get(self, key: str) -> bytes | None:
+        return self.store.get(key)
+
+    def dir(self, prefix: str) -> list[tuple[str, bytes]]:
+        return self.store.dir(prefix)

@@ -1,0 +1,48 @@
+"""One process incarnation as the coordinator holds it: its registration, its phase and its liveness."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from coordinator.registration import Registration
+
+
+class Status(enum.Enum):
+    JOINING = "joining"
+    ALIVE = "alive"
+    FAILED = "failed"
+    LEFT = "left"
+
+
+@dataclass
+class Member:
+    """One process incarnation: its registration and its liveness."""
+
+    registration: Registration
+    status: Status
+    last_seen: float
+    incarnation: int = 0
+    calls: int = 0  # Register calls in flight: the process is waiting on us, so it is alive
+    sessions: int = 0  # open session streams (two overlap briefly when a client reconnects); keepalive vouches for each
+    reason: str = ""
+    grace_s: float | None = None  # how long it may stay silent without a call or session; None: the heartbeat timeout
+
+    @property
+    def uid(self) -> str:
+        return self.registration.client_uid
+
+    @property
+    def live(self) -> bool:
+        """Joining or alive: neither failed nor gone."""
+        return self.status in (Status.JOINING, Status.ALIVE)
+
+    @property
+    def attended(self) -> bool:
+        """A call waits on us or a session is open: something vouches that it is alive."""
+        return bool(self.calls or self.sessions)
+
+
+def claim_of(r: Registration) -> object:
+    """What a registration holds: its explicit process id, or its stable key when ids are assigned."""
+    return r.process_id if r.process_id is not None else r.stable_key

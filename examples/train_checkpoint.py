@@ -1,0 +1,148 @@
+"""A training loop that saves a checkpoint every step and resumes from it: the program ``ifrt run`` restarts.
+
+    ifrt run --nproc-per-host 2 --max-restarts 3 -- python examples/train_checkpoint.py --runtime jax \\
+        --checkpoint-dir /tmp/ckpt --steps 50
+
+Each process starts its runtime from ifrt (``--runtime jax``: ``ifrt.jax.initialize()``; ``torch``:
+``ifrt.torch.init_process_group()``; ``torchrun``: plain ``torch.distributed`` under torchrun, for comparison),
+loads its own checkpoint (``<dir>/process-<id>.json``) if there is one, and then runs steps: a cross-process sum
+(every process's parameter), one update of its parameter, the checkpoint written to a temporary file and renamed
+over the old one (a kill never leaves half a checkpoint). It prints how long its imports and its runtime's start
+took, then one line per step:
+
+    step 7 process 2 attempt 1 pid 4242 fingerprint 3f2a... value 12.0000 t 1767052800.123
+
+The program is the same in every attempt: only IFRT_ATTEMPT, which ifrt reads, differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def jax_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
+    """(topology, sum over processes): a jitted sum over an array with one element per process."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import ifrt.jax
+
+    topology = ifrt.jax.initialize(timeout=timeout)
+    n = topology.num_processes
+    mesh = ifrt.jax.mesh(topology.mesh((len(topology.devices),), ("p",)))
+    total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
+    per_device = len(topology.devices) // n
+
+    def global_sum(mine: float) -> float:
+        local = np.full((per_device,), mine / per_device, dtype=np.float64)
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), local, (n * per_device,))
+        return float(total(x).addressable_data(0))
+
+    return topology, global_sum
+
+
+def torch_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
+    import torch
+    import torch.distributed as dist
+
+    import ifrt.torch
+
+    topology = ifrt.torch.init_process_group(timeout=timeout)
+
+    def global_sum(mine: float) -> float:
+        value = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(value)
+        return value.item()
+
+    return topology, global_sum
+
+
+def torchrun_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
+    """Plain ``torch.distributed`` from torchrun's environment (no ifrt), for comparison with torchrun's restarts."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+
+    class Plain:
+        process_id, num_processes, fingerprint = dist.get_rank(), dist.get_world_size(), "-"
+
+    def global_sum(mine: float) -> float:
+        value = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(value)
+        return value.item()
+
+    return Plain, global_sum
+
+
+RUNTIMES = {"jax": ("ifrt.jax", jax_runtime), "torch": ("ifrt.torch", torch_runtime),
+            "torchrun": ("torch.distributed", torchrun_runtime)}
+
+
+def load(path: Path) -> dict:
+    """The last checkpoint, or the start."""
+    if path.exists():
+        return json.loads(path.read_text())
+    return {"step": 0, "param": 1.0}
+
+
+def save(path: Path, state: dict) -> None:
+    """Writes ``state`` whole or not at all (a temporary file renamed over the old checkpoint)."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    with open(partial, "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runtime", choices=tuple(RUNTIMES), default="jax",
+                   help="jax, torch (both started by ifrt), or torchrun (plain torch.distributed under torchrun)")
+    p.add_argument("--checkpoint-dir", required=True, type=Path, help="where each process keeps its checkpoint")
+    p.add_argument("--steps", type=int, default=20, help="the step the training ends at")
+    p.add_argument("--step-seconds", type=float, default=0.1, help="pause after each step (stands for the work)")
+    p.add_argument("--timeout", type=float, default=120.0, help="discovery timeout")
+    args = p.parse_args()
+    began = time.time()
+    module, runtime = RUNTIMES[args.runtime]
+    importlib.import_module(module)
+    imported = time.time()
+    topology, global_sum = runtime(args.timeout)
+    attempt = os.environ.get("IFRT_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "-"))
+    me = topology.process_id
+    print(f"started process {me} attempt {attempt} pid {os.getpid()} imports {imported - began:.3f}s start "
+          f"{time.time() - imported:.3f}s t {time.time():.3f}", flush=True)
+    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    path = args.checkpoint_dir / f"process-{me}.json"
+    state = load(path)
+    if state["step"]:
+        print(f"resumed process {me} at step {state['step']}", flush=True)
+    while state["step"] < args.steps:
+        total = global_sum(state["param"])
+        state = {"step": state["step"] + 1, "param": state["param"] + 0.5 * total / topology.num_processes}
+        save(path, state)
+        print(f"step {state['step']} process {me} attempt {attempt} pid {os.getpid()} fingerprint "
+              f"{topology.fingerprint} value {total:.4f} t {time.time():.3f}", flush=True)
+        time.sleep(args.step_seconds)
+    if args.runtime != "jax":
+        import torch.distributed as dist
+
+        dist.barrier()  # gloo aborts a process whose peer closes a connection it still uses
+        dist.destroy_process_group()
+    print(f"finished process {me} at step {state['step']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""``Connection``: one process's channels to the coordinator replicas and the one retry loop its calls take.
+
+The common path is one round trip: a call goes straight to the current replica. Only after a call failed does
+the connection probe whether the replica speaks the other transport (TLS against plaintext), so a mismatch is
+reported at once instead of after the timeout; a failure that retrying can fix moves on to the next replica.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
+from ifrt.client_config import DEFAULTS, ClientConfig
+from ifrt.errors import CertificateRejected, CoordinatorUnavailable, IfrtError, TransportMismatch, from_rpc_error
+from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
+from ifrt.security import open_channel, transport_mismatch
+from ifrt.settings import Settings
+
+
+class Backoff:
+    """Pauses between retries: doubling from ``first`` to ``cap`` seconds, with jitter."""
+
+    def __init__(self, first: float = 0.01, cap: float = 0.1) -> None:
+        self.first, self.cap = first, cap
+        self._failures = 0
+        self._jitter = random.Random()  # its own: retries never draw from (or disturb) the program's global random
+
+    def next(self) -> float:
+        """The next pause, in seconds."""
+        self._failures += 1
+        return self._jitter.uniform(0.5, 1.0) * min(self.cap, self.first * 2 ** min(self._failures, 16))
+
+    def reset(self) -> None:
+        """After a success: the next failure pauses ``first`` again."""
+        self._failures = 0
+
+
+class Connection:
+    """Stubs for each coordinator replica, which replica is current, and ``call``: the retry loop of every call."""
+
+    def __init__(self, settings: Settings, process_secret: str, config: ClientConfig = DEFAULTS) -> None:
+        self.settings = settings
+        self.config = config
+        self.backoff = Backoff(config.backoff_first_s, config.backoff_cap_s)
+        self._secret = process_secret
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, CoordinatorStub] = {}
+        self._current = 0
+        self._answered: set[str] = set()  # replicas that answered: their transport is known to match
+
+    @property
+    def where(self) -> str:
+        """The replicas, for messages: ``"c1:8476, c2:8477"``."""
+        return ", ".join(self.settings.coordinators)
+
+    @property
+    def ever_answered(self) -> bool:
+        """Whether any replica has answered a call of this connection."""
+        return bool(self._answered)
+
+    def current(self) -> str:
+        """The replica calls go to now."""
+        return self.settings.coordinators[self._current % len(self.settings.coordinators)]
+
+    def rotate(self, failed: str) -> None:
+        """Moves on to the next replica, if ``failed`` is still the current one."""
+        with self._lock:
+            if self.current() == failed:
+                self._current += 1
+
+    def stub(self, target: str) -> CoordinatorStub:
+        """The stub for ``target``, its channel opened on first use (no probe: that waits for a failure)."""
+        with self._lock:
+            stub = self._stubs.get(target)
+            if stub is None:
+                stub = self._stubs[target] = CoordinatorStub(self._channel(target))
+            return stub
+
+    def channel(self, target: str) -> grpc.Channel:
+        """The channel to ``target`` (carrying the token and process secret), for stubs of other services."""
+        with self._lock:
+            return self._channel(target)
+
+    def _channel(self, target: str) -> grpc.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = open_channel(target, self.settings, self._secret,
+                                                            self.config.channel_options)
+        return channel
+
+    def answered(self, target: str) -> None:
+        """Notes that ``target`` answered a call: its transport matches, and the next failure pauses briefly."""
+        self._answered.add(target)
+        self.backoff.reset()
+
+    def failed(self, error: grpc.RpcError, target: str, report: UnreachableReport | None = None,
+               deadline: float = 0.0) -> IfrtError:
+        """The typed error of a call to ``target`` that failed: raised when retrying cannot fix it (among them a
+        TLS/plaintext mismatch or a refused certificate, found now); else returned, after moving on to the next
+        replica and a backoff pause. ``report`` logs, paced, why a replica cannot be reached until ``deadline``."""
+        if (cause := unreached_cause(error)) is not None:
+            if (problem := certificate_problem(cause, target, self.settings.tls_ca)) is not None:
+                raise CertificateRejected(problem)
+            if report is not None:
+                report.failed(target, cause, deadline)
+        typed = from_rpc_error(error, target)
+        if not typed.retryable:
+            raise typed from None
+        self.check_transport(target)
+        self.rotate(target)
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            time.sleep(self.backoff.next())
+        return typed
+
+    def check_transport(self, target: str) -> None:
+        """TransportMismatch when ``target`` speaks TLS and this process plaintext, or the reverse; a replica that
+        answered before is not probed."""
+        if target in self._answered:
+            return
+        mismatch = transport_mismatch(target, self.settings.tls, client_cert=self.settings.tls_cert is not None)
+        if mismatch is not None:
+            raise TransportMismatch(mismatch)
+
+    def call(self, method: str, request: Callable[[float], Message], deadline: float, *, slack: float = 0.0,
+             timeout: Callable[[float], float] | None = None, report: UnreachableReport | None = None,
+             give_up: Callable[[IfrtError | None], IfrtError] | None = None, wait_for_ready: bool | None = None) -> Any:
+        """Calls ``method`` with ``request(remaining seconds)``, retrying what retrying can fix until ``deadline``.
+
+        Each attempt may take ``timeout(remaining)`` seconds (default: the remaining time plus ``slack``, for
+        the answer). Past the deadline, raises ``give_up(last error)`` (default: CoordinatorUnavailable). By default
+        a call waits for a connection only to the one replica there is, once it answered: a new one fails fast, so
+        that a transport mismatch is probed for at once."""
+        last_error: IfrtError | None = None
+        single = len(self.settings.coordinators) == 1
+        while (remaining := deadline - time.monotonic()) > 0:
+            target = self.current()
+            ready = (single and target in self._answered) if wait_for_ready is None else wait_for_ready
+            seconds = remaining + slack if timeout is None else timeout(remaining)
+            try:
+                answer = getattr(self.stub(target), method)(request(remaining), timeout=seconds, wait_for_ready=ready)
+            except grpc.RpcError as e:
+                last_error = self.failed(e, target, report, deadline)
+                continue
+            self.answered(target)
+            if report is not None:
+                report.reached()
+            return answer
+        if give_up is not None:
+            raise give_up(last_error)
+        raise CoordinatorUnavailable(f"{method} did not reach the coordinator ({self.where}) in time; last error: "
+                                     f"{last_error}")
+
+    def close(self) -> None:
+        """Closes every channel; a later call opens them again."""
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+            self._stubs.clear()
+        for channel in channels:
+            channel.close()

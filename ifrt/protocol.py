@@ -1,0 +1,39 @@
+"""What the coordinator and its clients agree on beside the proto: the call metadata names, how a process secret
+is proved, and how a secret file is read. Both sides import it; it imports no client code."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+
+from ifrt.errors import InvalidArgument
+
+log = logging.getLogger("ifrt.settings")  # the name this warning has always been logged under
+
+TOKEN_METADATA = "ifrt-token"
+"""Call metadata carrying the cluster's shared token (compared in constant time by the coordinator)."""
+SECRET_METADATA = "ifrt-process-secret"
+"""Call metadata carrying this process's own secret: only the process that registered may act for it."""
+
+
+def proof_of(secret: str) -> str:
+    """What the coordinator keeps and compares: the secret's sha256, never the secret itself."""
+    return hashlib.sha256(secret.encode()).hexdigest() if secret else ""
+
+
+def read_secret_file(path: str, origin: str) -> str:
+    """The secret held by ``path`` (surrounding whitespace removed); InvalidArgument naming the file, never its
+    content."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = f.read().strip()
+            mode = os.fstat(f.fileno()).st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"cannot read {path!r} ({origin}): {e}") from None
+    if not value:
+        raise InvalidArgument(f"{path!r} ({origin}) is empty: expected a secret")
+    if mode & 0o077:
+        log.warning("the secret in %s (%s) is readable by other users (mode %o): chmod 600 %s", path, origin,
+                    mode & 0o777, path)
+    return value

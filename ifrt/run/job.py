@@ -1,0 +1,170 @@
+"""``ifrt run``'s link to the coordinator: the job's watch (``WatchJob``), ``NextAttempt``, and the ids of this
+host's workers, over the client's connections and retries (the next replica on UNAVAILABLE, backoff)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
+from ifrt.connection import Connection
+from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, from_rpc_error
+from ifrt.run.agent import (
+    EXIT_USAGE,
+    Event,
+    Failure,
+    IdsKnown,
+    JobUpdate,
+    JobView,
+    LinkFailed,
+    ProcessFailedSeen,
+)
+from ifrt.settings import resolve
+from ifrt.transfer import local_address_toward
+
+log = logging.getLogger("ifrt.run")
+
+IDS_POLL_S = 0.2
+"""How often the agent asks the coordinator for its workers' ids while they register."""
+
+
+def view_of(state: pb.JobState) -> JobView:
+    return JobView(state.attempt, tuple(failure_of(f) for f in state.failures), state.exhausted)
+
+
+def failure_of(f: pb.AttemptFailure) -> Failure:
+    return Failure(f.attempt, f.process_id, f.host, f.reason)
+
+
+def event_of(message: pb.JobEvent) -> Event | None:
+    kind = message.WhichOneof("kind")
+    if kind == "process_failed":
+        return ProcessFailedSeen(failure_of(message.process_failed))
+    if kind in ("state", "attempt_started", "exhausted"):
+        return JobUpdate(view_of(getattr(message, kind)))
+    return None  # a kind this agent does not know yet
+
+
+class _AgentConnection(Connection):
+    """The connection's stubs carry the JobAgents service's methods too (same channel, same retries)."""
+
+    def stub(self, target: str) -> CoordinatorStub:
+        stub = super().stub(target)
+        if not hasattr(stub, "NextAttempt"):
+            jobs = JobAgentsStub(self.channel(target))
+            stub.WatchJob, stub.NextAttempt = jobs.WatchJob, jobs.NextAttempt  # type: ignore[attr-defined]
+        return stub
+
+
+class JobLink:
+    """The job's agent on one host: no process of the job (no registration, session or process secret)."""
+
+    def __init__(self, coordinator: str | None, failover_window_s: float, **kwargs: Any) -> None:
+        self.settings = resolve(coordinator, **kwargs)
+        self.connection = _AgentConnection(self.settings, "")
+        self.agent_uid = uuid.uuid4().hex
+        self.failover_window_s = failover_window_s
+        self._stop = threading.Event()
+
+    def follow(self, emit: Callable[[Event], None]) -> threading.Thread:
+        """Follows the job in a thread: every event to ``emit``, reconnecting (the next replica) until closed;
+        LinkFailed when no replica answers within the failover window, or one refuses the agent."""
+        thread = threading.Thread(target=self._follow, args=(emit,), name="ifrt-run-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def _follow(self, emit: Callable[[Event], None]) -> None:
+        request = pb.WatchJobRequest(host=self.settings.hostname, agent_uid=self.agent_uid)
+        lost_since: float | None = None
+        while not self._stop.is_set():
+            target = self.connection.current()
+            try:
+                for message in self.connection.stub(target).WatchJob(request):  # type: ignore[attr-defined]
+                    if lost_since is not None:
+                        log.warning("watching the job again through %s", target)
+                    lost_since = None
+                    self.connection.answered(target)
+                    if (event := event_of(message)) is not None:
+                        emit(event)
+                error: IfrtError = from_rpc_error(_Ended(), target)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e, target)
+            except IfrtError as e:  # refused before the call (TLS on one side only)
+                error = e
+            if self._stop.is_set():
+                return
+            if not error.retryable:
+                emit(LinkFailed(f"the coordinator refuses this agent: {type(error).__name__}: {error}", EXIT_USAGE))
+                return
+            now = time.monotonic()
+            if lost_since is None:
+                lost_since = now
+                log.warning("lost the job's watch (%s); reconnecting", error)
+            elif now - lost_since > self.failover_window_s:
+                emit(LinkFailed(f"no coordinator replica ({', '.join(self.settings.coordinators)}) answered for "
+                                f"{now - lost_since:.0f}s (the failover window): {error}", EXIT_COORDINATOR_LOST))
+                return
+            self.connection.rotate(target)
+            self._stop.wait(self.connection.backoff.next())
+
+    def next_attempt(self, ended: int, failure: Failure, max_restarts: int) -> JobView:
+        """The coordinator's decision on the end of attempt ``ended`` (retried across replicas within the failover
+        window, the same request id each time: decided once)."""
+        request = pb.NextAttemptRequest(
+            ended_attempt=ended, max_restarts=max_restarts, request_id=uuid.uuid4().hex,
+            failure=pb.AttemptFailure(attempt=failure.attempt, process_id=failure.process_id, host=failure.host,
+                                      reason=failure.reason))
+        answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)
+        return view_of(answer.state)
+
+    def learn_ids(self, local_ranks: int, attempt: int, emit: Callable[[Event], None],
+                  until: Callable[[], bool], timeout: float) -> None:
+        """Asks the coordinator, until it knows them (or ``until()``), the ids of this host's ``local_ranks``
+        workers: processes of this hostname and address by local rank. Emits IdsKnown once."""
+        address = local_address_toward(self.settings.coordinators)
+        deadline = time.monotonic() + timeout
+        while not until() and not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                status = self.connection.call("Status", lambda _: pb.StatusRequest(), time.monotonic() + 5.0)
+            except IfrtError as e:
+                log.info("cannot ask for the workers' ids yet: %s", e)
+            else:
+                ids = {p.local_rank: p.process_id for p in status.processes
+                       if p.HasField("process_id") and p.hostname == self.settings.hostname
+                       and p.host_address == address and 0 <= p.local_rank < local_ranks}
+                if len(ids) == local_ranks:
+                    log.info("attempt %d: this host's workers are processes %s", attempt,
+                             ", ".join(str(ids[r]) for r in sorted(ids)))
+                    emit(IdsKnown(ids))
+                    return
+            self._stop.wait(IDS_POLL_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.connection.close()
+
+    def __enter__(self) -> JobLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Ended(grpc.RpcError):
+    """A watch the coordinator ended without an error (it stops serving): reconnect as after UNAVAILABLE."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the coordinator ended the job's watch"
+
+    def trailing_metadata(self) -> tuple:
+        return ()

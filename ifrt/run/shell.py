@@ -1,0 +1,192 @@
+"""``ifrt run``'s shell: flags, signals, the event loop, and the actions of the agent's decisions carried out."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+from ifrt import clusters, failfast
+from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError
+from ifrt.run.agent import (
+    EXIT_USAGE,
+    Agent,
+    AskNextAttempt,
+    Event,
+    Exit,
+    Interrupted,
+    JobUpdate,
+    LinkFailed,
+    Say,
+    Start,
+    Stop,
+    Tick,
+    WorkerExited,
+    workers_status,
+)
+from ifrt.run.job import JobLink
+from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
+from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from ifrt.transfer import local_address_toward
+
+log = logging.getLogger("ifrt.run")
+
+TICK_S = 0.1
+IDS_TIMEOUT_S = 600.0
+"""How long the agent asks for its workers' ids in one attempt (they register within their own timeout)."""
+DEFAULT_GRACE_S = 5.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``ifrt run``."""
+    p.add_argument("--nproc-per-host", type=int, default=1, metavar="N",
+                   help="workers to start on this host (default %(default)s); each gets IFRT_LOCAL_RANK and "
+                        "IFRT_LOCAL_WORLD_SIZE")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restarts of the whole job the coordinator may decide before every agent gives up "
+                        "(default %(default)s: the first failure ends the job)")
+    p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
+                        "worker stopped by SIGSTOP gets SIGKILL at once)")
+    p.add_argument("--no-prefix", action="store_true",
+                   help="leave the workers' output as it is (by default each line starts with '[<process id>] ', "
+                        "or '[local <rank>] ' until the coordinator has given the id)")
+    p.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                   help=f"coordinator address(es) (default ${COORDINATOR_ENV}, else the launcher's); the workers get "
+                        f"the same as ${COORDINATOR_ENV}")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="file holding the cluster's token, if the coordinator requires one (default "
+                        "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself); the workers read the same. TLS from "
+                        "$IFRT_TLS_CA, $IFRT_TLS_CERT, $IFRT_TLS_KEY, passed on to the workers")
+    p.add_argument("--host-rank", type=int, metavar="R",
+                   help=f"this host's rank among the job's hosts: worker ids are R * N + local rank (default "
+                        f"${PROCESS_ID_ENV} or the launcher's rank of this agent, one agent per host; unset: the "
+                        "coordinator assigns ids by host and local rank, the same in every attempt)")
+    p.add_argument("--num-hosts", type=int, metavar="H",
+                   help=f"the job's host count: workers get {NUM_PROCESSES_ENV} = H * N (default "
+                        f"${NUM_PROCESSES_ENV} or the launcher's count of agents; unset: the coordinator's count)")
+    p.add_argument("worker_command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]",
+                   help="the worker's program, e.g. -- python train.py --steps 100")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the agent until the job ends here; its exit code (see docs/failures.md)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="ifrt run: %(message)s")
+    for name in ("ifrt.client", "ifrt.settings"):  # the agent's own lines only; their warnings still show
+        logging.getLogger(name).setLevel(logging.WARNING)
+    command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
+    problem = _check(args, command)
+    if problem is not None:
+        print(f"ifrt run: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        link = JobLink(args.coordinator, failfast.failover_window_from_env(), token_file=args.token_file)
+    except IfrtError as e:
+        print(f"ifrt run: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    with link:
+        return Shell(args, command, link).run()
+
+
+def _check(args: argparse.Namespace, command: list[str]) -> str | None:
+    """What is wrong with the flags, or None."""
+    if not command:
+        return "no worker command given: expected `ifrt run [flags] -- COMMAND [ARGS...]`"
+    for flag, value, minimum in (("--nproc-per-host", args.nproc_per_host, 1), ("--max-restarts", args.max_restarts, 0),
+                                 ("--host-rank", args.host_rank, 0), ("--num-hosts", args.num_hosts, 1)):
+        if value is not None and value < minimum:
+            return f"{flag} {value} is out of range: expected an integer >= {minimum}"
+    if not args.grace_seconds >= 0:
+        return f"--grace-seconds {args.grace_seconds} is out of range: expected seconds >= 0"
+    if args.host_rank is not None and args.num_hosts is not None and args.host_rank >= args.num_hosts:
+        return f"--host-rank {args.host_rank} is out of range: expected it below --num-hosts ({args.num_hosts})"
+    return None
+
+
+class Shell:
+    """The agent's I/O: one queue of events (the watch, the workers' exits, signals, answers, ticks) fed to the
+    decisions one at a time, and their actions carried out."""
+
+    def __init__(self, args: argparse.Namespace, command: list[str], link: JobLink) -> None:
+        self.args, self.command, self.link = args, command, link
+        settings = link.settings
+        self.host_rank = args.host_rank if args.host_rank is not None else settings.process_id
+        self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
+        nproc = args.nproc_per_host
+        explicit = {} if self.host_rank is None else {r: self.host_rank * nproc + r for r in range(nproc)}
+        self.agent = Agent(nproc, settings.hostname, ids=explicit)
+        launcher = clusters.detect(os.environ)
+        self.launcher_variables = () if launcher is None else launcher.variables
+        self.binds = transfer_binds(local_address_toward(settings.coordinators), nproc)
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.workers: list[Worker] = []
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda s, _frame: self.events.put(Interrupted(s)))
+        self.link.follow(self.events.put)
+        while True:
+            try:
+                event = self.events.get(timeout=TICK_S)
+            except queue.Empty:
+                event = Tick()
+            for action in self.agent.handle(event, time.monotonic()):
+                if isinstance(action, Exit):
+                    return self._exit(action)
+                self._do(action)
+
+    def _do(self, action: Say | Start | Stop | AskNextAttempt) -> None:
+        if isinstance(action, Say):
+            log.info("%s", action.line)
+        elif isinstance(action, Start):
+            self._start(action.attempt)
+        elif isinstance(action, Stop):
+            stop_all(self.workers, self.args.grace_seconds, action.signum)
+        elif isinstance(action, AskNextAttempt):
+            threading.Thread(target=self._ask, args=(action,), name="ifrt-run-next-attempt", daemon=True).start()
+
+    def _start(self, attempt: int) -> None:
+        nproc = self.args.nproc_per_host
+        self.workers = []
+        for rank in range(nproc):
+            env = worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=nproc,
+                             host_rank=self.host_rank, num_hosts=self.num_hosts, token_file=self.args.token_file,
+                             launcher_variables=self.launcher_variables, transfer_bind=self.binds[rank])
+            label = None if self.args.no_prefix else self._label(rank)
+            worker = Worker(self.command, env, attempt=attempt, local_rank=rank, label=label)
+            self.workers.append(worker)
+            threading.Thread(target=self._await, args=(worker,), name="ifrt-run-wait", daemon=True).start()
+        if len(self.agent.ids) < nproc:
+            threading.Thread(target=self.link.learn_ids, name="ifrt-run-ids", daemon=True, kwargs=dict(
+                local_ranks=nproc, attempt=attempt, emit=self.events.put, timeout=IDS_TIMEOUT_S,
+                until=lambda: self.agent.attempt != attempt or len(self.agent.ids) == nproc)).start()
+
+    def _label(self, rank: int):
+        def label() -> str:
+            process_id = self.agent.ids.get(rank)
+            return f"local {rank}" if process_id is None else str(process_id)
+        return label
+
+    def _await(self, worker: Worker) -> None:
+        self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait()))
+
+    def _ask(self, action: AskNextAttempt) -> None:
+        try:
+            view = self.link.next_attempt(action.ended_attempt, action.failure, self.args.max_restarts)
+        except IfrtError as e:
+            code = EXIT_COORDINATOR_LOST if e.retryable else EXIT_USAGE
+            self.events.put(LinkFailed(f"the coordinator did not decide the next attempt: {type(e).__name__}: {e}",
+                                       code))
+            return
+        self.events.put(JobUpdate(view))
+
+    def _exit(self, action: Exit) -> int:
+        codes = stop_all(self.workers, self.args.grace_seconds)  # every worker has ended already, or ends now
+        code = workers_status(codes) if action.code is None else action.code
+        log.info("exiting with %d", code)
+        return code

@@ -1,0 +1,156 @@
+"""The local workers of ``ifrt run``: their environment, their start, their output (prefixed), their stop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import BinaryIO
+
+from ifrt.hostport import join_host_port
+from ifrt.settings import (
+    ATTEMPT_ENV,
+    COORDINATOR_ENV,
+    LOCAL_RANK_ENV,
+    LOCAL_WORLD_SIZE_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    TLS_CA_ENV,
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    TRANSFER_BIND_ENV,
+    Settings,
+)
+
+READER_JOIN_S = 2.0
+"""How long a stop waits for a worker's last output lines after it exited."""
+
+
+def transfer_binds(address: str, count: int) -> list[str]:
+    """``count`` ``address:port`` on ports free now, one per local worker, kept for every attempt."""
+    listeners = [socket.create_server((address, 0)) for _ in range(count)]
+    try:
+        return [join_host_port(address, s.getsockname()[1]) for s in listeners]
+    finally:
+        for s in listeners:
+            s.close()
+
+
+def worker_env(base: Mapping[str, str], settings: Settings, *, attempt: int, local_rank: int, nproc: int,
+               host_rank: int | None, num_hosts: int | None, token_file: str | None,
+               launcher_variables: Sequence[str] = (), transfer_bind: str | None = None) -> dict[str, str]:
+    """The environment of local worker ``local_rank``: the agent's, without its launcher's per-task variables (which
+    describe the agent, not the worker), with the resolved settings as ``IFRT_*``. The process id is
+    ``host_rank * nproc + local_rank`` when the host rank is known, else the coordinator assigns it (by host, then
+    local rank: the same in every attempt). ``transfer_bind`` (unless the agent's environment sets one for every
+    worker) keeps the worker's transfer endpoint at one address in every attempt, so the topology is identical."""
+    env = {k: v for k, v in base.items() if k not in launcher_variables}
+    if transfer_bind is not None and not env.get(TRANSFER_BIND_ENV):
+        env[TRANSFER_BIND_ENV] = transfer_bind
+    env.update({COORDINATOR_ENV: ",".join(settings.coordinators), LOCAL_RANK_ENV: str(local_rank),
+                LOCAL_WORLD_SIZE_ENV: str(nproc), ATTEMPT_ENV: str(attempt)})
+    for var, value in ((PROCESS_ID_ENV, None if host_rank is None else host_rank * nproc + local_rank),
+                       (NUM_PROCESSES_ENV, None if num_hosts is None else num_hosts * nproc)):
+        if value is None:
+            env.pop(var, None)
+        else:
+            env[var] = str(value)
+    if token_file is not None:  # the agent's --token-file: the workers read the same file
+        env.pop(TOKEN_ENV, None)
+        env[TOKEN_FILE_ENV] = token_file
+    for var, value in ((TLS_CA_ENV, settings.tls_ca), (TLS_CERT_ENV, settings.tls_cert),
+                       (TLS_KEY_ENV, settings.tls_key)):
+        if value:
+            env[var] = value
+    return env
+
+
+class Prefixer:
+    """Copies a worker's output lines to the agent's, each behind ``[<process id>] `` (``[local <rank>] `` until the
+    id is known); lines of several workers never mix."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, label: Callable[[], str]) -> None:
+        self._label = label
+        self.threads: list[threading.Thread] = []
+
+    def follow(self, source: BinaryIO, sink: BinaryIO) -> None:
+        thread = threading.Thread(target=self._copy, args=(source, sink), name="ifrt-run-output", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _copy(self, source: BinaryIO, sink: BinaryIO) -> None:
+        with source:
+            for line in iter(source.readline, b""):
+                if not line.endswith(b"\n"):
+                    line += b"\n"
+                with self._lock:
+                    sink.write(f"[{self._label()}] ".encode() + line)
+                    sink.flush()
+
+
+class Worker:
+    """One local worker of one attempt."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, attempt: int, local_rank: int,
+                 label: Callable[[], str] | None) -> None:
+        """``label`` (None: no prefix, the worker writes to the agent's own stdout and stderr) names the worker
+        in front of each of its output lines."""
+        self.attempt, self.local_rank = attempt, local_rank
+        piped = subprocess.PIPE if label is not None else None
+        # Its own process group: a terminal's Ctrl-C reaches the agent, which passes it on once.
+        self.process = subprocess.Popen(list(argv), env=dict(env), stdout=piped, stderr=piped,
+                                        stdin=subprocess.DEVNULL, process_group=0)
+        self.prefixer: Prefixer | None = None
+        if label is not None:
+            self.prefixer = Prefixer(label)
+            self.prefixer.follow(self.process.stdout, sys.stdout.buffer)  # type: ignore[arg-type]
+            self.prefixer.follow(self.process.stderr, sys.stderr.buffer)  # type: ignore[arg-type]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self) -> int:
+        """Waits until the worker exits and its output is copied; its return code."""
+        code = self.process.wait()
+        if self.prefixer is not None:
+            for thread in self.prefixer.threads:
+                thread.join(READER_JOIN_S)
+        return code
+
+    def stopped(self) -> bool:
+        """Whether the worker is stopped (SIGSTOP, SIGTSTP): it cannot act on SIGTERM."""
+        try:
+            with open(f"/proc/{self.pid}/stat", encoding="ascii") as f:
+                return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+
+def stop_all(workers: Sequence[Worker], grace_s: float, signum: int = signal.SIGTERM) -> list[int]:
+    """Sends ``signum`` to every worker still running (SIGKILL to a stopped one), waits up to ``grace_s``, then
+    SIGKILLs the rest; returns every worker's return code."""
+    for worker in workers:
+        worker.signal(signal.SIGKILL if worker.stopped() else signum)
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        try:
+            worker.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.signal(signal.SIGKILL)
+    return [worker.wait() for worker in workers]

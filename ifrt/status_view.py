@@ -1,0 +1,106 @@
+"""The status view: a Status answer as plain values (what ``ifrt status --json`` prints and the coordinator's page
+draws), and as text for a terminal. Both sides use it; it imports no client code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ifrt._generated import coordinator_pb2 as pb
+
+STANDBY = "standby"
+LEADER = "leader"
+
+
+def to_dict(answer: pb.StatusResponse) -> dict[str, Any]:
+    """A Status answer as plain values; counts the standby cannot know are None."""
+    state = pb.ClusterPhase.Name(answer.state).removeprefix("CLUSTER_PHASE_").lower()
+    known = state != STANDBY
+    processes = [_process(p) for p in answer.processes]
+    return {
+        "cluster_id": answer.cluster_id,
+        "state": state,
+        "generation": answer.generation if known else None,
+        "fingerprint": answer.fingerprint or None,
+        "registered": answer.registered if known else None,
+        "expected": answer.expected,
+        "missing": list(answer.missing_process_ids),
+        "missing_count": answer.missing if known else None,
+        "failed": [{k: p[k] for k in ("process_id", "host", "host_address", "reason")}
+                   for p in processes if p["state"] == "failed"],
+        "processes": processes,
+        "leader": answer.leader or None,
+        "replica": answer.replica,
+        "store": answer.store,
+        "reason": answer.reason or None,
+        "waited_s": round(answer.waited_seconds, 3),
+        "time_to_publish_s": round(answer.time_to_publish_seconds, 3) if answer.time_to_publish_seconds else None,
+        "sessions_open": answer.sessions_open,
+        "heartbeat_timeout_s": answer.heartbeat_timeout_seconds,
+        "attempt": answer.attempt,
+    }
+
+
+def _process(p: pb.ProcessStatus) -> dict[str, Any]:
+    return {
+        "process_id": p.process_id if p.HasField("process_id") else None,
+        "host": p.hostname,
+        "host_address": p.host_address,
+        "local_rank": p.local_rank,
+        "address": p.address,
+        "devices": p.devices,
+        "state": pb.ProcessPhase.Name(p.phase).removeprefix("PROCESS_PHASE_").lower(),
+        "reason": p.reason,
+        "incarnation": p.incarnation,
+        "heartbeat_age_s": round(p.heartbeat_age_seconds, 3),
+        "attached": p.attached,
+    }
+
+
+def render(view: dict[str, Any]) -> str:
+    """The report as text for a terminal: a summary, then one row per process."""
+    lines = [f"cluster {view['cluster_id']}: {view['state']}"]
+    if view["state"] == STANDBY:
+        lines.append(f"leader:     {view['leader'] or 'unknown'}")
+        lines.append(f"reason:     {view['reason']}")
+    else:
+        lines.append(f"processes:  {view['registered']}/{view['expected']} registered, "
+                     f"{view['sessions_open']} sessions open")
+        if view["missing"]:
+            lines.append(f"missing:    process ids {view['missing']}")
+        elif view["missing_count"]:
+            lines.append(f"missing:    {view['missing_count']} process(es) (ids are assigned once all registered)")
+        if view["generation"]:
+            published = f", {view['time_to_publish_s']:.2f}s after the first registration" if (
+                view["time_to_publish_s"] is not None) else ""
+            lines.append(f"generation: {view['generation']}{published}")
+            lines.append(f"fingerprint: {view['fingerprint']}")
+        else:
+            lines.append(f"waited:     {view['waited_s']:.1f}s since the first registration")
+        for p in view["failed"]:
+            lines.append(f"failed:     process {p['process_id']} on {_where(p)}: {p['reason']}")
+        lines.append(f"leader:     {view['leader']} (store: {view['store']})")
+    if view.get("attempt") is not None:
+        lines.append(f"attempt:    {view['attempt']}")
+    lines.append("replicas:   " + ", ".join(f"{r['address']} {r['role']}" for r in view["replicas"]))
+    if view["processes"]:
+        lines.append("")
+        lines.append(_table(view["processes"]))
+    return "\n".join(lines)
+
+
+def _where(p: dict[str, Any]) -> str:
+    return f"{p['host']} ({p['host_address']})" if p["host_address"] else p["host"]
+
+
+def _table(processes: list[dict[str, Any]]) -> str:
+    """One row per process: id, host, local rank, devices, state, incarnation, heartbeat age, session, reason."""
+    header = ("process", "host", "rank", "devices", "state", "incarnation", "heartbeat age", "session", "reason")
+    rows = [header] + [(
+        "-" if p["process_id"] is None else str(p["process_id"]), _where(p), str(p["local_rank"]), str(p["devices"]),
+        p["state"], str(p["incarnation"]), f"{p['heartbeat_age_s']:.1f}s", "open" if p["attached"] else "-",
+        p["reason"]) for p in processes]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    right = {0, 2, 3, 5, 6}
+    lines = ["  ".join(cell.rjust(w) if c in right else cell.ljust(w)
+                       for c, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

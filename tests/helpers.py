@@ -1,0 +1,301 @@
+"""What many test files share (fixtures stay in conftest.py): free loopback ports, polling, health checks, `ifrt
+discover` children, Clients in this test and their events, Register requests, and builders of the pure state
+machine's scenarios."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import ifrt
+from coordinator.registration import Registration
+from coordinator.state import ClusterConfig, ClusterState, Notify
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.events import ProcessFailed
+from ifrt.records import LocalDevice
+from ifrt.security import SECRET_METADATA
+
+BIN = Path(sys.executable).parent
+SERVICE = "/ifrt.topology.v1.Coordinator"
+"""The coordinator service's path, before a method's name, as gRPC calls it."""
+T = TypeVar("T")
+
+
+# Loopback ports and polling.
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that were free a moment ago (all bound at once, then released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (nothing listens there)."""
+    return free_ports(1)[0]
+
+
+def poll_until(probe: Callable[[], T], done: Callable[[T], object] = bool, timeout: float = 30, what: str = "",
+               interval: float = 0.05) -> T:
+    """Calls ``probe`` until ``done`` holds for its answer, which it returns; fails after ``timeout`` seconds naming
+    ``what`` was awaited and the last answer."""
+    deadline = time.monotonic() + timeout
+    while not done(seen := probe()):
+        assert time.monotonic() < deadline, f"{what or 'the condition'} did not hold within {timeout}s; last: {seen!r}"
+        time.sleep(interval)
+    return seen
+
+
+@contextlib.contextmanager
+def taken_port() -> Iterator[int]:
+    """A loopback port that a socket of this test listens on while the block runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def health(address: str, service: str = "", timeout: float = 10) -> str:
+    """What the standard gRPC health service at ``address`` says about ``service`` ("" for the server as a whole)."""
+    with grpc.insecure_channel(address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                           timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+
+# Processes of a job: `ifrt discover` children and Clients in this test.
+
+def discover_process(address: str, *args: str, devices: int = 1, env: dict[str, str] | None = None,
+                     timeout: float = 60) -> subprocess.Popen:
+    """`ifrt discover --json` in a child process (its own interpreter, like a job's process)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    full_env.update(IFRT_CPU_DEVICE_COUNT=str(devices), **(env or {}))
+    return subprocess.Popen([str(BIN / "ifrt"), "discover", "--coordinator", address, "--timeout", str(timeout),
+                             "--json", *args], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_coordinator(*args: str) -> subprocess.CompletedProcess:
+    """`ifrt-coordinator` with ``args``, run to its end (60 s at most): for flags that stop it at once."""
+    return subprocess.run([str(BIN / "ifrt-coordinator"), *args], capture_output=True, text=True, timeout=60)
+
+
+def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a child, killing it by pid if it outlives ``timeout``."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"child {process.pid} did not finish within {timeout}s; stderr:\n{err}") from None
+    return process.returncode, out, err
+
+
+def json_answers(children: list[subprocess.Popen], timeout: float) -> list[dict]:
+    """Each child's JSON answer (its last line of output), in the order given; fails naming a child that exited
+    with an error or did not finish within ``timeout`` seconds (killed by pid)."""
+    found = []
+    for child in children:
+        code, out, err = finish(child, timeout)
+        assert code == 0, f"child {child.pid} exited {code}:\n{err[-3000:]}"
+        found.append(json.loads(out.strip().splitlines()[-1]))
+    return found
+
+
+def discover_processes(address: str, n: int, env: dict[str, str], timeout: float = 60) -> list[dict]:
+    """Processes 0..n-1 as `ifrt discover` children with ``env``; each one's JSON answer, all of them successes."""
+    children = [discover_process(address, "--process-id", str(pid), "--num-processes", str(n), env=env,
+                                 timeout=timeout) for pid in range(n)]
+    results = [finish(c, timeout + 30) for c in children]
+    assert [code for code, _, _ in results] == [0] * n, [err for _, _, err in results]
+    return [json.loads(out) for _, out, _ in results]
+
+
+@contextlib.contextmanager
+def survivor_of_a_doomed_peer(address: str) -> Iterator[tuple[ifrt.Client, ifrt.Topology]]:
+    """Process 0 of a 2-process job (a Client here) and its topology, once process 1 (a child) has discovered and
+    exited (code 3) without a goodbye: the coordinator declares it failed when its heartbeat timeout passes."""
+    dies = ("import os, ifrt\n"
+            f"ifrt.Client({address!r}, process_id=1, num_processes=2, transfer=False).discover()\n"
+            "os._exit(3)\n")
+    doomed = subprocess.Popen([sys.executable, "-c", dies], stderr=subprocess.PIPE, text=True)
+    with ifrt.Client(address, process_id=0, num_processes=2, transfer=False, timeout=30) as survivor:
+        topology = survivor.discover()
+        assert doomed.wait(timeout=30) == 3, doomed.stderr.read()
+        yield survivor, topology
+
+
+def together(items: Sequence[T], call: Callable[[T], object], timeout: float = 60) -> list:
+    """``call(item)`` for every item at once, each in a thread of its own (as a job's processes act together): the
+    results, or the exceptions raised, in the order of ``items``; fails if one has not returned within ``timeout``."""
+    results: list = [None] * len(items)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = call(items[i])
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"a call did not return within {timeout}s"
+    return results
+
+
+def discover_all(address: str, num: int, **options: object) -> list[ifrt.Topology]:
+    """Processes 0..num-1 as Clients in this test's threads, discovering at once; their topologies by index (every
+    one a success), the clients closed."""
+    def discover(i: int) -> ifrt.Topology:
+        with ifrt.Client(address, process_id=i, num_processes=num, **{"timeout": 60, **options}) as client:
+            return client.discover()
+
+    results = together(range(num), discover, timeout=90)
+    errors = [r for r in results if not isinstance(r, ifrt.Topology)]
+    assert not errors, errors[:3]
+    return results
+
+
+def clients(address: str, n: int, **options: object) -> list[ifrt.Client]:
+    """``n`` processes of one cluster as Clients in this test (with ``options``, e.g. ``attempt``), discovered
+    together and left open."""
+    made = [ifrt.Client(address, process_id=i, num_processes=n, **{"timeout": 60, **options}) for i in range(n)]
+    errors = [r for r in together(made, lambda c: c.discover()) if isinstance(r, Exception)]
+    assert not errors and all(c.topology is not None for c in made), errors[:3]
+    return made
+
+
+def barrier_started_for(address: str, client: ifrt.Client, name: str, timeout: float = 30) -> str:
+    """Waits until barrier ``name`` exists on the coordinator at ``address``; returns what the coordinator said.
+
+    Asks as process 0 (``client``, with its process secret) arriving at it with participants [1, 2], a list no
+    real call uses and that leaves process 0 out: a coordinator that holds the barrier refuses that with
+    INVALID_ARGUMENT naming the barrier's own participants, one that does not hold it yet refuses it as
+    "process 0 is not a participant"; neither changes anything.
+    """
+    request = pb.BarrierRequest(client_uid=client.client_uid, name=name, process_ids=[1, 2], timeout_ms=1000)
+    metadata = ((SECRET_METADATA, client.process_secret),)
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(f"{SERVICE}/Barrier")
+        while True:
+            with pytest.raises(grpc.RpcError) as info:
+                call(request.SerializeToString(), timeout=10, metadata=metadata)
+            if "was started for processes" in (info.value.details() or ""):
+                return info.value.details()
+            assert time.monotonic() < deadline, f"no barrier {name!r} at {address} within {timeout}s: {info.value}"
+            time.sleep(0.05)  # polling, until the caller's arrival has reached the coordinator
+
+
+def watcher(client: ifrt.Client) -> queue.Queue:
+    """Every event the client receives, with the time it arrived."""
+    received: queue.Queue = queue.Queue()
+    client.on_event(lambda e: received.put((time.monotonic(), e)))
+    return received
+
+
+def next_event(received: queue.Queue, kind: type, timeout: float = 30, **match) -> tuple[float, object]:
+    """The next (arrival time, event) from a ``watcher`` queue that is a ``kind`` with the ``match`` values, skipping
+    others; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            at, event = received.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if isinstance(event, kind) and all(getattr(event, k) == v for k, v in match.items()):
+            return at, event
+    raise AssertionError(f"no {kind.__name__} {match} within {timeout}s")
+
+
+def in_thread(call: Callable[[], object]) -> queue.Queue:
+    """Runs ``call`` in a thread; its result (or the IfrtError it raised) arrives on the queue returned."""
+    result: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            result.put(call())
+        except ifrt.IfrtError as e:
+            result.put(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return result
+
+
+# Requests as they travel on the wire.
+
+def device(local_id: int = 0, **fields) -> pb.LocalDevice:
+    """One cpu device of a RegisterRequest."""
+    return pb.LocalDevice(local_id=local_id, platform="cpu", kind="cpu", **fields)
+
+
+def register_request(process_id: int | None = None, **fields) -> pb.RegisterRequest:
+    """A RegisterRequest of one cpu device as a client sends it: with ``process_id``, that process's own uid, host
+    and endpoint; ``fields`` replace any default."""
+    defaults: dict = {"client_uid": "uid", "hostname": "host", "plugin": "cpu", "devices": [device()]}
+    if process_id is not None:
+        defaults.update(client_uid=f"uid-{process_id}", hostname=f"host-{process_id}", process_id=process_id,
+                        address=f"127.0.0.1:{7000 + process_id}")
+    return pb.RegisterRequest(**{**defaults, **fields})
+
+
+# The pure state machine, driven with plain values.
+
+TIMEOUT = 1.0
+"""The heartbeat timeout of ``published`` clusters: a lost session has 0.125 s of reconnect grace."""
+
+
+def reg(uid, process_id=None, *, host="h", ip="10.0.0.1", rank=0, devices=2, num_processes=0,
+        cluster_id="") -> Registration:
+    """A registration as the coordinator parses it, of ``devices`` cpu devices."""
+    return Registration(uid, cluster_id, num_processes, process_id, host, ip, rank, f"{host}:9000",
+                        tuple(LocalDevice(i, "cpu", "cpu") for i in range(devices)))
+
+
+def admit(s: ClusterState, r: Registration, now: float):
+    """Registers ``r`` at ``now``; the outcome (Waiting or Published), checking that no effect came of it."""
+    outcome, effects = s.register(r, now)
+    assert effects == []
+    return outcome
+
+
+def published(n=3, **config) -> ClusterState:
+    """A cluster of ``n`` processes (uids p0.., hosts h0..), published at t=0, every session attached."""
+    s = ClusterState(ClusterConfig(num_processes=n, heartbeat_timeout_s=TIMEOUT, **config))
+    for i in range(n):
+        admit(s, reg(f"p{i}", i, host=f"h{i}"), 0.0)
+    for i in range(n):
+        s.attach(f"p{i}", 0.0)
+    return s
+
+
+def lose_session(s: ClusterState, process_id: int, at: float = 0.0) -> None:
+    """Process ``process_id`` of a ``published`` cluster loses its session at ``at`` and stays away; the others
+    keep theirs open, which is what keeps them alive."""
+    s.detach(f"p{process_id}", at)
+
+
+def failures(effects) -> list[ProcessFailed]:
+    """The ProcessFailed events among a command's effects."""
+    return [e.event for e in effects if isinstance(e, Notify) and isinstance(e.event, ProcessFailed)]

@@ -1,0 +1,47 @@
+"""A worker for ``ifrt run`` tests: discovers, says who it is, then does what its scenario says.
+
+    python tests/run_worker.py SCENARIO
+
+Scenarios:
+  loop    prints ``step N`` lines until stopped; SIGTERM prints ``received SIGTERM`` and exits 7
+  fail    local rank 1 exits 3 right after discovery, in every attempt; the others loop
+  finish  three steps, then exit 0
+Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import ifrt
+
+STEP_S = 0.05
+
+
+def main(scenario: str) -> None:
+    def on_sigterm(signum: int, frame: object) -> None:
+        print("received SIGTERM", flush=True)
+        os._exit(7)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    client = ifrt.Client(transfer=False)
+    topology = client.discover()
+    attempt = os.environ.get("IFRT_ATTEMPT")
+    print(f"started process {topology.process_id} attempt {attempt} pid {os.getpid()} fingerprint "
+          f"{topology.fingerprint}", flush=True)
+    print(f"a line on stderr from local rank {os.environ['IFRT_LOCAL_RANK']}", file=sys.stderr, flush=True)
+    if scenario == "fail" and os.environ["IFRT_LOCAL_RANK"] == "1":
+        os._exit(3)
+    step = 0
+    while scenario != "finish" or step < 3:
+        step += 1
+        print(f"step {step}", flush=True)
+        time.sleep(STEP_S)
+    client.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,81 @@
+"""Dependencies point one way: no module of ifrt/, coordinator/ or plugins/ imports, even lazily inside a function or
+only for type checking, a module that imports it back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+PACKAGES = ("ifrt", "coordinator", "plugins")
+
+
+def modules() -> dict[str, Path]:
+    """Every hand-written module of the packages, by dotted name."""
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if "_generated" not in parts:
+                found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The known modules ``name`` imports anywhere in its text (``from pkg import mod`` counts as ``pkg.mod``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in known and n != name}
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: each strongly connected group of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                found.append(sorted([v, *group]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_finder_sees_a_circle_through_a_lazy_import():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert {"ifrt.client", "ifrt.session", "coordinator.service"} <= set(graph)
+    assert "ifrt.session" in graph["ifrt.client"]  # the finder reads imports at all
+    assert circles(graph) == []

@@ -1,0 +1,373 @@
+"""``ifrt run``: the agent's decisions (pure), its workers (real processes), and whole jobs restarted in place against
+a real coordinator: two hosts (network namespaces) of JAX workers, and agents on loopback with small workers."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from coordinator.local import LocalCoordinator
+from ifrt.run import agent as core
+from ifrt.run.agent import (
+    Agent,
+    AskNextAttempt,
+    Exit,
+    Failure,
+    JobUpdate,
+    JobView,
+    ProcessFailedSeen,
+    Say,
+    Start,
+    Stop,
+    Tick,
+    WorkerExited,
+)
+from ifrt.run.workers import Worker, stop_all, worker_env
+from ifrt.settings import resolve
+from tests.helpers import BIN, poll_until
+from tests.netns import Hosts, skip_without_netns
+from tests.requirements import require
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_WORKER = Path(__file__).with_name("run_worker.py")
+TRAIN = ROOT / "examples" / "train_checkpoint.py"
+HEARTBEAT_S = 1.0
+WAIT_S = 60.0
+
+
+# The decisions.
+
+def started(nproc: int = 2, attempt: int = 0, ids: dict[int, int] | None = None) -> Agent:
+    agent = Agent(nproc, "node-a", ids=dict(ids or {}))
+    assert agent.handle(JobUpdate(JobView(attempt)), 0.0)[0] == Start(attempt)
+    return agent
+
+
+def kinds(actions: list) -> list[type]:
+    return [type(a) for a in actions if not isinstance(a, Say)]
+
+
+def test_a_worker_killed_stops_the_others_and_asks_for_the_next_attempt_naming_it():
+    agent = started(ids={0: 2, 1: 3})
+    actions = agent.handle(WorkerExited(0, 1, -signal.SIGKILL), 1.0)
+    assert kinds(actions) == [Stop, AskNextAttempt]
+    assert actions[-1] == AskNextAttempt(0, Failure(0, 3, "node-a", "killed by SIGKILL"))
+    assert agent.handle(WorkerExited(0, 0, -signal.SIGTERM), 1.1) == []  # stopped by us: no news
+    assert kinds(agent.handle(JobUpdate(JobView(1, (Failure(0, 3, "node-a", "killed by SIGKILL"),))), 2.0)) == [Start]
+
+
+def test_a_worker_without_a_known_id_is_named_by_its_local_rank():
+    actions = started().handle(WorkerExited(0, 1, 3), 1.0)
+    assert actions[-1] == AskNextAttempt(0, Failure(0, core.UNKNOWN_PROCESS, "node-a", "local rank 1: exit code 3"))
+
+
+def test_a_survivor_of_a_peer_failure_waits_for_the_coordinator_to_name_the_cause():
+    agent = started()
+    assert kinds(agent.handle(WorkerExited(0, 0, 75), 1.0)) == [Stop]
+    cause = Failure(0, 5, "node-b", "lost its connection")
+    assert agent.handle(ProcessFailedSeen(cause), 1.2)[-1] == AskNextAttempt(0, cause)
+    assert agent.handle(ProcessFailedSeen(cause), 1.3) == []  # asked once
+
+
+def test_a_survivor_reports_itself_when_no_cause_comes():
+    agent = started(ids={0: 0, 1: 1})
+    agent.handle(WorkerExited(0, 0, 75), 1.0)
+    assert agent.handle(Tick(), 1.0 + core.CAUSE_WAIT_S / 2) == []
+    actions = agent.handle(Tick(), 1.0 + core.CAUSE_WAIT_S)
+    assert actions[-1] == AskNextAttempt(0, Failure(0, 0, "node-a", "exit code 75"))
+
+
+def test_a_new_attempt_decided_elsewhere_restarts_the_workers():
+    agent = started()
+    actions = agent.handle(JobUpdate(JobView(1)), 1.0)
+    assert kinds(actions) == [Stop, Start] and actions[2] == Start(1)
+    assert agent.handle(JobUpdate(JobView(1)), 1.1) == []  # the same attempt again (NextAttempt's answer)
+    assert agent.handle(WorkerExited(0, 0, 3), 1.2) == []  # a worker of the ended attempt
+
+
+def test_exhausted_restarts_end_the_agent_with_every_attempts_failure():
+    agent = started()
+    failures = (Failure(0, 1, "node-a", "exit code 3"), Failure(1, 1, "node-a", "exit code 3"))
+    actions = agent.handle(JobUpdate(JobView(1, failures, exhausted=True)), 1.0)
+    assert actions[0] == Stop() and actions[-1] == Exit(core.EXIT_JOB_FAILED)
+    lines = [a.line for a in actions if isinstance(a, Say)]
+    assert "attempt 0: process 1 on node-a failed: exit code 3" in lines
+    assert "attempt 1: process 1 on node-a failed: exit code 3" in lines
+
+
+def test_the_agent_exits_0_once_every_worker_finished():
+    agent = started()
+    assert kinds(agent.handle(WorkerExited(0, 1, 0), 1.0)) == []
+    assert agent.handle(WorkerExited(0, 0, 0), 1.0)[-1] == Exit(0)
+
+
+def test_the_agents_status_after_a_signal_is_its_workers():
+    agent = started()
+    assert agent.handle(core.Interrupted(signal.SIGTERM), 1.0)[1:] == [Stop(signal.SIGTERM), Exit(None)]
+    assert core.workers_status([0, -signal.SIGTERM]) == 128 + signal.SIGTERM
+    assert core.workers_status([7, 0]) == 7
+    assert core.workers_status([0, 0]) == 0
+
+
+def test_workers_get_their_rank_the_attempt_and_ids_but_not_the_agents_launcher_variables():
+    env = {"SLURM_JOB_ID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "PATH": "/bin",
+           "IFRT_TOKEN": "secret"}
+    settings = resolve("c1:8476,c2:8476", environ={})
+    made = worker_env(env, settings, attempt=4, local_rank=1, nproc=2, host_rank=1, num_hosts=2,
+                      token_file="/run/token", launcher_variables=("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID"))
+    assert made == {"SLURM_NTASKS": "2", "PATH": "/bin", "IFRT_COORDINATOR": "c1:8476,c2:8476",
+                    "IFRT_LOCAL_RANK": "1", "IFRT_LOCAL_WORLD_SIZE": "2", "IFRT_ATTEMPT": "4",
+                    "IFRT_PROCESS_ID": "3", "IFRT_NUM_PROCESSES": "4", "IFRT_TOKEN_FILE": "/run/token"}
+    assigned = worker_env({"IFRT_PROCESS_ID": "9"}, settings, attempt=0, local_rank=0, nproc=1, host_rank=None,
+                          num_hosts=None, token_file=None)
+    assert "IFRT_PROCESS_ID" not in assigned and "IFRT_NUM_PROCESSES" not in assigned
+
+
+# The workers, real processes.
+
+def sleeper(code: str) -> Worker:
+    return Worker([sys.executable, "-c", f"import signal, time\n{code}\ntime.sleep(60)"], os.environ, attempt=0,
+                  local_rank=0, label=None)
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace_period():
+    worker = sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True)")
+    poll_until(lambda: os.path.exists(f"/proc/{worker.pid}") and _ignores_sigterm(worker.pid), what="SIG_IGN set")
+    began = time.monotonic()
+    assert stop_all([worker], grace_s=0.5) == [-signal.SIGKILL]
+    assert 0.5 <= time.monotonic() - began < 10
+
+
+def test_a_stopped_worker_is_killed_at_once_not_after_the_grace_period():
+    worker = sleeper("")
+    os.kill(worker.pid, signal.SIGSTOP)
+    poll_until(worker.stopped, what="the worker stopped")
+    began = time.monotonic()
+    assert stop_all([worker], grace_s=30) == [-signal.SIGKILL]
+    assert time.monotonic() - began < 10
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        ignored = next(line for line in f if line.startswith("SigIgn:")).split()[1]
+    return bool(int(ignored, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+# Whole jobs against a real coordinator.
+
+class RunAgent:
+    """``ifrt run`` in a child process; its output lines (stdout and stderr) are kept as they come."""
+
+    def __init__(self, *args: str, env: dict[str, str], wrapper: list[str] | None = None) -> None:
+        self.process = subprocess.Popen([*(wrapper or []), str(BIN / "ifrt"), "run", *args], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                         for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err))]
+        for reader in self._readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def wait_line(self, pattern: str, timeout: float = WAIT_S, start: int = 0) -> re.Match:
+        """The first stdout line from index ``start`` on that matches ``pattern``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.out[start:]:
+                if match := re.search(pattern, line):
+                    return match
+            if self.process.poll() is not None and all(not r.is_alive() for r in self._readers):
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"agent {self.process.pid} printed no line matching {pattern!r} within {timeout}s;\n"
+                             f"{self.output()}")
+
+    def wait(self, timeout: float = WAIT_S) -> int:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"agent {self.process.pid} still runs {timeout}s later;\n{self.output()}") from None
+        for reader in self._readers:
+            reader.join(5)
+        return self.process.returncode
+
+    def output(self) -> str:
+        return "stdout:\n" + "\n".join(self.out[-40:]) + "\nstderr:\n" + "\n".join(self.err[-40:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@pytest.fixture
+def agents():
+    started: list[RunAgent] = []
+
+    def start(*args: str, **kwargs) -> RunAgent:
+        started.append(RunAgent(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for a in started:
+        a.stop()
+
+
+def loopback_env(address: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
+    env.update(IFRT_COORDINATOR=address, IFRT_CPU_DEVICE_COUNT="1", IFRT_FAILOVER_WINDOW="10", **extra)
+    return env
+
+
+def two_agents(agents, address: str, scenario: str, *flags: str) -> list[RunAgent]:
+    """Two agents on loopback as hosts 0 and 1 (explicit host ranks), two tests/run_worker.py workers each."""
+    return [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",
+                   *flags, "--", sys.executable, str(RUN_WORKER), scenario, env=loopback_env(address))
+            for h in range(2)]
+
+
+def started_lines(agent: RunAgent, attempt: int) -> dict[int, re.Match]:
+    """Each local worker's ``started`` line of ``attempt``, by process id."""
+    found = {}
+    for line in agent.out:
+        if (m := re.search(rf"^\[(\d+)\] started process (\d+) attempt {attempt} pid (\d+) fingerprint (\w+)",
+                           line)):
+            found[int(m.group(2))] = m
+    return found
+
+
+def test_a_worker_failing_in_every_attempt_ends_every_agent_naming_it(start_coordinator, agents):
+    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4, log_level="WARNING")
+    both = two_agents(agents, coordinator.address, "fail", "--max-restarts", "1")
+    for agent in both:
+        assert agent.wait() == core.EXIT_JOB_FAILED, agent.output()
+    for agent in both:
+        err = "\n".join(agent.err)
+        assert "the job's restarts are exhausted" in err, agent.output()
+        # process 1 (host 0, local rank 1) or 3 (host 1) failed first in each attempt; both named by id and reason
+        assert re.search(r"attempt 0: process [13] on \S+ failed: exit code 3", err), agent.output()
+        assert re.search(r"attempt 1: process [13] on \S+ failed: exit code 3", err), agent.output()
+
+
+def test_prefixes_name_each_workers_process_and_sigterm_reaches_the_workers(start_coordinator, agents):
+    coordinator = start_coordinator(num_processes=4, log_level="WARNING")
+    both = two_agents(agents, coordinator.address, "loop")
+    for host, agent in enumerate(both):
+        lines = poll_until(lambda a=agent: started_lines(a, 0), lambda found: len(found) == 2, timeout=WAIT_S,
+                           what="both workers started")
+        assert sorted(lines) == [2 * host, 2 * host + 1]
+        assert all(m.group(1) == m.group(2) for m in lines.values())  # "[3] started process 3 ..."
+        assert any(re.fullmatch(rf"\[{2 * host}\] a line on stderr from local rank 0", line) for line in agent.err)
+    both[0].process.send_signal(signal.SIGTERM)
+    assert both[0].wait() == 7, both[0].output()  # the workers' own status: their SIGTERM handler exits 7
+    assert sum("received SIGTERM" in line for line in both[0].out) == 2
+
+
+def test_no_prefix_leaves_the_output_as_it_is(start_coordinator, agents):
+    coordinator = start_coordinator(num_processes=1, log_level="WARNING")
+    agent = agents("--no-prefix", "--", sys.executable, str(RUN_WORKER), "finish",
+                   env=loopback_env(coordinator.address))
+    assert agent.wait() == 0, agent.output()
+    assert agent.out[0].startswith("started process 0 attempt 0 pid ")
+    assert "step 3" in agent.out
+
+
+def test_a_stopped_worker_restarts_the_job_within_the_heartbeat_timeout(start_coordinator, agents):
+    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4, log_level="WARNING")
+    both = two_agents(agents, coordinator.address, "loop", "--max-restarts", "1")
+    first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+             for a in both]
+    os.kill(int(first[1][3].group(3)), signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    again = [poll_until(lambda a=a: started_lines(a, 1), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 1")
+             for a in both]
+    took = time.monotonic() - stopped_at
+    assert took < HEARTBEAT_S + 20, took  # detection (the timeout) + stopping + a new discovery, loosely
+    for before, after in zip(first, again, strict=True):
+        assert sorted(before) == sorted(after)
+        assert {m.group(4) for m in after.values()} == {m.group(4) for m in first[0].values()}  # same fingerprint
+    assert "killed by SIGKILL" not in "\n".join(both[1].err)  # its own stop: not reported as the cause
+    assert any("process 3" in line and "failed" in line for line in both[0].err), both[0].output()
+
+
+def jax_env(address: str) -> dict[str, str]:
+    env = loopback_env(address)
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return env
+
+
+@contextlib.contextmanager
+def own_hostname_addresses(hosts: Hosts, count: int = 2):
+    """In each test host, this machine's hostname resolves to the host's own address, as on separate machines (JAX's
+    gloo listens where the hostname resolves): ``ip netns exec`` puts /etc/netns/<namespace>/hosts over /etc/hosts."""
+    made = [Path("/etc/netns", name) for name in hosts.names[:count]]
+    try:
+        for i, directory in enumerate(made, start=1):
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "hosts").write_text(f"127.0.0.1 localhost\n{hosts.address(i)} {socket.gethostname()}\n")
+        yield
+    finally:
+        for directory in made:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+STEPS = 12
+KILLED_AT = 5
+
+
+def test_a_killed_jax_worker_restarts_the_whole_job_in_place_from_checkpoints(tmp_path, agents):
+    if importlib.util.find_spec("jax") is None:
+        require("jax", "pip install 'ifrt-topology[jax]' (scripts/test.sh installs it)")
+    skip_without_netns()
+    with Hosts(2) as hosts, own_hostname_addresses(hosts):
+        coordinator = LocalCoordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4,
+                                       bind=f"{hosts.address(1)}:8476", wrapper=hosts.command(1, []),
+                                       log_level="WARNING")
+        try:
+            env = jax_env(coordinator.address)
+            both = [agents("--nproc-per-host", "2", "--max-restarts", "2", "--grace-seconds", "2", "--",
+                           sys.executable, str(TRAIN), "--runtime", "jax", "--checkpoint-dir", str(tmp_path),
+                           "--steps", str(STEPS), "--step-seconds", "0.2", env=env, wrapper=hosts.command(h, []))
+                    for h in (1, 2)]
+            victim = both[1].wait_line(rf"^\[(\d+)\] step {KILLED_AT} process (\d+) attempt 0 pid (\d+)")
+            os.kill(int(victim.group(3)), signal.SIGKILL)
+            for agent in both:
+                assert agent.wait(timeout=120) == 0, agent.output()
+        finally:
+            coordinator.close()
+    runs = {attempt: {} for attempt in (0, 1)}
+    for agent in both:
+        for line in agent.out:
+            m = re.search(r"step (\d+) process (\d+) attempt (\d+) pid \d+ fingerprint (\w+)", line)
+            if m:
+                runs[int(m.group(3))].setdefault(int(m.group(2)), []).append((int(m.group(1)), m.group(4)))
+    assert sorted(runs[0]) == sorted(runs[1]) == [0, 1, 2, 3]  # every process again, with the same ids
+    assert len({fp for steps in (*runs[0].values(), *runs[1].values()) for _, fp in steps}) == 1
+    for process_id, steps in runs[1].items():
+        first = steps[0][0]
+        assert KILLED_AT <= first <= KILLED_AT + 3, (process_id, steps)  # resumed from its checkpoint, not step 1
+        assert steps[-1][0] == STEPS
+    victim_id = int(victim.group(2))
+    err = "\n".join(both[1].err)
+    assert f"(process {victim_id}) failed: killed by SIGKILL" in err, err  # named by its agent, by id
