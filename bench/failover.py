@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.client import CHANNEL_OPTIONS
+from ifrt.client_config import CHANNEL_OPTIONS
 from tests.etcd_cluster import EtcdCluster, free_ports
 
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"

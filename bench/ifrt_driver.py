@@ -31,7 +31,7 @@ from content import add_arguments as add_content_arguments
 
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.client import CHANNEL_OPTIONS
+from ifrt.client_config import CHANNEL_OPTIONS
 from ifrt.records import LocalDevice
 
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"

@@ -3,8 +3,12 @@ attempt), 4 workers as 2 hosts of 2 on loopback, the same training loop (example
 
 - ifrt-jax / ifrt-torch: two ``ifrt run --nproc-per-host 2 --host-rank H --num-hosts 2 --max-restarts 1``
   agents against an ``ifrt-coordinator`` that already serves (``--heartbeat-timeout 1``), ``--runtime jax|torch``;
-- torchrun: two ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --max-restarts 1`` agents,
-  ``--runtime torchrun`` (plain ``torch.distributed``);
+- torchrun: two ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
+  --rdzv-id bench --max-restarts 1`` agents, ``--runtime torchrun`` (plain ``torch.distributed``), with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default (torch >= 2.5) the workers of every restart share one
+  TCPStore held by the first agent, and the restarted workers' gloo read the previous round's addresses from it
+  (connection refused until the restarts run out; pytorch/pytorch#135712); with it, each round's rank 0 worker
+  holds a new store;
 - jax-alone: four processes of ``--runtime jax`` without an agent: no restart; the time until the three survivors
   have exited (ifrt's fail fast).
 
@@ -12,9 +16,11 @@ attempt), 4 workers as 2 hosts of 2 on loopback, the same training loop (example
 
 Process 3 (on the second host) is killed once every process printed step 5. Every line of the agents and workers is
 stamped when it arrives; the phases of a restart: detection (kill -> the agent's line naming the failure), stopping
-(-> the agent asks for the next attempt), agreement (-> the new attempt starts), discovery and runtime start
-(-> the last worker's start line; its imports apart, as the worker measured them), first step (-> the last
-worker's first step). Prints one JSON object per run, then one with the medians per way.
+(-> the agent asks for the next attempt; torchrun: every agent has stopped its workers and joins the next
+rendezvous round), agreement (-> the new attempt starts in every agent; torchrun: the round is complete and every
+agent starts its workers), discovery and runtime start (-> the last worker's start line; its imports apart, as the
+worker measured them), first step (-> the last worker's first step). Prints one JSON object per run, then one
+with the medians per way.
 """
 
 from __future__ import annotations
@@ -97,16 +103,22 @@ def start(way: str, address: str, checkpoints: str) -> list[Lines]:
         return [Lines([str(BIN / "ifrt"), "run", "--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2",
                        "--max-restarts", "1", "--grace-seconds", "2", "--", sys.executable,
                        *train(way.removeprefix("ifrt-"), checkpoints)], env) for h in range(2)]
-    if way == "torchrun":
-        port = address.rpartition(":")[2]
+    if way == "torchrun":  # as torchrun's docs start a 2-node job: the same command on every node
+        env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")  # INFO: its agents' phase lines
         return [Lines([str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--max-restarts", "3",
-                       "--node-rank", str(h), "--tee", "3", *train("torchrun", checkpoints)], env)
-                for h in range(2)]
+                       "--rdzv-endpoint", address, "--rdzv-id", "bench", "--max-restarts", "1", "--tee", "3",
+                       *train("torchrun", checkpoints)], env)
+                for _ in range(2)]
     env.update(IFRT_COORDINATOR=address)
     return [Lines([sys.executable, *train("jax", checkpoints)], dict(env, IFRT_PROCESS_ID=str(p),
                                                                         IFRT_NUM_PROCESSES="4"))
             for p in range(4)]
+
+
+# The agents' lines that end each phase, by way: (the failure seen, the workers stopped, the new attempt starts).
+_IFRT_LINES = (r"ifrt run: .*failed", r"ifrt run: asking the coordinator", r"ifrt run: attempt 1 started")
+PHASE_LINES = {"ifrt-jax": _IFRT_LINES, "ifrt-torch": _IFRT_LINES,
+               "torchrun": (r"failed \(exitcode", r"Rendezvous'ing worker group", r"Starting worker group")}
 
 
 def step_pattern(process: int | str, step: int | str, attempt: str) -> str:
@@ -160,7 +172,8 @@ def measure(way: str, children: list[Lines]) -> dict:
     if way == "jax-alone":
         wait_for(lambda: all(c.ended for i, c in enumerate(children) if i != VICTIM) or None,
                  "the survivors' exits", children)
-        return {"way": way, "survivors_exited_s": max(c.ended for i, c in enumerate(children) if i != VICTIM) - killed,
+        exited = max(c.ended for i, c in enumerate(children) if i != VICTIM) - killed
+        return {"way": way, "survivors_exited_s": round(exited, 3),
                 "exit_codes": [c.process.returncode for i, c in enumerate(children) if i != VICTIM]}
     old = {find(children, step_pattern(p, KILL_AT, first_attempt))[1].group(1) for p in range(4)}  # type: ignore
     later = r"\S+"  # torchrun's restart count differs between its agents: a new attempt is a new pid
@@ -179,11 +192,14 @@ def measure(way: str, children: list[Lines]) -> dict:
     imports = max(float(m.group(2)) for _, m in starts)
     result["imports_s"] = round(imports, 3)
     result["without_imports_s"] = round(computing - imports, 3)
-    if way.startswith("ifrt-"):
-        detected = wait_for(lambda: find(children, r"ifrt run: .*failed", killed), "detection", children)[0]
-        asked = wait_for(lambda: find(children, r"ifrt run: asking the coordinator", killed), "asking", children)[0]
-        began = max(wait_for(lambda c=c: c.first(r"ifrt run: attempt 1 started", killed), "attempt 1", children)[0]
-                    for c in children)
+    if way in PHASE_LINES:
+        failed, stopped, begins = PHASE_LINES[way]
+        detected = wait_for(lambda: find(children, failed, killed), "detection", children)[0]
+        if way == "torchrun":  # every agent has stopped its workers and joins the next rendezvous round
+            asked = max(wait_for(lambda c=c: c.first(stopped, killed), "stopping", children)[0] for c in children)
+        else:  # the first agent asks; the coordinator decides for all
+            asked = wait_for(lambda: find(children, stopped, killed), "asking", children)[0]
+        began = max(wait_for(lambda c=c: c.first(begins, killed), "the new attempt", children)[0] for c in children)
         started = max(t for t, _ in starts)
         result.update(detection_s=round(detected - killed, 3), stopping_s=round(asked - detected, 3),
                       agreement_s=round(began - asked, 3),

@@ -26,11 +26,10 @@ class PublishedGeneration:
         self.answer_tail = b""  # Register answer minus process_id
         self.event = b""  # SessionEvent(topology_changed)
 
-    def sync(self, topology: TopologyContent | None, position: int) -> bool:
-        """Serializes ``topology`` (published at job event ``position``) once, when it is new; returns whether it
-        was."""
+    def sync(self, topology: TopologyContent | None, position: int) -> None:
+        """Serializes ``topology`` (published at job event ``position``) once, when it is new."""
         if topology is None or topology.generation == self.generation:
-            return False
+            return
         canonical = wire.encode(topology)
         fingerprint = wire.fingerprint(canonical)
         encoding, payload = wire.compress(canonical)
@@ -43,7 +42,6 @@ class PublishedGeneration:
                  topology.generation, len(topology.processes), len(topology.devices), len(canonical), len(payload),
                  fingerprint[:16], extra={"event": "published", "generation": topology.generation,
                                           "fingerprint": fingerprint})
-        return True
 
     def answer(self, process_id: int) -> bytes:
         """The Register answer of ``process_id``: concatenated protobuf messages parse as one, so the per-process

@@ -41,8 +41,3 @@ class Outbox:
         if isinstance(item, bytes):
             self._bytes -= len(item)
         return item
-
-    @property
-    def waiting_bytes(self) -> int:
-        """Bytes of events queued and not yet taken."""
-        return self._bytes

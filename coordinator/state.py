@@ -489,6 +489,7 @@ class ClusterState:
         """Whether the caller is no process (a torchrun agent): only the latest such callers' answers are kept."""
         return client_uid not in self._admission.members
 
+
 def _kind(error: IfrtError | None) -> tuple[str, str]:
     """How the journal keeps an error: its class name and message ("", "" for none)."""
     return (type(error).__name__, str(error)) if error else ("", "")

@@ -66,7 +66,8 @@ def torch_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
 
 
 def torchrun_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
-    """Plain ``torch.distributed`` from torchrun's environment (no ifrt), for comparison with torchrun's restarts."""
+    """Plain ``torch.distributed`` from torchrun's environment (no ifrt), for comparison with torchrun's restarts.
+    Restarted by torchrun (c10d rendezvous) it needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: see bench/restart.py."""
     from datetime import timedelta
 
     import torch

@@ -68,6 +68,7 @@ class Client:
         self._want_session = session
         self._session: Session | None = None
         self._request: pb.RegisterRequest | None = None
+        self._local_devices: tuple[LocalDevice, ...] = ()
         self._lock = threading.Lock()
         self._events = Fanout(config.events_kept)
         self._key_watchers: list[tuple[str, queue.Queue]] = []
@@ -159,8 +160,6 @@ class Client:
             if self.endpoint is not None:
                 self.endpoint.expect(topology)
             return True
-
-    _local_devices: tuple[LocalDevice, ...] = ()
 
     @property
     def local_devices(self) -> tuple[LocalDevice, ...]:

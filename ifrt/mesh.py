@@ -213,12 +213,6 @@ class Mesh:
         """This mesh as one SPMD device, its members reachable from it."""
         return VirtualDevice(self)
 
-    def _axis(self, name: str) -> int:
-        try:
-            return self.axis_names.index(name)
-        except ValueError:
-            raise KeyError(f"no axis {name!r}: the axes are {list(self.axis_names)}") from None
-
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"Mesh({axes}{', submesh' if self.parent else ''})"

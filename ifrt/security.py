@@ -17,7 +17,6 @@ from ifrt.settings import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, Settings
 
 PROBE_TIMEOUT_S = 1.0
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
-_TLS_ALERT = 0x15
 
 
 def new_process_secret() -> str:

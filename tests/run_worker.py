@@ -6,6 +6,7 @@ Scenarios:
   loop    prints ``step N`` lines until stopped; SIGTERM prints ``received SIGTERM`` and exits 7
   fail    local rank 1 exits 3 right after discovery, in every attempt; the others loop
   finish  three steps, then exit 0
+  once    loops in attempt 0 (like loop); in any later attempt, three steps, then exit 0
 Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent).
 """
 
@@ -36,7 +37,8 @@ def main(scenario: str) -> None:
     if scenario == "fail" and os.environ["IFRT_LOCAL_RANK"] == "1":
         os._exit(3)
     step = 0
-    while scenario != "finish" or step < 3:
+    finishes = scenario == "finish" or (scenario == "once" and attempt != "0")
+    while not finishes or step < 3:
         step += 1
         print(f"step {step}", flush=True)
         time.sleep(STEP_S)

@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 import ifrt
-import ifrt.client
 from ifrt import events
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.client_config import CHANNEL_OPTIONS
 from tests.helpers import SERVICE, barrier_started_for, next_event, watcher
 
 HEARTBEAT_TIMEOUT = 1.0
@@ -86,7 +86,7 @@ class RawSession:
     seconds (as clients that predate keepalive liveness did) or none at all; collects the events it gets."""
 
     def __init__(self, address: str, process_id: int, num_processes: int, beat_s: float | None) -> None:
-        self.channel = grpc.insecure_channel(address, options=ifrt.client.CHANNEL_OPTIONS)
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.events: queue.Queue = queue.Queue()
         self._beat_s = beat_s
         self._closed = threading.Event()

@@ -1,5 +1,6 @@
 """``ifrt run``: the agent's decisions (pure), its workers (real processes), and whole jobs restarted in place against
-a real coordinator: two hosts (network namespaces) of JAX workers, and agents on loopback with small workers."""
+a real coordinator: two hosts (network namespaces) of JAX workers, and agents on loopback with small workers (one
+job with two coordinator replicas on a real etcd, whose leader is killed right after it decided a restart)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.local import LocalCoordinator
+from ifrt.errors import EXIT_COORDINATOR_LOST
 from ifrt.run import agent as core
 from ifrt.run.agent import (
     Agent,
@@ -38,6 +40,7 @@ from ifrt.run.workers import Worker, stop_all, worker_env
 from ifrt.settings import resolve
 from tests.helpers import BIN, poll_until
 from tests.netns import Hosts, skip_without_netns
+from tests.replicas import Replicas
 from tests.requirements import require
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,6 +295,34 @@ def test_no_prefix_leaves_the_output_as_it_is(start_coordinator, agents):
     assert "step 3" in agent.out
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    ((), "no worker command given: expected `ifrt run [flags] -- COMMAND [ARGS...]`"),
+    (("--", "no-such-program"), "the worker command 'no-such-program' is neither an executable file nor a program on "
+                                "PATH: expected a program to run"),
+    (("--nproc-per-host", "0", "--", sys.executable), "--nproc-per-host 0 is out of range: expected an integer >= 1"),
+    (("--host-rank", "2", "--num-hosts", "2", "--", sys.executable),
+     "--host-rank 2 is out of range: expected it below --num-hosts (2)"),
+])
+def test_bad_flags_or_a_missing_program_end_the_agent_at_once_naming_what_was_expected(free_port, args, message):
+    # Nothing listens at the coordinator's address: an agent that got past its checks would wait for it.
+    done = subprocess.run([str(BIN / "ifrt"), "run", *args], env=loopback_env(f"127.0.0.1:{free_port}"),
+                          capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode == core.EXIT_USAGE and message in done.stderr, done.stderr
+
+
+def test_an_unreachable_coordinator_ends_the_agent_after_the_failover_window_naming_it(agents, free_port):
+    address = f"127.0.0.1:{free_port}"  # nothing listens there
+    env = dict(loopback_env(address), IFRT_FAILOVER_WINDOW="2")
+    began = time.monotonic()
+    agent = agents("--", sys.executable, str(RUN_WORKER), "finish", env=env)
+    assert agent.wait(timeout=WAIT_S) == EXIT_COORDINATOR_LOST, agent.output()
+    assert time.monotonic() - began < 30, agent.output()  # the 2 s window and a backoff, not a hang
+    err = "\n".join(agent.err)
+    assert f"cannot reach the coordinator yet (coordinator {address}" in err, agent.output()
+    assert f"no coordinator replica ({address}) answered for" in err and "(the failover window)" in err, err
+    assert agent.out == [], agent.output()  # no worker was started
+
+
 def test_a_stopped_worker_restarts_the_job_within_the_heartbeat_timeout(start_coordinator, agents):
     coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4, log_level="WARNING")
     both = two_agents(agents, coordinator.address, "loop", "--max-restarts", "1")
@@ -308,6 +339,27 @@ def test_a_stopped_worker_restarts_the_job_within_the_heartbeat_timeout(start_co
         assert {m.group(4) for m in after.values()} == {m.group(4) for m in first[0].values()}  # same fingerprint
     assert "killed by SIGKILL" not in "\n".join(both[1].err)  # its own stop: not reported as the cause
     assert any("process 3" in line and "failed" in line for line in both[0].err), both[0].output()
+
+
+def test_the_leading_replica_killed_right_after_deciding_a_restart_still_restarts_the_job_once(etcd, agents):
+    with Replicas(etcd, num_processes=4) as replicas:
+        both = two_agents(agents, replicas.addresses, "once", "--max-restarts", "2")
+        first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+                 for a in both]
+        deciding = replicas.leader
+        os.kill(int(first[1][3].group(3)), signal.SIGKILL)
+        deciding.wait_for_log("attempt 1 starts", timeout=WAIT_S)  # journaled: logged once committed
+        replicas.kill_leader()  # SIGKILL by pid; returns once the standby serves
+        for agent in both:
+            assert agent.wait() == 0, agent.output()
+        assert "attempt 0 of the job ended (process 3 on " in deciding.log, deciding.log
+        assert "of the job ended" not in replicas.leader.log, replicas.leader.log  # its successor decided no more
+    for before, agent in zip(first, both, strict=True):
+        err = "\n".join(agent.err)
+        assert sorted(started_lines(agent, 1)) == sorted(before), agent.output()  # every worker again, same ids
+        assert started_lines(agent, 2) == {} and "attempt 2" not in err, agent.output()
+        assert err.count("attempt 1 started with 2 workers") == 1, agent.output()
+        assert "all 2 workers finished" in err, agent.output()
 
 
 def jax_env(address: str) -> dict[str, str]:

@@ -83,13 +83,14 @@ class JobLink:
     def _follow(self, emit: Callable[[Event], None]) -> None:
         request = pb.WatchJobRequest(host=self.settings.hostname, agent_uid=self.agent_uid)
         lost_since: float | None = None
+        watched = False
         while not self._stop.is_set():
             target = self.connection.current()
             try:
                 for message in self.connection.stub(target).WatchJob(request):  # type: ignore[attr-defined]
                     if lost_since is not None:
                         log.warning("watching the job again through %s", target)
-                    lost_since = None
+                    lost_since, watched = None, True
                     self.connection.answered(target)
                     if (event := event_of(message)) is not None:
                         emit(event)
@@ -106,7 +107,11 @@ class JobLink:
             now = time.monotonic()
             if lost_since is None:
                 lost_since = now
-                log.warning("lost the job's watch (%s); reconnecting", error)
+                if watched:
+                    log.warning("lost the job's watch (%s); reconnecting", error)
+                else:
+                    log.warning("cannot reach the coordinator yet (%s); trying every replica for up to %gs (the "
+                                "failover window, IFRT_FAILOVER_WINDOW)", error, self.failover_window_s)
             elif now - lost_since > self.failover_window_s:
                 emit(LinkFailed(f"no coordinator replica ({', '.join(self.settings.coordinators)}) answered for "
                                 f"{now - lost_since:.0f}s (the failover window): {error}", EXIT_COORDINATOR_LOST))

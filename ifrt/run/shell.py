@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -97,6 +98,9 @@ def _check(args: argparse.Namespace, command: list[str]) -> str | None:
     """What is wrong with the flags, or None."""
     if not command:
         return "no worker command given: expected `ifrt run [flags] -- COMMAND [ARGS...]`"
+    if shutil.which(command[0]) is None:  # else every attempt's start would fail the same way
+        return (f"the worker command {command[0]!r} is neither an executable file nor a program on PATH: expected "
+                "a program to run, e.g. `-- python train.py`")
     for flag, value, minimum in (("--nproc-per-host", args.nproc_per_host, 1), ("--max-restarts", args.max_restarts, 0),
                                  ("--host-rank", args.host_rank, 0), ("--num-hosts", args.num_hosts, 1)):
         if value is not None and value < minimum:
