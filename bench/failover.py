@@ -39,7 +39,8 @@ import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client_config import CHANNEL_OPTIONS
-from tests.etcd_cluster import EtcdCluster, free_ports
+from tests.etcd_cluster import EtcdCluster
+from tests.helpers import free_ports
 
 REGISTER = "/ifrt.topology.v1.Coordinator/Register"
 

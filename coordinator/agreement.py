@@ -5,8 +5,9 @@ answer, decided once: the callers that are still alive, with their incarnations.
                                 │
                                 └──(a caller's timeout passed)──▶ failed: BarrierTimeout naming who did not call
 
-A caller that fails, leaves or restarts while the others wait is left out and no longer awaited. Each answer is
-kept per caller with its call id, so a retried call (same call id) gets the same answer, also after a replay.
+A caller that fails, leaves or restarts while the others wait is left out and no longer awaited; the effect that
+leaves it out (``LeftOut``) carries its answer, the error that says why. Each decided answer is kept per caller with
+its call id, so a retried call (same call id) gets the same answer, also after a replay.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class LiveSetResolved:
     error: IfrtError | None
 
 
+@dataclass(frozen=True)
+class LeftOut:
+    """Effect: a caller (client uid, call id) of the pending agreement failed, left or was replaced while it waited;
+    ``error`` (why) is its answer."""
+
+    client_uid: str
+    call_id: str
+    error: IfrtError
+
+
 class LiveSets:
     """The pending agreement (at most one) and every caller's last answer."""
 
@@ -61,20 +72,23 @@ class LiveSets:
         self._round.deadline = min(self._round.deadline, now + timeout_s)
         self._round.callers[process_id] = (client_uid, call_id, incarnation)
 
-    def settle(self, alive: Mapping[int, tuple[str, int]], now: float,
-               describe: Callable[[int], str]) -> LiveSetResolved | None:
+    def settle(self, alive: Mapping[int, tuple[str, int]], now: float, describe: Callable[[int], str],
+               why_left_out: Callable[[str], IfrtError]) -> tuple[LiveSetResolved | None, list[LeftOut]]:
         """Decides the pending agreement if every process in ``alive`` (process id -> (client uid, incarnation))
-        has called, or fails it once its deadline passed; None while it still waits."""
+        has called, or fails it once its deadline passed (None while it still waits); leaves out the callers no
+        longer in ``alive``, each with the error ``why_left_out`` gives for its client uid."""
         current = self._round
         if current is None:
-            return None
-        for pid, (uid, _, _) in list(current.callers.items()):
-            if pid not in alive or alive[pid][0] != uid:  # failed, left or replaced by a restart: left out
+            return None, []
+        left_out = []
+        for pid, (uid, call_id, _) in list(current.callers.items()):
+            if pid not in alive or alive[pid][0] != uid:  # failed, left or replaced by a restart
                 del current.callers[pid]
+                left_out.append(LeftOut(uid, call_id, why_left_out(uid)))
         missing = sorted(alive.keys() - current.callers.keys())
         error: IfrtError | None = None
         if missing and now < current.deadline:
-            return None
+            return None, left_out
         if missing:
             error = BarrierTimeout(
                 f"live_processes found no agreement after {now - current.started_at:.1f}s: {len(missing)} of "
@@ -84,7 +98,7 @@ class LiveSets:
         callers = tuple(sorted((uid, call_id) for uid, call_id, _ in current.callers.values()))
         self._round = None
         self.restore(callers, members, error)
-        return LiveSetResolved(callers, members, error)
+        return LiveSetResolved(callers, members, error), left_out
 
     def restore(self, callers: tuple[tuple[str, str], ...], members: Members, error: IfrtError | None) -> None:
         """Records a decided agreement (also from the journal): each caller's answer."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.agreement import LiveSetResolved
+from coordinator.agreement import LeftOut, LiveSetResolved
 from coordinator.attempts import AttemptProcessFailed, AttemptsExhausted, AttemptStarted
 from coordinator.barriers import BarrierResolved
 from coordinator.preemption import PreemptionResolved
@@ -96,5 +96,5 @@ class KeyChanged:
     value: bytes | None
 
 
-Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | PreemptionResolved
-          | AttemptStarted | AttemptsExhausted | AttemptProcessFailed)
+Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | LeftOut
+          | PreemptionResolved | AttemptStarted | AttemptsExhausted | AttemptProcessFailed)

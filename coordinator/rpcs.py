@@ -11,7 +11,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from coordinator.agreement import LiveSetResolved
+from coordinator.agreement import LeftOut, LiveSetResolved
 from coordinator.barriers import BarrierResolved
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Effect, KeyChanged
@@ -23,10 +23,9 @@ from ifrt.errors import BarrierTimeout, IfrtError, KeyValueTimeout
 
 DONE = True
 """The result of a call that answers nothing but success (a barrier passed)."""
-LIVE = ("live",)
 PREEMPTION = ("preemption",)
-# What waiting calls wait for, besides the two above: a barrier's end, a key's value.
-BARRIER, KEY = "barrier", "key"
+# What waiting calls wait for, besides the one above: a barrier's end, a key's value, one call's agreement answer.
+BARRIER, KEY, LIVE = "barrier", "key", "live"
 
 
 @dataclass(frozen=True)
@@ -41,13 +40,12 @@ class Call:
 @dataclass(frozen=True)
 class Wait:
     """How a call whose result is None (not decided yet) waits: for what, how long (the core's rule), how its answer
-    is read off what woke it (None: ask ``settle``, from durable state), and the error once its wait is over."""
+    is read off what woke it, and the error once its wait is over."""
 
     on: Callable[[Any], Hashable]
     seconds: Callable[[ClusterConfig, Any], float]
     answer: Callable[[Any, Any], Any]
     expired: Callable[[Any, str, float], IfrtError]
-    settle: Callable[[ClusterState, Any], Any] | None = None
     recheck: Callable[[ClusterState, Any, Call], object] | None = None
     """Asked again (of durable state) before a woken call is answered: raises the caller's error when it may no
     longer have the answer (it failed or was replaced while it waited)."""
@@ -77,8 +75,10 @@ def answers(effect: Effect) -> Iterable[tuple[Hashable, object]]:
             return [((BARRIER, name), effect)]
         case KeyChanged(key=key, value=value) if value is not None:
             return [((KEY, key), value)]
-        case LiveSetResolved():
-            return [(LIVE, effect)]
+        case LiveSetResolved(callers=callers, members=members, error=error):
+            return [((LIVE, uid, call_id), members if error is None else error) for uid, call_id in callers]
+        case LeftOut(client_uid=uid, call_id=call_id, error=error):
+            return [((LIVE, uid, call_id), error)]
         case PreemptionResolved():
             return [(PREEMPTION, effect)]
     return ()
@@ -113,12 +113,6 @@ def _tick_wait(config: ClusterConfig, q: Any) -> float:
 
 def _not_resolved(_: object, what: str, seconds: float) -> IfrtError:
     return BarrierTimeout(f"{what} did not resolve within {seconds:.1f}s")
-
-
-def _live_answer(woke: LiveSetResolved, q: pb.LiveProcessesRequest) -> Any:
-    if (q.client_uid, q.call_id) not in woke.callers:
-        return None  # left out (failed or replaced while it waited): the state says why
-    return woke.error if woke.error is not None else woke.members
 
 
 def _sync_step(woke: PreemptionResolved, _: object) -> int | IfrtError | None:
@@ -178,8 +172,7 @@ RPCS: dict[str, Rpc] = {
                                                             for pid, incarnation in members]).SerializeToString(),
         command=lambda s, q, c: s.live_processes(q.client_uid, q.call_id, q.timeout_ms / 1000, c.now,
                                                  proof=c.proof),
-        wait=Wait(lambda q: LIVE, _tick_wait, _live_answer, _not_resolved,
-                  settle=lambda s, q: s.live_answer(q.client_uid, q.call_id))),
+        wait=Wait(lambda q: (LIVE, q.client_uid, q.call_id), _tick_wait, lambda answer, q: answer, _not_resolved)),
     "PreemptionNotice": Rpc(
         pb.PreemptionNoticeRequest, lambda q: "preemption notice", _empty,
         command=lambda s, q, c: _no_result(s.preemption_notice(q.client_uid, c.now, proof=c.proof))),

@@ -137,15 +137,19 @@ class CoordinatorService:
             await abort(context, CoordinatorUnavailable(str(e)), what)
 
     async def command(self, context: grpc.aio.ServicerContext, what: str,
-                      command: Callable[[], tuple[R, list[Effect]]]) -> R:
+                      command: Callable[[], tuple[R, list[Effect]]],
+                      before_commit: Callable[[R], object] | None = None) -> R:
         """Runs a state-changing command: UNAVAILABLE unless this replica serves, its typed error as the answer;
-        else its journal entries are made durable, its effects carried out, and its result returned."""
+        else its journal entries are made durable, its effects carried out, and its result returned.
+        ``before_commit`` sees the result before any await (where a call that will wait for its answer registers)."""
         await self.serving(context, what)
         try:
             with wire.gc_paused():  # a command may build a topology: none of its objects is garbage yet
                 result, effects = command()
         except IfrtError as e:
             await abort(context, e, what)
+        if before_commit is not None:
+            before_commit(result)
         await self.commit(context, what)
         self._apply(effects)
         return result
@@ -177,33 +181,30 @@ class CoordinatorService:
     async def unary(self, rpc: Rpc, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """One call of a table row: parse, command (or read), commit, apply, wait while undecided, answer."""
         request = await parse(rpc.request, raw, context)
-        what = rpc.what(request)
-        await self.serving(context, what)
-        state, epoch = self.state, self.replica.epoch
+        what, wait = rpc.what(request), rpc.wait
         call = Call(self.clock(), caller_proof(context))
-        effects: list[Effect] = []
-        if rpc.query is not None:
-            result = await self.read(context, what, lambda: rpc.query(state, request, call))  # type: ignore[misc]
-        else:
-            assert rpc.command is not None
-            try:
-                with wire.gc_paused():
-                    result, effects = rpc.command(state, request, call)
-            except IfrtError as e:
-                await abort(context, e, what)
-        wait, key, future = rpc.wait, None, None
-        if result is None and wait is not None:  # before any await: nothing that answers it can be missed
-            key = wait.on(request)
-            future = self._waiters.expect(key)
+        future: asyncio.Future | None = None
+        epoch = self.replica.epoch
+
+        def expect(result: object) -> None:  # before any await: nothing that answers the call can be missed
+            nonlocal future, epoch
+            if result is None and wait is not None:
+                future, epoch = self._waiters.expect(wait.on(request)), self.replica.epoch
+
         try:
-            if rpc.command is not None:
-                await self.commit(context, what)
-                self._apply(effects)
+            if (query := rpc.query) is not None:
+                await self.serving(context, what)
+                result = await self.read(context, what, lambda: query(self.state, request, call))
+                expect(result)
+            else:
+                command = rpc.command
+                assert command is not None
+                result = await self.command(context, what, lambda: command(self.state, request, call), expect)
             if wait is not None and future is not None:
                 result = await self._wait(context, wait, request, call, future, what, epoch)
         finally:
-            if future is not None:
-                self._waiters.drop(key, future)
+            if wait is not None and future is not None:
+                self._waiters.drop(wait.on(request), future)
         if isinstance(result, IfrtError):
             await abort(context, result, what, level=logging.DEBUG)
         return rpc.encode(result)
@@ -211,8 +212,7 @@ class CoordinatorService:
     async def _wait(self, context: grpc.aio.ServicerContext, wait: Wait, request: object, call: Call,
                     future: asyncio.Future, what: str, epoch: int) -> object:
         """Waits as the row says (how long is the core's rule); the answer comes with what woke the call (for a
-        caller that may still have it), or, when that does not carry it, from the state once durable; the row's
-        error when none came in time."""
+        caller that may still have it); the row's error when none came in time."""
         state = self.state
         seconds = wait.seconds(state.config, request)
         log.debug("%s%s up to %.1fs", what, wait.logged, seconds)
@@ -222,9 +222,6 @@ class CoordinatorService:
         if answer is not None and wait.recheck is not None:
             recheck = wait.recheck
             await self.read(context, what, lambda: recheck(state, request, call))
-        if answer is None and wait.settle is not None:
-            settle = wait.settle
-            answer = await self.read(context, what, lambda: settle(state, request))
         if answer is None:
             await abort(context, wait.expired(request, what, seconds), what,
                         level=logging.DEBUG if wait.quiet else logging.WARNING)

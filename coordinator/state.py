@@ -29,7 +29,6 @@ from coordinator.effects import (
     Evict,
     FirstPublication,
     Forgotten,
-    KeyChanged,
     Notify,
     Published,
     Republish,
@@ -43,15 +42,11 @@ from coordinator.members import Member, Status
 from coordinator.preemption import Preemption
 from coordinator.registration import Registration
 from coordinator.report import cluster_report
-from coordinator.retries import AGENTS_REMEMBERED, ANSWERS_REMEMBERED
 from coordinator.status import StatusReport
-from ifrt.errors import ERROR_CLASSES, IfrtError, InvalidArgument, UnknownClient
+from ifrt.errors import ERROR_CLASSES, IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.progress import Progress
 from ifrt.records import TopologyContent
-
-__all__ = ["AGENTS_REMEMBERED", "ANSWERS_REMEMBERED", "FIRST_GENERATION", "ClusterConfig", "ClusterState", "Effect",
-           "Evict", "FailurePolicy", "Forgotten", "KeyChanged", "Notify", "Published", "Republish", "Waiting"]
 
 AGENT_KEY_PREFIX = "torchrun/"
 """Keys that callers which are no process of the topology may use too: torchrun's agents meet there before any
@@ -266,19 +261,8 @@ class ClusterState:
         return self._live_sets.answer(client_uid, call_id), effects
 
     def live_answer(self, client_uid: str, call_id: str) -> Members | IfrtError | None:
-        """The decided answer to this call; for a caller left out of the agreement (failed, left or replaced while
-        it waited), the error that says so; None while it is pending."""
-        answer = self._live_sets.answer(client_uid, call_id)
-        if answer is not None:
-            return answer
-        member = self._admission.members.get(client_uid)
-        try:
-            if member is None:
-                raise UnknownClient(f"client {client_uid} is not a registered process of the published topology")
-            check_usable(member)
-        except IfrtError as e:
-            return e
-        return None
+        """The decided answer to this call (the same for every caller); None while it is pending or unknown."""
+        return self._live_sets.answer(client_uid, call_id)
 
     # Preemption.
     def preemption_notice(self, client_uid: str, now: float, *, proof: str = "") -> list[Effect]:
@@ -467,7 +451,8 @@ class ClusterState:
         if not self._live_sets.pending and (preemption is None or not preemption.waiting):
             return effects  # nothing waits: the tick costs nothing more
         alive = self._alive()
-        resolved = self._live_sets.settle(alive, now, self.describe_process)
+        resolved, left_out = self._live_sets.settle(alive, now, self.describe_process, self._why_left_out)
+        effects += left_out
         if resolved is not None:
             self._journal.append(journal.LiveSetDecided(resolved.callers, resolved.members, *_kind(resolved.error)))
             effects.append(resolved)
@@ -478,6 +463,17 @@ class ClusterState:
                     self._journal.append(journal.PreemptionSyncDecided(decided.step))
                 effects.append(decided)
         return effects
+
+    def _why_left_out(self, client_uid: str) -> IfrtError:
+        """The answer of a caller left out of the agreement: it failed, left or was replaced while it waited."""
+        member = self._admission.members.get(client_uid)
+        if member is None:
+            return UnknownClient(f"client {client_uid} is not a registered process of the published topology")
+        try:
+            check_usable(member)
+        except IfrtError as e:
+            return e
+        return ProcessDeclaredFailed(f"this process ({member.registration.describe()}) no longer holds its id")
 
     def _check_kv_caller(self, client_uid: str, key: str, proof: str) -> None:
         """A live process of the topology may use any key; any caller (past the token) those under

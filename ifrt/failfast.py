@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Literal
 
 from ifrt import events
 from ifrt.errors import CoordinatorGone, IfrtError, InvalidArgument, JobFailed, PeerFailed
-from ifrt.settings import FAILOVER_WINDOW_ENV as FAILOVER_WINDOW_ENV  # this module's setting: named here too
 from ifrt.settings import failover_window
 
 if TYPE_CHECKING:

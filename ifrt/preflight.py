@@ -46,8 +46,6 @@ from ifrt.errors import InvalidArgument, PreflightFailed
 from ifrt.frames import CHALLENGE_BYTES, HELLO, connect, encode_header, token_proof
 from ifrt.hostport import split_host_port
 from ifrt.records import Process
-from ifrt.settings import PREFLIGHT_ENV as PREFLIGHT_ENV
-from ifrt.settings import PREFLIGHT_TIMEOUT_ENV as PREFLIGHT_TIMEOUT_ENV
 
 if TYPE_CHECKING:
     from ifrt.topology import Topology

@@ -29,13 +29,10 @@ from ifrt.events import (
     ProcessRestarted,
     TopologyChanged,
 )
-from ifrt.settings import SESSION_GATE_ENV, session_gate
+from ifrt.settings import session_gate
 from ifrt.topology import Topology
 
 log = logging.getLogger("ifrt.client")
-
-GATE_ENV = SESSION_GATE_ENV
-"""For tests: the variable naming a file without which no session opens (read in ``ifrt.settings``)."""
 
 
 class SessionOwner(Protocol):

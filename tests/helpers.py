@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import socket
 import subprocess
 import sys
@@ -22,12 +23,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ifrt
+from coordinator.cluster import ClusterConfig
+from coordinator.effects import Notify
+from coordinator.local import LocalCoordinator
 from coordinator.registration import Registration
-from coordinator.state import ClusterConfig, ClusterState, Notify
+from coordinator.state import ClusterState
+from ifrt import global_device_id
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.events import ProcessFailed
-from ifrt.records import LocalDevice
-from ifrt.security import SECRET_METADATA
+from ifrt.protocol import SECRET_METADATA
+from ifrt.records import Device, LocalDevice, Process, TopologyContent
 
 BIN = Path(sys.executable).parent
 SERVICE = "/ifrt.topology.v1.Coordinator"
@@ -299,3 +304,67 @@ def lose_session(s: ClusterState, process_id: int, at: float = 0.0) -> None:
 def failures(effects) -> list[ProcessFailed]:
     """The ProcessFailed events among a command's effects."""
     return [e.event for e in effects if isinstance(e, Notify) and isinstance(e.event, ProcessFailed)]
+
+
+# `ifrt status` and the metrics endpoint of a running coordinator.
+
+IFRT = str(BIN / "ifrt")
+HOST = socket.gethostname()
+FAILED_REASON = re.compile(r"lost its connection and did not come back within (0\.125|1)s")
+"""What a process killed with kill -9 is failed for, under --heartbeat-timeout 1: its stream breaks at once and it
+is not back within the reconnect grace (1/8 of the timeout), or, killed before its session attached, within the
+timeout."""
+METRICS_LINE = re.compile(r"serving metrics on http://[^ ]+:(\d+)/metrics")
+
+
+def ifrt_status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `ifrt status` with ``args`` and no IFRT_* setting of this test's environment but ``env``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    return subprocess.run([IFRT, "status", *args], capture_output=True, text=True, timeout=60,
+                          env={**clean, **(env or {})})
+
+
+def status_json(address: str) -> dict:
+    """What `ifrt status --json` reports of the coordinator at ``address``."""
+    result = ifrt_status("--coordinator", address, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def wait_status(address: str, done: Callable[[dict], bool], timeout: float = 30) -> dict:
+    """Asks again until ``done(status)``; fails with the last answer after ``timeout`` seconds."""
+    return poll_until(lambda: status_json(address), done, timeout, "the status", interval=0.1)
+
+
+def metrics_port(coordinator: LocalCoordinator) -> int:
+    """The port a coordinator started with ``--metrics-port 0`` serves its metrics on (read off its log)."""
+    found = METRICS_LINE.search(coordinator.log)
+    assert found, coordinator.log
+    return int(found.group(1))
+
+
+# Values the tests of several layers share.
+
+def content(num_processes=4, devices_per_process=8, attributes=False, kind="tpu-v5e") -> TopologyContent:
+    """A generation-1 topology of job "job": hosts host0.., ``devices_per_process`` simulated devices each."""
+    processes = tuple(Process(p, f"host{p}", f"10.0.0.{p}:9000") for p in range(num_processes))
+    devices = tuple(
+        Device(global_device_id(p, i), p, i, "tpu", kind, p // 2,
+               {"uuid": f"dev-{p}-{i}", "memory": "16G"} if attributes else {}, "sim", (i // 2, i % 2))
+        for p in range(num_processes) for i in range(devices_per_process))
+    return TopologyContent("job", 1, num_processes, processes, devices)
+
+
+UNSET = None
+COMPARE_SET_TABLE = [
+    pytest.param(UNSET, b"", b"new", b"new", b"new", id="unset, empty expected: created"),
+    pytest.param(UNSET, b"old", b"new", UNSET, UNSET, id="unset, expected a value: nothing"),
+    pytest.param(b"old", b"old", b"new", b"new", b"new", id="holds expected: swapped"),
+    pytest.param(b"old", b"other", b"new", b"old", b"old", id="holds another value: nothing"),
+    pytest.param(b"old", b"", b"new", b"old", b"old", id="holds a value, empty expected: not created again"),
+    pytest.param(b"", b"", b"new", b"new", b"new", id="holds empty, empty expected: swapped"),
+    pytest.param(b"old", b"old", b"", b"", b"", id="swapped to empty"),
+    pytest.param(b"\x00\xff", b"\x00\xff", b"\xfe\x00", b"\xfe\x00", b"\xfe\x00", id="binary values"),
+]
+"""(what the key holds before, expected, desired) -> (the answer, what it holds after). TCPStore's own table: an
+empty ``expected`` creates only; a mismatch changes nothing and answers what is there."""

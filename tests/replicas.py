@@ -9,9 +9,12 @@ from collections.abc import Callable, Iterator
 import ifrt
 from coordinator.local import LocalCoordinator
 from tests.helpers import poll_until
+from tests.workers import Worker
 
 LEADER_TTL = "2"
 """Seconds a dead leader's lease lives on: a standby takes over that long after a kill."""
+NUM = 3
+"""The processes of a Replicas cluster by default."""
 
 
 def serving(*coordinators: LocalCoordinator, timeout: float = 30) -> LocalCoordinator:
@@ -81,3 +84,14 @@ def leader_and_standby(etcd, *flags: str, num_processes: int,
         with LocalCoordinator(*args, num_processes=num_processes) as second:
             second.wait_for_log(f"standing by: the coordinator at {first.address} leads")
             yield first, second
+
+
+def start_worker(replicas: Replicas, pid: int, ports: dict[int, int], *args: str) -> Worker:
+    """Process ``pid`` of a NUM-process job on ``replicas``, as a worker on its fixed transfer port."""
+    return Worker(replicas.addresses, pid, NUM, *args, transfer_port=ports[pid])
+
+
+def client0(replicas: Replicas, ports: dict[int, int]) -> ifrt.Client:
+    """Process 0 of a NUM-process job on ``replicas``, as a Client in this test on its fixed transfer port."""
+    return ifrt.Client(replicas.addresses, process_id=0, num_processes=NUM, timeout=90,
+                       transfer_bind=f"127.0.0.1:{ports[0]}")

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 import ifrt
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.security import SECRET_METADATA, TOKEN_METADATA
+from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from tests.resources import open_fds, rss_bytes
 
 TOKEN = "attack-suite-token-7c1d"

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import ifrt
 from coordinator import compaction, journal
 from coordinator.replica import Replica
-from coordinator.state import ANSWERS_REMEMBERED, ClusterState
+from coordinator.retries import ANSWERS_REMEMBERED
+from coordinator.state import ClusterState
 from coordinator.store import EtcdStore, MemoryStore
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError

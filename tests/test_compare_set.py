@@ -10,27 +10,13 @@ import pytest
 
 import ifrt
 from coordinator import journal
+from coordinator.effects import KeyChanged
 from coordinator.limits import DEFAULT_LIMITS
-from coordinator.state import ClusterState, KeyChanged
+from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
-from tests.helpers import clients, published
+from tests.helpers import COMPARE_SET_TABLE, clients, published
 from tests.replicas import Replicas, kill_the_leader_midway
-
-UNSET = None
-
-# (what the key holds before, expected, desired) -> (the answer, what it holds after). TCPStore's own table:
-# an empty `expected` creates only; a mismatch changes nothing and answers what is there.
-TABLE = [
-    pytest.param(UNSET, b"", b"new", b"new", b"new", id="unset, empty expected: created"),
-    pytest.param(UNSET, b"old", b"new", UNSET, UNSET, id="unset, expected a value: nothing"),
-    pytest.param(b"old", b"old", b"new", b"new", b"new", id="holds expected: swapped"),
-    pytest.param(b"old", b"other", b"new", b"old", b"old", id="holds another value: nothing"),
-    pytest.param(b"old", b"", b"new", b"old", b"old", id="holds a value, empty expected: not created again"),
-    pytest.param(b"", b"", b"new", b"new", b"new", id="holds empty, empty expected: swapped"),
-    pytest.param(b"old", b"old", b"", b"", b"", id="swapped to empty"),
-    pytest.param(b"\x00\xff", b"\x00\xff", b"\xfe\x00", b"\xfe\x00", b"\xfe\x00", id="binary values"),
-]
 
 
 def with_value(before: bytes | None) -> ClusterState:
@@ -41,7 +27,7 @@ def with_value(before: bytes | None) -> ClusterState:
     return s
 
 
-@pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), TABLE)
+@pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), COMPARE_SET_TABLE)
 def test_compare_set_semantics_in_the_state_machine(before, expected, desired, answer, after):
     s = with_value(before)
     value, effects = s.kv_compare_set("p1", "k", expected, desired, "call-1")
@@ -95,7 +81,7 @@ def pair(request, start_coordinator):
 
 def test_compare_set_semantics_over_grpc(pair):
     a, b = pair
-    for i, case in enumerate(TABLE):
+    for i, case in enumerate(COMPARE_SET_TABLE):
         before, expected, desired, answer, after = case.values
         key = f"table/{i}"
         if before is not None:
@@ -162,7 +148,7 @@ def test_callers_that_are_no_process_may_use_the_agent_keys_only(published_yet):
 
 
 def test_retries_are_remembered_for_a_bounded_number_of_agents():
-    from coordinator.state import AGENTS_REMEMBERED
+    from coordinator.retries import AGENTS_REMEMBERED
 
     s = published()
     first = "agent-first"

@@ -10,10 +10,22 @@ import signal
 import subprocess
 import time
 
+import grpc
 import pytest
 
 import ifrt
-from tests.helpers import BIN, barrier_started_for, clients, discover_process, finish, free_port, in_thread
+from ifrt._generated import coordinator_pb2 as pb
+from tests.helpers import (
+    BIN,
+    SERVICE,
+    barrier_started_for,
+    clients,
+    discover_process,
+    finish,
+    free_port,
+    in_thread,
+    register_request,
+)
 
 HEARTBEAT_TIMEOUT = 1.0
 SLACK = 5.0  # scheduling on a loaded 2-core machine
@@ -97,6 +109,30 @@ def test_live_processes_agree_and_leave_out_a_process_killed_while_they_wait(sta
         assert answer.get(timeout=HEARTBEAT_TIMEOUT + SLACK) == {0: 0, 1: 0}
         line = w1.expect("live", timeout=HEARTBEAT_TIMEOUT + SLACK)
         assert line["live"] == {"0": 0, "1": 0} and line["t"] - killed_at < HEARTBEAT_TIMEOUT + SLACK
+
+
+def test_a_caller_that_leaves_while_it_waits_for_the_agreement_is_told_why_at_once(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", "600", num_processes=2, log_level="DEBUG")
+    with grpc.insecure_channel(coordinator.address) as channel:
+        def call(method: str, request) -> bytes | grpc.RpcError:
+            try:
+                return channel.unary_unary(f"{SERVICE}/{method}")(request.SerializeToString(), timeout=60)
+            except grpc.RpcError as e:
+                return e
+
+        registered = in_thread(lambda: call("Register", register_request(1, wait_ms=60_000)))
+        with ifrt.Client(coordinator.address, process_id=0, num_processes=2, timeout=60) as client:
+            client.discover()
+            assert isinstance(registered.get(timeout=60), bytes)
+            # Process 1 (no session: its heartbeat timeout is far away) asks who is alive; the agreement waits for
+            # process 0, which never asks, for ten minutes.
+            answer = in_thread(lambda: call("LiveProcesses", pb.LiveProcessesRequest(
+                client_uid="uid-1", call_id="c1", timeout_ms=600_000)))
+            coordinator.wait_for_log("live_processes waits up to")
+            assert call("Leave", pb.LeaveRequest(client_uid="uid-1")) == b""
+            error = answer.get(timeout=60)
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "this process (host-1 (127.0.0.1)) was declared left" in error.details()
 
 
 def test_every_process_reaches_the_preemption_sync_point_at_the_same_step(start_coordinator, coordination_workers):

@@ -6,10 +6,12 @@ from dataclasses import replace
 import pytest
 
 from coordinator import journal
-from coordinator.agreement import LiveSetResolved
+from coordinator.agreement import LeftOut, LiveSetResolved
+from coordinator.cluster import ClusterConfig
+from coordinator.effects import KeyChanged, Notify
 from coordinator.preemption import PreemptionResolved
-from coordinator.state import ClusterConfig, ClusterState, KeyChanged, Notify
-from ifrt.errors import BarrierCancelled, BarrierTimeout, ClusterMismatch, InvalidArgument
+from coordinator.state import ClusterState
+from ifrt.errors import BarrierCancelled, BarrierTimeout, ClusterMismatch, InvalidArgument, ProcessDeclaredFailed
 from ifrt.events import PreemptionNotice
 from tests.helpers import TIMEOUT, admit, lose_session, published, reg
 
@@ -93,6 +95,22 @@ def test_a_process_that_dies_while_others_wait_is_left_out():
     effects = s.tick(TIMEOUT + 0.5)  # process 1 never called and is declared failed
     [resolved] = [e for e in effects if isinstance(e, LiveSetResolved)]
     assert resolved.members == ((0, 0), (2, 0)) and resolved.error is None
+
+
+def test_a_caller_declared_failed_while_it_waits_is_answered_why_at_once():
+    s = published(3)
+    s.live_processes("p0", "c0", 60, 0.0)
+    s.live_processes("p1", "c1", 60, 0.0)
+    lose_session(s, 1)
+    effects = s.tick(TIMEOUT + 0.5)  # declared failed while the agreement still waits for process 2
+    [left_out] = [e for e in effects if isinstance(e, LeftOut)]
+    assert (left_out.client_uid, left_out.call_id) == ("p1", "c1")
+    assert isinstance(left_out.error, ProcessDeclaredFailed)
+    assert str(left_out.error).startswith("this process (h1 (10.0.0.1)) was declared failed: ")
+    assert not [e for e in effects if isinstance(e, LiveSetResolved)]
+    answer, effects = s.live_processes("p2", "c2", 60, TIMEOUT + 1)
+    assert answer == ((0, 0), (2, 0))
+    assert effects == [LiveSetResolved((("p0", "c0"), ("p2", "c2")), answer, None)]
 
 
 def test_a_live_process_that_does_not_call_is_named_at_the_timeout():

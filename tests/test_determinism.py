@@ -23,7 +23,8 @@ SEEDS = ("0", "1", "2", "3", "4", "5")
 REPLAY = """
 import json, sys
 from coordinator import journal
-from coordinator.state import ClusterConfig, ClusterState
+from coordinator.cluster import ClusterConfig
+from coordinator.state import ClusterState
 from ifrt import wire
 out = []
 for scenario in json.load(sys.stdin):

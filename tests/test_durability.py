@@ -15,9 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
 from coordinator.server import serve
-from coordinator.state import ClusterConfig, ClusterState
+from coordinator.state import ClusterState
 from coordinator.store import EtcdStore
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb

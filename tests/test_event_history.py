@@ -4,9 +4,10 @@ a position is sent, the bound and its snapshot, and the same history after a rep
 import pytest
 
 from coordinator import compaction
+from coordinator.cluster import FailurePolicy
 from coordinator.history import CatchUp, GenerationPublished, Numbered, Snapshot
 from coordinator.limits import DEFAULT_LIMITS, Limits
-from coordinator.state import ClusterState, FailurePolicy
+from coordinator.state import ClusterState
 from ifrt.errors import InvalidArgument
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.ids import MAX_PROCESSES

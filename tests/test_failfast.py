@@ -21,9 +21,10 @@ if importlib.util.find_spec("jax") is None or importlib.util.find_spec("torch") 
 
 from ifrt import events, failfast, wire
 from ifrt.errors import EXIT_COORDINATOR_LOST, EXIT_PEER_FAILED, InvalidArgument, PeerFailed
-from ifrt.records import Device, Process
+from ifrt.records import Device, Process, TopologyContent
+from ifrt.settings import FAILOVER_WINDOW_ENV
 from ifrt.topology import Topology
-from tests.test_jax import start_workers
+from tests.workers import start_jax_workers
 
 WORKER = Path(__file__).with_name("failfast_worker.py")
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -39,7 +40,7 @@ class Job:
         self.coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), num_processes=4,
                                              log_level="WARNING")
         env = {"IFRT_CPU_DEVICE_COUNT": "1", **(env or {})}
-        self.workers = start_workers(self.coordinator.address, 4, f"{runtime} {scenario}", devices=1,
+        self.workers = start_jax_workers(self.coordinator.address, 4, f"{runtime} {scenario}", devices=1,
                                      extra_env={r: env for r in range(4)}, worker=WORKER)
         self.out = [[] for _ in self.workers]
         self.err = [[] for _ in self.workers]
@@ -173,7 +174,7 @@ def test_a_bug_in_one_process_exits_it_with_1_and_ends_the_others_naming_it(star
 
 @pytest.mark.slow
 def test_a_coordinator_lost_beyond_the_failover_window_ends_every_process(start_coordinator):
-    job = Job(start_coordinator, "torch", "loop", env={failfast.FAILOVER_WINDOW_ENV: "1"})
+    job = Job(start_coordinator, "torch", "loop", env={FAILOVER_WINDOW_ENV: "1"})
     try:
         job.wait_steps()
         job.coordinator.stop(signal.SIGKILL)
@@ -206,7 +207,7 @@ def test_on_failure_raise_delivers_the_typed_error_to_the_main_thread(start_coor
 def four_processes() -> Topology:
     processes = tuple(Process(p, f"host-{p}", f"10.0.0.{p}:9000") for p in range(4))
     devices = tuple(Device(p << 17, p, 0, "cpu", "cpu") for p in range(4))
-    return Topology(wire.encode(wire.TopologyContent("", 1, 4, processes, devices)), 0)
+    return Topology(wire.encode(TopologyContent("", 1, 4, processes, devices)), 0)
 
 
 def test_a_failed_or_restarted_peer_is_a_failure_that_names_it_and_a_peer_that_left_is_not():
@@ -231,7 +232,7 @@ def test_an_unknown_on_failure_is_refused_naming_what_is_accepted():
     thread.join()
     assert errors and "main thread" in errors[0]
     with pytest.raises(InvalidArgument, match=r"IFRT_FAILOVER_WINDOW='soon': expected a positive number of seconds"):
-        failfast.failover_window_from_env({failfast.FAILOVER_WINDOW_ENV: "soon"})
+        failfast.failover_window_from_env({FAILOVER_WINDOW_ENV: "soon"})
     assert failfast.failover_window_from_env({}) == failfast.FAILOVER_WINDOW_S
 
 

@@ -18,10 +18,9 @@ import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from tests.helpers import barrier_started_for, discover_process, finish, free_port, health, poll_until
-from tests.replicas import LEADER_TTL, Replicas
+from tests.replicas import LEADER_TTL, NUM, Replicas, client0, start_worker
 from tests.workers import Worker
 
-NUM = 3
 HEARTBEAT = "3"  # the replicas' default --heartbeat-timeout
 
 
@@ -61,15 +60,6 @@ def replicas(etcd):
     r = Replicas(etcd)
     yield r
     r.close()
-
-
-def start_worker(replicas: Replicas, pid: int, ports: dict[int, int], *args: str) -> Worker:
-    return Worker(replicas.addresses, pid, NUM, *args, transfer_port=ports[pid])
-
-
-def client0(replicas: Replicas, ports: dict[int, int]) -> ifrt.Client:
-    return ifrt.Client(replicas.addresses, process_id=0, num_processes=NUM, timeout=90,
-                       transfer_bind=f"127.0.0.1:{ports[0]}")
 
 
 def discover_in_thread(client: ifrt.Client) -> dict:

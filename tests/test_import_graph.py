@@ -79,3 +79,40 @@ def test_no_module_imports_one_that_imports_it_back():
     assert {"ifrt.client", "ifrt.session", "coordinator.service"} <= set(graph)
     assert "ifrt.session" in graph["ifrt.client"]  # the finder reads imports at all
     assert circles(graph) == []
+
+
+def borrowed_names(path: Path, known: dict[str, Path]) -> list[str]:
+    """Each ``from module import name`` of ``path`` whose module only imported ``name`` itself (a package's
+    ``__init__`` is its public face and may)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        source = known.get(node.module or "") if isinstance(node, ast.ImportFrom) and not node.level else None
+        if source is None or source.name == "__init__.py":
+            continue
+        imported = {a.asname or a.name for n in ast.parse(source.read_text()).body
+                    if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
+        found += [f"{path}:{node.lineno}: {a.name} from {node.module}" for a in node.names
+                  if a.name in imported and f"{node.module}.{a.name}" not in known]
+    return found
+
+
+def test_the_finder_sees_a_name_taken_from_a_module_that_only_imported_it(tmp_path):
+    (tmp_path / "home.py").write_text("NAME = 1\n")
+    (tmp_path / "middle.py").write_text("from home import NAME\n\nOTHER = NAME\n")
+    (tmp_path / "user.py").write_text("from middle import NAME, OTHER\n")
+    known = {m: tmp_path / f"{m}.py" for m in ("home", "middle")}
+    assert borrowed_names(tmp_path / "user.py", known) == [f"{tmp_path / 'user.py'}:1: NAME from middle"]
+
+
+def test_names_are_imported_from_the_module_that_defines_them():
+    known = {**modules(), **{f"tests.{p.stem}": p for p in (ROOT / "tests").glob("*.py")}}
+    users = [p for folder in (*PACKAGES, "tests", "bench", "examples") for p in (ROOT / folder).rglob("*.py")
+             if "_generated" not in p.parts]
+    assert [b for p in users for b in borrowed_names(p, known)] == []
+
+
+def test_no_test_module_imports_another():
+    test_modules = {f"tests.{p.stem}" for p in (ROOT / "tests").glob("test_*.py")}
+    found = [f"{p.name}: {name}" for p in (ROOT / "tests").glob("*.py")
+             for name in imports(f"tests.{p.stem}", p, dict.fromkeys(test_modules, p)) if name in test_modules]
+    assert found == []

@@ -15,6 +15,7 @@ import pytest
 
 from tests.helpers import json_answers, survivor_of_a_doomed_peer, together
 from tests.requirements import require
+from tests.workers import start_jax_workers
 
 if importlib.util.find_spec("jax") is None:
     require("jax", "pip install 'ifrt-topology[jax]' (scripts/test.sh installs it)")
@@ -22,33 +23,11 @@ if importlib.util.find_spec("jax") is None:
 import ifrt
 import ifrt.jax
 from ifrt import wire
-from ifrt.records import Device, Process
+from ifrt.records import Device, Process, TopologyContent
 from ifrt.topology import Topology
 
-WORKER = Path(__file__).with_name("jax_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 90
 OLD_JAX_PYTHON_ENV = "IFRT_TEST_JAX04_PYTHON"  # scripts/test.sh makes .venv-jax04: jax 0.4.30, grpcio, protobuf
-
-
-def start_workers(address: str, count: int, scenario: str, devices: int = 2,
-                  extra_env: dict[int, dict[str, str]] | None = None,
-                  python: str = sys.executable, worker: Path = WORKER) -> list[subprocess.Popen]:
-    """``count`` JAX processes of ``devices`` CPU devices each, with assigned ids (no IFRT_PROCESS_ID); ``worker``
-    is the script they run with ``scenario`` as its arguments (split on spaces)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
-    # XLA_FLAGS as well as JAX_NUM_CPU_DEVICES: JAX before 0.4.3x reads only the flag
-    base.update(IFRT_COORDINATOR=address, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", OMP_NUM_THREADS="1",
-                OPENBLAS_NUM_THREADS="1")
-    if python != sys.executable:
-        base["PYTHONPATH"] = str(ROOT)
-    workers = []
-    for rank in range(count):
-        env = dict(base, IFRT_LOCAL_RANK=str(rank), **(extra_env or {}).get(rank, {}))
-        workers.append(subprocess.Popen([python, str(worker), *scenario.split()], env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True))
-    return workers
 
 
 def results(workers: list[subprocess.Popen]) -> list[dict]:
@@ -59,7 +38,7 @@ def results(workers: list[subprocess.Popen]) -> list[dict]:
 @pytest.mark.slow
 def test_four_processes_start_jax_with_assigned_ids_and_compute_across_them(start_coordinator):
     coordinator = start_coordinator(num_processes=4, log_level="WARNING")
-    answers = sorted(results(start_workers(coordinator.address, 4, "mesh")), key=lambda a: a["process_id"])
+    answers = sorted(results(start_jax_workers(coordinator.address, 4, "mesh")), key=lambda a: a["process_id"])
 
     assert [a["process_id"] for a in answers] == [0, 1, 2, 3]
     assert [a["jax_process_index"] for a in answers] == [0, 1, 2, 3]
@@ -96,7 +75,7 @@ def check_ids_match(answers: list[dict]) -> bool:
 @pytest.mark.slow
 def test_jax_device_ids_match_ifrt_ids_by_process_and_local_order(start_coordinator):
     coordinator = start_coordinator(num_processes=2, log_level="WARNING")
-    check_ids_match(results(start_workers(coordinator.address, 2, "mesh")))
+    check_ids_match(results(start_jax_workers(coordinator.address, 2, "mesh")))
 
 
 @pytest.mark.slow
@@ -107,14 +86,14 @@ def test_jax_0_4_device_ids_equal_ifrt_ids(start_coordinator):
                 "ifrt does); scripts/test.sh makes one in .venv-jax04")
     coordinator = start_coordinator(num_processes=2, log_level="WARNING")
     # one device per process: JAX 0.4.30's CPU collectives do not support more across processes
-    assert check_ids_match(results(start_workers(coordinator.address, 2, "mesh", devices=1, python=python)))
+    assert check_ids_match(results(start_jax_workers(coordinator.address, 2, "mesh", devices=1, python=python)))
 
 
 @pytest.mark.slow
 def test_a_process_whose_jax_sees_other_devices_fails_everywhere_within_seconds(start_coordinator):
     coordinator = start_coordinator(num_processes=2, log_level="WARNING")
     # process 1 registers only device 0 with ifrt; on CPU its JAX still creates both devices
-    answers = results(start_workers(coordinator.address, 2, "narrowed", extra_env={1: {"NARROW": "0"}}))
+    answers = results(start_jax_workers(coordinator.address, 2, "narrowed", extra_env={1: {"NARROW": "0"}}))
     for a in answers:
         assert a["error"] == "TopologyError"
         assert "process 1 (" in a["message"] and "process 0 (" not in a["message"]
@@ -125,7 +104,7 @@ def test_a_process_whose_jax_sees_other_devices_fails_everywhere_within_seconds(
 @pytest.mark.slow
 def test_jax_plugin_leaves_jax_distributed_free_to_start(start_coordinator):
     coordinator = start_coordinator(num_processes=1, log_level="WARNING")
-    (a,) = results(start_workers(coordinator.address, 1, "plugin-then-jax"))
+    (a,) = results(start_jax_workers(coordinator.address, 1, "plugin-then-jax"))
     assert a["distributed"]
     assert a["ifrt"] == [["cpu", "cpu", 0], ["cpu", "cpu", 1]]
     assert a["jax"] == [["cpu", "cpu"], ["cpu", "cpu"]]
@@ -138,13 +117,13 @@ def test_a_token_protected_coordinator_admits_initialize_with_token(start_coordi
     coordinator = start_coordinator("--token-file", str(tmp_path / "token"), num_processes=2, log_level="WARNING")
     # No IFRT_TOKEN or IFRT_TOKEN_FILE: without the argument the coordinator answers UNAUTHENTICATED.
     token = {"TEST_CLUSTER_TOKEN": "jax-job-token-7c2e"}
-    answers = results(start_workers(coordinator.address, 2, "token", extra_env={0: token, 1: token}))
+    answers = results(start_jax_workers(coordinator.address, 2, "token", extra_env={0: token, 1: token}))
     assert [(a["process_id"], a["jax_process_index"]) for a in answers] == [(0, 0), (1, 1)]
 
 
 @pytest.mark.slow
 def test_initialize_after_a_jax_computation_says_what_to_do():
-    (a,) = results(start_workers("127.0.0.1:1", 1, "backend-first"))
+    (a,) = results(start_jax_workers("127.0.0.1:1", 1, "backend-first"))
     assert a["error"] == "BackendAlreadyInitialized"
     assert "call ifrt.jax.initialize() before any JAX computation" in a["message"]
 
@@ -216,7 +195,7 @@ class FakeJaxDevice:
 def two_by_two() -> Topology:
     processes = (Process(0, "a", ""), Process(1, "b", ""))
     devices = tuple(Device(p << 17 | i, p, i, "cpu", "cpu") for p in (0, 1) for i in (0, 1))
-    return Topology(wire.encode(wire.TopologyContent("", 1, 2, processes, devices)), 0)
+    return Topology(wire.encode(TopologyContent("", 1, 2, processes, devices)), 0)
 
 
 @pytest.mark.parametrize("shift", [17, 11])

@@ -9,10 +9,11 @@ import pytest
 import ifrt
 from coordinator import journal
 from coordinator.barriers import Barriers
+from coordinator.cluster import ClusterConfig
 from coordinator.kv import KeyValueStore
 from coordinator.limits import Limits
 from coordinator.registration import from_request
-from coordinator.state import ClusterConfig, ClusterState
+from coordinator.state import ClusterState
 from ifrt import Client
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument, KeyExists

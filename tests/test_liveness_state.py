@@ -3,9 +3,11 @@
 import pytest
 
 from coordinator.barriers import BarrierResolved
+from coordinator.cluster import ClusterConfig, FailurePolicy
 from coordinator.config import CoordinatorConfig
+from coordinator.effects import Evict, Forgotten, Notify, Republish
 from coordinator.limits import Limits
-from coordinator.state import ClusterConfig, ClusterState, Evict, FailurePolicy, Forgotten, Notify, Republish
+from coordinator.state import ClusterState
 from ifrt.errors import (
     BarrierFailed,
     BarrierTimeout,

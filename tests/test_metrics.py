@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import urllib.request
 from collections.abc import Callable
@@ -13,16 +12,14 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
-from coordinator.local import LocalCoordinator
 from coordinator.server import serve
-from coordinator.state import ClusterConfig
 from ifrt._generated import coordinator_pb2 as pb
-from tests.helpers import poll_until, run_coordinator, taken_port
+from tests.helpers import METRICS_LINE, metrics_port, poll_until, run_coordinator, taken_port
 from tests.replicas import leader_and_standby
 
 COORDINATOR = "ifrt.topology.v1.Coordinator"
-METRICS_LINE = re.compile(r"serving metrics on http://[^ ]+:(\d+)/metrics")
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -46,12 +43,6 @@ def rpcs(samples: Samples, method: str, code: str = "OK") -> float:
 def wait_metrics(port: int, done: Callable[[Samples], bool], timeout: float = 30) -> Samples:
     """Scrapes again until ``done(samples)``; fails naming the last scrape after ``timeout`` seconds."""
     return poll_until(lambda: scrape(port), done, timeout, "the metrics", interval=0.1)
-
-
-def metrics_port(coordinator: LocalCoordinator) -> int:
-    found = METRICS_LINE.search(coordinator.log)
-    assert found, coordinator.log
-    return int(found.group(1))
 
 
 def test_metrics_follow_a_cluster_that_registers_fails_and_restarts(start_coordinator, workers):

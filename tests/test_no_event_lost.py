@@ -1,8 +1,8 @@
 """No event is lost: a process learns of every change after the topology it holds, also when it happened before its
 session attached or while it reconnected to a new leader; each once, in order.
 
-A session is held back by its client's test gate (ifrt.session.GATE_ENV: it does not open while a file is missing),
-so the events happen before it attaches by construction, not by timing.
+A session is held back by its client's test gate (ifrt.settings.SESSION_GATE_ENV: it does not open while a file is
+missing), so the events happen before it attaches by construction, not by timing.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import pytest
 import ifrt
 from ifrt import events
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.security import SECRET_METADATA
-from ifrt.session import GATE_ENV
+from ifrt.protocol import SECRET_METADATA
+from ifrt.settings import SESSION_GATE_ENV
 from tests.helpers import SERVICE, free_port, next_event, poll_until, watcher
-from tests.replicas import Replicas
-from tests.test_failover import NUM, client0, start_worker
+from tests.replicas import NUM, Replicas, client0, start_worker
 
 HEARTBEAT_TIMEOUT = "10"  # a held session leaves its process on the clock: this long before it would be failed
 LEFT, FAILED = pb.PROCESS_PHASE_LEFT, pb.PROCESS_PHASE_FAILED
@@ -89,7 +88,7 @@ def held_then_left_and_failed(start_coordinator, workers, gate: Path, *flags: st
 def gate(tmp_path, monkeypatch) -> Path:
     """The file whose absence holds the sessions of Clients made in this test."""
     path = tmp_path / "session-gate"
-    monkeypatch.setenv(GATE_ENV, str(path))
+    monkeypatch.setenv(SESSION_GATE_ENV, str(path))
     return path
 
 

@@ -17,7 +17,9 @@ import pytest
 import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt import preflight
-from ifrt.preflight import ALL_PAIRS_MAX, SAMPLE, PreflightFailed, pairs_probed, peers
+from ifrt.errors import PreflightFailed
+from ifrt.preflight import ALL_PAIRS_MAX, SAMPLE, pairs_probed, peers
+from ifrt.settings import PREFLIGHT_ENV, PREFLIGHT_TIMEOUT_ENV
 from tests.helpers import free_port, together
 from tests.netns import Hosts, skip_without_iptables, skip_without_netns
 
@@ -89,8 +91,8 @@ def _nothing_listening() -> SimpleNamespace:
 
 
 def test_discover_under_IFRT_PREFLIGHT_fails_in_every_process_naming_the_pair(cluster, monkeypatch):
-    monkeypatch.setenv(preflight.PREFLIGHT_ENV, "1")
-    monkeypatch.setenv(preflight.PREFLIGHT_TIMEOUT_ENV, "30")
+    monkeypatch.setenv(PREFLIGHT_ENV, "1")
+    monkeypatch.setenv(PREFLIGHT_TIMEOUT_ENV, "30")
     healthy, gone = cluster(2)
     gone.endpoint = _nothing_listening()
     errors = together([healthy, gone], lambda c: c.discover())
@@ -104,7 +106,7 @@ def test_discover_under_IFRT_PREFLIGHT_fails_in_every_process_naming_the_pair(cl
 
 
 def test_discover_without_IFRT_PREFLIGHT_probes_nothing(cluster, monkeypatch):
-    monkeypatch.delenv(preflight.PREFLIGHT_ENV, raising=False)
+    monkeypatch.delenv(PREFLIGHT_ENV, raising=False)
     healthy, gone = cluster(2)
     gone.endpoint = _nothing_listening()
     assert all(isinstance(t, ifrt.Topology) for t in together([healthy, gone], lambda c: c.discover()))

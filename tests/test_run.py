@@ -280,7 +280,10 @@ def test_prefixes_name_each_workers_process_and_sigterm_reaches_the_workers(star
                            what="both workers started")
         assert sorted(lines) == [2 * host, 2 * host + 1]
         assert all(m.group(1) == m.group(2) for m in lines.values())  # "[3] started process 3 ..."
-        assert any(re.fullmatch(rf"\[{2 * host}\] a line on stderr from local rank 0", line) for line in agent.err)
+        # stderr is a pipe of its own: its line may arrive after the stdout lines
+        poll_until(lambda a=agent: list(a.err), lambda err, h=host: any(
+            re.fullmatch(rf"\[{2 * h}\] a line on stderr from local rank 0", line) for line in err), timeout=WAIT_S,
+            what=f"local rank 0's stderr line behind its process id [{2 * host}]")
     both[0].process.send_signal(signal.SIGTERM)
     assert both[0].wait() == 7, both[0].output()  # the workers' own status: their SIGTERM handler exits 7
     assert sum("received SIGTERM" in line for line in both[0].out) == 2

@@ -18,8 +18,10 @@ import pytest
 import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
-from ifrt.security import SECRET_METADATA
-from ifrt.transfer import CHALLENGE_BYTES, HELLO, Channels, TransferTimeout, encode_header
+from ifrt.errors import TransferTimeout
+from ifrt.frames import CHALLENGE_BYTES, HELLO, encode_header
+from ifrt.protocol import SECRET_METADATA
+from ifrt.transfer import Channels
 from tests.helpers import BIN, clients, discover_processes, health, poll_until
 from tests.tls import make_certs
 

@@ -5,7 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import journal
-from coordinator.state import ClusterConfig, ClusterState, Published, Waiting
+from coordinator.cluster import ClusterConfig
+from coordinator.effects import Published, Waiting
+from coordinator.state import ClusterState
 from ifrt import wire
 from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessDeclaredFailed, ProcessIdTaken
 from tests.helpers import admit, reg

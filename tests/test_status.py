@@ -3,42 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import socket
 import subprocess
-import sys
-from collections.abc import Callable
-from pathlib import Path
 
-from coordinator.state import ClusterConfig, ClusterState
-from tests.helpers import admit, discover_process, poll_until, reg
+from coordinator.cluster import ClusterConfig
+from coordinator.state import ClusterState
+from tests.helpers import (
+    FAILED_REASON,
+    HOST,
+    IFRT,
+    admit,
+    discover_process,
+    ifrt_status,
+    poll_until,
+    reg,
+    status_json,
+    wait_status,
+)
 from tests.replicas import leader_and_standby
 from tests.workers import Worker
-
-IFRT = str(Path(sys.executable).parent / "ifrt")
-HOST = socket.gethostname()
-FAILED_REASON = re.compile(r"lost its connection and did not come back within (0\.125|1)s")
-"""What a process killed with kill -9 is failed for, under --heartbeat-timeout 1: its stream breaks at once and it
-is not back within the reconnect grace (1/8 of the timeout), or, killed before its session attached, within the
-timeout."""
-
-
-def ifrt_status(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
-    return subprocess.run([IFRT, "status", *args], capture_output=True, text=True, timeout=60,
-                          env={**clean, **(env or {})})
-
-
-def status_json(address: str) -> dict:
-    result = ifrt_status("--coordinator", address, "--json")
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def wait_status(address: str, done: Callable[[dict], bool], timeout: float = 30) -> dict:
-    """Asks again until ``done(status)``; fails with the last answer after ``timeout`` seconds."""
-    return poll_until(lambda: status_json(address), done, timeout, "the status", interval=0.1)
 
 
 def test_report_of_the_state_machine_names_the_missing_the_failed_and_heartbeat_ages():

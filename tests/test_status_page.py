@@ -17,10 +17,9 @@ import pytest
 
 from coordinator.status_page import events, fragment, page
 from ifrt import status_svg
+from tests.helpers import FAILED_REASON, HOST, ifrt_status, metrics_port, wait_status
 from tests.replicas import leader_and_standby
 from tests.requirements import require
-from tests.test_metrics import metrics_port
-from tests.test_status import FAILED_REASON, HOST, ifrt_status, wait_status
 from tests.workers import Worker
 
 FAILED_RGB = tuple(int(status_svg.COLORS["failed"][i:i + 2], 16) for i in (1, 3, 5))

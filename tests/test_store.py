@@ -7,8 +7,9 @@ import asyncio
 import pytest
 
 from coordinator import journal
+from coordinator.cluster import ClusterConfig
 from coordinator.registration import Registration
-from coordinator.state import ClusterConfig, ClusterState
+from coordinator.state import ClusterState
 from coordinator.store import (
     BATCH_VERSION,
     MAX_BATCH_BYTES,

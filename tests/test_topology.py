@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from ifrt import Topology, TopologyError, wire
-from tests.test_wire import content
+from ifrt.records import TopologyContent
+from tests.helpers import content
 
 
 def topology(process_id=1, **kwargs):
@@ -70,8 +71,8 @@ def test_unknown_ids_name_themselves():
 
 def test_local_devices_are_the_processes_own_and_empty_without_any():
     c = content(num_processes=3, devices_per_process=4)
-    without_1 = wire.TopologyContent(c.cluster_id, c.generation, 3, c.processes,
-                                     tuple(d for d in c.devices if d.process_id != 1))
+    without_1 = TopologyContent(c.cluster_id, c.generation, 3, c.processes,
+                                tuple(d for d in c.devices if d.process_id != 1))
     canonical = wire.encode(without_1)
     assert Topology(canonical, 1).local_devices == ()
     assert [d.id for d in Topology(canonical, 2).local_devices] == [2 << 17 | i for i in range(4)]

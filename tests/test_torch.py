@@ -28,7 +28,7 @@ import ifrt.torch
 from coordinator.local import LocalCoordinator
 from ifrt import wire
 from ifrt.mesh import Mesh
-from ifrt.records import Device, Process
+from ifrt.records import Device, Process, TopologyContent
 from ifrt.topology import Topology
 
 WORKER = Path(__file__).with_name("torch_worker.py")
@@ -150,7 +150,7 @@ def test_a_start_up_that_times_out_names_the_processes_that_did_not_answer(start
 def two_processes_of(devices: int) -> Topology:
     processes = (Process(0, "a", ""), Process(1, "b", ""))
     records = tuple(Device(p << 17 | i, p, i, "cpu", "cpu") for p in (0, 1) for i in range(devices))
-    return Topology(wire.encode(wire.TopologyContent("", 1, 2, processes, records)), 0)
+    return Topology(wire.encode(TopologyContent("", 1, 2, processes, records)), 0)
 
 
 def test_mesh_ranks_follow_the_ifrt_mesh_order():

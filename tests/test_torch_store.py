@@ -20,7 +20,7 @@ import torch.distributed as dist
 import ifrt
 import ifrt.torch
 from coordinator.local import LocalCoordinator
-from tests.test_compare_set import TABLE
+from tests.helpers import COMPARE_SET_TABLE
 
 SHORT = 0.5
 
@@ -70,7 +70,7 @@ def test_multi_get_multi_set_and_append(store):
         store.multi_set(["a", "b"], [b"1"])
 
 
-@pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), TABLE)
+@pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), COMPARE_SET_TABLE)
 def test_compare_set_answers_as_tcpstore_does(store, before, expected, desired, answer, after):
     if before is not None:
         store.set("k", before)

@@ -20,8 +20,9 @@ import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
-from ifrt.errors import InvalidArgument
-from ifrt.transfer import ARRAY, HELLO, Channels, Endpoint, TransferError, TransferTimeout, encode_header, wait_seconds
+from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
+from ifrt.frames import ARRAY, HELLO, encode_header
+from ifrt.transfer import Channels, Endpoint, wait_seconds
 from tests.helpers import poll_until
 from tests.netns import Hosts, skip_without_netns
 from tests.resources import open_fds

@@ -9,16 +9,8 @@ from hypothesis import strategies as st
 from ifrt import global_device_id, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import TopologyError
-from ifrt.records import Device, LocalDevice, Process
-
-
-def content(num_processes=4, devices_per_process=8, attributes=False, kind="tpu-v5e"):
-    processes = tuple(Process(p, f"host{p}", f"10.0.0.{p}:9000") for p in range(num_processes))
-    devices = tuple(
-        Device(global_device_id(p, i), p, i, "tpu", kind, p // 2,
-               {"uuid": f"dev-{p}-{i}", "memory": "16G"} if attributes else {}, "sim", (i // 2, i % 2))
-        for p in range(num_processes) for i in range(devices_per_process))
-    return wire.TopologyContent("job", 1, num_processes, processes, devices)
+from ifrt.records import Device, LocalDevice, Process, TopologyContent
+from tests.helpers import content
 
 
 def test_decode_inverts_encode():
@@ -30,15 +22,15 @@ def test_encoding_is_canonical_whatever_the_input_order():
     c = content(attributes=True)
     shuffled = list(c.devices)
     random.Random(7).shuffle(shuffled)
-    reordered = wire.TopologyContent(c.cluster_id, c.generation, c.num_processes, c.processes[::-1], tuple(shuffled))
+    reordered = TopologyContent(c.cluster_id, c.generation, c.num_processes, c.processes[::-1], tuple(shuffled))
     assert wire.encode(reordered) == wire.encode(c)
 
 
 @given(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), max_size=4),
        st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), max_size=4))
 def test_attributes_round_trip(a, b):
-    c = wire.TopologyContent("", 3, 1, (Process(0, "h"),),
-                             (Device(0, 0, 0, "cpu", "cpu", 0, a), Device(1, 0, 1, "cpu", "cpu", 0, b)))
+    c = TopologyContent("", 3, 1, (Process(0, "h"),),
+                        (Device(0, 0, 0, "cpu", "cpu", 0, a), Device(1, 0, 1, "cpu", "cpu", 0, b)))
     assert wire.decode(wire.encode(c)) == c
 
 
@@ -104,7 +96,7 @@ def test_malformed_bytes_are_a_topology_error(message, error):
         wire.decode(message.SerializeToString())
 
 
-def edited(c: wire.TopologyContent, edit) -> bytes:
+def edited(c: TopologyContent, edit) -> bytes:
     message = pb.Topology.FromString(wire.encode(c))
     edit(message)
     return message.SerializeToString()
@@ -143,7 +135,7 @@ def test_columns_are_delta_and_run_length_coded():
     assert list(message.devices.local_ids.deltas[:4]) == [0, 1, -7, 1]
     assert list(message.devices.local_ids.runs[:4]) == [1, 7, 1, 7]
     # Columns without runs of 2 or more are sent without run lengths.
-    c = wire.TopologyContent("", 1, 1, (Process(0, "h"),), tuple(
+    c = TopologyContent("", 1, 1, (Process(0, "h"),), tuple(
         Device(i, 0, i, "cpu", "cpu", slice_index=i * i) for i in range(4)))
     slices = pb.Topology.FromString(wire.encode(c)).devices.slice_indices
     assert (list(slices.deltas), list(slices.runs)) == ([0, 1, 3, 5], [])
@@ -156,13 +148,13 @@ def test_hostnames_and_addresses_round_trip(hostnames, long_addresses):
     hostnames = hostnames + [""] * (count - len(hostnames))
     addresses = long_addresses + ["x"] * (count - len(long_addresses))  # past FRONT_CODING_WIDTH: the slow path
     processes = tuple(Process(p, h, a) for p, (h, a) in enumerate(zip(hostnames, addresses, strict=True)))
-    c = wire.TopologyContent("", 1, count, processes, ())
+    c = TopologyContent("", 1, count, processes, ())
     assert wire.decode(wire.encode(c)) == c
 
 
 def test_front_coding_sends_what_neighbours_do_not_share():
     processes = tuple(Process(p, f"gpu-node-{p:04d}.cluster.internal", f"10.0.{p}.7:8477") for p in range(3))
-    message = pb.Topology.FromString(wire.encode(wire.TopologyContent("", 1, 3, processes, ())))
+    message = pb.Topology.FromString(wire.encode(TopologyContent("", 1, 3, processes, ())))
     assert list(message.processes.hostname_suffixes) == ["gpu-node-0000.cluster.internal", "1.cluster.internal",
                                                          "2.cluster.internal"]
     assert list(message.processes.address_suffixes) == ["10.0.0.7:8477", "1.7:8477", "2.7:8477"]
@@ -174,7 +166,7 @@ def test_processes_of_different_coordinate_ranks_and_without_devices_round_trip(
                Device(global_device_id(1, 3), 1, 3, "tpu", "v4", 1, {"core_on_chip": "0"}, "jax", (1, 2, 3)),
                Device(global_device_id(1, 4), 1, 4, "tpu", "v4", 1, {}, "jax", (-1, 0, 7)),
                Device(global_device_id(5, 0), 5, 0, "gpu", "h100", 0, {"m": ""}, "cuda", (4,)))
-    c = wire.TopologyContent("job", 2, 4, processes, devices)
+    c = TopologyContent("job", 2, 4, processes, devices)
     assert wire.decode(wire.encode(c)) == c
 
 
@@ -190,7 +182,7 @@ def test_decoded_devices_are_ordinary_records_sharing_equal_attributes():
 
 def test_an_absent_attribute_differs_from_an_empty_one():
     devices = (Device(0, 0, 0, "cpu", "cpu", 0, {"a": ""}), Device(1, 0, 1, "cpu", "cpu", 0, {}))
-    c = wire.TopologyContent("", 1, 1, (Process(0, "h"),), devices)
+    c = TopologyContent("", 1, 1, (Process(0, "h"),), devices)
     assert [dict(d.attributes) for d in wire.decode(wire.encode(c)).devices] == [{"a": ""}, {}]
 
 
@@ -198,7 +190,7 @@ def test_many_attributes_distinct_on_every_device_round_trip():
     # 12 keys of 50 distinct values each: 50**12 combinations do not fit an int64, the decoder renumbers.
     devices = tuple(Device(i, 0, i, "cpu", "cpu", 0, {f"k{j:02d}": f"{(i * (j + 1)) % 50}" for j in range(12)})
                     for i in range(100))
-    c = wire.TopologyContent("", 1, 1, (Process(0, "h"),), devices)
+    c = TopologyContent("", 1, 1, (Process(0, "h"),), devices)
     assert wire.decode(wire.encode(c)) == c
 
 
@@ -206,7 +198,7 @@ def address(rng: random.Random) -> str:
     return f"10.128.{rng.randrange(256)}.{rng.randrange(256)}:{rng.randrange(32768, 61000)}"
 
 
-def realistic(hosts: int, gpus: int, uuids: bool) -> wire.TopologyContent:
+def realistic(hosts: int, gpus: int, uuids: bool) -> TopologyContent:
     """GPU hosts as a cloud has them: random hostname suffixes, addresses and ports; a random UUID per GPU."""
     rng = random.Random(3)
     names = sorted({f"a3-{rng.getrandbits(20):05x}" for _ in range(hosts * 2)})[:hosts]
@@ -216,7 +208,7 @@ def realistic(hosts: int, gpus: int, uuids: bool) -> wire.TopologyContent:
         Device(global_device_id(p, i), p, i, "cuda", "NVIDIA H100 80GB HBM3", p,
                {"memory_bytes": "85520809984", **({"uuid": f"GPU-{rng.getrandbits(128):032x}"} if uuids else {})},
                "cuda") for p in range(hosts) for i in range(gpus))
-    return wire.TopologyContent("", 1, hosts, processes, devices)
+    return TopologyContent("", 1, hosts, processes, devices)
 
 
 def test_realistic_gpu_hosts_fit_in_4_bytes_a_device_unless_they_publish_uuids():
@@ -236,7 +228,7 @@ def test_realistic_gpu_hosts_fit_in_4_bytes_a_device_unless_they_publish_uuids()
 ])
 def test_inconsistent_content_is_refused(devices, message):
     with pytest.raises(TopologyError, match=message):
-        wire.encode(wire.TopologyContent("", 1, 1, (Process(0, "h"),), devices))
+        wire.encode(TopologyContent("", 1, 1, (Process(0, "h"),), devices))
 
 
 def test_a_registered_device_leaves_its_host_attributes_home_and_takes_the_default_slice():

@@ -15,6 +15,8 @@ from pathlib import Path
 WORKER = Path(__file__).with_name("live_worker.py")
 COORDINATION_WORKER = Path(__file__).with_name("coordination_worker.py")
 """A worker of key-values, barriers, live sets and the preemption sync point (usage in its docstring)."""
+JAX_WORKER = Path(__file__).with_name("jax_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Worker:
@@ -75,3 +77,23 @@ class Worker:
             except subprocess.TimeoutExpired:
                 os.kill(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+
+
+def start_jax_workers(address: str, count: int, scenario: str, devices: int = 2,
+                      extra_env: dict[int, dict[str, str]] | None = None,
+                      python: str = sys.executable, worker: Path = JAX_WORKER) -> list[subprocess.Popen]:
+    """``count`` JAX processes of ``devices`` CPU devices each, with assigned ids (no IFRT_PROCESS_ID); ``worker``
+    is the script they run with ``scenario`` as its arguments (split on spaces)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
+    # XLA_FLAGS as well as JAX_NUM_CPU_DEVICES: JAX before 0.4.3x reads only the flag
+    base.update(IFRT_COORDINATOR=address, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", OMP_NUM_THREADS="1",
+                OPENBLAS_NUM_THREADS="1")
+    if python != sys.executable:
+        base["PYTHONPATH"] = str(ROOT)
+    workers = []
+    for rank in range(count):
+        env = dict(base, IFRT_LOCAL_RANK=str(rank), **(extra_env or {}).get(rank, {}))
+        workers.append(subprocess.Popen([python, str(worker), *scenario.split()], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+    return workers
