@@ -11,7 +11,10 @@
    everyone's answer. A process accepts only a confirmation that carries its own fresh nonce, so a job restarted
    against a durable journal never reads the previous attempt's c10d keys (which are the same on every start).
 3. ``torch.distributed.init_process_group`` with ``rank = process_id``, ``world_size = num_processes`` and a
-   ``Store`` on ifrt's key-value store under that start's prefix; gloo on CPU, nccl on CUDA devices.
+   ``Store`` on ifrt's key-value store under that start's prefix; gloo on CPU, nccl on CUDA devices (each process
+   on its first GPU, given as ``device_id`` so NCCL's communicator is made at once).
+
+The device plugin defaults to ``cuda`` where this torch is built for CUDA and NVML sees a GPU, else ``cpu``.
 
 Every wait names who is missing, and a process that fails during the start ends it in every process, naming it.
 """
@@ -41,7 +44,7 @@ from ifrt.errors import BackendAlreadyInitialized, KeyValueTimeout
 from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.mesh import Mesh
-from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions
+from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, env_plugin
 from ifrt.startup import RECHECK_S
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
@@ -222,7 +225,7 @@ def init_process_group(
                 "ifrt.torch.init_process_group() starts it itself with the topology's ranks; remove the other "
                 "torch.distributed.init_process_group() call (or destroy that group first)")
         deadline = time.monotonic() + options.get("timeout", DISCOVER_TIMEOUT_S)
-        client = Client(coordinator, **options)
+        client = Client(coordinator, **{**options, "plugin": options.get("plugin") or env_plugin() or default_plugin()})
         try:
             topology = client.discover()
             exchange = StartupExchange(client, topology, deadline)
@@ -232,7 +235,8 @@ def init_process_group(
             chosen = backend or default_backend(topology)
             _set_socket_interfaces(_advertised_ip(client, topology))
             # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
-            dist.init_process_group(chosen, store=store, rank=topology.process_id, world_size=topology.num_processes)
+            dist.init_process_group(chosen, store=store, rank=topology.process_id, world_size=topology.num_processes,
+                                    device_id=_nccl_device(chosen, topology))
             store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
         except BaseException:
             client.close()
@@ -262,6 +266,24 @@ def topology() -> Topology:
 def store() -> Store:
     """The Store the default process group runs on."""
     return _state().store
+
+
+def default_plugin() -> str:
+    """``cuda`` where this torch is built for CUDA and NVML sees a GPU, else ``cpu``. Asked of NVML, not of CUDA,
+    whose runtime must not start before the plugin has given each local rank its GPUs (CUDA_VISIBLE_DEVICES)."""
+    from plugins.cuda import CudaPlugin
+
+    return "cuda" if torch.version.cuda is not None and CudaPlugin().gpu_count() > 0 else "cpu"
+
+
+def _nccl_device(backend: str, topology: Topology) -> Any:
+    """The CUDA device NCCL runs this process's rank on: its first GPU (local ids are CUDA's numbering of the
+    visible GPUs); None for other backends."""
+    if "nccl" not in backend or not topology.local_devices:
+        return None
+    device = torch.device("cuda", topology.local_devices[0].local_id)
+    torch.cuda.set_device(device)
+    return device
 
 
 def default_backend(topology: Topology) -> str:

@@ -1,10 +1,13 @@
 """The ``cuda`` plugin: NVIDIA GPUs through NVML (package nvidia-ml-py, extra ``ifrt-topology[cuda]``).
 
-Reports each visible GPU with its name as kind, its memory, and its NVLink domain as slice (an HGX board's
-NVLink reaches the GPUs of its own host: the slice key is the hostname). Its UUID, PCI bus id, NVML index and
-the PCI bus ids of the GPUs it reaches over active NVLinks are ``host_attributes``: they only mean something on
-this host, so they stay here (``Client.local_devices``) instead of costing every process 16+ bytes per GPU in the
-topology. Local ids are positions among the visible GPUs, as the CUDA runtime numbers them.
+Reports each visible GPU with its name as kind, its memory, and its NVLink domain as slice. Where every visible
+GPU has joined a multi-node NVLink fabric (GB200 NVL72 and the like: NVML's fabric state is completed and the
+cluster uuid is not all zero), the slice key is ``<clusterUuid>/<cliqueId>``, one slice per NVLink partition across
+hosts, as XLA forms it; otherwise (an HGX board, whose NVLink reaches the GPUs of its own host, or a fabric not
+started) the slice key is the hostname. Its UUID, PCI bus id, NVML index, the PCI bus ids of the GPUs it reaches
+over active NVLinks and its fabric state are ``host_attributes``: they only mean something on this host, so they
+stay here (``Client.local_devices``) instead of costing every process 16+ bytes per GPU in the topology. Local ids
+are positions among the visible GPUs, as the CUDA runtime numbers them.
 
 ``CUDA_VISIBLE_DEVICES`` is read as CUDA reads it, e.g. ``0,2`` (NVML indices, which are CUDA's with
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), ``GPU-8a1c4f2e-...`` (a UUID) or ``GPU-8a1c`` (a prefix naming one GPU);
@@ -16,16 +19,20 @@ gets a contiguous share of the GPUs (8 GPUs over 3 processes: 3, 3, 2), set by U
 is an error naming both counts.
 
 The decisions are the pure functions below (``split_gpus``, ``visible_share``, ``visible_gpus``,
-``nvlink_gpu_peers``, ``gpu_device``); the NVML calls around them only read the hardware.
+``nvlink_gpu_peers``, ``nvlink_domains``, ``gpu_device``); the NVML calls around them only read the hardware.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import re
 import socket
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 from ifrt.errors import InvalidArgument
 from ifrt.records import LocalDevice
@@ -34,6 +41,17 @@ from plugins.base import DevicePlugin, select
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"  # e.g. CUDA_VISIBLE_DEVICES=0,2 or GPU-8a1c4f2e or "" (no GPU)
 UUID_PREFIX = "GPU-"  # as nvidia-smi -L prints them: GPU-8932f937-d72c-4106-c12f-20bd9faed9f6
 MAX_NVLINKS = 18
+FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
+"""NVML_GPU_FABRIC_STATE_*: a GPU's registration with the NVLink fabric manager."""
+FABRIC_COMPLETED = 3
+FABRIC_HEALTH = (  # (shift, what the 2-bit field's value 1 means) of NVML_GPU_FABRIC_HEALTH_MASK_*
+    (0, "degraded bandwidth"),
+    (2, "route recovery in progress"),
+    (4, "unhealthy route"),
+    (6, "access timeout recovery in progress"),
+)
+
+log = logging.getLogger("ifrt.plugins.cuda")
 
 
 def split_gpus(gpu_count: int, local_rank: int, local_world_size: int) -> list[int]:
@@ -123,13 +141,86 @@ def _bus(bus_id: str) -> str:
     return bus_id.strip().lower()
 
 
+@dataclass(frozen=True)
+class FabricInfo:
+    """One GPU's registration with a multi-node NVLink fabric, as ``nvmlDeviceGetGpuFabricInfoV`` reports it."""
+
+    state: int
+    """NVML_GPU_FABRIC_STATE_*: 0 not supported, 1 not started, 2 in progress, 3 completed."""
+    cluster_uuid: bytes = bytes(16)
+    clique_id: int = 0
+    status: int = 0
+    """The NVML return code of the registration (0: success)."""
+    health_mask: int = 0
+
+    @property
+    def domain(self) -> str:
+        """``<clusterUuid>/<cliqueId>``: the GPUs of one NVLink partition, across hosts, share it."""
+        return f"{UUID(bytes=bytes(self.cluster_uuid))}/{self.clique_id}"
+
+    def problem(self) -> str | None:
+        """Why this GPU names no fabric domain, or None where it does."""
+        if self.state != FABRIC_COMPLETED:
+            return f"fabric state {FABRIC_STATES.get(self.state, self.state)}"
+        if self.status != 0:
+            return f"fabric registration failed (NVML status {self.status})"
+        if not any(self.cluster_uuid):
+            return "fabric cluster uuid is all zero"
+        return None
+
+    def health(self) -> list[str]:
+        """What the health mask reports as wrong (degraded bandwidth, an unhealthy route, ...); empty if nothing."""
+        return [what for shift, what in FABRIC_HEALTH if (self.health_mask >> shift) & 0x3 == 1]
+
+
+@dataclass(frozen=True)
+class NvlinkDomains:
+    """Each visible GPU's NVLink domain (its slice key), where they came from, and what the fabric reports as
+    wrong with any of them."""
+
+    domains: list[str]
+    source: str
+    warnings: list[str]
+
+
+def nvlink_domains(fabric: Sequence[FabricInfo | str], host_domain: str) -> NvlinkDomains:
+    """The NVLink domains of a process's GPUs, given per GPU its FabricInfo or why NVML gave none.
+
+    Only when every GPU has a completed registration with a valid cluster uuid is each GPU's domain
+    ``<clusterUuid>/<cliqueId>`` (one slice per NVLink partition across hosts); else every GPU's is
+    ``host_domain``, as on a board whose NVLink stays in the host. A degraded health mask keeps the domain (the
+    GPU is still in it) and becomes a warning.
+    """
+    problems = [(i, info if isinstance(info, str) else info.problem()) for i, info in enumerate(fabric)]
+    problems = [(i, why) for i, why in problems if why is not None]
+    if problems or not fabric:
+        i, why = problems[0] if problems else (0, "no GPU")
+        more = f" (and {len(problems) - 1} more GPUs)" if len(problems) > 1 else ""
+        return NvlinkDomains([host_domain] * len(fabric),
+                             f"host {host_domain}: GPU {i} is in no NVLink fabric: {why}{more}", [])
+    infos = [info for info in fabric if isinstance(info, FabricInfo)]
+    domains = [info.domain for info in infos]
+    warnings = [f"GPU {i} in NVLink domain {info.domain}: {', '.join(info.health())}"
+                for i, info in enumerate(infos) if info.health()]
+    return NvlinkDomains(domains, f"NVLink fabric {', '.join(dict.fromkeys(domains))}", warnings)
+
+
+def fabric_text(info: FabricInfo | str) -> str:
+    """A GPU's fabric state in a few words: its domain, or why it has none."""
+    if isinstance(info, str):
+        return info
+    return info.problem() or info.domain
+
+
 def gpu_device(local_id: int, name: str, memory_bytes: int, nvlink_domain: str, *, uuid: str, nvml_index: int,
-               pci_bus_id: str, nvlink_peers: Sequence[str]) -> LocalDevice:
+               pci_bus_id: str, nvlink_peers: Sequence[str], fabric: str = "") -> LocalDevice:
     """One GPU as this plugin reports it: published what other processes need (kind, memory, NVLink domain as
-    slice); kept on this host what only names something here (UUID, NVML index, PCI bus ids)."""
+    slice); kept on this host what only names something here (UUID, NVML index, PCI bus ids, fabric state)."""
     host_only = {"uuid": uuid, "pci_bus_id": pci_bus_id, "nvml_index": str(nvml_index)}
     if nvlink_peers:
         host_only["nvlink_peers"] = ",".join(nvlink_peers)
+    if fabric:
+        host_only["fabric"] = fabric
     return LocalDevice(local_id, "cuda", name, slice_key=nvlink_domain, attributes={"memory_bytes": str(memory_bytes)},
                        host_attributes=host_only)
 
@@ -159,7 +250,38 @@ class CudaPlugin(DevicePlugin):
             return f"NVML did not start ({e}): is an NVIDIA driver installed?"
         return None
 
+    def gpu_count(self) -> int:
+        """How many GPUs NVML sees on this host (0 without a driver or nvidia-ml-py); starts no CUDA context."""
+        return _nvml().nvmlDeviceGetCount() if self.is_available() else 0
+
     def local_devices(self, local_device_ids: Sequence[int] | None = None) -> list[LocalDevice]:
+        nvml, handles, uuids, bus_ids, visible = self._visible()
+        fabric, found = self._fabric(nvml, [handles[index] for index in visible])
+        log.debug("cuda plugin: slices from %s", found.source)
+        for warning in found.warnings:
+            log.warning("cuda plugin: %s", warning)
+        devices = []
+        for local_id, index in enumerate(visible):
+            handle = handles[index]
+            peers = nvlink_gpu_peers(bus_ids[index], self._nvlink_remote_bus_ids(nvml, handle), bus_ids)
+            devices.append(gpu_device(local_id, _text(nvml.nvmlDeviceGetName(handle)),
+                                      nvml.nvmlDeviceGetMemoryInfo(handle).total, found.domains[local_id],
+                                      uuid=uuids[index], nvml_index=index, pci_bus_id=bus_ids[index],
+                                      nvlink_peers=peers, fabric=fabric_text(fabric[local_id])))
+        return select(devices, local_device_ids)
+
+    def nvlink_fabric(self) -> tuple[list[FabricInfo | str], NvlinkDomains]:
+        """The visible GPUs' fabric registrations (or why NVML gives none) and the NVLink domains chosen from them."""
+        nvml, handles, _, _, visible = self._visible()
+        return self._fabric(nvml, [handles[index] for index in visible])
+
+    @staticmethod
+    def _fabric(nvml: Any, handles: Sequence[Any]) -> tuple[list[FabricInfo | str], NvlinkDomains]:
+        fabric = [fabric_info(nvml, handle) for handle in handles]
+        return fabric, nvlink_domains(fabric, socket.gethostname())
+
+    def _visible(self) -> tuple[Any, list[Any], list[str], list[str], list[int]]:
+        """NVML, every GPU's handle, UUID and PCI bus id, and the NVML indices of the visible GPUs in CUDA's order."""
         reason = self.check()
         if reason is not None:
             raise InvalidArgument(f"the cuda plugin cannot list GPUs here: {reason}")
@@ -167,15 +289,7 @@ class CudaPlugin(DevicePlugin):
         handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         uuids = [_text(nvml.nvmlDeviceGetUUID(h)) for h in handles]
         bus_ids = [_text(nvml.nvmlDeviceGetPciInfo(h).busId) for h in handles]
-        domain = socket.gethostname()
-        devices = []
-        for local_id, index in enumerate(visible_gpus(os.environ.get(VISIBLE_ENV), uuids)):
-            handle = handles[index]
-            peers = nvlink_gpu_peers(bus_ids[index], self._nvlink_remote_bus_ids(nvml, handle), bus_ids)
-            devices.append(gpu_device(local_id, _text(nvml.nvmlDeviceGetName(handle)),
-                                      nvml.nvmlDeviceGetMemoryInfo(handle).total, domain, uuid=uuids[index],
-                                      nvml_index=index, pci_bus_id=bus_ids[index], nvlink_peers=peers))
-        return select(devices, local_device_ids)
+        return nvml, handles, uuids, bus_ids, visible_gpus(os.environ.get(VISIBLE_ENV), uuids)
 
     def configure_process(self, local_rank: int, local_world_size: int) -> None:
         """With several processes per host and no CUDA_VISIBLE_DEVICES, gives each its share of the GPUs."""
@@ -197,3 +311,22 @@ class CudaPlugin(DevicePlugin):
             except nvml.NVMLError:
                 break  # no such link, or NVLink not supported
         return remote
+
+
+def fabric_info(nvml: Any, handle: Any) -> FabricInfo | str:
+    """A GPU's fabric registration through NVML, or why there is none (an older driver or GPU without it)."""
+    # nvidia-ml-py passes the structure on as given: it must be a pointer (a structure by value crashes NVML)
+    try:
+        if hasattr(nvml, "c_nvmlGpuFabricInfoV_t"):
+            raw = nvml.c_nvmlGpuFabricInfoV_t()
+            nvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(raw))
+            health = raw.healthMask
+        else:  # nvidia-ml-py before 12.550: no health mask
+            raw = nvml.c_nvmlGpuFabricInfo_t()
+            nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(raw))
+            health = 0
+    except AttributeError:
+        return "this nvidia-ml-py has no fabric info call"
+    except nvml.NVMLError as e:
+        return f"NVML gives no fabric info ({e})"
+    return FabricInfo(int(raw.state), bytes(raw.clusterUuid), int(raw.cliqueId), int(raw.status), int(health))

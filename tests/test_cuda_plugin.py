@@ -1,5 +1,7 @@
-"""The cuda plugin's decisions, without a GPU: sharing GPUs between local ranks, CUDA_VISIBLE_DEVICES, NVLink peers."""
+"""The cuda plugin's decisions, without a GPU: sharing GPUs between local ranks, CUDA_VISIBLE_DEVICES, NVLink peers,
+NVLink domains from the fabric."""
 
+import ctypes
 import re
 
 import pytest
@@ -7,7 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ifrt.errors import InvalidArgument
-from plugins.cuda import gpu_device, nvlink_gpu_peers, split_gpus, visible_gpus, visible_share
+from plugins.cuda import (
+    FabricInfo,
+    fabric_info,
+    gpu_device,
+    nvlink_domains,
+    nvlink_gpu_peers,
+    split_gpus,
+    visible_gpus,
+    visible_share,
+)
 
 UUIDS = [
     "GPU-8a1c4f2e-6b0d-4c1e-9f3a-2d5b7e8c9a01",
@@ -142,3 +153,83 @@ def test_a_gpu_without_nvlink_peers_has_no_peer_list():
     device = gpu_device(0, "NVIDIA L4", 24 << 30, "node-3", uuid=UUIDS[0], nvml_index=0, pci_bus_id=BUS_IDS[0],
                         nvlink_peers=[])
     assert "nvlink_peers" not in device.host_attributes
+
+
+# NVLink domains from the fabric (nvmlDeviceGetGpuFabricInfoV), in the shapes real hosts report
+NVL72 = bytes.fromhex("5c1b0e2a9f4d4c3b8e7a6d5c4b3a2918")  # one GB200 NVL72 rack's cluster uuid
+COMPLETED, NOT_SUPPORTED, NOT_STARTED, IN_PROGRESS = 3, 0, 1, 2
+DEGRADED_BANDWIDTH, UNHEALTHY_ROUTE = 0b01, 0b01 << 4
+HEALTHY = 0b10 | 0b10 << 2 | 0b10 << 4 | 0b10 << 6  # every health field says "false": nothing wrong
+
+
+def nvl72_host(clique: int, gpus: int = 4, health: int = HEALTHY) -> list[FabricInfo]:
+    return [FabricInfo(COMPLETED, NVL72, clique, 0, health) for _ in range(gpus)]
+
+
+def test_hosts_of_one_nvl72_domain_share_one_slice_across_hosts():
+    hosts = [nvlink_domains(nvl72_host(7), f"nvl-host-{h}") for h in range(18)]
+    domains = {d for host in hosts for d in host.domains}
+    assert domains == {"5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7"}
+    assert all(len(host.domains) == 4 and not host.warnings for host in hosts)
+    assert hosts[0].source == "NVLink fabric 5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7"
+
+
+def test_a_rack_split_into_two_partitions_gives_two_slices():
+    first = [nvlink_domains(nvl72_host(1), f"h{h}").domains[0] for h in range(9)]
+    second = [nvlink_domains(nvl72_host(2), f"h{h}").domains[0] for h in range(9, 18)]
+    assert len(set(first)) == len(set(second)) == 1
+    assert first[0] != second[0] and first[0].split("/")[0] == second[0].split("/")[0]
+
+
+@pytest.mark.parametrize(("fabric", "why"), [
+    ([FabricInfo(NOT_SUPPORTED)] * 8, "GPU 0 is in no NVLink fabric: fabric state not supported (and 7 more GPUs)"),
+    (["NVML gives no fabric info (Not Supported)"], "GPU 0 is in no NVLink fabric: NVML gives no fabric info"),
+    ([FabricInfo(NOT_STARTED, NVL72, 7)], "fabric state not started"),
+    ([FabricInfo(IN_PROGRESS, NVL72, 7)], "fabric state in progress"),
+    ([FabricInfo(COMPLETED, bytes(16), 0)], "fabric cluster uuid is all zero"),
+    ([FabricInfo(COMPLETED, NVL72, 7, status=999)], "fabric registration failed (NVML status 999)"),
+    ([*nvl72_host(7, 3), FabricInfo(NOT_STARTED, NVL72, 7)], "GPU 3 is in no NVLink fabric: fabric state not started"),
+])
+def test_without_a_complete_fabric_every_gpu_of_the_host_is_the_hosts_slice(fabric, why):
+    found = nvlink_domains(fabric, "hgx-node-12")
+    assert found.domains == ["hgx-node-12"] * len(fabric)
+    assert found.source.startswith("host hgx-node-12: ") and why in found.source
+
+
+def test_a_degraded_fabric_keeps_its_domain_and_says_what_is_wrong():
+    fabric = nvl72_host(7, 2) + nvl72_host(7, 1, DEGRADED_BANDWIDTH | UNHEALTHY_ROUTE)
+    found = nvlink_domains(fabric, "nvl-host-3")
+    assert found.domains == ["5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7"] * 3
+    assert found.warnings == ["GPU 2 in NVLink domain 5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7: degraded bandwidth, "
+                              "unhealthy route"]
+
+
+def test_a_gpus_fabric_state_stays_on_its_host():
+    device = gpu_device(0, "NVIDIA GB200", 192 << 30, "5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7", uuid=UUIDS[0],
+                        nvml_index=0, pci_bus_id=BUS_IDS[0], nvlink_peers=[], fabric="fabric state not started")
+    assert device.host_attributes["fabric"] == "fabric state not started"
+    assert device.slice_key == "5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7"
+
+
+class FabricInfoV(ctypes.Structure):
+    """nvidia-ml-py's c_nvmlGpuFabricInfoV_t (version 2): the layout NVML writes."""
+
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_int),
+                ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint8), ("healthMask", ctypes.c_uint32)]
+
+
+class NvmlLibrary:
+    """NVML's fabric call as the C library behaves: it writes through the pointer it is given. Given a structure
+    by value instead (as the first version of the plugin did), the real library crashed the process on an H200."""
+
+    NVMLError = RuntimeError
+    c_nvmlGpuFabricInfoV_t = FabricInfoV
+
+    def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
+        assert type(info).__name__ == "CArgObject", f"NVML needs a pointer to the structure, got {type(info)}"
+        target = info._obj
+        target.clusterUuid[:], target.cliqueId, target.state, target.healthMask = NVL72, 7, COMPLETED, HEALTHY
+
+
+def test_the_fabric_call_gives_nvml_a_pointer_and_reads_back_what_it_wrote():
+    assert fabric_info(NvmlLibrary(), handle=object()) == FabricInfo(COMPLETED, NVL72, 7, 0, HEALTHY)

@@ -192,9 +192,9 @@ class FakeJaxDevice:
     process_index: int
 
 
-def two_by_two() -> Topology:
+def two_by_two(platform: str = "cpu") -> Topology:
     processes = (Process(0, "a", ""), Process(1, "b", ""))
-    devices = tuple(Device(p << 17 | i, p, i, "cpu", "cpu") for p in (0, 1) for i in (0, 1))
+    devices = tuple(Device(p << 17 | i, p, i, platform, platform) for p in (0, 1) for i in (0, 1))
     return Topology(wire.encode(TopologyContent("", 1, 2, processes, devices)), 0)
 
 
@@ -214,6 +214,14 @@ def test_device_mismatch_names_the_process_and_both_device_lists():
                        r"but its JAX has 2 devices \[cuda:0, cuda:1\]"):
         ifrt.jax.check_devices(two_by_two(), views)
     ifrt.jax.check_devices(two_by_two(), {0: [cpu, cpu], 1: [cpu, cpu]})
+
+
+def test_gpus_the_cuda_plugin_registered_are_the_gpus_jax_has():
+    gpu = {"platform": "gpu", "kind": "NVIDIA H100 80GB HBM3"}
+    ifrt.jax.check_devices(two_by_two("cuda"), {0: [gpu, gpu], 1: [gpu, gpu]})  # JAX says gpu, the plugin cuda
+    with pytest.raises(ifrt.TopologyError, match=r"ifrt's topology has 2 devices \[cuda:0, cuda:1\] but its JAX "
+                       r"has 2 devices \[cpu:0, cpu:1\]"):
+        ifrt.jax.check_devices(two_by_two("cuda"), {0: [gpu, gpu], 1: [{"platform": "cpu", "kind": "cpu"}] * 2})
 
 
 @pytest.mark.slow
