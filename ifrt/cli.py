@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ifrt import reachability, render
+from ifrt import render, variables, waiting
 from ifrt.client import Client
 from ifrt.errors import IfrtError
 from ifrt.settings import (
@@ -134,19 +134,22 @@ _LAUNCHER_FIELDS = ("coordinator", "process_id", "num_processes", "local_rank", 
 def _env(as_json: bool) -> int:
     launchers = [{"source": found.source, **{f: getattr(found, f) for f in _LAUNCHER_FIELDS}}
                  for found in present_launchers()]
+    unknown = variables.unknown(os.environ)
     try:
         settings = resolve()
     except IfrtError as e:
         if as_json:
-            print(json.dumps({"launchers": launchers, "error": str(e)}))
+            print(json.dumps({"launchers": launchers, "unknown_variables": unknown, "error": str(e)}))
         else:
+            _print_unknown(unknown)
             _print_launchers(launchers)
             print(f"discover() would fail: {e}")
         return 1
     shown = {field: _shown(field, value) for field, value in vars(settings).items()}
     if as_json:
-        print(json.dumps({"launchers": launchers, "settings": shown}, default=str))
+        print(json.dumps({"launchers": launchers, "settings": shown, "unknown_variables": unknown}, default=str))
         return 0
+    _print_unknown(unknown)
     _print_launchers(launchers)
     for field, value in shown.items():
         if field == "cluster_id" and not value:
@@ -158,6 +161,11 @@ def _env(as_json: bool) -> int:
                "directly: ifrt ignores them (set IFRT_USE_PROXY=1 to go through the proxy)")
         print(f"proxy: {', '.join(proxies)} set; the coordinator is dialled {how}")
     return 0
+
+
+def _print_unknown(lines: list[str]) -> None:
+    for line in lines:
+        print(f"warning: {line}")
 
 
 def _print_launchers(launchers: list[dict[str, object]]) -> None:
@@ -241,7 +249,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs one command; a reader that closes the output early (``ifrt status | head``) ends it quietly."""
+    """Runs one command; a reader that closes the output early (``ifrt status | head``) ends it quietly, and so does
+    Ctrl-C (exit 130, as a shell reports a process ended by SIGINT)."""
     try:
         code = _run(parser().parse_args(argv))
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
@@ -249,12 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes at exit
         return 141  # as a shell reports a process ended by SIGPIPE
+    except KeyboardInterrupt:
+        print("ifrt: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _log_to_stderr(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger(reachability.log.name).setLevel(logging.INFO)  # a coordinator out of reach: said, -v or not
+    waiting.log.setLevel(logging.INFO)  # what a wait waits for (an unreachable coordinator, peers): said, -v or not
 
 
 def _run(args: argparse.Namespace) -> int:

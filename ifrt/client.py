@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -14,7 +15,7 @@ import grpc
 from google.protobuf.message import Message
 
 from ifrt import preflight as _preflight
-from ifrt import wire
+from ifrt import variables, waiting, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.connection import Connection
@@ -55,6 +56,7 @@ class Client:
     def __init__(self, coordinator: str | Sequence[str] | None = None, *, session: bool = True,
                  transfer: bool = True, config: ClientConfig = DEFAULTS, **options: Unpack[ProcessOptions]) -> None:
         self.settings: Settings = resolve(coordinator, **options)
+        variables.warn_unknown(os.environ if options.get("environ") is None else options["environ"])
         self.config = config
         self.endpoint: Endpoint | None = None
         self._want_transfer = transfer
@@ -204,7 +206,9 @@ class Client:
         next_progress_line = 0.0
 
         def wait_s(remaining: float) -> float:  # answered a little before our deadline: the last answer names who
-            return min(c.poll_s, max(0.0, remaining - min(0.5, remaining / 4)))  # is missing
+            # is missing; the first answer soon, so that a wait is said within seconds
+            longest = c.poll_s if progress is not None else min(c.poll_s, c.first_report_s)
+            return min(longest, max(0.0, remaining - min(0.5, remaining / 4)))
 
         def attempt(remaining: float) -> pb.RegisterRequest:
             request.wait_ms = int(wait_s(remaining) * 1000)
@@ -226,9 +230,9 @@ class Client:
             now = time.monotonic()
             if now >= next_progress_line:  # spaced: the short calls near the deadline do not each log a line
                 next_progress_line = now + c.poll_s
-                log.log(logging.WARNING if now - start >= c.warn_after_s else logging.INFO,
-                        "waiting for the topology from %s (%.0fs so far): %s", self._connection.current(),
-                        now - start, progress.describe())
+                waiting.say(logging.WARNING if now - start >= c.warn_after_s else logging.INFO,
+                            "waiting for the topology from %s (%.0fs so far): %s", self._connection.current(),
+                            now - start, progress.describe())
 
     def _withdraw(self) -> None:
         """Takes back the registration of a discover() that gave up, so a job is never completed (and published)

@@ -40,7 +40,10 @@ class ClientConfig:
     warn_after_s: float = 30.0
     """Progress lines, and reports of a coordinator out of reach, are INFO until discover() has waited (or the
     coordinator has been out of reach) this long, then WARNING (shown without logging setup)."""
-    unreachable_report_after_s: float = 2.0
+    first_report_s: float = 1.5
+    """The first Register call waits at most this long, so that a process still waiting says so this soon (on
+    stderr when the program set up no logging: ``ifrt.waiting``); then one line per ``poll_s``."""
+    unreachable_report_after_s: float = 1.5
     """A coordinator unreachable this long is reported (shorter outages, e.g. a replica failover, pass silently)."""
     unreachable_report_every_s: float = 5.0
     """...and then again this often while it stays unreachable."""

@@ -106,14 +106,14 @@ class Connection:
         """The typed error of a call to ``target`` that failed: raised when retrying cannot fix it (among them a
         TLS/plaintext mismatch or a refused certificate, found now); else returned, after moving on to the next
         replica and a backoff pause. ``report`` logs, paced, why a replica cannot be reached until ``deadline``."""
-        if (cause := unreached_cause(error)) is not None:
-            if (problem := certificate_problem(cause, target, self.settings.tls_ca)) is not None:
-                raise CertificateRejected(problem)
-            if report is not None:
-                report.failed(target, cause, deadline)
+        cause = unreached_cause(error)
+        if cause is not None and (problem := certificate_problem(cause, target, self.settings.tls_ca)) is not None:
+            raise CertificateRejected(problem)
         typed = from_rpc_error(error, target)
         if not typed.retryable:
             raise typed from None
+        if report is not None:
+            report.failed(target, cause or _details(error), deadline, reached=cause is None)
         self.check_transport(target)
         self.rotate(target)
         if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -139,6 +139,7 @@ class Connection:
         a call waits for a connection only to the one replica there is, once it answered: a new one fails fast, so
         that a transport mismatch is probed for at once."""
         last_error: IfrtError | None = None
+        report = report or UnreachableReport(self.config)
         single = len(self.settings.coordinators) == 1
         while (remaining := deadline - time.monotonic()) > 0:
             target = self.current()
@@ -150,8 +151,7 @@ class Connection:
                 last_error = self.failed(e, target, report, deadline)
                 continue
             self.answered(target)
-            if report is not None:
-                report.reached()
+            report.reached()
             return answer
         if give_up is not None:
             raise give_up(last_error)
@@ -166,3 +166,7 @@ class Connection:
             self._stubs.clear()
         for channel in channels:
             channel.close()
+
+
+def _details(error: grpc.RpcError) -> str:
+    return (error.details() if hasattr(error, "details") else None) or str(error)

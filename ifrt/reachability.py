@@ -13,11 +13,10 @@ import time
 
 import grpc
 
+from ifrt import waiting
 from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.hostport import split_host_port
-
-log = logging.getLogger("ifrt.client.connect")
-"""Lines about a coordinator that cannot be reached (the CLI shows them without --verbose)."""
+from ifrt.waiting import Pacer
 
 _CONNECT_FAILURE = "failed to connect to all addresses"
 _PREFIXES = re.compile(r"^(?:(?:UNKNOWN|UNAVAILABLE|UNAUTHENTICATED|INTERNAL): )*(?:ipv[46]:\S+?: )?"
@@ -52,27 +51,28 @@ def certificate_problem(cause: str, target: str, ca_file: str | None) -> str | N
 
 
 class UnreachableReport:
-    """Logs, a few seconds into an outage and then every few seconds, which coordinator cannot be reached and why."""
+    """Says, within seconds of an outage and then every few seconds, which coordinator cannot be reached or does not
+    serve (a standby, one that stepped down) and why, through ``ifrt.waiting``."""
 
     def __init__(self, config: ClientConfig = DEFAULTS) -> None:
         self._config = config
-        self._since: float | None = None
-        self._next = 0.0
+        self._pacer: Pacer | None = None
         self.cause: str | None = None
         """The latest cause seen (kept after the coordinator answers, for a final error)."""
 
-    def failed(self, target: str, cause: str, deadline: float) -> None:
-        """Notes one failed attempt on ``target``; logs when a report is due."""
+    def failed(self, target: str, cause: str, deadline: float, *, reached: bool = False) -> None:
+        """Notes one failed attempt on ``target`` (``reached``: it answered, but not as a serving leader); says so
+        when a report is due."""
         now = time.monotonic()
         self.cause = f"{target}: {cause}"
-        if self._since is None:
-            self._since, self._next = now, now + self._config.unreachable_report_after_s
-        if now < self._next:
+        if self._pacer is None:
+            self._pacer = Pacer(self._config.unreachable_report_after_s, self._config.unreachable_report_every_s, now)
+        if not self._pacer.due(now):
             return
-        self._next = now + self._config.unreachable_report_every_s
-        level = logging.WARNING if now - self._since >= self._config.warn_after_s else logging.INFO
-        log.log(level, "cannot reach %s: %s (retrying for %.0f s more)", target, cause, max(0.0, deadline - now))
+        level = logging.WARNING if self._pacer.waited(now) >= self._config.warn_after_s else logging.INFO
+        what = "no serving coordinator at" if reached else "cannot reach"
+        waiting.say(level, "%s %s: %s (retrying for %.0f s more)", what, target, cause, max(0.0, deadline - now))
 
     def reached(self) -> None:
         """A coordinator answered: the next outage is reported afresh."""
-        self._since = None
+        self._pacer = None

@@ -17,16 +17,18 @@ ends it at once in every process (BarrierFailed naming it).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ifrt import events
+from ifrt import events, waiting
 from ifrt.client import Client
 from ifrt.connection import Backoff
 from ifrt.errors import BarrierFailed, DiscoveryTimeout, KeyValueTimeout
 from ifrt.topology import Topology
+from ifrt.waiting import Pacer
 
 RECHECK_S = 1.0
 """How often a waiting process reads the records again and checks for failed peers."""
@@ -48,6 +50,7 @@ class StartupExchange:
         self.leader_nonce: str | None = None
         """Process 0's nonce for that start."""
         self._failed: dict[int, str] = {}
+        self._pacer = Pacer(client.config.first_report_s, client.config.poll_s)
         client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
 
     def exchange(self, answer: dict[str, Any], record: Callable[[], dict[str, Any]] = dict) -> dict[str, Any]:
@@ -130,10 +133,16 @@ class StartupExchange:
         return json.loads(self.client.kv_get(key, timeout=timeout))
 
     def _check_deadline(self, what_is_missing: Callable[[], str]) -> None:
+        """Raises what ended the wait (a failed peer, the deadline); says every few seconds what it waits for."""
         self.check_failures()
         if self._remaining() <= 0:
             raise DiscoveryTimeout(f"{self.what} of process {self.topology.process_id} timed out: "
                                    f"{what_is_missing()} (topology generation {self.topology.generation})")
+        if self._pacer.due():
+            waited = self._pacer.waited()
+            waiting.say(logging.WARNING if waited >= self.client.config.warn_after_s else logging.INFO,
+                        "%s of process %d waiting (%.0fs so far, %.0fs left): %s", self.what,
+                        self.topology.process_id, waited, self._remaining(), what_is_missing())
 
     def _missing_joins(self, leader: str | None = None) -> str:
         joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}

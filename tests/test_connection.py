@@ -74,12 +74,12 @@ def test_discovery_and_the_session_take_one_connection_and_no_probe(relay):
 def test_the_client_runs_by_its_config(start_coordinator, caplog):
     coordinator = start_coordinator(num_processes=2)
     config = ClientConfig(poll_s=0.2)  # one Register call waits at most this long: a progress line after each
-    caplog.set_level(logging.INFO, logger="ifrt.client")
+    caplog.set_level(logging.INFO, logger="ifrt.wait")
     with ifrt.Client(coordinator.address, process_id=0, transfer=False, timeout=2.0, config=config) as client, \
             pytest.raises(ifrt.DiscoveryTimeout, match=r"missing process ids \[1\]"):
         client.discover()
     lines = [r for r in caplog.records if r.getMessage().startswith("waiting for the topology")]
-    assert len(lines) >= 4, [r.getMessage() for r in lines]  # the default (5 s per call) logs one in 2 s
+    assert len(lines) >= 4, [r.getMessage() for r in lines]  # the default (1.5 s, then 5 s per call): one in 2 s
 
 
 @pytest.mark.parametrize(("field", "value"), [("poll_s", 0), ("events_kept", -1), ("backoff_cap_s", float("inf"))])
