@@ -1,5 +1,6 @@
 """What the coordinator logs of its decisions: one line per admission and per job event, with the fields
-``--log-format json`` carries (event, process id, host)."""
+``--log-format json`` carries (event, process id, host). Callers' text in the message is escaped (``ifrt.safe_text``),
+so a hostname or reason cannot start a line of its own or a terminal escape, whatever handler prints it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 from coordinator.effects import Admitted
 from coordinator.state import ClusterState
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
+from ifrt.safe_text import safe
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -25,7 +27,7 @@ def log_admitted(admitted: Admitted) -> None:
         waiting = f"waiting for process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}"
     else:
         waiting = f"waiting for {missing} more"
-    log.info("registered %s on %s with %d devices: %d/%d registered, %s", who, r.describe(), len(r.devices),
+    log.info("registered %s on %s with %d devices: %d/%d registered, %s", who, safe(r.describe()), len(r.devices),
              admitted.registered, admitted.expected, waiting,
              extra={"event": "registered", "process_id": r.process_id, "host": r.hostname,
                     "host_address": r.host_address})
@@ -33,10 +35,10 @@ def log_admitted(admitted: Admitted) -> None:
 
 def log_event(event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice, state: ClusterState) -> None:
     """One line for a job event, naming the process and its host."""
-    who = state.describe_process(event.process_id)
+    who = safe(state.describe_process(event.process_id))
     match event:
         case ProcessFailed(process_id=pid, reason=reason):
-            log.warning("process %s failed: %s", who, reason,
+            log.warning("process %s failed: %s", who, safe(reason),
                         extra=_about(state, pid, "process_failed", reason=reason))
         case ProcessRestarted(process_id=pid, incarnation=incarnation):
             log.info("process %s restarted (incarnation %d)", who, incarnation,

@@ -1,10 +1,14 @@
-"""The coordinator's log formats: text for people (the default), or one JSON object per line for log pipelines."""
+"""The coordinator's log formats: text for people (the default), or one JSON object per line for log pipelines.
+Either way one record is one line: text from callers (hostnames, reasons, key names) is escaped
+(``ifrt.safe_text``) in text, and JSON escapes every control and non-ASCII character."""
 
 from __future__ import annotations
 
 import json
 import logging
 from datetime import UTC, datetime
+
+from ifrt.safe_text import SafeFormatter
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FIELDS = ("event", "process_id", "host", "host_address", "generation", "fingerprint", "incarnation", "reason")
@@ -40,5 +44,5 @@ class JsonFormatter(logging.Formatter):
 def configure(level: str, log_format: str, cluster_id: str) -> None:
     """Sends the process's logs to stderr as ``text`` or ``json`` lines."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter(cluster_id) if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter(cluster_id) if log_format == "json" else SafeFormatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -1,6 +1,8 @@
 """The status page an operator opens in a browser on the metrics port: the status view as HTML around the cluster's
 SVG picture (``ifrt.status_svg``), refreshing itself. Pure: view dicts in, text out; everything inline, no asset
-fetched from anywhere, so it works offline."""
+fetched from anywhere, so it works offline. Every string shown is escaped for HTML and made safe
+(``ifrt.safe_text``): a control or bidi character a caller sent shows as an escape and cannot reorder the page's
+own text."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from html import escape
 from typing import Any
 
 from ifrt import status_svg
+from ifrt.safe_text import safe
 
 REFRESH_S = 2.0
 """How often an open page asks for the view again."""
@@ -37,22 +40,22 @@ def page(view: dict[str, Any]) -> str:
     title = f"ifrt cluster {view.get('cluster_id', '')}: {view.get('state', '')}"
     # The relative fetch resolves against /status as against /, so the base is the page's own folder.
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
-            f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>"
+            f"<title>{_shown(title)}</title><style>{_STYLE}</style></head><body>"
             f"<div id=\"view\">{fragment(view)}</div><p id=\"note\"></p>"
             f"<script>{_SCRIPT}</script></body></html>")
 
 
 def fragment(view: dict[str, Any]) -> str:
     """What the page shows of one view: the summary, the picture, the processes in trouble, the events."""
-    parts = [f"<h1>cluster {escape(str(view.get('cluster_id', '')))}: "
-             f"<span class=\"state\">{escape(str(view.get('state', '')))}</span></h1>", _summary(view)]
+    parts = [f"<h1>cluster {_shown(view.get('cluster_id', ''))}: "
+             f"<span class=\"state\">{_shown(view.get('state', ''))}</span></h1>", _summary(view)]
     leader_view = view.get("leader_view")
     if view.get("state") == "standby":
         if leader_view is None:
-            parts.append("<p>This replica stands by. " + escape(view.get("leader_error") or "")
+            parts.append("<p>This replica stands by. " + _shown(view.get("leader_error") or "")
                          + " Open the leader's page for the cluster.</p>")
             return "".join(parts)
-        parts.append(f"<p>This replica stands by; what the leader {escape(str(view.get('leader') or ''))} "
+        parts.append(f"<p>This replica stands by; what the leader {_shown(view.get('leader') or '')} "
                      "reports:</p>")
         parts.append(fragment({**leader_view, "replicas": view.get("replicas", [])}))
         return "".join(parts)
@@ -98,7 +101,7 @@ def _summary(view: dict[str, Any]) -> str:
         rows.append(("reason", view["reason"]))
     rows.append(("replicas", ", ".join(f"{r['address']} {r['role']}" for r in view.get("replicas", []))))
     rows.append(("store", str(view.get("store", ""))))
-    return "<dl>" + "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows) + "</dl>"
+    return "<dl>" + "".join(f"<dt>{_shown(k)}</dt><dd>{_shown(v)}</dd>" for k, v in rows) + "</dl>"
 
 
 def _listed(title: str, lines: list[str], cls: str) -> str:
@@ -106,8 +109,13 @@ def _listed(title: str, lines: list[str], cls: str) -> str:
         return ""
     more = f"<li>and {len(lines) - MAX_LISTED} more</li>" if len(lines) > MAX_LISTED else ""
     attr = f' class="{cls}"' if cls else ""
-    return (f"<h2>{escape(title)}</h2><ul{attr}>" + "".join(f"<li>{escape(line)}</li>" for line in
+    return (f"<h2>{_shown(title)}</h2><ul{attr}>" + "".join(f"<li>{_shown(line)}</li>" for line in
                                                            lines[:MAX_LISTED]) + more + "</ul>")
+
+
+def _shown(text: object) -> str:
+    """Text as the page shows it: controls and bidi characters escaped visibly, then HTML-escaped."""
+    return escape(safe(text))
 
 
 def wsgi_app(metrics_app: Callable, read_view: Callable[[], dict[str, Any]]) -> Callable:

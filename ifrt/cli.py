@@ -11,6 +11,7 @@ import sys
 from ifrt import render, variables, waiting
 from ifrt.client import Client
 from ifrt.errors import IfrtError
+from ifrt.safe_text import safe, safe_lines
 from ifrt.settings import (
     COORDINATOR_ENV,
     NUM_PROCESSES_ENV,
@@ -143,7 +144,7 @@ def _env(as_json: bool) -> int:
         else:
             _print_unknown(unknown)
             _print_launchers(launchers)
-            print(f"discover() would fail: {e}")
+            print(f"discover() would fail: {safe(e)}")
         return 1
     shown = {field: _shown(field, value) for field, value in vars(settings).items()}
     if as_json:
@@ -193,7 +194,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         settings = resolve(args.coordinator, token_file=args.token_file)
     except IfrtError as e:
-        print(f"ifrt status: {e}", file=sys.stderr)
+        print(f"ifrt status: {safe(e)}", file=sys.stderr)
         return 2
     reports = 0
     try:
@@ -201,7 +202,7 @@ def _status(args: argparse.Namespace) -> int:
             try:
                 view = status.query(settings, args.timeout)
             except IfrtError as e:
-                print(f"ifrt status: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                print(f"ifrt status: {type(e).__name__}: {safe(e)}", file=sys.stderr, flush=True)
                 if args.watch is None:
                     return 1
             else:
@@ -242,9 +243,9 @@ def _doctor(args: argparse.Namespace) -> int:
             client.discover()
             report = client.preflight(args.check_timeout)
     except IfrtError as e:
-        print(f"ifrt doctor: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ifrt doctor: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return 1
-    print(json.dumps(report.to_dict()) if args.json else report.describe(), flush=True)
+    print(json.dumps(report.to_dict()) if args.json else safe_lines(report.describe()), flush=True)
     return 0 if report.ok else 1
 
 
@@ -289,7 +290,7 @@ def _run(args: argparse.Namespace) -> int:
                     token_file=args.token_file) as client:
             topology = client.discover()
     except IfrtError as e:
-        print(f"ifrt discover: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ifrt discover: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return 1
     if args.json:
         print(topology.to_json())

@@ -1,16 +1,19 @@
-"""Human-readable views of a topology, for the demo and ``ifrt discover`` without --json."""
+"""Human-readable views of a topology, for the demo and ``ifrt discover`` without --json. Names that processes sent
+(hosts, platforms, kinds) are escaped for the terminal (``ifrt.safe_text``)."""
 
 from __future__ import annotations
 
+from ifrt.safe_text import safe
 from ifrt.topology import Topology
 
 
 def table(topology: Topology) -> str:
     """One row per device: process, host, global id, local id, platform, kind, slice."""
-    hosts = {p.process_id: p.hostname for p in topology.processes}
+    hosts = {p.process_id: safe(p.hostname) for p in topology.processes}
     header = ("process", "host", "global id", "local id", "platform", "kind", "slice")
     rows = [header] + [
-        (str(d.process_id), hosts[d.process_id], str(d.id), str(d.local_id), d.platform, d.kind, str(d.slice_index))
+        (str(d.process_id), hosts[d.process_id], str(d.id), str(d.local_id), safe(d.platform), safe(d.kind),
+         str(d.slice_index))
         for d in topology.devices
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -1,6 +1,7 @@
 """The cluster as an SVG picture, drawn from the status view (``ifrt status --json``'s dict): hosts as boxes holding
 their processes and devices, grouped by slice; trouble marked by color, the reason and heartbeat age on hover.
-Pure: no I/O, no clock; the same view gives the same bytes."""
+Pure: no I/O, no clock; the same view gives the same bytes. Every string a caller sent is escaped for XML and made
+safe (``ifrt.safe_text``): no control or bidi character reaches the picture, so none can reorder its text."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 from collections.abc import Iterable
 from html import escape
 from typing import Any
+
+from ifrt.safe_text import safe
 
 MARKS = ("failed", "missing", "restarting", "slow", "left", "joining", "alive")
 """How a process is drawn, worst first: a tile of many processes takes the color of its worst one."""
@@ -52,10 +55,10 @@ def processes_with_missing(view: dict[str, Any]) -> list[dict[str, Any]]:
 def describe(process: dict[str, Any], heartbeat_timeout_s: float) -> str:
     """One line about a process for a tooltip or a list: id, host, mark, reason, heartbeat age."""
     pid = "?" if process["process_id"] is None else process["process_id"]
-    where = process["host"] + (f" ({process['host_address']})" if process.get("host_address") else "")
+    where = safe(process["host"]) + (f" ({safe(process['host_address'])})" if process.get("host_address") else "")
     text = f"process {pid} on {where}: {mark(process, heartbeat_timeout_s)}"
     if process.get("reason"):
-        text += f", {process['reason']}"
+        text += f", {safe(process['reason'])}"
     if process["state"] != "missing":
         text += f"; heard from {process.get('heartbeat_age_s', 0.0):.1f}s ago"
         if process.get("incarnation", 0) > 0:
@@ -80,7 +83,7 @@ def svg(view: dict[str, Any]) -> str:
         body, height, width = _tiles(hosts, timeout, top)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" font-family="sans-serif" font-size="11" role="img">'
-            f'<title>cluster {escape(str(view.get("cluster_id", "")))}: {escape(str(view.get("state", "")))}</title>'
+            f'<title>cluster {_shown(view.get("cluster_id", ""))}: {_shown(view.get("state", ""))}</title>'
             f'<style>.note{{fill:#555}}.id{{font-size:9px;fill:#fff}}.host{{font-weight:bold}}</style>'
             + "".join(legend) + "".join(body) + "</svg>")
 
@@ -191,7 +194,7 @@ def _tiles(hosts: list[tuple[tuple, list[dict[str, Any]]]], timeout: float, top:
 def _tile_title(chunk: list[tuple[tuple, list[dict[str, Any]]]], members: list[dict[str, Any]], marks: list[str],
                 timeout: float) -> str:
     first, last = chunk[0][0], chunk[-1][0]
-    names = first[1] if len(chunk) == 1 else f"{first[1]} .. {last[1]} ({len(chunk)} hosts)"
+    names = safe(first[1]) if len(chunk) == 1 else f"{safe(first[1])} .. {safe(last[1])} ({len(chunk)} hosts)"
     tally = ", ".join(f"{marks.count(m)} {m}" for m in MARKS if m in marks)
     trouble = [describe(p, timeout) for p, m in zip(members, marks, strict=True) if m not in ("alive", "joining")]
     lines = [f"{names}: {len(members)} processes, {tally}", *trouble[:5]]
@@ -202,7 +205,12 @@ def _tile_title(chunk: list[tuple[tuple, list[dict[str, Any]]]], members: list[d
 
 def _text(x: float, y: float, text: str, cls: str = "") -> str:
     attr = f' class="{cls}"' if cls else ""
-    return f'<text x="{x}" y="{y}"{attr}>{escape(text)}</text>'
+    return f'<text x="{x}" y="{y}"{attr}>{_shown(text)}</text>'
+
+
+def _shown(text: object) -> str:
+    """A caller's text as the picture shows it: controls and bidi characters escaped visibly, then XML-escaped."""
+    return escape(safe(text))
 
 
 def trouble(view: dict[str, Any]) -> Iterable[str]:

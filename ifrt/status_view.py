@@ -1,11 +1,13 @@
 """The status view: a Status answer as plain values (what ``ifrt status --json`` prints and the coordinator's page
-draws), and as text for a terminal. Both sides use it; it imports no client code."""
+draws), and as text for a terminal. Both sides use it; it imports no client code. In the text, every string a
+caller sent (cluster id, hosts, addresses, reasons) is escaped for the terminal (``ifrt.safe_text``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.safe_text import safe
 
 STANDBY = "standby"
 LEADER = "leader"
@@ -58,6 +60,7 @@ def _process(p: pb.ProcessStatus) -> dict[str, Any]:
 
 def render(view: dict[str, Any]) -> str:
     """The report as text for a terminal: a summary, then one row per process."""
+    view = _shown(view)
     lines = [f"cluster {view['cluster_id']}: {view['state']}"]
     if view["state"] == STANDBY:
         lines.append(f"leader:     {view['leader'] or 'unknown'}")
@@ -86,6 +89,17 @@ def render(view: dict[str, Any]) -> str:
         lines.append("")
         lines.append(_table(view["processes"]))
     return "\n".join(lines)
+
+
+def _shown(value: Any) -> Any:
+    """``value`` with every string in it made safe for a terminal (numbers and the structure as they are)."""
+    if isinstance(value, str):
+        return safe(value)
+    if isinstance(value, dict):
+        return {k: _shown(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shown(v) for v in value]
+    return value
 
 
 def _where(p: dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ from ifrt.run.agent import (
 )
 from ifrt.run.job import JobLink
 from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
+from ifrt.safe_text import SafeFormatter, safe
 from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from ifrt.transfer import local_address_toward
 
@@ -77,18 +78,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Runs the agent until the job ends here; its exit code (see docs/failures.md)."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="ifrt run: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SafeFormatter("ifrt run: %(message)s"))  # hosts and reasons from the wire, escaped
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     for name in ("ifrt.client", "ifrt.settings"):  # the agent's own lines only; their warnings still show
         logging.getLogger(name).setLevel(logging.WARNING)
     command = args.worker_command[1:] if args.worker_command[:1] == ["--"] else args.worker_command
     problem = _check(args, command)
     if problem is not None:
-        print(f"ifrt run: {problem}", file=sys.stderr)
+        print(f"ifrt run: {safe(problem)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         link = JobLink(args.coordinator, failfast.failover_window_from_env(), token_file=args.token_file)
     except IfrtError as e:
-        print(f"ifrt run: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ifrt run: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return EXIT_USAGE
     with link:
         return Shell(args, command, link).run()
