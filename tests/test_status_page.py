@@ -11,13 +11,16 @@ import subprocess
 import urllib.request
 import xml.etree.ElementTree as ET
 import zlib
+from html import unescape as html_unescape
 from pathlib import Path
 
+import grpc
 import pytest
 
 from coordinator.status_page import events, fragment, page
 from ifrt import status_svg
-from tests.helpers import FAILED_REASON, HOST, ifrt_status, metrics_port, wait_status
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
+from tests.helpers import FAILED_REASON, HOST, ifrt_status, metrics_port, register_request, wait_status
 from tests.replicas import leader_and_standby
 from tests.requirements import require
 from tests.workers import Worker
@@ -213,3 +216,64 @@ def test_restarting_slow_and_missing_processes_are_marked_with_why_on_hover():
     assert "process 2 on host-00002 (10.0.0.2): slow; heard from 6.0s ago" in picture
     assert "process 3 on (not registered): missing, has not registered" in picture
     assert "process 1 on host-00001 restarted (incarnation 1)" in events(view)
+
+
+MEASURE = """<script>
+// Where the browser drew each letter of the page's own words on the lines about processes, in the text's order.
+const lines = [];
+for (const li of document.querySelectorAll('#view li')) {
+  const found = [];
+  const walker = document.createTreeWalker(li, NodeFilter.SHOW_TEXT);
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    for (const word of ['process', 'failed', 'lost', 'connection', 'within', 'heard']) {
+      for (let at = node.data.indexOf(word); at >= 0; at = node.data.indexOf(word, at + 1)) {
+        const x = [];
+        let top = 0;
+        for (let i = at; i < at + word.length; i++) {
+          const range = document.createRange();
+          range.setStart(node, i);
+          range.setEnd(node, i + 1);
+          x.push(range.getBoundingClientRect().left);
+          top = Math.round(range.getBoundingClientRect().top);
+        }
+        found.push({word: word, at: at, x: x, top: top});
+      }
+    }
+  }
+  found.sort((a, b) => a.at - b.at);
+  lines.push(found);
+}
+const out = document.createElement('pre');
+out.id = 'measured';
+out.textContent = JSON.stringify(lines);
+document.body.appendChild(out);
+</script>"""
+
+
+def test_a_hostname_with_bidi_overrides_cannot_reverse_the_pages_own_text(start_coordinator, tmp_path):
+    """A process registers from the wire with a hostname holding RIGHT-TO-LEFT OVERRIDE, then fails: in Chromium,
+    the page's own words on the lines about it are drawn left to right, letters and words in order, and the
+    override shows as an escape."""
+    coordinator = start_coordinator("--heartbeat-timeout", "1", "--metrics-port", "0", "--metrics-bind",
+                                    "127.0.0.1", num_processes=1)
+    host = "evil\u202eXYZ"
+    with grpc.insecure_channel(coordinator.address) as channel:
+        CoordinatorStub(channel).Register(register_request(0, hostname=host, num_processes=1), timeout=30)
+    wait_status(coordinator.address, lambda v: v["state"] == "degraded")
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(coordinator)}/", timeout=10) as answer:
+        html = answer.read().decode()
+    assert "\u202e" not in html and "evil\\u202eXYZ" in html
+    saved = tmp_path / "page.html"  # the coordinator's page as served, with a script that reads the layout
+    saved.write_text(html.replace("</body>", MEASURE + "</body>"))
+    dom = chromium(tmp_path, "--virtual-time-budget=1000", "--dump-dom", saved.as_uri())
+    assert dom.returncode == 0, dom.stderr
+    measured = re.search(r'<pre id="measured">(.*?)</pre>', dom.stdout, re.S)
+    assert measured, dom.stdout[-2000:]
+    lines = json.loads(html_unescape(measured.group(1)))
+    assert len(lines) == 3 and all(lines[:2]), lines  # the process in trouble, its event, the publication
+    for words in lines:
+        assert {w["word"] for w in words} >= {"process", "failed", "lost", "connection"} or not words, words
+        for w in words:
+            assert w["x"] == sorted(w["x"]) and len(set(w["x"])) == len(w["x"]), f"letters out of order: {w}"
+        starts = [(w["top"], w["x"][0]) for w in words]  # a long line wraps: top to bottom, then left to right
+        assert starts == sorted(starts), f"words out of order: {words}"
