@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from coordinator import health, status_page
+from coordinator.http_server import BoundedWSGIServer
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, StatusReport
 from ifrt import status_svg, status_view
 from ifrt._generated import coordinator_pb2
@@ -83,10 +81,11 @@ class Metrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serves ``/metrics``, and the status page at ``/`` (``/status``, ``/status.json``), over HTTP on
-        ``host:port`` (port 0 picks one) in a thread; returns the port."""
+        ``host:port`` (port 0 picks one) in a thread, with bounded connections (``coordinator.http_server``);
+        returns the port."""
         app = status_page.wsgi_app(make_wsgi_app(self.registry), lambda: self._read_view())
         try:
-            self._http = make_server(host, port, app, _server_class(host), handler_class=_QuietHandler)
+            self._http = BoundedWSGIServer((host, port), app)
         except OSError as e:
             raise MetricsBindError(f"cannot serve metrics on {host}:{port}: {e}") from e
         self._thread = threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True)
@@ -233,17 +232,6 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def _no_view() -> dict[str, Any]:
     raise RuntimeError("the coordinator is not started yet")
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """Requests are not logged (a scraper or an open page asks every few seconds)."""
-
-
-def _server_class(host: str) -> type[ThreadingWSGIServer]:
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return Server
 
 
 class _PageView:

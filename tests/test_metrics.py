@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import select
+import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -14,10 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
+from coordinator.http_server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.server import serve
 from ifrt._generated import coordinator_pb2 as pb
 from tests.helpers import METRICS_LINE, metrics_port, poll_until, run_coordinator, taken_port
 from tests.replicas import leader_and_standby
+from tests.resources import open_fds
 
 COORDINATOR = "ifrt.topology.v1.Coordinator"
 
@@ -163,3 +168,67 @@ def test_refused_calls_are_counted_by_their_status_code(start_coordinator, tmp_p
     assert answer.state == pb.CLUSTER_PHASE_WAITING
     samples = scrape(metrics_port(coordinator))
     assert [rpcs(samples, "Status", code) for code in ("UNAUTHENTICATED", "INVALID_ARGUMENT", "OK")] == [1.0, 1.0, 1.0]
+
+
+def threads_of(pid: int) -> int:
+    """Threads of ``pid`` (from /proc/<pid>/status)."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def hung_up(sock: socket.socket, within: float) -> bool:
+    """Whether the server closes ``sock`` within ``within`` seconds (its read ends, or is reset)."""
+    ready, _, _ = select.select([sock], [], [], within)
+    if not ready:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except OSError:
+        return True
+
+
+def test_a_flood_of_idle_connections_costs_bounded_threads_and_descriptors_and_the_page_still_answers(
+        start_coordinator):
+    """Three times the cap of idle connections, none sending a byte: the coordinator holds at most the cap more
+    threads and descriptors, an operator's request is answered at once, and every idle one is hung up by its
+    request deadline."""
+    coordinator = start_coordinator("--metrics-port", "0", "--metrics-bind", "127.0.0.1", num_processes=1)
+    port = metrics_port(coordinator)
+    scrape(port)
+    base_threads, base_fds = threads_of(coordinator.pid), open_fds(coordinator.pid)
+    flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3 * MAX_CONNECTIONS)]
+    try:
+        time.sleep(1.0)  # every one accepted that will be
+        threads, fds = threads_of(coordinator.pid) - base_threads, open_fds(coordinator.pid) - base_fds
+        assert threads <= MAX_CONNECTIONS + 4, f"{threads} more threads for {len(flood)} idle connections"
+        assert fds <= MAX_CONNECTIONS + 4, f"{fds} more descriptors for {len(flood)} idle connections"
+        began = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=10) as answer:
+            assert json.loads(answer.read())["state"] == "waiting"
+        assert time.monotonic() - began < 2.0
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S + 3.0
+        still_open = [s for s in flood if not hung_up(s, max(0.0, deadline - time.monotonic()))]
+        assert not still_open, f"{len(still_open)} of {len(flood)} idle connections still open past the deadline"
+    finally:
+        for s in flood:
+            s.close()
+    poll_until(lambda: (threads_of(coordinator.pid) - base_threads, open_fds(coordinator.pid) - base_fds),
+               lambda grown: grown[0] <= 2 and grown[1] <= 2, timeout=10, what="the threads and descriptors back")
+
+
+def test_a_request_sent_a_byte_at_a_time_is_hung_up_at_its_deadline(start_coordinator):
+    coordinator = start_coordinator("--metrics-port", "0", "--metrics-bind", "127.0.0.1", num_processes=1)
+    request = b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Slow: " + b"a" * 200
+    with socket.create_connection(("127.0.0.1", metrics_port(coordinator)), timeout=10) as slow:
+        began = time.monotonic()
+        for byte in request:  # one byte every 0.25 s: each read is quick, the whole request is not
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                break
+            if hung_up(slow, 0.25):
+                break
+        else:
+            raise AssertionError(f"still open after {time.monotonic() - began:.1f}s of a slow request")
+        took = time.monotonic() - began
+    assert REQUEST_TIMEOUT_S - 0.5 <= took <= REQUEST_TIMEOUT_S + 2.0, took
