@@ -90,6 +90,8 @@ class CoordinatorConfig:
     """If set, Prometheus metrics are served over HTTP on this port (0 picks one); off by default."""
     metrics_bind: str = "0.0.0.0"
     """The host the metrics server listens on; keep the port inside the cluster's network."""
+    metrics_token: bool = False
+    """Whether the metrics port asks for ``token`` as well (a Bearer header, or Basic with it as password)."""
     grpc_options: tuple[tuple[str, int], ...] = field(default=(
         # A burst of thousands of registrations must queue, not be dropped with CANCELLED.
         ("grpc.server.max_pending_requests", 1 << 16),

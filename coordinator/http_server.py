@@ -6,13 +6,16 @@ costs a bounded number of threads and descriptors, and an operator's request sti
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
+import hmac
 import logging
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -116,6 +119,39 @@ class _Handler(WSGIRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         """Requests are not logged (a scraper or an open page asks every few seconds)."""
+
+
+def token_required(app: Callable, token: str) -> Callable:
+    """``app`` behind the cluster's token: a request must carry ``Authorization: Bearer <token>`` (Prometheus's
+    ``authorization: {credentials_file: ...}``) or Basic credentials whose password is the token (a browser asks
+    for them); any other gets 401 and nothing of the cluster."""
+    expected = token.encode()
+
+    def gated(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+        if hmac.compare_digest(_presented(environ.get("HTTP_AUTHORIZATION", "")), expected):
+            return app(environ, start_response)
+        body = b"this port requires the cluster's token: Authorization: Bearer <token>, or any user and the token " \
+               b"as password\n"
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("Content-Length", str(len(body))),
+                                            ("WWW-Authenticate", 'Basic realm="ifrt coordinator", charset="UTF-8"')])
+        return [body]
+
+    return gated
+
+
+def _presented(authorization: str) -> bytes:
+    """The secret an Authorization header carries (a Bearer token, or a Basic password); b"" for none."""
+    scheme, _, value = authorization.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip().encode("latin-1", "replace")
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(value.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return b""
+        return decoded.partition(b":")[2]
+    return b""
 
 
 def _hang_up(conn: socket.socket) -> None:

@@ -181,8 +181,12 @@ def parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one, logged); "
                         "off by default")
     p.add_argument("--metrics-bind", default=DEFAULTS.metrics_bind, metavar="HOST",
-                   help="the address the metrics server listens on (default %(default)s); metrics are not "
-                        "authenticated: do not expose the port outside the cluster's network")
+                   help="the address the metrics server listens on (default %(default)s); the port shows hosts, "
+                        "addresses and failure reasons: bind it to 127.0.0.1 or a management network, or add "
+                        "--metrics-token")
+    p.add_argument("--metrics-token", action="store_true",
+                   help="the metrics port asks for the --token-file token too: `Authorization: Bearer TOKEN` "
+                        "(Prometheus: authorization.credentials_file), or any user and TOKEN as password")
     return p
 
 
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         etcd_access = _etcd_access(args)
         if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
             raise InvalidArgument(f"--metrics-port {args.metrics_port} is out of range: expected 0 to 65535")
+        if args.metrics_token and token is None:
+            raise InvalidArgument("--metrics-token needs --token-file: it asks for that token on the metrics port")
         cluster = ClusterConfig(num_processes=args.num_processes, cluster_id=args.cluster_id,
                                 max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES,
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     config = CoordinatorConfig(cluster=cluster, bind=args.bind,
                                progress_interval_s=args.progress_interval, ready_file=args.ready_file,
                                store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise,
-                               metrics_port=args.metrics_port, metrics_bind=args.metrics_bind, token=token,
+                               metrics_port=args.metrics_port, metrics_bind=args.metrics_bind,
+                               metrics_token=args.metrics_token, token=token,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                etcd_access=etcd_access)
     if token is None:

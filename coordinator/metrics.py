@@ -18,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator import health, status_page
-from coordinator.http_server import BoundedWSGIServer
+from coordinator.http_server import BoundedWSGIServer, token_required
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, StatusReport
 from ifrt import status_svg, status_view
 from ifrt._generated import coordinator_pb2
@@ -79,11 +79,13 @@ class Metrics:
         page_view = _PageView(service, token, tls)
         self._read_view = lambda: asyncio.run_coroutine_threadsafe(page_view.read(), loop).result(SCRAPE_TIMEOUT_S)
 
-    def serve(self, host: str, port: int) -> int:
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
         """Serves ``/metrics``, and the status page at ``/`` (``/status``, ``/status.json``), over HTTP on
         ``host:port`` (port 0 picks one) in a thread, with bounded connections (``coordinator.http_server``);
-        returns the port."""
+        returns the port. With ``token``, every request must carry it (``http_server.token_required``)."""
         app = status_page.wsgi_app(make_wsgi_app(self.registry), lambda: self._read_view())
+        if token is not None:
+            app = token_required(app, token)
         try:
             self._http = BoundedWSGIServer((host, port), app)
         except OSError as e:

@@ -79,7 +79,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     if metrics is not None:
         metrics.watch(service, token=config.token, tls=bool(config.tls_cert))
         try:
-            metrics_port = metrics.serve(config.metrics_bind, config.metrics_port or 0)
+            metrics_port = metrics.serve(config.metrics_bind, config.metrics_port or 0,
+                                         token=config.token if config.metrics_token else None)
         except MetricsBindError as e:
             raise BindError(str(e)) from e
         log.info("serving metrics on http://%s:%d/metrics, the status page at /", config.metrics_bind, metrics_port)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import select
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 
@@ -232,3 +234,39 @@ def test_a_request_sent_a_byte_at_a_time_is_hung_up_at_its_deadline(start_coordi
             raise AssertionError(f"still open after {time.monotonic() - began:.1f}s of a slow request")
         took = time.monotonic() - began
     assert REQUEST_TIMEOUT_S - 0.5 <= took <= REQUEST_TIMEOUT_S + 2.0, took
+
+
+def http_get(url: str, **headers: str) -> tuple[int, bytes]:
+    """(status, body) of a GET, errors included."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_with_metrics_token_the_port_answers_only_requests_carrying_the_token(start_coordinator, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("page-token-5e1f\n")
+    coordinator = start_coordinator("--token-file", str(token), "--metrics-port", "0", "--metrics-bind", "127.0.0.1",
+                                    "--metrics-token", num_processes=1)
+    base = f"http://127.0.0.1:{metrics_port(coordinator)}"
+    for path in ("/metrics", "/", "/status.json", "/status/view"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + b64encode(b"u:wrong")}):
+            status, body = http_get(base + path, **headers)
+            assert status == 401 and b"cluster's token" in body and coordinator.address.encode() not in body, (
+                path, headers, status, body)
+    status, body = http_get(base + "/metrics", Authorization="Bearer page-token-5e1f")
+    assert status == 200 and b"ifrt_processes_expected 1.0" in body
+    status, body = http_get(base + "/status.json", Authorization="Basic " + b64encode(b"operator:page-token-5e1f"))
+    assert status == 200 and json.loads(body)["state"] == "waiting"
+
+
+def test_metrics_token_without_a_token_file_is_a_usage_error():
+    result = run_coordinator("--num-processes", "1", "--metrics-port", "0", "--metrics-token")
+    assert result.returncode == 2
+    assert "--metrics-token needs --token-file" in result.stderr
+
+
+def b64encode(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
