@@ -8,6 +8,7 @@ import errno
 import hashlib
 import hmac
 import ipaddress
+import math
 import socket
 import struct
 import time
@@ -23,6 +24,7 @@ HELLO, ARRAY = 1, 2
 # magic, version, kind, ndim, dtype length, sequence, source device, destination device, payload bytes
 HEADER = struct.Struct("!4sBBBBQqqQ")
 MAX_NDIM = 32
+MAX_DIMENSION = (1 << 63) - 1  # numpy's dimensions are signed 64-bit
 ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing to unpickle
 CHUNK = 4 << 20
 CHALLENGE_BYTES = 32  # the token challenge, and its HMAC-SHA256 answer, are both this long
@@ -74,9 +76,15 @@ def read_frame(conn: socket.socket, hello: bool,
     if dtype.kind not in ALLOWED_KINDS:
         raise TransferError(f"dtype {dtype} in frame {seq} is not a plain numeric type")
     shape = struct.unpack(f"!{ndim}Q", meta[dtype_len:])
-    if int(np.prod(shape, dtype=np.uint64)) * dtype.itemsize != nbytes:
+    if any(n > MAX_DIMENSION for n in shape):
+        raise TransferError(f"frame {seq}'s shape {shape} has a dimension over {MAX_DIMENSION}: no array has it")
+    if math.prod(shape) * dtype.itemsize != nbytes:  # exact: Python's integers do not wrap around
         raise TransferError(f"frame {seq} says {nbytes} payload bytes for shape {shape} of {dtype}")
-    array = np.empty(shape, dtype=dtype)
+    try:
+        array = np.empty(shape, dtype=dtype)
+    except (ValueError, MemoryError) as e:  # too big for this process, or for numpy
+        raise TransferError(f"frame {seq}'s array of shape {shape} of {dtype} ({nbytes} bytes) cannot be held "
+                            f"here: {type(e).__name__}: {e}") from e
     recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), f"frame {seq}'s {nbytes}-byte payload")
     return kind, seq, src, dst, array
 

@@ -8,6 +8,7 @@ import re
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ import pytest
 import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
-from ifrt.frames import ARRAY, HELLO, encode_header
+from ifrt.frames import ARRAY, HEADER, HELLO, MAGIC, VERSION, encode_header
 from ifrt.transfer import Channels, Endpoint, wait_seconds
 from tests.helpers import poll_until
 from tests.netns import Hosts, skip_without_netns
@@ -161,6 +162,38 @@ def test_bad_frames_are_clear_errors(half):
         sock.sendall(b"JUNK" + b"\0" * 60)
     with Channels(topology, client.endpoint) as channels, pytest.raises(TransferError, match="bad frame header"):
         channels.recv(1 << 17, timeout=10)
+
+
+def array_frame(seq: int, src: int, dst: int, dtype: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """An ARRAY frame's header as a peer could craft it: any shape, any promised payload length."""
+    return (HEADER.pack(MAGIC, VERSION, ARRAY, len(shape), len(dtype), seq, src, dst, nbytes) + dtype.encode()
+            + struct.pack(f"!{len(shape)}Q", *shape))
+
+
+@pytest.mark.parametrize(("shape", "nbytes", "why"), [
+    ((1 << 32, 1 << 32), 0, r"says 0 payload bytes for shape \(4294967296, 4294967296\)"),  # wraps to 0 in uint64
+    ((1 << 63,), 8, r"has a dimension over 9223372036854775807"),
+    ((1 << 60,), (1 << 60) * 8, r"cannot be held here: (ValueError|MemoryError)"),
+], ids=["product overflows", "dimension overflows", "too big to hold"])
+def test_a_frame_whose_shape_no_array_can_have_is_a_clear_error_and_the_endpoint_lives_on(half, shape, nbytes, why):
+    client, topology = half
+    peer = 1 << 17
+    with raw_peer(topology) as sock:
+        sock.sendall(array_frame(0, peer, 0, "<f8", shape, nbytes))
+        began = time.monotonic()
+        with pytest.raises(TransferError, match=f"transfer from process 1 failed: frame 0.*{why}"):
+            client.endpoint.receive(peer, 0, 1, timeout=10)
+        assert time.monotonic() - began < 5  # told at once, not after the receive's timeout
+        assert closed_by_the_endpoint(sock)
+    with raw_peer(topology) as again:  # the endpoint still accepts, and takes a good frame from another device
+        again.sendall(encode_header(ARRAY, 0, peer + 1, 0, np.arange(3.0)) + np.arange(3.0).tobytes())
+
+        def received() -> list | None:  # until it lands, a receive from process 1 names its failed connection
+            try:
+                return client.endpoint.receive(peer + 1, 0, 1, timeout=0.1).tolist()
+            except TransferError:
+                return None
+        assert poll_until(received, timeout=10, what="the good frame") == [0.0, 1.0, 2.0]
 
 
 def test_a_skipped_sequence_number_is_refused(start_coordinator, half):
