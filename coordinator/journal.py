@@ -148,7 +148,7 @@ def decode(raw: bytes) -> Entry:
     if kind is Registered:
         raw = base64.b64decode(fields["request"])
         return Registered(from_request(pb.RegisterRequest.FromString(raw), fields["host_address"], _REPLAYED,
-                                       fields["secret_hash"], raw), fields["now"])
+                                       fields["secret_hash"], raw, replayed=True), fields["now"])
     if kind is KeySet or kind is KeySwapped:
         return kind(**{**fields, "value": base64.b64decode(fields["value"])})
     if kind is BarrierFinished:

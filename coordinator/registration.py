@@ -9,6 +9,7 @@ from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
+from ifrt.hostport import check_address
 from ifrt.ids import MAX_LOCAL_DEVICES
 from ifrt.records import LocalDevice
 
@@ -142,11 +143,13 @@ def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, 
 
 
 def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits = DEFAULT_LIMITS,
-                 secret_hash: str = "", raw: bytes = b"") -> Registration:
+                 secret_hash: str = "", raw: bytes = b"", *, replayed: bool = False) -> Registration:
     """The registration a request describes (``secret_hash``: the hash of the process secret its call carried;
     ``raw``: the request's bytes as received, kept for the journal); InvalidArgument (naming the value, the limit
     and the flag that raises it) if it is malformed or over one of ``limits``. Changes no state of the coordinator
-    either way; equal devices are shared through this module's bounded cache of devices seen before."""
+    either way; equal devices are shared through this module's bounded cache of devices seen before. A ``replayed``
+    request (from the journal) was admitted once: its transfer address is taken as it is, whatever this version
+    checks."""
     if not request.client_uid or len(request.client_uid) > MAX_CLIENT_UID:
         long = len(request.client_uid) > MAX_CLIENT_UID
         shown = f"of {len(request.client_uid)} characters" if long else repr(request.client_uid)
@@ -167,13 +170,18 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         hostname=_text(request.hostname, "hostname", limits.string_bytes, required=True),
         host_address=host_address,
         local_rank=request.local_rank,
-        address=_text(request.address, "address", limits.string_bytes),
+        address=_endpoint(_text(request.address, "address", limits.string_bytes), replayed),
         devices=devices,
         plugin=_text(request.plugin, "plugin", limits.string_bytes),
         attempt=request.attempt if request.HasField("attempt") else None,
         secret_hash=secret_hash,
         request=raw,
     )
+
+
+def _endpoint(address: str, replayed: bool) -> str:
+    """The transfer endpoint a process registers: empty (none), or HOST:PORT; InvalidArgument naming it if not."""
+    return check_address(address, "the transfer endpoint address") if address and not replayed else address
 
 
 def to_request(r: Registration) -> bytes:

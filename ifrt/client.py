@@ -29,7 +29,7 @@ from ifrt.errors import (
 )
 from ifrt.events import Event, PreemptionNotice
 from ifrt.fanout import CLOSED, Fanout, until
-from ifrt.hostport import split_host_port
+from ifrt.hostport import join_host_port, split_host_port
 from ifrt.preemption_signals import PreemptionSignals
 from ifrt.progress import Progress
 from ifrt.reachability import UnreachableReport
@@ -132,7 +132,8 @@ class Client:
     def _bind_endpoint(self) -> Endpoint:
         bind = self.settings.transfer_bind
         if bind is None:
-            return Endpoint(f"{local_address_toward(self.settings.coordinators)}:0", token=self.settings.token)
+            here = local_address_toward(self.settings.coordinators)
+            return Endpoint(join_host_port(here, 0), token=self.settings.token)
         host = split_host_port(bind)[0]
         wildcard = host in ("", "0.0.0.0", "::")
         return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None,

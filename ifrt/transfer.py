@@ -52,7 +52,7 @@ from ifrt.frames import (
     recv_exactly,
     token_proof,
 )
-from ifrt.hostport import join_host_port, split_host_port
+from ifrt.hostport import check_address, join_host_port, split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.ratelimit import Throttled
 
@@ -93,6 +93,9 @@ class Endpoint:
         """With ``token`` (the cluster's), a connecting peer must prove it holds the same token before any frame
         is accepted, and this process proves it to the peers it connects to. Without one, a peer must connect
         from the address of the process it says it is (see ``expect``)."""
+        check_address(bind, "the transfer endpoint's bind address", bind=True)
+        if advertise_host is not None:
+            check_address(join_host_port(advertise_host, 1), "the transfer endpoint's advertised host")
         self.auth_key = token.encode() if token else None
         self.handshake_timeout = handshake_timeout
         host, port = split_host_port(bind)

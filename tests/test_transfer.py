@@ -16,15 +16,18 @@ import time
 from pathlib import Path
 from typing import IO
 
+import grpc
 import numpy as np
 import pytest
 
 import ifrt
 from coordinator.local import LocalCoordinator
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
 from ifrt.frames import ARRAY, HEADER, HELLO, MAGIC, VERSION, encode_header
 from ifrt.transfer import Channels, Endpoint, wait_seconds
-from tests.helpers import poll_until
+from tests.helpers import poll_until, register_request, status_json
 from tests.netns import Hosts, skip_without_netns
 from tests.resources import open_fds
 
@@ -507,3 +510,39 @@ def test_between_hosts_a_stranger_is_refused_and_members_transfer(tmp_path):
             coordinator.close()
         assert (f"refused a transfer connection from ('{hosts.address(1)}'" in worker_log.read_text()
                 and f"but process 0 is at {hosts.address(2)}" in worker_log.read_text()), worker_log.read_text()
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("node001", "it has no port"),
+    ("fe80::1:8476", "an IPv6 address goes in brackets"),
+    ("evil host:80", "is not a host name or an address"),
+    ("127.0.0.1:99999", "port '99999' is not a number from 1 to 65535"),
+])
+def test_a_registration_whose_transfer_address_is_not_host_port_is_refused_and_changes_nothing(
+        start_coordinator, address, why):
+    coordinator = start_coordinator(num_processes=2)
+    with grpc.insecure_channel(coordinator.address) as channel:
+        stub = CoordinatorStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(register_request(0, address=address, num_processes=2), timeout=10)
+        status = stub.Status(pb.StatusRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"the transfer endpoint address {address!r} is not an address: " in refused.value.details()
+    assert why in refused.value.details() and "expected HOST:PORT" in refused.value.details()
+    assert (status.registered, list(status.processes)) == (0, [])
+
+
+@pytest.mark.parametrize(("bind", "why"), [
+    ("127.0.0.1", "it has no port"),
+    ("127.0.0.1:http", "port 'http' is not a number from 0 to 65535"),
+    ("fe80::1:0", "an IPv6 address goes in brackets"),
+])
+def test_a_transfer_bind_that_is_not_host_port_is_refused_by_the_client_naming_it(start_coordinator, bind, why):
+    coordinator = start_coordinator(num_processes=1)
+    expected = re.escape(f"the transfer endpoint's bind address {bind!r} is not an address: ") + f".*{why}"
+    client = ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer_bind=bind, timeout=10)
+    with client, pytest.raises(InvalidArgument, match=expected + ".*expected HOST:PORT"):
+        client.discover()
+    assert status_json(coordinator.address)["registered"] == 0  # refused before any call
+    with pytest.raises(InvalidArgument, match="advertised host 'a b:1' is not an address"):
+        Endpoint("127.0.0.1:0", advertise_host="a b")
