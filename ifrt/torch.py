@@ -168,8 +168,9 @@ class Store(dist.Store):
         names = [_text(k) for k in keys]
         missing = [k for k in names if self.client.kv_try_get(self.prefix + k) is None] or names
         who = self.describe_missing(missing)
-        return (f"ifrt store: key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} not set within "
-                f"{timeout_s:.1f}s (prefix {self.prefix!r})" + (f": {who}" if who else ""))
+        # "wait timeout", as TCPStore says it: PyTorch's code and tests match on "timeout".
+        return (f"ifrt store: wait timeout: key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} not "
+                f"set within {timeout_s:.1f}s (prefix {self.prefix!r})" + (f": {who}" if who else ""))
 
     def _key(self, key: str | bytes) -> str:
         return self.prefix + _text(key)

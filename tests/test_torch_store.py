@@ -84,12 +84,25 @@ def test_compare_set_answers_as_tcpstore_does(store, before, expected, desired, 
 def test_get_and_wait_time_out_with_torchs_error_naming_the_keys(store):
     store.set("here", b"1")
     started = time.monotonic()
-    with pytest.raises(dist.DistStoreError, match=r"ifrt store: key 'absent' not set within 0\.5s"):
+    with pytest.raises(dist.DistStoreError, match=r"ifrt store: wait timeout: key 'absent' not set within 0\.5s"):
         store.get("absent")
     assert time.monotonic() - started < 30
-    with pytest.raises(dist.DistStoreError, match=r"keys 'x', 'y' not set within 0\.2s"):
+    with pytest.raises(dist.DistStoreError, match=r"wait timeout: keys 'x', 'y' not set within 0\.2s"):
         store.wait(["here", "x", "y"], timedelta(seconds=0.2))
     store.wait(["here"])
+
+
+def test_a_timeout_says_timeout_as_tcpstores_does_from_python_and_through_cpp(store):
+    """PyTorch's code and tests match a store's timeout on the word (TCPStore: "wait timeout after 300ms, keys:
+    /absent"): ours says it on get and wait, called from Python and from a C++ PrefixStore on top."""
+    tcp = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=0.2))
+    calls = {"get": lambda s: s.get("absent"), "wait": lambda s: s.wait(["x"], timedelta(seconds=0.2)),
+             "through C++": lambda s: dist.PrefixStore("pg", s).get("absent")}
+    store.set_timeout(timedelta(seconds=0.2))
+    for call in calls.values():
+        for which in (tcp, store):
+            with pytest.raises(dist.DistStoreError, match="wait timeout"):
+                call(which)
 
 
 def test_a_blocked_get_returns_once_another_caller_sets_the_key(client):
