@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 from ifrt import events
 from ifrt.errors import CoordinatorGone, IfrtError, InvalidArgument, JobFailed, PeerFailed
+from ifrt.safe_text import safe
 from ifrt.settings import failover_window
 
 if TYPE_CHECKING:
@@ -249,7 +250,7 @@ def _heartbeat_timeout(client: Client) -> float:
 
 def _say(line: str) -> None:
     with contextlib.suppress(Exception):
-        sys.stderr.write(line + "\n")
+        sys.stderr.write(safe(line) + "\n")  # a peer's host and reason came from the wire: one line, escaped
         sys.stderr.flush()
 
 

@@ -22,7 +22,7 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.records import Device, Process, TopologyContent
 from ifrt.safe_text import SafeFormatter, safe, safe_lines
 from ifrt.topology import Topology
-from tests.helpers import BIN, register_request
+from tests.helpers import BIN, register_request, wait_status
 
 EVIL_HOST = "evil\n\x1b[31mFAKE LOG LINE"
 SHOWN_HOST = "evil\\n\\x1b[31mFAKE LOG LINE"
@@ -123,7 +123,8 @@ def test_a_failed_hosts_name_forges_no_line_in_an_agents_stderr(start_coordinato
                               "2", "--max-restarts", "0", "--grace-seconds", "2", "--", sys.executable,
                               str(RUN_WORKER), "loop"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        register_raw(coordinator.address, EVIL_HOST, 1, 2)
+        wait_status(coordinator.address, lambda v: v["registered"] == 1, timeout=30)  # the agent's worker, first:
+        register_raw(coordinator.address, EVIL_HOST, 1, 2)  # else process 1 could be forgotten before publication
         _, err = agent.communicate(timeout=60)
     finally:
         if agent.poll() is None:
@@ -134,4 +135,7 @@ def test_a_failed_hosts_name_forges_no_line_in_an_agents_stderr(start_coordinato
     assert b"\x1b" not in err, text
     for line in text.splitlines():  # the agent's own lines, and its worker's stderr behind its prefix
         assert line.startswith(("ifrt run: ", "[0] ")) or GRPC_CORE.match(line), f"a forged line: {line!r}\n{text}"
+    log = coordinator.log  # the coordinator's own lines about the same failure
+    assert f"process 1 ({SHOWN_HOST} (127.0.0.1)) failed: " in log and "\x1b" not in log, log
+    assert all(COORDINATOR_LINE.match(line) or GRPC_CORE.match(line) for line in log.splitlines()), log
 
