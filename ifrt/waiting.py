@@ -10,6 +10,8 @@ import logging
 import sys
 import time
 
+from ifrt.safe_text import safe
+
 log = logging.getLogger("ifrt.wait")
 """Every line about a wait: a coordinator out of reach or standing by, peers not registered, a runtime's start-up."""
 
@@ -20,7 +22,7 @@ def say(level: int, message: str, *args: object) -> None:
         log.log(level, message, *args)
         return
     try:
-        sys.stderr.write(f"ifrt: {message % args if args else message}\n")
+        sys.stderr.write(f"ifrt: {safe(message % args if args else message)}\n")  # peers' hosts: one line
         sys.stderr.flush()
     except (OSError, ValueError):  # stderr closed: nobody to tell
         pass
