@@ -67,3 +67,12 @@ def check_address(address: str, what: str, *, bind: bool = False) -> str:
         raise InvalidArgument(f"{what} {shown} is not an address: {problem}; expected {EXPECTED}"
                               + (", or an empty host and port 0 to listen anywhere" if bind else ""))
     return address
+
+
+def check_host(host: str, what: str) -> str:
+    """``host`` if it is a host name or an address (IPv6 without brackets); else InvalidArgument naming ``what``."""
+    problem = address_problem(join_host_port(host, 1))
+    if problem is not None:
+        raise InvalidArgument(f"{what} {host[:_SHOWN]!r} is not a host name or an address: expected letters, digits, "
+                              "'.', '-' and '_' (node001), an IPv4 address (10.0.0.2) or an IPv6 address (fe80::1)")
+    return host

@@ -52,7 +52,7 @@ from ifrt.frames import (
     recv_exactly,
     token_proof,
 )
-from ifrt.hostport import check_address, join_host_port, split_host_port
+from ifrt.hostport import check_address, check_host, join_host_port, split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.ratelimit import Throttled
 
@@ -95,7 +95,7 @@ class Endpoint:
         from the address of the process it says it is (see ``expect``)."""
         check_address(bind, "the transfer endpoint's bind address", bind=True)
         if advertise_host is not None:
-            check_address(join_host_port(advertise_host, 1), "the transfer endpoint's advertised host")
+            check_host(advertise_host, "the transfer endpoint's advertised host")
         self.auth_key = token.encode() if token else None
         self.handshake_timeout = handshake_timeout
         host, port = split_host_port(bind)

@@ -544,5 +544,5 @@ def test_a_transfer_bind_that_is_not_host_port_is_refused_by_the_client_naming_i
     with client, pytest.raises(InvalidArgument, match=expected + ".*expected HOST:PORT"):
         client.discover()
     assert status_json(coordinator.address)["registered"] == 0  # refused before any call
-    with pytest.raises(InvalidArgument, match="advertised host 'a b:1' is not an address"):
+    with pytest.raises(InvalidArgument, match="advertised host 'a b' is not a host name or an address: expected"):
         Endpoint("127.0.0.1:0", advertise_host="a b")
