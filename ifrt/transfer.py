@@ -125,8 +125,10 @@ class Endpoint:
                 return
             first, self._topology = self._topology is None, topology
             self._topology_known.notify_all()
-        if first and self.auth_key is None:  # said once the endpoint serves a job, not by a discovery that failed
-            log.warning("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
+        # Said once the endpoint serves a job, not by a discovery that failed; INFO: the coordinator, which has no
+        # token either (else this process could not have registered), warns the operator once for the whole job.
+        if first and self.auth_key is None:
+            log.info("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
                         "port from a member's address can send to this process; set IFRT_TOKEN (the coordinator's "
                         "--token-file) to require the token", self.address)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -396,6 +397,7 @@ def test_a_flood_of_strangers_is_one_log_line_and_a_count(two_clients, caplog):
 
 def test_an_endpoint_without_a_token_says_transfers_are_unauthenticated_once_it_serves_a_job(start_coordinator,
                                                                                              caplog):
+    caplog.set_level(logging.INFO, logger="ifrt.transfer")
     unused = Endpoint("127.0.0.1:0")  # bound by a discovery that then failed: nothing to say yet
     unused.close()
     assert "unauthenticated" not in caplog.text
@@ -404,6 +406,8 @@ def test_an_endpoint_without_a_token_says_transfers_are_unauthenticated_once_it_
         client.discover()
         said = f"transfers to {client.endpoint.address} are unauthenticated (no cluster token)"
         assert caplog.text.count(said) == 1
+        # INFO, not a warning in every process of the job: the coordinator warns the operator once
+        assert [r.levelno for r in caplog.records if said in r.getMessage()] == [logging.INFO]
 
 
 def test_a_coordinator_without_a_token_says_transfers_are_unauthenticated(start_coordinator, tmp_path):
