@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 import ifrt
 from coordinator.assignment import assign_process_ids
@@ -31,11 +33,13 @@ from ifrt.torchrun import (
 )
 from tests.helpers import finish, poll_until
 from tests.replicas import Replicas
+from tests.tls import make_certs
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).with_name("torchrun_worker.py")
 CONF = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,read_timeout=30"
 RUN_S = 120  # the longest one torchrun may take here (torch imports on 2 shared cores); runs take ~10-30 s
+TOKEN = "torchrun-test-token\n"
 
 
 @pytest.fixture
@@ -45,8 +49,9 @@ def torchrun(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     started: list[subprocess.Popen] = []
 
     def start(endpoint: str, run_id: str, node_addr: str, *worker_args: str, nnodes: str = "2",
-              max_restarts: int = 0) -> subprocess.Popen:
+              max_restarts: int = 0, ifrt_env: dict[str, str] | None = None) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "TORCHELASTIC_"))}
+        env.update(ifrt_env or {})  # the token and TLS settings, for agents and workers alike
         env["TEST_NODE_ADDR"] = node_addr
         env["LOGLEVEL"] = "INFO"  # torch elastic's rendezvous rounds in the agent's output, for a failure's report
         command = [str(BIN / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "ifrt",
@@ -123,18 +128,67 @@ def test_a_bad_rdzv_conf_value_is_named_and_changes_nothing(monkeypatch, key, va
     assert "IFRT_COORDINATOR" not in os.environ  # nothing handed on to workers
 
 
+def state_of_round(round_: int) -> bytes:
+    """torch's rendezvous state at ``round_``, as its state holder pickles it."""
+    state = _RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)
+
+
 def test_backend_fences_writes_with_the_stored_state(start_coordinator):
     """torch's backend contract: set with no token creates only; a stale token loses and gets the current state."""
     coordinator = start_coordinator(num_processes=4)
+    s1, s2, s3, other = map(state_of_round, (1, 2, 3, 4))
     with ifrt.Client(coordinator.address, session=False, transfer=False) as a, \
             ifrt.Client(coordinator.address, session=False, transfer=False) as b:
         first, second = (IfrtRendezvousBackend(c, f"{KEY_PREFIX}job/state") for c in (a, b))
         assert first.get_state() is None
-        assert first.set_state(b"s1") == (b"s1", b"s1", True)
-        assert second.set_state(b"other") == (b"s1", b"s1", False)  # no token: creates only
-        assert second.set_state(b"s2", b"s1") == (b"s2", b"s2", True)
-        assert first.set_state(b"s3", b"s1") == (b"s2", b"s2", False)  # a stale token
-        assert first.get_state() == (b"s2", b"s2")
+        assert first.set_state(s1) == (s1, s1, True)
+        assert second.set_state(other) == (s1, s1, False)  # no token: creates only
+        assert second.set_state(s2, s1) == (s2, s2, True)
+        assert first.set_state(s3, s1) == (s2, s2, False)  # a stale token
+        assert first.get_state() == (s2, s2)
+
+
+class WritesMarker:
+    """Unpickled, it creates ``path`` through os.system: a stand-in for any command an attacker would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_pickle_planted_at_the_state_key_runs_nothing_and_the_agent_names_the_key(start_coordinator, torchrun,
+                                                                                  tmp_path):
+    """Any holder of the token can write under torchrun/ (the agents are no processes of the topology): the agent
+    refuses what it finds there before torch unpickles it, and says where it found it."""
+    (tmp_path / "token").write_text(TOKEN)
+    security = {"IFRT_TOKEN_FILE": str(tmp_path / "token")}
+    coordinator = start_coordinator("--token-file", str(tmp_path / "token"), num_processes=4)
+    marker, key = tmp_path / "ran", f"{KEY_PREFIX}planted/state"
+    with ifrt.Client(coordinator.address, session=False, transfer=False, environ=security) as attacker:
+        attacker.kv_set(key, pickle.dumps(WritesMarker(marker)))
+    agent = torchrun(coordinator.address, "planted", "127.0.0.2", ifrt_env=security)
+    code, _, err = finish(agent, RUN_S)  # no hang: join_timeout is 90 s, and the refusal comes at the first read
+    assert code != 0 and not marker.exists()
+    assert f"RendezvousStateError: refused the rendezvous state at '{key}'" in err, err[-5000:]
+    assert f"it names {os.system.__module__}.system, which is no class of torch's rendezvous state" in err
+    assert not marker.exists()
+
+
+def test_two_agents_train_with_the_token_and_tls(start_coordinator, torchrun, tmp_path):
+    (tmp_path / "certs").mkdir()
+    certs = make_certs(tmp_path / "certs")
+    (tmp_path / "token").write_text(TOKEN)
+    coordinator = start_coordinator("--token-file", str(tmp_path / "token"), "--tls-cert", str(certs / "server.pem"),
+                                    "--tls-key", str(certs / "server-key.pem"), num_processes=4)
+    security = {"IFRT_TOKEN_FILE": str(tmp_path / "token"), "IFRT_TLS_CA": str(certs / "ca.pem")}
+    agents = [torchrun(coordinator.address, "secure", addr, "--ifrt", ifrt_env=security)
+              for addr in ("127.0.0.2", "127.0.0.3")]
+    finish_all(agents)
+    assert [r["process_id"] for r in results(tmp_path)] == [0, 1, 2, 3]
 
 
 def test_two_agents_of_two_workers_train_a_ddp_step_with_nodes_in_ifrt_host_order(start_coordinator, torchrun,
