@@ -73,8 +73,14 @@ class SafeUnpickler(pickle.Unpickler):
         cls = STATE_CLASSES.get((module, name))
         if cls is None:
             allowed = ", ".join(f"{m}.{n}" for m, n in STATE_CLASSES)
-            raise Refused(f"it names {module}.{name}, which is no class of torch's rendezvous state ({allowed})")
+            raise Refused(f"it names {_shown(module)}.{_shown(name)}, which is no class of torch's rendezvous state "
+                          f"({allowed})")
         return cls
+
+
+def _shown(text: str) -> str:
+    """A name read from the bytes, fit for a log line: as it is when short and printable, else quoted and escaped."""
+    return text if text.isprintable() and len(text) <= 200 else repr(text[:200])
 
 
 def scan(data: bytes) -> None:

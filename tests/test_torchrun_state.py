@@ -85,6 +85,13 @@ def test_a_pickle_that_runs_a_command_is_refused_naming_the_class_and_runs_nothi
     assert not marker.exists()
 
 
+def test_a_name_read_from_the_bytes_reaches_the_message_escaped():
+    forged = b"\x80\x04" + global_(b"os\n\x1b[31mFAKE", "system\u202e".encode()) + b"."
+    message = refusal(forged)
+    assert "it names 'os\\n\\x1b[31mFAKE'.'system\\u202e', which is no class" in message
+    assert "\x1b" not in message and "\n" not in message and "\u202e" not in message
+
+
 def test_a_class_of_torchs_own_module_outside_the_state_is_refused():
     settings_class = pickle.dumps(RendezvousSettings)
     assert f"{RendezvousSettings.__module__}.RendezvousSettings, which is no class" in refusal(settings_class)
