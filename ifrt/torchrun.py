@@ -221,8 +221,8 @@ def host_entry(key: str, raw: bytes) -> HostKey:
     ``publish`` writes."""
     try:
         entry = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        entry = e
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError included), or nested past the limit
+        entry = None
     if not (isinstance(entry, dict) and set(entry) == {"hostname", "address"}
             and all(isinstance(v, str) for v in entry.values())):
         raise RendezvousStateError(f"refused the node's host at {key!r} on ifrt's coordinator: expected "

@@ -113,6 +113,7 @@ def test_a_pickle_that_sets_attributes_on_a_class_is_refused():
     (b"\x80\x04K\x01\x82\x01.", "the opcode EXT1"),  # the extension registry
     (b"(i" + MODULE + b"\n_NodeDesc\n.", "the opcode INST"),  # protocol 0's instance, which calls its class
     (b"\x80\x04P0\n.", "the opcode PERSID"),
+    (b"\x80\x04Nr\x00\x00\x00\x80.", "its LONG_BINPUT at byte 3 skips to memo 2147483648"),  # a 32 GiB memo table
     (b"\x80\x04K\x01)R.", "its REDUCE at byte 5 calls something other than a class it names"),
 ])
 def test_opcodes_no_state_uses_are_refused(data, found):
