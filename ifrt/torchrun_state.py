@@ -175,7 +175,7 @@ def scan(data: bytes) -> None:
     except ValueError as e:  # genops: truncated or unknown opcodes
         if isinstance(e, Refused):
             raise
-        raise Refused(f"it is no complete pickle ({e})") from e
+        raise Refused(f"it is no well-formed pickle ({e})") from e
 
 
 def check_shape(state: object) -> None:

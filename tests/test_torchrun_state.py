@@ -10,6 +10,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
@@ -122,9 +124,9 @@ def test_opcodes_no_state_uses_are_refused(data, found):
 
 @pytest.mark.parametrize("value, found", [
     (b"s1", "its SETITEM at byte 0 takes more than the stack holds"),
-    (pickle.dumps(_RendezvousState())[:-5], "no complete pickle"),
+    (pickle.dumps(_RendezvousState())[:-5], "no well-formed pickle"),
     (pickle.dumps({"round": 1}), "it holds a value of type dict, not torch's _RendezvousState"),
-    (b"", "no complete pickle"),
+    (b"", "no well-formed pickle"),
     (b"\x80\x04" + global_(b"datetime", b"datetime") + b"\x8a\x09" + (2**70).to_bytes(9, "little") + b"\x85R.",
      "it does not load as one (OverflowError"),
 ])
@@ -149,6 +151,47 @@ def test_a_nodes_host_entry_that_is_not_what_agents_publish_is_refused_naming_th
     for raw in (b"[" * 100_000, b'{"hostname": 1, "address": "a"}', b"\xff"):
         with pytest.raises(RendezvousStateError, match="refused the node's host at 'torchrun/job/hosts/n'"):
             host_entry("torchrun/job/hosts/n", raw)
+
+
+# Random opcodes, and a real state with bytes flipped, inserted or removed: whatever the bytes, the check answers
+# (a state or RendezvousStateError) in this process, which neither crashes nor hangs nor runs anything.
+PIECES = [b"(", b")", b"\x85", b"\x86", b"\x87", b"t", b"}", b"]", b"\x8f", b"\x91", b"N", b"\x88", b"K\x01",
+          short_str(b"addr"), b"\x94", b"h\x00", b"h\x01", b"2", b"0", b"1", b"b", b"R", b"\x81", b"s", b"u", b"a",
+          b"e", b"\x90", b"l", b"d", global_(MODULE, b"_NodeDesc"), global_(MODULE, b"_RendezvousState"),
+          global_(b"datetime", b"timezone"), global_(b"builtins", b"eval"), b"C\x01x"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(PIECES), max_size=60))
+def test_random_opcodes_are_answered_without_a_crash(pieces):
+    try:
+        state = check_state(b"\x80\x04" + b"".join(pieces) + b".", KEY)
+    except RendezvousStateError:
+        return
+    assert type(state) is _RendezvousState
+
+
+LEGIT = pickle.dumps(torch_state(3))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(LEGIT) - 1), st.sampled_from(["flip", "insert", "delete"]),
+                          st.integers(0, 255)), min_size=1, max_size=6))
+def test_a_real_state_with_bytes_changed_is_refused_or_still_a_state(changes):
+    data = bytearray(LEGIT)
+    for where, how, byte in changes:
+        where = min(where, len(data) - 1)
+        if how == "flip":
+            data[where] = byte
+        elif how == "insert":
+            data.insert(where, byte)
+        elif len(data) > 1:
+            del data[where]
+    try:
+        state = check_state(bytes(data), KEY)
+    except RendezvousStateError:
+        return
+    assert type(state) is _RendezvousState and type(state.participants) is dict
 
 
 # Against a real coordinator with a token: a plain client that holds it plants the pickle.
