@@ -15,6 +15,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +40,7 @@ from ifrt.clusters.base import DEFAULT_PORT
 from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.settings import COORDINATOR_ENV, own_variables, parse_coordinators
 from ifrt.torch import Store
+from ifrt.torchrun_state import check_state
 from ifrt.transfer import local_address_toward
 
 BACKEND = "ifrt"
@@ -115,7 +117,9 @@ def endpoint_replicas(endpoint: str) -> tuple[str, ...]:
 class IfrtRendezvousBackend(RendezvousBackend):
     """The rendezvous state as one key-value of ifrt's coordinator; its fencing token is the stored value itself.
 
-    Each call retries across the coordinator's replicas for up to ``timeout`` seconds; then
+    torch unpickles the state the backend returns: stored bytes reach it only once ``check_state`` found them to be
+    torch's rendezvous state and nothing else, as a pickle of that checked state (anything else is
+    RendezvousStateError). Each call retries across the coordinator's replicas for up to ``timeout`` seconds; then
     RendezvousConnectionError, wrapping ifrt's error."""
 
     def __init__(self, client: Client, key: str, timeout: float = READ_TIMEOUT_S) -> None:
@@ -126,9 +130,10 @@ class IfrtRendezvousBackend(RendezvousBackend):
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        """The state and its token, None before any agent wrote one."""
+        """The state and its token, None before any agent wrote one; RendezvousStateError for stored bytes that
+        are not torch's rendezvous state (``ifrt.torchrun_state``)."""
         value = self._call(self._client.kv_try_get, self._key, timeout=self._timeout)
-        return None if value is None else (value, value)
+        return None if value is None else (self._checked(value), value)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Writes ``state`` if the stored one is still ``token`` (None: if there is none); returns what is stored
@@ -143,7 +148,12 @@ class IfrtRendezvousBackend(RendezvousBackend):
         if not stored or stored == expected:  # the key is gone (compare_set answers nothing, or echoes): read it
             current = self.get_state()
             return None if current is None else (*current, False)
-        return stored, stored, False
+        return self._checked(stored), stored, False
+
+    def _checked(self, stored: bytes) -> bytes:
+        """What torch may unpickle for ``stored``: the state checked without running anything, pickled again here,
+        so torch never unpickles a byte another caller wrote (the stored bytes stay the fencing token)."""
+        return pickle.dumps(check_state(stored, self._key))
 
     def _call(self, method: Callable[..., Any], *args: object, **kwargs: object) -> Any:
         try:
@@ -202,9 +212,23 @@ class NodeHosts:
             if raw is None:
                 raise RendezvousStateError(f"node {node} joined the rendezvous without publishing its host under "
                                            f"{self.prefix!r}")
-            entry = json.loads(raw)
-            hosts[node] = HostKey(entry["hostname"], entry["address"])
+            hosts[node] = host_entry(self.prefix + node, raw)
         return node_ranks(hosts)
+
+
+def host_entry(key: str, raw: bytes) -> HostKey:
+    """The host an agent published at ``key``; RendezvousStateError naming the key for anything but the JSON object
+    ``publish`` writes."""
+    try:
+        entry = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError included), or nested past the limit
+        entry = None
+    if not (isinstance(entry, dict) and set(entry) == {"hostname", "address"}
+            and all(isinstance(v, str) for v in entry.values())):
+        raise RendezvousStateError(f"refused the node's host at {key!r} on ifrt's coordinator: expected "
+                                   f'{{"hostname": str, "address": str}} as torchrun\'s agents write it, found '
+                                   f"{raw[:64]!r} ({len(raw)} bytes)")
+    return HostKey(entry["hostname"], entry["address"])
 
 
 class IfrtRendezvousHandler(DynamicRendezvousHandler):
@@ -237,4 +261,4 @@ class IfrtRendezvousHandler(DynamicRendezvousHandler):
 
 
 __all__ = ["BACKEND", "KEY_PREFIX", "HostKey", "IfrtRendezvousBackend", "IfrtRendezvousHandler",
-           "NodeHosts", "create_rendezvous_handler", "endpoint_replicas", "handler_creator", "node_ranks"]
+           "NodeHosts", "create_rendezvous_handler", "endpoint_replicas", "handler_creator", "host_entry", "node_ranks"]

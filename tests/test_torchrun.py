@@ -9,14 +9,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousParameters
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 import ifrt
 from coordinator.assignment import assign_process_ids
@@ -31,11 +35,37 @@ from ifrt.torchrun import (
 )
 from tests.helpers import finish, poll_until
 from tests.replicas import Replicas
+from tests.tls import make_certs
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).with_name("torchrun_worker.py")
 CONF = "join_timeout=90,last_call_timeout=2,keep_alive_interval=1,read_timeout=30"
 RUN_S = 120  # the longest one torchrun may take here (torch imports on 2 shared cores); runs take ~10-30 s
+TOKEN = "torchrun-test-token\n"
+
+
+@dataclass(frozen=True)
+class Security:
+    """How a test's coordinators run (their flags) and what its agents and workers are given (IFRT_*)."""
+
+    flags: tuple[str, ...]
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(params=["plain", "token-tls"])
+def security(request, certs, tmp_path) -> Security:
+    """The job's tests run on a plain coordinator, and again with the cluster token and TLS."""
+    if request.param == "plain":
+        return Security((), {})
+    (tmp_path / "token").write_text(TOKEN)
+    return Security(("--token-file", str(tmp_path / "token"), "--tls-cert", str(certs / "server.pem"),
+                     "--tls-key", str(certs / "server-key.pem")),
+                    {"IFRT_TOKEN_FILE": str(tmp_path / "token"), "IFRT_TLS_CA": str(certs / "ca.pem")})
 
 
 @pytest.fixture
@@ -45,8 +75,9 @@ def torchrun(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     started: list[subprocess.Popen] = []
 
     def start(endpoint: str, run_id: str, node_addr: str, *worker_args: str, nnodes: str = "2",
-              max_restarts: int = 0) -> subprocess.Popen:
+              max_restarts: int = 0, ifrt_env: dict[str, str] | None = None) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "TORCHELASTIC_"))}
+        env.update(ifrt_env or {})  # the token and TLS settings, for agents and workers alike
         env["TEST_NODE_ADDR"] = node_addr
         env["LOGLEVEL"] = "INFO"  # torch elastic's rendezvous rounds in the agent's output, for a failure's report
         command = [str(BIN / "torchrun"), "--nnodes", nnodes, "--nproc-per-node", "2", "--rdzv-backend", "ifrt",
@@ -123,25 +154,63 @@ def test_a_bad_rdzv_conf_value_is_named_and_changes_nothing(monkeypatch, key, va
     assert "IFRT_COORDINATOR" not in os.environ  # nothing handed on to workers
 
 
+def state_of_round(round_: int) -> bytes:
+    """torch's rendezvous state at ``round_``, as its state holder pickles it."""
+    state = _RendezvousState()
+    state.round = round_
+    return pickle.dumps(state)
+
+
 def test_backend_fences_writes_with_the_stored_state(start_coordinator):
     """torch's backend contract: set with no token creates only; a stale token loses and gets the current state."""
     coordinator = start_coordinator(num_processes=4)
+    s1, s2, s3, other = map(state_of_round, (1, 2, 3, 4))
     with ifrt.Client(coordinator.address, session=False, transfer=False) as a, \
             ifrt.Client(coordinator.address, session=False, transfer=False) as b:
         first, second = (IfrtRendezvousBackend(c, f"{KEY_PREFIX}job/state") for c in (a, b))
         assert first.get_state() is None
-        assert first.set_state(b"s1") == (b"s1", b"s1", True)
-        assert second.set_state(b"other") == (b"s1", b"s1", False)  # no token: creates only
-        assert second.set_state(b"s2", b"s1") == (b"s2", b"s2", True)
-        assert first.set_state(b"s3", b"s1") == (b"s2", b"s2", False)  # a stale token
-        assert first.get_state() == (b"s2", b"s2")
+        assert first.set_state(s1) == (s1, s1, True)
+        assert second.set_state(other) == (s1, s1, False)  # no token: creates only
+        assert second.set_state(s2, s1) == (s2, s2, True)
+        assert first.set_state(s3, s1) == (s2, s2, False)  # a stale token
+        assert first.get_state() == (s2, s2)
+
+
+class WritesMarker:
+    """Unpickled, it creates ``path`` through os.system: a stand-in for any command an attacker would run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_pickle_planted_at_the_state_key_runs_nothing_and_the_agent_names_the_key(start_coordinator, torchrun,
+                                                                                  tmp_path):
+    """Any holder of the token can write under torchrun/ (the agents are no processes of the topology): the agent
+    refuses what it finds there before torch unpickles it, and says where it found it."""
+    (tmp_path / "token").write_text(TOKEN)
+    token_env = {"IFRT_TOKEN_FILE": str(tmp_path / "token")}
+    coordinator = start_coordinator("--token-file", str(tmp_path / "token"), num_processes=4)
+    marker, key = tmp_path / "ran", f"{KEY_PREFIX}planted/state"
+    with ifrt.Client(coordinator.address, session=False, transfer=False, environ=token_env) as attacker:
+        attacker.kv_set(key, pickle.dumps(WritesMarker(marker)))
+    started = time.monotonic()
+    agent = torchrun(coordinator.address, "planted", "127.0.0.2", ifrt_env=token_env)
+    code, _, err = finish(agent, RUN_S)
+    assert code != 0 and not marker.exists()
+    assert f"RendezvousStateError: refused the rendezvous state at '{key}'" in err, err[-5000:]
+    assert f"it names {os.system.__module__}.system, which is no class of torch's rendezvous state" in err
+    assert time.monotonic() - started < 90, "the agent waited out its join_timeout instead of failing at once"
 
 
 def test_two_agents_of_two_workers_train_a_ddp_step_with_nodes_in_ifrt_host_order(start_coordinator, torchrun,
-                                                                                   tmp_path):
-    coordinator = start_coordinator(num_processes=4)
+                                                                                   security, tmp_path):
+    coordinator = start_coordinator(*security.flags, num_processes=4)
     # torch's own rendezvous sorts nodes by address text ("127.0.0.10" < "127.0.0.9"); ifrt's order is numeric.
-    agents = [torchrun(coordinator.address, "ddp", addr, "--ifrt") for addr in ("127.0.0.10", "127.0.0.9")]
+    agents = [torchrun(coordinator.address, "ddp", addr, "--ifrt", ifrt_env=security.env)
+              for addr in ("127.0.0.10", "127.0.0.9")]
     finish_all(agents)
     reports = results(tmp_path)
     assert [r["process_id"] for r in reports] == [0, 1, 2, 3]  # ifrt.torch in the workers: the same ranks
@@ -149,24 +218,25 @@ def test_two_agents_of_two_workers_train_a_ddp_step_with_nodes_in_ifrt_host_orde
     assert {r["MASTER_ADDR"] for r in reports} == {"127.0.0.9"}  # node rank 0 hosts the workers' store
 
 
-def test_rendezvous_completes_after_the_leading_replica_is_killed(etcd, torchrun, tmp_path):
-    replicas = Replicas(etcd)
+def test_rendezvous_completes_after_the_leading_replica_is_killed(etcd, torchrun, security, tmp_path):
+    replicas = Replicas(etcd, *security.flags)
     try:
-        first = torchrun(replicas.addresses, "failover", "127.0.0.2")
-        with ifrt.Client(replicas.addresses, session=False, transfer=False) as probe:
+        first = torchrun(replicas.addresses, "failover", "127.0.0.2", ifrt_env=security.env)
+        with ifrt.Client(replicas.addresses, session=False, transfer=False, environ=security.env) as probe:
             poll_until(lambda: probe.kv_try_get(f"{KEY_PREFIX}failover/state", timeout=10) is not None,
                        timeout=RUN_S, what="rendezvous state from the first agent")
         replicas.kill_leader()  # the first agent waits in the rendezvous, its state on the killed leader
-        second = torchrun(replicas.addresses, "failover", "127.0.0.3")
+        second = torchrun(replicas.addresses, "failover", "127.0.0.3", ifrt_env=security.env)
         finish_all([first, second])
         results(tmp_path)
     finally:
         replicas.close()
 
 
-def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinator, torchrun, tmp_path):
-    coordinator = start_coordinator(num_processes=4)
-    agents = [torchrun(coordinator.address, "restart", addr, "--hang-node", "1", max_restarts=1)
+def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinator, torchrun, security, tmp_path):
+    coordinator = start_coordinator(*security.flags, num_processes=4)
+    agents = [torchrun(coordinator.address, "restart", addr, "--hang-node", "1", max_restarts=1,
+                       ifrt_env=security.env)
               for addr in ("127.0.0.2", "127.0.0.3")]
     poll_until((tmp_path / "hang.pid").exists, timeout=RUN_S, what="a worker waiting to be killed")
     os.kill(int((tmp_path / "hang.pid").read_text()), signal.SIGKILL)
@@ -175,11 +245,13 @@ def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinato
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in reports if r["GROUP_RANK"] == "1"} == {"1"}
 
 
-def test_nnodes_min_max_starts_with_one_node_and_admits_a_late_one(start_coordinator, torchrun, tmp_path):
-    coordinator = start_coordinator(num_processes=4)
-    first = torchrun(coordinator.address, "elastic", "127.0.0.2", "--until-world", "4", nnodes="1:2")
+def test_nnodes_min_max_starts_with_one_node_and_admits_a_late_one(start_coordinator, torchrun, security, tmp_path):
+    coordinator = start_coordinator(*security.flags, num_processes=4)
+    first = torchrun(coordinator.address, "elastic", "127.0.0.2", "--until-world", "4", nnodes="1:2",
+                     ifrt_env=security.env)
     poll_until(lambda: any(tmp_path.glob("waiting*")), timeout=RUN_S, what="a group of the first node alone")
-    second = torchrun(coordinator.address, "elastic", "127.0.0.3", "--until-world", "4", nnodes="1:2")
+    second = torchrun(coordinator.address, "elastic", "127.0.0.3", "--until-world", "4", nnodes="1:2",
+                      ifrt_env=security.env)
     finish_all([first, second])
     reports = results(tmp_path)
     assert {r["node_addr"] for r in reports} == {"127.0.0.2", "127.0.0.3"}

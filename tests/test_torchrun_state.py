@@ -1,0 +1,226 @@
+"""torchrun's rendezvous state is read back without running anything (ifrt/torchrun_state.py): states torch makes
+pass, anything else is refused as RendezvousStateError naming the key and what was found; the backend, against a
+real coordinator, refuses a pickle planted at the state key before torch's own state holder unpickles it."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _NodeDescGenerator,
+    _RendezvousState,
+)
+
+import ifrt
+from ifrt.torchrun import KEY_PREFIX, IfrtRendezvousBackend, host_entry
+from ifrt.torchrun_state import MAX_TUPLE_DEPTH, check_state
+
+KEY = f"{KEY_PREFIX}job/state"
+MODULE = _RendezvousState.__module__.encode()
+
+
+class WritesMarker:
+    """Unpickled, it writes a file: what an attacker's pickle would do with os.system."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def torch_state(nodes: int) -> _RendezvousState:
+    """A state as torch's own operations leave it: a complete round of ``nodes`` nodes, one waiting, heartbeats."""
+    generate = _NodeDescGenerator()
+    state = _RendezvousState()
+    members = [generate.generate(f"10.0.{i // 256}.{i % 256}") for i in range(nodes + 1)]
+    state.round, state.complete = 3, True
+    state.deadline = datetime.now(UTC) + timedelta(seconds=30)
+    state.participants = {node: rank for rank, node in enumerate(members[:-1])}
+    state.wait_list = {members[-1]}
+    state.last_heartbeats = {node: datetime.now(UTC) for node in members}
+    return state
+
+
+def refusal(data: bytes) -> str:
+    with pytest.raises(RendezvousStateError) as caught:
+        check_state(data, KEY)
+    message = str(caught.value)
+    assert KEY in message and "Nothing in it was run" in message, message
+    return message
+
+
+def short_str(text: bytes) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text
+
+
+def global_(module: bytes, name: bytes) -> bytes:
+    return short_str(module) + short_str(name) + b"\x93"
+
+
+@pytest.mark.parametrize("nodes", [0, 2, 1000])
+@pytest.mark.parametrize("protocol", [pickle.DEFAULT_PROTOCOL, pickle.HIGHEST_PROTOCOL])
+def test_states_torch_makes_pass_unchanged(nodes, protocol):
+    state = torch_state(nodes) if nodes else _RendezvousState()
+    checked = check_state(pickle.dumps(state, protocol=protocol), KEY)
+    assert type(checked) is _RendezvousState and vars(checked) == vars(state)
+
+
+def test_a_pickle_that_runs_a_command_is_refused_naming_the_class_and_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    message = refusal(pickle.dumps(WritesMarker(marker)))
+    assert f"it names {os.system.__module__}.system, which is no class of torch's rendezvous state" in message
+    state = torch_state(2)
+    state.participants[next(iter(state.participants))] = WritesMarker(marker)  # deep inside a real state
+    assert f"{os.system.__module__}.system" in refusal(pickle.dumps(state))
+    assert not marker.exists()
+
+
+def test_a_name_read_from_the_bytes_reaches_the_message_escaped():
+    forged = b"\x80\x04" + global_(b"os\n\x1b[31mFAKE", "system\u202e".encode()) + b"."
+    message = refusal(forged)
+    assert "it names 'os\\n\\x1b[31mFAKE'.'system\\u202e', which is no class" in message
+    assert "\x1b" not in message and "\n" not in message and "\u202e" not in message
+
+
+def test_a_class_of_torchs_own_module_outside_the_state_is_refused():
+    settings_class = pickle.dumps(RendezvousSettings)
+    assert f"{RendezvousSettings.__module__}.RendezvousSettings, which is no class" in refusal(settings_class)
+
+
+def test_tuples_nested_deeper_than_a_state_has_are_refused_before_loading():
+    # One byte per level; loading it and hashing the result (as a node in a set would) overflows the C stack.
+    bomb = b"\x80\x04)" + b"\x85" * 1_000_000 + b"."
+    assert f"it nests tuples more than {MAX_TUPLE_DEPTH} deep" in refusal(bomb)
+
+
+def test_a_pickle_that_sets_attributes_on_a_class_is_refused():
+    # BUILD with a slot-state on the class _NodeDesc would setattr on torch's class itself in the agent.
+    on_class = (b"\x80\x04" + global_(MODULE, b"_NodeDesc") + b"N}" + short_str(b"pid") + b"K\x01s\x86b.")
+    assert "its BUILD at byte" in refusal(on_class)
+
+
+@pytest.mark.parametrize("data, found", [
+    (b"\x80\x04K\x01\x82\x01.", "the opcode EXT1"),  # the extension registry
+    (b"(i" + MODULE + b"\n_NodeDesc\n.", "the opcode INST"),  # protocol 0's instance, which calls its class
+    (b"\x80\x04P0\n.", "the opcode PERSID"),
+    (b"\x80\x04Nr\x00\x00\x00\x80.", "its LONG_BINPUT at byte 3 skips to memo 2147483648"),  # a 32 GiB memo table
+    (b"\x80\x04K\x01)R.", "its REDUCE at byte 5 calls something other than a class it names"),
+])
+def test_opcodes_no_state_uses_are_refused(data, found):
+    assert found in refusal(data)
+
+
+@pytest.mark.parametrize("value, found", [
+    (b"s1", "its SETITEM at byte 0 takes more than the stack holds"),
+    (pickle.dumps(_RendezvousState())[:-5], "no well-formed pickle"),
+    (pickle.dumps({"round": 1}), "it holds a value of type dict, not torch's _RendezvousState"),
+    (b"", "no well-formed pickle"),
+    (b"\x80\x04" + global_(b"datetime", b"datetime") + b"\x8a\x09" + (2**70).to_bytes(9, "little") + b"\x85R.",
+     "it does not load as one (OverflowError"),
+])
+def test_bytes_that_are_no_state_are_refused(value, found):
+    assert found in refusal(value)
+
+
+def test_a_state_of_the_wrong_shape_is_refused_naming_the_field():
+    state = torch_state(2)
+    state.round = "3"
+    assert "its field 'round' holds str, expected an int" in refusal(pickle.dumps(state))
+    state = torch_state(2)
+    state.wait_list = {_NodeDesc(("10.0.0.1",), 1, 0)}
+    assert "its field 'wait_list' holds set, expected a set of _NodeDesc" in refusal(pickle.dumps(state))
+    state = torch_state(2)
+    state.extra = 1
+    assert "its fields are not those of torch's _RendezvousState ('extra')" in refusal(pickle.dumps(state))
+
+
+def test_a_nodes_host_entry_that_is_not_what_agents_publish_is_refused_naming_the_key():
+    assert host_entry("torchrun/job/hosts/n", b'{"hostname": "h", "address": "10.0.0.1"}').address == "10.0.0.1"
+    for raw in (b"[" * 100_000, b'{"hostname": 1, "address": "a"}', b"\xff"):
+        with pytest.raises(RendezvousStateError, match="refused the node's host at 'torchrun/job/hosts/n'"):
+            host_entry("torchrun/job/hosts/n", raw)
+
+
+# Random opcodes, and a real state with bytes flipped, inserted or removed: whatever the bytes, the check answers
+# (a state or RendezvousStateError) in this process, which neither crashes nor hangs nor runs anything.
+PIECES = [b"(", b")", b"\x85", b"\x86", b"\x87", b"t", b"}", b"]", b"\x8f", b"\x91", b"N", b"\x88", b"K\x01",
+          short_str(b"addr"), b"\x94", b"h\x00", b"h\x01", b"2", b"0", b"1", b"b", b"R", b"\x81", b"s", b"u", b"a",
+          b"e", b"\x90", b"l", b"d", global_(MODULE, b"_NodeDesc"), global_(MODULE, b"_RendezvousState"),
+          global_(b"datetime", b"timezone"), global_(b"builtins", b"eval"), b"C\x01x"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(PIECES), max_size=60))
+def test_random_opcodes_are_answered_without_a_crash(pieces):
+    try:
+        state = check_state(b"\x80\x04" + b"".join(pieces) + b".", KEY)
+    except RendezvousStateError:
+        return
+    assert type(state) is _RendezvousState
+
+
+LEGIT = pickle.dumps(torch_state(3))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, len(LEGIT) - 1), st.sampled_from(["flip", "insert", "delete"]),
+                          st.integers(0, 255)), min_size=1, max_size=6))
+def test_a_real_state_with_bytes_changed_is_refused_or_still_a_state(changes):
+    data = bytearray(LEGIT)
+    for where, how, byte in changes:
+        where = min(where, len(data) - 1)
+        if how == "flip":
+            data[where] = byte
+        elif how == "insert":
+            data.insert(where, byte)
+        elif len(data) > 1:
+            del data[where]
+    try:
+        state = check_state(bytes(data), KEY)
+    except RendezvousStateError:
+        return
+    assert type(state) is _RendezvousState and type(state.participants) is dict
+
+
+# Against a real coordinator with a token: a plain client that holds it plants the pickle.
+@pytest.fixture
+def token_file(tmp_path) -> Path:
+    path = tmp_path / "token"
+    path.write_text("torchrun-state-test-token\n")
+    return path
+
+
+def test_torchs_state_holder_never_unpickles_a_state_planted_through_a_plain_client(start_coordinator, token_file,
+                                                                                    tmp_path):
+    coordinator = start_coordinator("--token-file", str(token_file), num_processes=2)
+    marker = tmp_path / "ran"
+    settings = RendezvousSettings("job", 1, 2, RendezvousTimeout(), timedelta(seconds=5), 1)
+    with ifrt.Client(coordinator.address, session=False, transfer=False, token_file=str(token_file)) as attacker, \
+            ifrt.Client(coordinator.address, session=False, transfer=False, token_file=str(token_file)) as agent:
+        backend = IfrtRendezvousBackend(agent, KEY, timeout=10)
+        holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+        holder.sync()  # nothing stored yet: torch starts from an empty state
+        attacker.kv_set(KEY, pickle.dumps(WritesMarker(marker)))
+        with pytest.raises(RendezvousStateError, match=f"refused the rendezvous state at '{KEY}'.*system"):
+            holder.sync()  # a read
+        holder.mark_dirty()
+        with pytest.raises(RendezvousStateError, match=f"refused the rendezvous state at '{KEY}'.*system"):
+            holder.sync()  # a write that loses to the planted state and is handed it back
+        expected = torch_state(2)
+        legit = pickle.dumps(expected)
+        attacker.kv_set(KEY, legit, allow_overwrite=True)
+        state, token = backend.get_state()  # torch gets the checked state; the stored bytes stay the token
+        assert token == legit and vars(pickle.loads(state)) == vars(expected)
+    assert not marker.exists()
