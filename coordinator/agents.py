@@ -1,9 +1,11 @@
 """The JobAgents service: the job as its host agents (``ifrt run``) see it, beside the Coordinator service.
 
-An agent is no process of the job: it watches the job (``WatchJob``: the current attempt, then each failure of a
-process of it, each new attempt and the end of the restarts, in the order the coordinator decided them) and, after
-a failure, asks for the next attempt (``NextAttempt``, decided once by the state machine and journaled). Watches are
-bounded in number (``--max-agents``) and each in unread bytes (``--max-session-backlog-bytes``), like sessions.
+An agent is no process of the job: it joins the job and watches it (``WatchJob``: the current attempt, then each
+failure of a process of it, each new attempt and the end of the restarts, in the order the coordinator decided them)
+and, after a failure, asks for the next attempt (``NextAttempt``, decided once by the state machine and journaled).
+An agent proves who it is as a process does: a secret of its own in the call metadata, whose hash the job keeps
+(see coordinator.attempts for who may decide what). Watches are bounded in number (``--max-agents``) and each in
+unread bytes (``--max-session-backlog-bytes``), like sessions.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import grpc
 
 from coordinator.attempts import (
     UNKNOWN_PROCESS,
+    Agent,
     AttemptFailure,
     AttemptProcessFailed,
     AttemptsExhausted,
@@ -21,7 +24,7 @@ from coordinator.attempts import (
     JobView,
     NextAttempt,
 )
-from coordinator.calls import abort, internal_errors, parse
+from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.effects import Effect
 from coordinator.limits import FLAGS, Limits, shown
 from coordinator.outbox import Outbox
@@ -73,11 +76,16 @@ class JobAgentsService:
         except IfrtError as e:
             await abort(context, e, what)
         await service.serving(context, what)
+        if (refused := self._check_room(len(self._watches))) is not None:  # before it joins: nothing changes
+            await abort(context, refused, what)
+        if request.workers:  # an agent of the job: it joins (journaled) before it is told anything
+            agent = Agent(request.agent_uid, request.host, peer_host(context.peer()), caller_proof(context),
+                          request.workers)
+            budget = request.max_restarts if request.HasField("max_restarts") else None
+            await service.command(context, what, lambda: (None, service.state.join_agent(agent, budget)))
         await service.commit(context, what)  # only durable state is sent
-        if len(self._watches) >= limits.agents:  # no await from here until the watch is counted
-            await abort(context, ResourceExhausted(
-                f"{len(self._watches)} agents watch the job: expected at most {limits.agents} (the coordinator's "
-                f"{FLAGS['agents']})"), what)
+        if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until it is counted
+            await abort(context, refused, what)
         outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
             f"this job watch left {waiting} bytes of events unread: expected at most "
             f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch again")))
@@ -93,16 +101,23 @@ class JobAgentsService:
         finally:
             self._watches.discard(outbox)
 
+    def _check_room(self, watching: int) -> ResourceExhausted | None:
+        if watching < self._limits.agents:
+            return None
+        return ResourceExhausted(f"{watching} agents watch the job: expected at most {self._limits.agents} (the "
+                                 f"coordinator's {FLAGS['agents']})")
+
     async def next_attempt(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Ends ``ended_attempt`` and starts the next (or ends the restarts), once; answers the job's state."""
         request = await parse(pb.NextAttemptRequest, raw, context)
         f = request.failure
         failure = AttemptFailure(request.ended_attempt, f.process_id if request.HasField("failure") else
                                  UNKNOWN_PROCESS, f.host, f.reason)
-        call = NextAttempt(request.ended_attempt, failure, request.max_restarts, request.request_id)
-        service = self._service
-        view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt}",
-                                     lambda: service.state.next_attempt(call))
+        budget = request.max_restarts if request.HasField("max_restarts") else None
+        call = NextAttempt(request.ended_attempt, failure, budget, request.request_id, request.agent_uid)
+        service, proof = self._service, caller_proof(context)
+        view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt} from agent "
+                                     f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(call, proof))
         return pb.NextAttemptResponse(state=_job_state(view)).SerializeToString()
 
     def _on_effects(self, effects: list[Effect]) -> None:
@@ -141,4 +156,5 @@ def _failure(f: AttemptFailure) -> pb.AttemptFailure:
 
 
 def _job_state(view: JobView) -> pb.JobState:
-    return pb.JobState(attempt=view.attempt, failures=[_failure(f) for f in view.failures], exhausted=view.exhausted)
+    return pb.JobState(attempt=view.attempt, failures=[_failure(f) for f in view.failures], exhausted=view.exhausted,
+                       max_restarts=view.max_restarts, earlier_failures=view.earlier)

@@ -42,11 +42,14 @@ class Failure:
 
 @dataclass(frozen=True)
 class JobView:
-    """The job as the coordinator decided it: its current attempt, every attempt's failure, whether it is over."""
+    """The job as the coordinator decided it: its current attempt, the latest attempts' failures (``earlier`` more
+    not listed), whether it is over, and its restart budget."""
 
     attempt: int
     failures: tuple[Failure, ...] = ()
     exhausted: bool = False
+    max_restarts: int = 0
+    earlier: int = 0
 
 
 # Events.
@@ -160,9 +163,10 @@ def workers_status(returncodes: list[int]) -> int:
     return 0
 
 
-def summary(failures: tuple[Failure, ...]) -> list[str]:
-    """One line per failed attempt, oldest first."""
-    return [f.describe() for f in failures] or ["no failure was recorded"]
+def summary(failures: tuple[Failure, ...], earlier: int = 0) -> list[str]:
+    """One line per failed attempt, oldest first (``earlier`` ones the coordinator no longer lists are counted)."""
+    lines = [f"{earlier} earlier attempts failed too (not listed)"] if earlier else []
+    return lines + [f.describe() for f in failures] or ["no failure was recorded"]
 
 
 @dataclass
@@ -209,7 +213,8 @@ class Agent:
     def _job(self, view: JobView) -> list[Action]:
         self.failures = view.failures
         if view.exhausted:
-            lines = ["the job's restarts are exhausted; failures:", *summary(view.failures)]
+            lines = [f"the job's restarts are exhausted ({view.max_restarts} allowed); failures:",
+                     *summary(view.failures, view.earlier)]
             return self._end(EXIT_JOB_FAILED, lines)
         if self.attempt is not None and view.attempt <= self.attempt:
             return []  # the attempt running (or a stale answer): nothing to do
