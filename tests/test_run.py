@@ -25,7 +25,7 @@ from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import JobAgentsStub
 from ifrt.errors import EXIT_COORDINATOR_LOST
-from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
+from ifrt.protocol import SECRET_METADATA
 from ifrt.run import agent as core
 from ifrt.run.agent import (
     Agent,
@@ -114,6 +114,15 @@ def test_exhausted_restarts_end_the_agent_with_every_attempts_failure():
     lines = [a.line for a in actions if isinstance(a, Say)]
     assert "attempt 0: process 1 on node-a failed: exit code 3" in lines
     assert "attempt 1: process 1 on node-a failed: exit code 3" in lines
+
+
+def test_exhausted_restarts_count_the_failures_the_coordinator_no_longer_lists():
+    failures = (Failure(40, 1, "node-a", "exit code 3"),)
+    actions = started().handle(JobUpdate(JobView(40, failures, exhausted=True, max_restarts=40, earlier=40)), 1.0)
+    lines = [a.line for a in actions if isinstance(a, Say)]
+    assert lines[:3] == ["the job's restarts are exhausted (40 allowed); failures:",
+                         "40 earlier attempts failed too (not listed)",
+                         "attempt 40: process 1 on node-a failed: exit code 3"]
 
 
 def test_the_agent_exits_0_once_every_worker_finished():
@@ -422,46 +431,66 @@ def refused(call) -> grpc.RpcError:
     return info.value
 
 
-def test_a_token_holder_who_is_no_agent_can_neither_end_nor_restart_the_job(start_coordinator, agents, tmp_path,
-                                                                             certs):
-    flags, _, token_file = secured(tmp_path, certs, tls=False)
-    coordinator = start_coordinator(*flags, num_processes=4, log_level="DEBUG")
-    both = two_agents(agents, coordinator.address, "loop", "--max-restarts", "3", "--token-file", str(token_file))
+@contextlib.contextmanager
+def a_running_job(start_coordinator, agents):
+    """Two real agents of 2 looping workers each, in attempt 0, with a raw JobAgents stub for the attacker; on exit,
+    checks that the job ran on untouched (no agent exited, no restart, nothing exhausted) and stops it."""
+    # Without a token every caller is as a token holder: the job's authority is what stops it, not the token.
+    coordinator = start_coordinator(num_processes=4, log_level="DEBUG")
+    both = two_agents(agents, coordinator.address, "loop", "--max-restarts", "3")
     for a in both:
         poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
-    token = [(TOKEN_METADATA, TOKEN)]
-    real_uid = re.search(r"the agent '?(\w+)'? on ", coordinator.log).group(1)  # what an attacker might have learned
     job, channel = job_stub(coordinator.address)
     with channel:
-        def next_attempt(max_restarts: int | None, agent_uid: str = "", process_id: int = 1):
-            return job.NextAttempt(pb.NextAttemptRequest(
-                ended_attempt=0, max_restarts=max_restarts, agent_uid=agent_uid, request_id=secrets.token_hex(8),
-                failure=pb.AttemptFailure(attempt=0, process_id=process_id, host="elsewhere", reason="made up")),
-                timeout=10, metadata=[*token, (SECRET_METADATA, secrets.token_hex(16))])
-
-        # On main, the first call ended the job for good (both agents exit 1); 20 more restarted it 20 times.
-        ending = refused(lambda: next_attempt(0))
-        assert ending.code() is grpc.StatusCode.PERMISSION_DENIED, ending
-        assert "is no agent of this job" in ending.details()
-        for _ in range(20):
-            assert refused(lambda: next_attempt(10**6)).code() is grpc.StatusCode.PERMISSION_DENIED
-        acting = refused(lambda: next_attempt(None, agent_uid=real_uid))  # a real agent's id, not its secret
-        assert acting.code() is grpc.StatusCode.PERMISSION_DENIED, acting
-        assert "does not carry its secret" in acting.details()
-        joining = refused(lambda: next(job.WatchJob(pb.WatchJobRequest(
-            host="elsewhere", agent_uid="intruder", workers=1), timeout=10,
-            metadata=[*token, (SECRET_METADATA, "intruder")])))
-        assert joining.code() is grpc.StatusCode.FAILED_PRECONDITION, joining  # the job's agents cover its 4
-        assert "would exceed the job's 4 processes: it is no agent of this job" in joining.details()
-        state = next(job.WatchJob(pb.WatchJobRequest(host="elsewhere", agent_uid="onlooker"), timeout=10,
-                                  metadata=token)).state
+        yield coordinator, job
+        state = next(job.WatchJob(pb.WatchJobRequest(host="elsewhere", agent_uid="onlooker"), timeout=10)).state
         assert (state.attempt, state.exhausted, list(state.failures), state.max_restarts) == (0, False, [], 3)
-    time.sleep(1.0)  # on main both agents had exited 1 within 0.6 s
+    time.sleep(1.0)  # on main both agents had exited 1 within 0.6 s of an attack
     for agent in both:
         assert agent.process.poll() is None, agent.output()
         assert "attempt 1" not in "\n".join(agent.err) and "exhausted" not in "\n".join(agent.err), agent.output()
     both[0].process.send_signal(signal.SIGTERM)
     assert both[0].wait() == 7, both[0].output()
+
+
+def attack_next_attempt(job: JobAgentsStub, max_restarts: int | None, agent_uid: str = "") -> grpc.RpcError:
+    """NextAttempt(ended_attempt=0) naming process 1 from a caller with a secret of its own; the refusal."""
+    who = {"agent_uid": agent_uid} if agent_uid else {}
+    request = pb.NextAttemptRequest(ended_attempt=0, max_restarts=max_restarts, request_id=secrets.token_hex(8),
+                                    failure=pb.AttemptFailure(attempt=0, process_id=1, host="elsewhere",
+                                                              reason="made up"), **who)
+    return refused(lambda: job.NextAttempt(request, timeout=10, metadata=[(SECRET_METADATA, secrets.token_hex(16))]))
+
+
+def test_a_caller_who_is_no_agent_cannot_end_the_job_for_good(start_coordinator, agents):
+    with a_running_job(start_coordinator, agents) as (_, job):
+        ending = attack_next_attempt(job, 0)  # on main: both agents stopped their workers and exited 1
+        assert ending.code() is grpc.StatusCode.PERMISSION_DENIED, ending
+        assert "is no agent of this job" in ending.details()
+        joining = refused(lambda: next(job.WatchJob(pb.WatchJobRequest(
+            host="elsewhere", agent_uid="intruder", workers=1, max_restarts=0), timeout=10,
+            metadata=[(SECRET_METADATA, "intruder")])))
+        assert joining.code() is grpc.StatusCode.FAILED_PRECONDITION, joining  # nor become one of its agents
+        assert "this agent expects --max-restarts 0, but the job's restart budget is 3" in joining.details()
+
+
+def test_a_caller_who_is_no_agent_cannot_restart_the_job_at_will(start_coordinator, agents):
+    with a_running_job(start_coordinator, agents) as (_, job):
+        for _ in range(20):  # on main: 20 restarts, each wiping every registration, key and barrier
+            assert attack_next_attempt(job, 10**6).code() is grpc.StatusCode.PERMISSION_DENIED
+        joining = refused(lambda: next(job.WatchJob(pb.WatchJobRequest(
+            host="elsewhere", agent_uid="intruder", workers=1), timeout=10,
+            metadata=[(SECRET_METADATA, "intruder")])))
+        assert joining.code() is grpc.StatusCode.FAILED_PRECONDITION, joining  # the job's agents cover its 4
+        assert "would exceed the job's 4 processes: it is no agent of this job" in joining.details()
+
+
+def test_a_caller_cannot_act_for_an_agent_of_the_job(start_coordinator, agents):
+    with a_running_job(start_coordinator, agents) as (coordinator, job):
+        real_uid = re.search(r"the agent '?(\w+)'? on ", coordinator.log).group(1)  # what an attacker may learn
+        acting = attack_next_attempt(job, None, agent_uid=real_uid)  # on main: attempt 1 started
+        assert acting.code() is grpc.StatusCode.PERMISSION_DENIED, acting
+        assert "does not carry its secret" in acting.details()
 
 
 def test_an_exhausted_job_stays_exhausted_for_that_job_only(start_coordinator, agents):
