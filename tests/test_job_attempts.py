@@ -8,6 +8,7 @@ from __future__ import annotations
 import secrets
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -34,6 +35,7 @@ from ifrt.errors import AttemptEnded, ClusterMismatch, InvalidArgument, Permissi
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA, proof_of
 from tests.helpers import TIMEOUT, admit, lose_session, published, reg, register_request
 from tests.replicas import LEADER_TTL, serving
+from tests.resources import rss_bytes
 
 FAILURE = AttemptFailure(0, 1, "h1", "worker exited with 1")
 PROOF = proof_of("the secret of the agent on h1")
@@ -527,3 +529,21 @@ def test_a_watchs_first_message_lists_the_latest_failures_only(start_coordinator
     assert first.state.attempt == restarts and first.state.earlier_failures == 40
     assert len(first.state.failures) == FAILURES_KEPT and first.state.failures[-1].attempt == restarts - 1
     assert first.ByteSize() < FAILURES_KEPT * (2 * 1024 + 32)  # on main: every failure, 2.1 MB after 1,024
+
+
+def test_many_unread_watches_of_a_job_restarted_a_thousand_times_hold_little_memory(start_coordinator):
+    coordinator = start_coordinator("--max-restarts", "2000", num_processes=1)
+    with WireAgent(coordinator.address, "host-0", max_restarts=None) as agent:
+        agent.join()
+        for attempt in range(1024):
+            agent.next(attempt, reason="r" * 1024)
+        time.sleep(2)  # one round of the daemon's collection of garbage
+        pid = coordinator.process.pid
+        before = rss_bytes(pid)
+        only_watching = pb.WatchJobRequest(host="onlooker", agent_uid="onlooker")
+        unread = [agent.jobs.WatchJob(only_watching, timeout=120) for _ in range(300)]  # none is read
+        time.sleep(3)  # each watch's first message is sent, or waits in the daemon
+        grown = rss_bytes(pid) - before
+        for call in unread:
+            call.cancel()
+    assert grown < 48 << 20, f"300 unread watches grew the coordinator by {grown >> 20} MiB"  # before: 239 MiB
