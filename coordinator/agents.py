@@ -11,6 +11,7 @@ unread bytes (``--max-session-backlog-bytes``), like sessions.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -35,6 +36,8 @@ from ifrt.errors import CoordinatorUnavailable, IfrtError, InvalidArgument, Reso
 log = logging.getLogger("ifrt.coordinator")
 
 AGENTS_SERVICE = pb.DESCRIPTOR.services_by_name["JobAgents"].full_name
+MAX_GONE_REMEMBERED = 1 << 16
+"""Ended watches whose time a replica remembers (the oldest are forgotten: such an agent counts as gone)."""
 
 
 class _Closed:
@@ -51,6 +54,9 @@ class JobAgentsService:
         self._service = service
         self._limits: Limits = service.replica.config.limits
         self._watches: set[Outbox] = set()
+        self._watching: dict[str, int] = {}  # agent uid -> its watches open on this replica
+        self._gone_since: dict[str, float] = {}  # agent uid -> when its last watch here ended
+        self._epoch, self._since = -1, 0.0  # the state watched, and since when this replica serves it
         service.effect_listeners.append(self._on_effects)
         service.step_down_listeners.append(self._on_step_down)
 
@@ -78,28 +84,50 @@ class JobAgentsService:
         await service.serving(context, what)
         if (refused := self._check_room(len(self._watches))) is not None:  # before it joins: nothing changes
             await abort(context, refused, what)
-        if request.workers:  # an agent of the job: it joins (journaled) before it is told anything
-            agent = Agent(request.agent_uid, request.host, peer_host(context.peer()), caller_proof(context),
-                          request.workers)
-            budget = request.max_restarts if request.HasField("max_restarts") else None
-            await service.command(context, what, lambda: (None, service.state.join_agent(agent, budget)))
-        await service.commit(context, what)  # only durable state is sent
-        if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until it is counted
-            await abort(context, refused, what)
-        outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
-            f"this job watch left {waiting} bytes of events unread: expected at most "
-            f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch again")))
-        outbox.put_nowait(pb.JobEvent(state=_job_state(service.state.attempts.view())).SerializeToString())
-        self._watches.add(outbox)
-        log.debug("the agent %s on %s watches the job", shown(request.agent_uid), shown(request.host))
+        uid = request.agent_uid
+        self._watching[uid] = self._watching.get(uid, 0) + 1  # present from now: no newcomer takes its place
         try:
-            while True:
-                item = await outbox.get()
-                if isinstance(item, _Closed):
-                    await abort(context, item.error, what, level=logging.DEBUG)
-                await context.write(item)
+            if request.workers:  # an agent of the job: it joins (journaled) before it is told anything
+                agent = Agent(uid, request.host, peer_host(context.peer()), caller_proof(context), request.workers)
+                budget = request.max_restarts if request.HasField("max_restarts") else None
+                await service.command(context, what, lambda: (None, service.state.join_agent(
+                    agent, budget, self._absent())))
+            await service.commit(context, what)  # only durable state is sent
+            if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until counted
+                await abort(context, refused, what)
+            outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
+                f"this job watch left {waiting} bytes of events unread: expected at most "
+                f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch "
+                "again")))
+            outbox.put_nowait(pb.JobEvent(state=_job_state(service.state.attempts.view())).SerializeToString())
+            self._watches.add(outbox)
+            log.debug("the agent %s on %s watches the job", shown(uid), shown(request.host))
+            try:
+                while True:
+                    item = await outbox.get()
+                    if isinstance(item, _Closed):
+                        await abort(context, item.error, what, level=logging.DEBUG)
+                    await context.write(item)
+            finally:
+                self._watches.discard(outbox)
         finally:
-            self._watches.discard(outbox)
+            self._watching[uid] -= 1
+            if not self._watching[uid]:
+                del self._watching[uid]
+                self._gone_since[uid] = time.monotonic()
+                if len(self._gone_since) > MAX_GONE_REMEMBERED:
+                    del self._gone_since[next(iter(self._gone_since))]
+
+    def _absent(self) -> frozenset[str]:
+        """The job's agents that no watch on this replica has shown for longer than the heartbeat timeout (counted
+        from when this replica began serving the state, for an agent it has not seen since)."""
+        now, service = time.monotonic(), self._service
+        if service.replica.epoch != self._epoch:
+            self._epoch, self._since = service.replica.epoch, now
+            self._gone_since.clear()
+        grace = service.replica.config.heartbeat_timeout_s
+        return frozenset(uid for uid in service.state.attempts.agents
+                         if uid not in self._watching and now - self._gone_since.get(uid, self._since) > grace)
 
     def _check_room(self, watching: int) -> ResourceExhausted | None:
         if watching < self._limits.agents:

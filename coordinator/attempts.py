@@ -5,6 +5,7 @@ sub-machines afresh for a new attempt.
 
     attempt F ──(NextAttempt(F): restarts < budget)──▶ attempt F+1 ──▶ ... ──▶ attempt N
     attempt N ──(NextAttempt(N): restarts >= budget)──▶ exhausted ──(a new agent joins)──▶ attempt N+1, a new run
+    attempt N ──(every agent gone, a new agent joins)──▶ attempt N+1, a new run
 
 F is the first attempt of the run (the coordinator's ``--attempt``, 0 by default); the restarts made so far are N - F.
 
@@ -12,8 +13,10 @@ Authority: only the job decides about the job.
 
 - An agent joins with ``WatchJob`` (journaled: its id, host, the address it called from, the sha256 of its secret);
   every later call of that agent id must carry the same secret (``PermissionDenied`` otherwise), as a process's.
-  The job's agents run at most ``num_processes`` workers together: once they cover the job, only an agent on the
-  host of one of them (its restart: it takes that one's place) may join.
+  The job's agents run at most ``num_processes`` workers together: once they cover the job, a new agent joins only
+  in the place of one that is gone (absent longer than the heartbeat timeout) or of one on its own host (its
+  restart). A new agent of a job whose restarts are exhausted, or whose agents are all gone, starts the job's next
+  run: the next attempt, with no failure and the whole budget.
 - The restart budget is the job's: the coordinator's ``--max-restarts``, else the first agent's of the run, else 0.
   An agent stating another is refused (``ClusterMismatch``).
 - Ending an attempt needs an agent of the job and a cause it may give: a process the coordinator declared failed in
@@ -143,15 +146,19 @@ class Attempts:
         return JobView(self.current, tuple(self._failures), self.exhausted, self.budget, self._earlier)
 
     # Agents.
-    def join(self, agent: Agent, max_restarts: int | None, num_processes: int,
-             limits: Limits) -> journal.AgentJoined | None:
+    def join(self, agent: Agent, max_restarts: int | None, num_processes: int, limits: Limits,
+             absent: frozenset[str] = frozenset()) -> journal.AgentJoined | None:
         """The entry that makes ``agent`` one of the job's (to journal and ``apply_joined``); None when it is one
-        already, as it is. PermissionDenied, ClusterMismatch or InvalidArgument, changing nothing, when it may not."""
+        already, as it is. ``absent``: the agents that have not watched the job for a while (gone, as far as the
+        coordinator can tell). A new agent starts a new run of the job when the restarts are exhausted or every agent
+        of the job is absent; it takes the place of absent agents, then of agents on its own host (a restart), when
+        the job's agents would otherwise run more than ``num_processes`` workers. PermissionDenied, ClusterMismatch
+        or InvalidArgument, changing nothing, when it may not join."""
         _check_agent(agent, limits)
         known = self._agents.get(agent.uid)
         if known is not None:
             _check_secret(known, agent.secret_hash)
-        new_run = self.exhausted and known is None
+        new_run = known is None and (self.exhausted or (bool(self._agents) and self._agents.keys() <= absent))
         if max_restarts is not None:
             budget, origin = self._budget_origin(new_run)
             if budget is not None and budget != max_restarts:
@@ -160,38 +167,44 @@ class Attempts:
                                       "without it to take the job's")
         if known == agent:
             return None
+        replaced: list[str] = []
         if known is None and not new_run:
-            others = sum(a.workers for a in self._agents.values() if a.where != agent.where)
-            mine = sum(a.workers for a in self._agents.values() if a.where == agent.where)
-            if others + mine + agent.workers > num_processes and others + agent.workers > num_processes:
-                hosts = sorted({f"{a.host} ({a.address})" for a in self._agents.values()})
+            running = sum(a.workers for a in self._agents.values())
+            places = [*(a for a in self._agents.values() if a.uid in absent),
+                      *(a for a in self._agents.values() if a.where == agent.where and a.uid not in absent)]
+            for old in places:
+                if running + agent.workers <= num_processes:
+                    break
+                replaced.append(old.uid)
+                running -= old.workers
+            if running + agent.workers > num_processes:
+                hosts = sorted({f"{shown(a.host)} ({a.address})" for a in self._agents.values()})
                 raise ClusterMismatch(f"the job's agents on {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''} "
-                                      f"run {others + mine} workers; this agent's {agent.workers} would exceed the "
-                                      f"job's {num_processes} processes: it is no agent of this job (an agent "
-                                      "restarted on its host takes the old one's place)")
+                                      f"run {running} workers; this agent's {agent.workers} would exceed the job's "
+                                      f"{num_processes} processes: it is no agent of this job (an agent restarted on "
+                                      "its host, or one that comes once an agent is gone, takes its place)")
         return journal.AgentJoined(agent.uid, agent.host, agent.address, agent.secret_hash, agent.workers,
-                                   max_restarts)
+                                   max_restarts, new_run, tuple(replaced))
 
-    def apply_joined(self, entry: journal.AgentJoined, num_processes: int) -> AttemptStarted | None:
+    def apply_joined(self, entry: journal.AgentJoined) -> AttemptStarted | None:
         """Records an agent (joined now, or replayed); returns AttemptStarted when it started a new run of the job."""
-        agent = Agent(entry.agent_uid, entry.host, entry.host_address, entry.secret_hash, entry.workers)
-        new_run = self.exhausted and agent.uid not in self._agents
-        if new_run:  # the next attempt, with no failure and the whole budget
+        if entry.new_run:  # the next attempt, with no failure and the whole budget
             self.current += 1
             self.first, self.exhausted = self.current, False
             self._failures, self._earlier, self._declared = [], 0, {}
             self._agents, self._stated, self._stated_by = {}, None, ""
-        if agent.uid not in self._agents:  # an agent restarted on a full job's host takes the old ones' place
-            running = sum(a.workers for a in self._agents.values())
-            for old in [a for a in self._agents.values() if a.where == agent.where]:
-                if running + agent.workers <= num_processes:
-                    break
-                del self._agents[old.uid]
-                running -= old.workers
-        self._agents[agent.uid] = agent
+        for uid in entry.replaced:
+            self._agents.pop(uid, None)
+        self._agents[entry.agent_uid] = Agent(entry.agent_uid, entry.host, entry.host_address, entry.secret_hash,
+                                              entry.workers)
         if entry.max_restarts is not None and self._stated is None:
             self._stated, self._stated_by = entry.max_restarts, entry.host
-        return AttemptStarted(self.view()) if new_run else None
+        return AttemptStarted(self.view()) if entry.new_run else None
+
+    @property
+    def agents(self) -> frozenset[str]:
+        """The ids of the job's agents."""
+        return frozenset(self._agents)
 
     def agent(self, uid: str, proof: str) -> Agent:
         """The agent ``uid`` whose secret ``proof`` proves; PermissionDenied otherwise."""

@@ -121,7 +121,8 @@ class AttemptDecided:
 @dataclass(frozen=True)
 class AgentJoined:
     """An ``ifrt run`` agent joined the job (see ``coordinator.attempts``): its id, host, the address it called from,
-    the sha256 of its secret, its worker count, and the restart budget it stated (None: it stated none)."""
+    the sha256 of its secret, its worker count, the restart budget it stated (None: it stated none), whether it
+    started a new run of the job, and the agents whose place it took."""
 
     agent_uid: str
     host: str
@@ -129,6 +130,8 @@ class AgentJoined:
     secret_hash: str
     workers: int
     max_restarts: int | None
+    new_run: bool = False
+    replaced: tuple[str, ...] = ()
 
 
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
@@ -167,6 +170,8 @@ def decode(raw: bytes) -> Entry:
         return kind(**{**fields, "value": base64.b64decode(fields["value"])})
     if kind is BarrierFinished:
         fields["participants"] = tuple(fields["participants"])
+    if kind is AgentJoined:
+        fields["replaced"] = tuple(fields["replaced"])
     if kind is LiveSetDecided:
         fields["callers"] = tuple(tuple(c) for c in fields["callers"])
         fields["members"] = tuple(tuple(m) for m in fields["members"])

@@ -119,10 +119,11 @@ class ClusterState:
         self._journal.clear()
 
     # Job attempts (coordinator.attempts).
-    def join_agent(self, agent: Agent, max_restarts: int | None) -> list[Effect]:
-        """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already). Joining a job whose
-        restarts are exhausted starts the next run of it: a new attempt, every sub-machine empty."""
-        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits)
+    def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset()) -> list[Effect]:
+        """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already); ``absent``: the agents the
+        shell has not seen watching for a while. A new run of the job (see coordinator.attempts) starts a new attempt
+        with every sub-machine empty."""
+        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent)
         if entry is None:
             return []
         self._journal.append(entry)
@@ -148,7 +149,7 @@ class ClusterState:
         return [effect]
 
     def _agent_joined(self, entry: journal.AgentJoined) -> list[Effect]:
-        effect = self.attempts.apply_joined(entry, self.config.num_processes)
+        effect = self.attempts.apply_joined(entry)
         if effect is None:
             return []
         self._start_afresh()

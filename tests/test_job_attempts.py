@@ -547,3 +547,40 @@ def test_many_unread_watches_of_a_job_restarted_a_thousand_times_hold_little_mem
         for call in unread:
             call.cancel()
     assert grown < 48 << 20, f"300 unread watches grew the coordinator by {grown >> 20} MiB"  # before: 239 MiB
+
+
+def test_a_gone_agents_place_goes_to_a_newcomer_and_a_job_whose_agents_are_all_gone_starts_a_new_run():
+    s = with_agent(published(n=2))
+    h0 = Agent("agent-h0", "h0", "10.0.0.1", proof_of("h0"), 1)
+    s.join_agent(h0, None)
+    newcomer = Agent("agent-h9", "h9", "10.0.0.9", proof_of("h9"), 1)
+    with pytest.raises(ClusterMismatch, match="would exceed the job's 2 processes"):
+        s.join_agent(newcomer, None)  # while both are present
+    assert s.join_agent(newcomer, None, absent=frozenset({h0.uid})) == []  # h0's agent is gone: its place is free
+    assert s.attempts.agents == {AGENT.uid, newcomer.uid} and s.attempts.current == 0 and s.topology is not None
+    later = Agent("next-run", "h7", "10.0.0.7", proof_of("next"), 1)
+    [started] = s.join_agent(later, None, absent=frozenset({AGENT.uid, newcomer.uid}))
+    assert started.view.attempt == 1 and started.view.failures == ()
+    assert s.attempts.agents == {later.uid} and s.topology is None
+
+
+def test_agents_that_are_gone_make_room_for_the_next_run_of_the_job(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2)
+    first = [WireAgent(coordinator.address, f"host-{i}") for i in range(2)]
+    watches = [agent.watch()[0] for agent in first]
+    register_all(first[0].coordinator, 2, attempt=0)
+    with WireAgent(coordinator.address, "host-9") as intruder:
+        refused = typed(lambda: intruder.watch(timeout=10))
+        assert isinstance(refused, ClusterMismatch) and "would exceed the job's 2 processes" in str(refused), refused
+    for watch, agent in zip(watches, first, strict=True):  # the job is over: its agents exit
+        watch.cancel()
+        agent.close()
+    time.sleep(1.5)  # longer than the heartbeat timeout
+    second = [WireAgent(coordinator.address, f"host-{i}", uid=f"second-{i}") for i in (2, 3)]
+    try:
+        states = [agent.watch(timeout=10)[1].state for agent in second]
+        assert [s.attempt for s in states] == [1, 1] and states[0].failures == []
+        assert "a new run of the job starts as attempt 1" in coordinator.log
+    finally:
+        for agent in second:
+            agent.close()

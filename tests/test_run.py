@@ -503,7 +503,7 @@ def test_an_exhausted_job_stays_exhausted_for_that_job_only(start_coordinator, a
         assert agent.wait() == 0, agent.output()
         assert sorted(started_lines(agent, 1)) in ([0, 1], [2, 3]), agent.output()
     assert time.monotonic() - began > 0.6
-    assert "a new run of the job starts as attempt 1 (the last run's restarts were exhausted)" in coordinator.log
+    assert "a new run of the job starts as attempt 1 (the last run's restarts were exhausted" in coordinator.log
 
 
 def test_an_agent_that_states_another_budget_than_the_jobs_is_refused_naming_both(start_coordinator, agents):
