@@ -98,6 +98,15 @@ def test_a_survivor_reports_itself_when_no_cause_comes():
     assert actions[-1] == AskNextAttempt(0, Failure(0, 0, "node-a", "exit code 75"))
 
 
+def test_a_refused_report_waits_for_the_coordinators_own_and_asks_with_it():
+    agent = started(ids={0: 0, 1: 1})
+    assert kinds(agent.handle(WorkerExited(0, 1, 3), 1.0)) == [Stop, AskNextAttempt]
+    said = agent.handle(core.AskRefused(0, "the coordinator refused this report: process 1 registered from ..."), 1.1)
+    assert kinds(said) == [] and "waiting for the coordinator to declare the failure" in said[0].line
+    declared = Failure(0, 1, "node-a", "lost its connection")
+    assert agent.handle(ProcessFailedSeen(declared), 2.0)[-1] == AskNextAttempt(0, declared)
+
+
 def test_a_new_attempt_decided_elsewhere_restarts_the_workers():
     agent = started()
     actions = agent.handle(JobUpdate(JobView(1)), 1.0)

@@ -96,11 +96,20 @@ class LinkFailed:
 
 
 @dataclass(frozen=True)
+class AskRefused:
+    """The coordinator refused this agent's NextAttempt after ``attempt`` (PERMISSION_DENIED: a cause it may not give,
+    such as a worker it took for its own); the coordinator's own report of the failure will do."""
+
+    attempt: int
+    message: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passes (the shell sends it a few times a second)."""
 
 
-Event = JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | Tick
+Event = JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
 
 
 # Actions.
@@ -200,6 +209,11 @@ class Agent:
             return []
         if isinstance(event, Interrupted):
             return self._interrupted(event.signum)
+        if isinstance(event, AskRefused):
+            if event.attempt != self.attempt or self._asked != self.attempt:
+                return []
+            self._asked = None  # the next process_failed of this attempt is asked about again
+            return [Say(f"{event.message}; waiting for the coordinator to declare the failure")]
         if isinstance(event, LinkFailed):
             return self._end(event.exit_code, [event.message, *(summary(self.failures) if self.failures else ())])
         if isinstance(event, Tick) and self._pending is not None and self._cause_deadline is not None \

@@ -13,11 +13,12 @@ import threading
 import time
 
 from ifrt import clusters, failfast
-from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError
+from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
 from ifrt.run.agent import (
     EXIT_USAGE,
     Agent,
     AskNextAttempt,
+    AskRefused,
     Event,
     Exit,
     Interrupted,
@@ -185,6 +186,9 @@ class Shell:
     def _ask(self, action: AskNextAttempt) -> None:
         try:
             view = self.link.next_attempt(action.ended_attempt, action.failure)
+        except PermissionDenied as e:
+            self.events.put(AskRefused(action.ended_attempt, f"the coordinator refused this report: {e}"))
+            return
         except IfrtError as e:
             code = EXIT_COORDINATOR_LOST if e.retryable else EXIT_USAGE
             self.events.put(LinkFailed(f"the coordinator did not decide the next attempt: {type(e).__name__}: {e}",
