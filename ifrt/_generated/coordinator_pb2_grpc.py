@@ -950,14 +950,15 @@ class JobAgentsServicer:
         as one of its agents (journaled: its agent_uid, host, address, and the
         sha256 of the secret its calls carry in `ifrt-process-secret` metadata,
         as a process's); with 0 it only watches. A new agent that joins a job whose
-        restarts are exhausted starts the next run of it: the next attempt, with
-        no failure and the whole budget.
+        restarts are exhausted, or whose agents are all gone, starts the next run
+        of it: the next attempt, with no failure and the whole budget.
         INVALID_ARGUMENT     the host or agent_uid is empty or too long, or an
         agent's call carries no secret.
         PERMISSION_DENIED    agent_uid is another agent's (its secret differs).
         FAILED_PRECONDITION  max_restarts differs from the job's restart budget,
         or the job's agents already cover --num-processes
-        workers (and none of them is on the caller's host).
+        workers (none of them is on the caller's host or
+        gone longer than the heartbeat timeout).
         RESOURCE_EXHAUSTED   too many agents watch (--max-agents).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
