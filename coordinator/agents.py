@@ -36,8 +36,6 @@ from ifrt.errors import CoordinatorUnavailable, IfrtError, InvalidArgument, Reso
 log = logging.getLogger("ifrt.coordinator")
 
 AGENTS_SERVICE = pb.DESCRIPTOR.services_by_name["JobAgents"].full_name
-MAX_GONE_REMEMBERED = 1 << 16
-"""Ended watches whose time a replica remembers (the oldest are forgotten: such an agent counts as gone)."""
 
 
 class _Closed:
@@ -114,9 +112,8 @@ class JobAgentsService:
             self._watching[uid] -= 1
             if not self._watching[uid]:
                 del self._watching[uid]
-                self._gone_since[uid] = time.monotonic()
-                if len(self._gone_since) > MAX_GONE_REMEMBERED:
-                    del self._gone_since[next(iter(self._gone_since))]
+                if uid in service.state.attempts.agents:  # bounded: the job's agents only
+                    self._gone_since[uid] = time.monotonic()
 
     def _absent(self) -> frozenset[str]:
         """The job's agents that no watch on this replica has shown for longer than the heartbeat timeout (counted
@@ -125,8 +122,10 @@ class JobAgentsService:
         if service.replica.epoch != self._epoch:
             self._epoch, self._since = service.replica.epoch, now
             self._gone_since.clear()
-        grace = service.replica.config.heartbeat_timeout_s
-        return frozenset(uid for uid in service.state.attempts.agents
+        agents, grace = service.state.attempts.agents, service.replica.config.heartbeat_timeout_s
+        for uid in self._gone_since.keys() - agents:  # no longer an agent of the job
+            del self._gone_since[uid]
+        return frozenset(uid for uid in agents
                          if uid not in self._watching and now - self._gone_since.get(uid, self._since) > grace)
 
     def _check_room(self, watching: int) -> ResourceExhausted | None:
