@@ -1,19 +1,23 @@
 """The JobAgents service: the job as its host agents (``ifrt run``) see it, beside the Coordinator service.
 
-An agent is no process of the job: it watches the job (``WatchJob``: the current attempt, then each failure of a
-process of it, each new attempt and the end of the restarts, in the order the coordinator decided them) and, after
-a failure, asks for the next attempt (``NextAttempt``, decided once by the state machine and journaled). Watches are
-bounded in number (``--max-agents``) and each in unread bytes (``--max-session-backlog-bytes``), like sessions.
+An agent is no process of the job: it joins the job and watches it (``WatchJob``: the current attempt, then each
+failure of a process of it, each new attempt and the end of the restarts, in the order the coordinator decided them)
+and, after a failure, asks for the next attempt (``NextAttempt``, decided once by the state machine and journaled).
+An agent proves who it is as a process does: a secret of its own in the call metadata, whose hash the job keeps
+(see coordinator.attempts for who may decide what). Watches are bounded in number (``--max-agents``) and each in
+unread bytes (``--max-session-backlog-bytes``), like sessions.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
 from coordinator.attempts import (
     UNKNOWN_PROCESS,
+    Agent,
     AttemptFailure,
     AttemptProcessFailed,
     AttemptsExhausted,
@@ -21,7 +25,7 @@ from coordinator.attempts import (
     JobView,
     NextAttempt,
 )
-from coordinator.calls import abort, internal_errors, parse
+from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.effects import Effect
 from coordinator.limits import FLAGS, Limits, shown
 from coordinator.outbox import Outbox
@@ -48,6 +52,9 @@ class JobAgentsService:
         self._service = service
         self._limits: Limits = service.replica.config.limits
         self._watches: set[Outbox] = set()
+        self._watching: dict[str, int] = {}  # agent uid -> its watches open on this replica
+        self._gone_since: dict[str, float] = {}  # agent uid -> when its last watch here ended
+        self._epoch, self._since = -1, 0.0  # the state watched, and since when this replica serves it
         service.effect_listeners.append(self._on_effects)
         service.step_down_listeners.append(self._on_step_down)
 
@@ -73,25 +80,59 @@ class JobAgentsService:
         except IfrtError as e:
             await abort(context, e, what)
         await service.serving(context, what)
-        await service.commit(context, what)  # only durable state is sent
-        if len(self._watches) >= limits.agents:  # no await from here until the watch is counted
-            await abort(context, ResourceExhausted(
-                f"{len(self._watches)} agents watch the job: expected at most {limits.agents} (the coordinator's "
-                f"{FLAGS['agents']})"), what)
-        outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
-            f"this job watch left {waiting} bytes of events unread: expected at most "
-            f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch again")))
-        outbox.put_nowait(pb.JobEvent(state=_job_state(service.state.attempts.view())).SerializeToString())
-        self._watches.add(outbox)
-        log.debug("the agent %s on %s watches the job", shown(request.agent_uid), shown(request.host))
+        if (refused := self._check_room(len(self._watches))) is not None:  # before it joins: nothing changes
+            await abort(context, refused, what)
+        uid = request.agent_uid
+        self._watching[uid] = self._watching.get(uid, 0) + 1  # present from now: no newcomer takes its place
         try:
-            while True:
-                item = await outbox.get()
-                if isinstance(item, _Closed):
-                    await abort(context, item.error, what, level=logging.DEBUG)
-                await context.write(item)
+            if request.workers:  # an agent of the job: it joins (journaled) before it is told anything
+                agent = Agent(uid, request.host, peer_host(context.peer()), caller_proof(context), request.workers)
+                budget = request.max_restarts if request.HasField("max_restarts") else None
+                await service.command(context, what, lambda: (None, service.state.join_agent(
+                    agent, budget, self._absent())))
+            await service.commit(context, what)  # only durable state is sent
+            if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until counted
+                await abort(context, refused, what)
+            outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
+                f"this job watch left {waiting} bytes of events unread: expected at most "
+                f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch "
+                "again")))
+            outbox.put_nowait(pb.JobEvent(state=_job_state(service.state.attempts.view())).SerializeToString())
+            self._watches.add(outbox)
+            log.debug("the agent %s on %s watches the job", shown(uid), shown(request.host))
+            try:
+                while True:
+                    item = await outbox.get()
+                    if isinstance(item, _Closed):
+                        await abort(context, item.error, what, level=logging.DEBUG)
+                    await context.write(item)
+            finally:
+                self._watches.discard(outbox)
         finally:
-            self._watches.discard(outbox)
+            self._watching[uid] -= 1
+            if not self._watching[uid]:
+                del self._watching[uid]
+                if uid in service.state.attempts.agents:  # bounded: the job's agents only
+                    self._gone_since[uid] = time.monotonic()
+
+    def _absent(self) -> frozenset[str]:
+        """The job's agents that no watch on this replica has shown for longer than the heartbeat timeout (counted
+        from when this replica began serving the state, for an agent it has not seen since)."""
+        now, service = time.monotonic(), self._service
+        if service.replica.epoch != self._epoch:
+            self._epoch, self._since = service.replica.epoch, now
+            self._gone_since.clear()
+        agents, grace = service.state.attempts.agents, service.replica.config.heartbeat_timeout_s
+        for uid in self._gone_since.keys() - agents:  # no longer an agent of the job
+            del self._gone_since[uid]
+        return frozenset(uid for uid in agents
+                         if uid not in self._watching and now - self._gone_since.get(uid, self._since) > grace)
+
+    def _check_room(self, watching: int) -> ResourceExhausted | None:
+        if watching < self._limits.agents:
+            return None
+        return ResourceExhausted(f"{watching} agents watch the job: expected at most {self._limits.agents} (the "
+                                 f"coordinator's {FLAGS['agents']})")
 
     async def next_attempt(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Ends ``ended_attempt`` and starts the next (or ends the restarts), once; answers the job's state."""
@@ -99,10 +140,11 @@ class JobAgentsService:
         f = request.failure
         failure = AttemptFailure(request.ended_attempt, f.process_id if request.HasField("failure") else
                                  UNKNOWN_PROCESS, f.host, f.reason)
-        call = NextAttempt(request.ended_attempt, failure, request.max_restarts, request.request_id)
-        service = self._service
-        view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt}",
-                                     lambda: service.state.next_attempt(call))
+        budget = request.max_restarts if request.HasField("max_restarts") else None
+        call = NextAttempt(request.ended_attempt, failure, budget, request.request_id, request.agent_uid)
+        service, proof = self._service, caller_proof(context)
+        view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt} from agent "
+                                     f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(call, proof))
         return pb.NextAttemptResponse(state=_job_state(view)).SerializeToString()
 
     def _on_effects(self, effects: list[Effect]) -> None:
@@ -141,4 +183,5 @@ def _failure(f: AttemptFailure) -> pb.AttemptFailure:
 
 
 def _job_state(view: JobView) -> pb.JobState:
-    return pb.JobState(attempt=view.attempt, failures=[_failure(f) for f in view.failures], exhausted=view.exhausted)
+    return pb.JobState(attempt=view.attempt, failures=[_failure(f) for f in view.failures], exhausted=view.exhausted,
+                       max_restarts=view.max_restarts, earlier_failures=view.earlier)

@@ -1,29 +1,51 @@
-"""The job's attempts as a pure sub-machine: which attempt runs, why each earlier one ended, and NextAttempt's
-decision, made once per attempt however many agents ask and however often they retry. No I/O: the router
-(``ClusterState``) journals what this decides and starts its other sub-machines afresh for a new attempt.
+"""The job's attempts as a pure sub-machine: which attempt runs, why the latest ones ended, who the job's agents are,
+the job's restart budget, and NextAttempt's decision, made once per attempt however many agents ask and however
+often they retry. No I/O: the router (``ClusterState``) journals what this decides and starts its other
+sub-machines afresh for a new attempt.
 
-    attempt F ──(NextAttempt(F): restarts < max)──▶ attempt F+1 ──▶ ... ──▶ attempt N
-    attempt N ──(NextAttempt(N): restarts >= max)──▶ exhausted (no attempt starts; every call is answered so)
+    attempt F ──(NextAttempt(F): restarts < budget)──▶ attempt F+1 ──▶ ... ──▶ attempt N
+    attempt N ──(NextAttempt(N): restarts >= budget)──▶ exhausted ──(a new agent joins)──▶ attempt N+1, a new run
+    attempt N ──(every agent gone, a new agent joins)──▶ attempt N+1, a new run
 
-F is the coordinator's ``--attempt`` (0 by default); the restarts made so far are N - F.
+F is the first attempt of the run (the coordinator's ``--attempt``, 0 by default); the restarts made so far are N - F.
+
+Authority: only the job decides about the job.
+
+- An agent joins with ``WatchJob`` (journaled: its id, host, the address it called from, the sha256 of its secret);
+  every later call of that agent id must carry the same secret (``PermissionDenied`` otherwise), as a process's.
+  The job's agents run at most ``num_processes`` workers together: once they cover the job, a new agent joins only
+  in the place of one that is gone (absent longer than the heartbeat timeout) or of one on its own host (its
+  restart). A new agent of a job whose restarts are exhausted, or whose agents are all gone, starts the job's next
+  run: the next attempt, with no failure and the whole budget.
+- The restart budget is the job's: the coordinator's ``--max-restarts``, else the first agent's of the run, else 0.
+  An agent stating another is refused (``ClusterMismatch``).
+- Ending an attempt needs an agent of the job and a cause it may give: a process the coordinator declared failed in
+  the attempt, or one of the agent's own workers (a process registered with its hostname from its address, or one
+  it could not name, such as a worker that failed before it registered). A failure of another host's process that
+  the coordinator did not declare is refused (``PermissionDenied``), changing nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from coordinator import journal
 from coordinator.limits import FLAGS, Limits, check_call_id, shown
 from coordinator.registration import Registration
-from ifrt.errors import ClusterMismatch, InvalidArgument
+from ifrt.errors import ClusterMismatch, InvalidArgument, PermissionDenied
 
-FAILURES_KEPT = 1024
-"""Ended attempts whose failure a JobState lists (the oldest are dropped beyond it): a job that restarted more
-often than this has a summary long enough already."""
+FAILURES_KEPT = 32
+"""Ended attempts whose failure a JobState lists (the latest ones; the others are only counted): each is at most two
+strings of ``--max-string-bytes``, so a JobState stays small however often the job restarted."""
 REQUESTS_REMEMBERED = 1024
 """NextAttempt request ids remembered for their retries (one per agent and attempt; the oldest is forgotten)."""
 UNKNOWN_PROCESS = -1
 """``AttemptFailure.process_id`` when the agent could not name the process."""
+
+Host = tuple[str, str]
+"""(hostname, address): where a process registered from, or an agent called from."""
 
 
 @dataclass(frozen=True)
@@ -38,28 +60,48 @@ class AttemptFailure:
 
 @dataclass(frozen=True)
 class JobView:
-    """What an agent needs: the current attempt, every ended attempt's failure (oldest first), and whether the
-    restarts are exhausted (no attempt will start)."""
+    """What an agent needs: the current attempt, the latest ended attempts' failures (oldest first; ``earlier``
+    more are not listed), whether the restarts are exhausted (no attempt will start), and the job's budget."""
 
     attempt: int
     failures: tuple[AttemptFailure, ...]
     exhausted: bool
+    max_restarts: int = 0
+    earlier: int = 0
+
+
+@dataclass(frozen=True)
+class Agent:
+    """One agent of the job, as it joined."""
+
+    uid: str
+    host: str
+    address: str
+    secret_hash: str
+    workers: int
+
+    @property
+    def where(self) -> Host:
+        return (self.host, self.address)
 
 
 @dataclass(frozen=True)
 class NextAttempt:
-    """One NextAttempt call: the attempt its agent saw end, why, the job's restart budget, and its request id."""
+    """One NextAttempt call: the attempt its agent saw end, why, the budget it expects (None: the job's), its
+    request id, and the calling agent."""
 
     ended_attempt: int
     failure: AttemptFailure
-    max_restarts: int
+    max_restarts: int | None = None
     request_id: str = ""
+    agent_uid: str = ""
 
 
 # Effects, for the shell: agents' watches hear of each, and a new attempt ends the old one's calls and sessions.
 @dataclass(frozen=True)
 class AttemptStarted:
-    """Effect: attempt ``view.attempt`` started; every other sub-machine of the state starts empty."""
+    """Effect: attempt ``view.attempt`` started; every other sub-machine of the state starts empty. Without failures
+    in ``view``, a new run of the job started (the last one's restarts were exhausted)."""
 
     view: JobView
 
@@ -79,39 +121,130 @@ class AttemptProcessFailed:
 
 
 class Attempts:
-    """The current attempt and the failures of the ended ones; ``decide`` answers NextAttempt."""
+    """The current attempt, the latest failures, the job's agents and budget; ``decide`` answers NextAttempt."""
 
-    def __init__(self, first: int) -> None:
+    def __init__(self, first: int, max_restarts: int | None = None) -> None:
         self.first = first
         self.current = first
         self.exhausted = False
+        self._configured = max_restarts  # the coordinator's --max-restarts
+        self._stated: int | None = None  # the first agent's, when the coordinator has none
+        self._stated_by = ""
         self._failures: list[AttemptFailure] = []
+        self._earlier = 0
         self._decided_by: dict[str, None] = {}  # request ids of the decisions, oldest first
+        self._agents: dict[str, Agent] = {}  # by uid, in the order they joined
+        self._declared: dict[int, AttemptFailure] = {}  # processes the coordinator declared failed in this attempt
+
+    @property
+    def budget(self) -> int:
+        """The job's restart budget now."""
+        return next((b for b in (self._configured, self._stated) if b is not None), 0)
 
     def view(self) -> JobView:
         """The job as agents see it now."""
-        return JobView(self.current, tuple(self._failures), self.exhausted)
+        return JobView(self.current, tuple(self._failures), self.exhausted, self.budget, self._earlier)
 
-    def decide(self, call: NextAttempt, limits: Limits) -> journal.AttemptDecided | None:
-        """The decision ``call`` makes, to journal and ``apply``; None when it changes nothing (a retry, an attempt
-        that ended already, or restarts exhausted already): the caller is answered ``view()``. InvalidArgument,
-        changing nothing, for an attempt ahead of the current one or strings over the limits."""
+    # Agents.
+    def join(self, agent: Agent, max_restarts: int | None, num_processes: int, limits: Limits,
+             absent: frozenset[str] = frozenset()) -> journal.AgentJoined | None:
+        """The entry that makes ``agent`` one of the job's (to journal and ``apply_joined``); None when it is one
+        already, as it is. ``absent``: the agents that have not watched the job for a while (gone, as far as the
+        coordinator can tell). A new agent starts a new run of the job when the restarts are exhausted or every agent
+        of the job is absent; it takes the place of absent agents, then of agents on its own host (a restart), when
+        the job's agents would otherwise run more than ``num_processes`` workers. PermissionDenied, ClusterMismatch
+        or InvalidArgument, changing nothing, when it may not join."""
+        _check_agent(agent, limits)
+        known = self._agents.get(agent.uid)
+        if known is not None:
+            _check_secret(known, agent.secret_hash)
+        new_run = known is None and (self.exhausted or (bool(self._agents) and self._agents.keys() <= absent))
+        if max_restarts is not None:
+            budget, origin = self._budget_origin(new_run)
+            if budget is not None and budget != max_restarts:
+                raise ClusterMismatch(f"this agent expects --max-restarts {max_restarts}, but the job's restart budget "
+                                      f"is {budget} ({origin}): start every agent with the same --max-restarts, or "
+                                      "without it to take the job's")
+        if known == agent:
+            return None
+        replaced: list[str] = []
+        if known is None and not new_run:
+            running = sum(a.workers for a in self._agents.values())
+            places = [*(a for a in self._agents.values() if a.uid in absent),
+                      *(a for a in self._agents.values() if a.where == agent.where and a.uid not in absent)]
+            for old in places:
+                if running + agent.workers <= num_processes:
+                    break
+                replaced.append(old.uid)
+                running -= old.workers
+            if running + agent.workers > num_processes:
+                hosts = sorted({f"{shown(a.host)} ({a.address})" for a in self._agents.values()})
+                raise ClusterMismatch(f"the job's agents on {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''} "
+                                      f"run {running} workers; this agent's {agent.workers} would exceed the job's "
+                                      f"{num_processes} processes: it is no agent of this job (an agent restarted on "
+                                      "its host, or one that comes once an agent is gone, takes its place)")
+        return journal.AgentJoined(agent.uid, agent.host, agent.address, agent.secret_hash, agent.workers,
+                                   max_restarts, new_run, tuple(replaced))
+
+    def apply_joined(self, entry: journal.AgentJoined) -> AttemptStarted | None:
+        """Records an agent (joined now, or replayed); returns AttemptStarted when it started a new run of the job."""
+        if entry.new_run:  # the next attempt, with no failure and the whole budget
+            self.current += 1
+            self.first, self.exhausted = self.current, False
+            self._failures, self._earlier, self._declared = [], 0, {}
+            self._agents, self._stated, self._stated_by = {}, None, ""
+        for uid in entry.replaced:
+            self._agents.pop(uid, None)
+        self._agents[entry.agent_uid] = Agent(entry.agent_uid, entry.host, entry.host_address, entry.secret_hash,
+                                              entry.workers)
+        if entry.max_restarts is not None and self._stated is None:
+            self._stated, self._stated_by = entry.max_restarts, entry.host
+        return AttemptStarted(self.view()) if entry.new_run else None
+
+    @property
+    def agents(self) -> frozenset[str]:
+        """The ids of the job's agents."""
+        return frozenset(self._agents)
+
+    def agent(self, uid: str, proof: str) -> Agent:
+        """The agent ``uid`` whose secret ``proof`` proves; PermissionDenied otherwise."""
+        known = self._agents.get(uid)
+        if known is None:
+            raise PermissionDenied(f"agent {shown(uid)} is no agent of this job: only the job's agents (`ifrt run`, "
+                                   "which joins with WatchJob and its own secret) may end an attempt")
+        _check_secret(known, proof)
+        return known
+
+    # Decisions.
+    def decide(self, call: NextAttempt, limits: Limits, agent: Agent,
+               where_of: Callable[[int], Host | None]) -> journal.AttemptDecided | None:
+        """The decision ``call`` of ``agent`` makes, to journal and ``apply``; None when it changes nothing (a retry,
+        an attempt that ended already, or restarts exhausted already): the caller is answered ``view()``.
+        InvalidArgument, ClusterMismatch or PermissionDenied, changing nothing, for an attempt ahead of the current
+        one, strings over the limits, another budget, or a cause the agent may not give. ``where_of``: where the process
+        holding an id in the current attempt registered from (None: no process holds it)."""
         _check(call, limits)
+        if call.max_restarts is not None and call.max_restarts != self.budget:
+            _, origin = self._budget_origin(False)
+            raise ClusterMismatch(f"max_restarts {call.max_restarts} differs from the job's restart budget "
+                                  f"{self.budget} ({origin}): leave it unset to take the job's")
         if call.ended_attempt > self.current:
             raise InvalidArgument(f"ended_attempt {call.ended_attempt} is ahead of the job's current attempt "
                                   f"{self.current}: expected the attempt the agent's workers ran (at most "
                                   f"{self.current})")
         if call.request_id in self._decided_by or call.ended_attempt < self.current or self.exhausted:
             return None
-        failure = call.failure
+        failure = self._cause(call.failure, agent, where_of)
         return journal.AttemptDecided(
             ended=call.ended_attempt, process_id=failure.process_id, host=failure.host, reason=failure.reason,
-            exhausted=self.current - self.first >= call.max_restarts, request_id=call.request_id)
+            exhausted=self.current - self.first >= self.budget, request_id=call.request_id)
 
     def apply(self, entry: journal.AttemptDecided) -> AttemptStarted | AttemptsExhausted:
         """Records a decision (made now, or replayed) and returns its effect."""
         self._failures.append(AttemptFailure(entry.ended, entry.process_id, entry.host, entry.reason))
-        del self._failures[:-FAILURES_KEPT]
+        if len(self._failures) > FAILURES_KEPT:
+            self._earlier += len(self._failures) - FAILURES_KEPT
+            del self._failures[:-FAILURES_KEPT]
         if entry.request_id:
             self._decided_by[entry.request_id] = None
             if len(self._decided_by) > REQUESTS_REMEMBERED:
@@ -120,11 +253,66 @@ class Attempts:
             self.exhausted = True
             return AttemptsExhausted(self.view())
         self.current = entry.ended + 1
+        self._declared = {}
         return AttemptStarted(self.view())
 
-    def process_failed(self, process_id: int, host: str, reason: str) -> AttemptProcessFailed:
-        """The effect that tells agents a process of the current attempt failed."""
-        return AttemptProcessFailed(AttemptFailure(self.current, process_id, host, reason))
+    def process_failed(self, process_id: int, host: str, reason: str, limits: Limits) -> AttemptProcessFailed:
+        """Records that the coordinator declared ``process_id`` of the current attempt failed (replayed likewise);
+        returns the effect that tells agents."""
+        failure = AttemptFailure(self.current, process_id, _bounded(host, limits.string_bytes),
+                                 _bounded(reason, limits.string_bytes))
+        self._declared.setdefault(process_id, failure)
+        return AttemptProcessFailed(failure)
+
+    def _cause(self, reported: AttemptFailure, agent: Agent, where_of: Callable[[int], Host | None]) -> AttemptFailure:
+        """The failure that ends the attempt: the coordinator's own word on the process named, the agent's own worker
+        as reported, else the first process the coordinator declared failed; PermissionDenied if none."""
+        pid = reported.process_id
+        if (declared := self._declared.get(pid)) is not None:
+            return declared
+        own = replace(reported, attempt=self.current, host=agent.host)
+        where = where_of(pid) if pid != UNKNOWN_PROCESS else None
+        if where is None or where == agent.where:
+            return own  # its own worker: registered from its host, or not registered (yet) at all
+        if self._declared:
+            return next(iter(self._declared.values()))
+        raise PermissionDenied(
+            f"process {pid} registered from {shown(where[0])} ({where[1]}), not from this agent's host "
+            f"{shown(agent.host)} ({agent.address}), and the coordinator did not declare it failed: an agent may end "
+            "an attempt only for its own workers or a failure the coordinator declared")
+
+    def _budget_origin(self, new_run: bool) -> tuple[int | None, str]:
+        if self._configured is not None:
+            return self._configured, "the coordinator's --max-restarts"
+        if self._stated is not None and not new_run:
+            return self._stated, f"stated by the job's first agent, on {shown(self._stated_by)}"
+        return None, "none stated: 0"
+
+
+def _check_secret(known: Agent, proof: str) -> None:
+    if not hmac.compare_digest(known.secret_hash, proof):
+        raise PermissionDenied(f"this call acts for agent {shown(known.uid)} on {shown(known.host)} but does not carry "
+                               f"its secret ({'none was sent' if not proof else 'another was sent'}): only the agent "
+                               "that joined may act for it")
+
+
+def _check_agent(agent: Agent, limits: Limits) -> None:
+    if agent.workers < 1:
+        raise InvalidArgument(f"workers {agent.workers} is out of range: an agent of the job runs at least 1 worker")
+    if not agent.secret_hash:
+        raise InvalidArgument("this agent's call carries no secret (metadata ifrt-process-secret): expected a random "
+                              "secret of its own, the same on each of its calls")
+    for what, text in (("host", agent.host), ("agent_uid", agent.uid)):
+        size = len(text.encode())
+        if not size or size > limits.string_bytes:
+            raise InvalidArgument(f"{what} {shown(text)} is {size} bytes long: expected 1 to {limits.string_bytes} "
+                                  f"(the coordinator's {FLAGS['string_bytes']})")
+
+
+def _bounded(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes (on a character boundary)."""
+    raw = text.encode()
+    return text if len(raw) <= limit else raw[:limit].decode(errors="ignore")
 
 
 def check_attempt(r: Registration, current: int, cluster_id: str) -> None:

@@ -49,6 +49,9 @@ class ClusterConfig:
     attempt: int = 0
     """The job attempt this state serves: ``--attempt`` at first, then each one NextAttempt starts (the state of a
     new attempt is built with it); a process of another attempt is refused."""
+    max_restarts: int | None = None
+    """The job's restart budget (``--max-restarts``); None: the first ``ifrt run`` agent of each run of the job states
+    it (``ifrt run --max-restarts``), 0 if none does."""
     max_wait_s: float = 30.0
     """Longest one Register or KeyValueGet call is held open; clients call again after it."""
     stall_slack_s: float = 5.0
@@ -66,6 +69,8 @@ class ClusterConfig:
         if not 1 <= self.min_processes <= self.num_processes:
             raise InvalidArgument(f"min_processes {self.min_processes} is out of range: expected 1 <= min_processes "
                                   f"<= num_processes ({self.num_processes})")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise InvalidArgument(f"--max-restarts {self.max_restarts} is out of range: expected an integer >= 0")
         if not self.heartbeat_timeout_s > 0:
             raise InvalidArgument(f"heartbeat timeout {self.heartbeat_timeout_s} is not positive: expected seconds > 0")
 

@@ -2,8 +2,8 @@
 
 Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
 registrations, key-values and their deletions, finished barriers, live-set agreements, a preemption notice
-and its sync step, and each decision of the job's next attempt. Liveness (heartbeats, open calls) is not: after a
-replay, every process gets a grace period to re-attach.
+and its sync step, each decision of the job's next attempt, and the job's agents. Liveness (heartbeats, open
+calls) is not: after a replay, every process gets a grace period to re-attach.
 """
 
 from __future__ import annotations
@@ -118,11 +118,28 @@ class AttemptDecided:
     request_id: str
 
 
+@dataclass(frozen=True)
+class AgentJoined:
+    """An ``ifrt run`` agent joined the job (see ``coordinator.attempts``): its id, host, the address it called from,
+    the sha256 of its secret, its worker count, the restart budget it stated (None: it stated none), whether it
+    started a new run of the job, and the agents whose place it took."""
+
+    agent_uid: str
+    host: str
+    host_address: str
+    secret_hash: str
+    workers: int
+    max_restarts: int | None
+    new_run: bool = False
+    replaced: tuple[str, ...] = ()
+
+
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
-         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided)
+         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
                                                          KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
-                                                         PreemptionNoticed, PreemptionSyncDecided, AttemptDecided)}
+                                                         PreemptionNoticed, PreemptionSyncDecided, AttemptDecided,
+                                                         AgentJoined)}
 
 
 def encode(entry: Entry) -> bytes:
@@ -153,6 +170,8 @@ def decode(raw: bytes) -> Entry:
         return kind(**{**fields, "value": base64.b64decode(fields["value"])})
     if kind is BarrierFinished:
         fields["participants"] = tuple(fields["participants"])
+    if kind is AgentJoined:
+        fields["replaced"] = tuple(fields["replaced"])
     if kind is LiveSetDecided:
         fields["callers"] = tuple(tuple(c) for c in fields["callers"])
         fields["members"] = tuple(tuple(m) for m in fields["members"])

@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
                         "attempt starts from an empty journal (no key-value or barrier result of an earlier attempt "
                         "is seen) and fences the earlier one off; processes of another attempt (IFRT_ATTEMPT, "
                         "TORCHELASTIC_RESTART_COUNT, SLURM_RESTART_COUNT) are refused")
+    p.add_argument("--max-restarts", type=int, default=DEFAULTS.cluster.max_restarts, metavar="N",
+                   help="the job's restart budget: restarts in place (`ifrt run`) the coordinator decides before the "
+                        "job is over (default: the first agent's `ifrt run --max-restarts`, 0 if it gives none); "
+                        "an agent stating another is refused")
     p.add_argument("--store", default=DEFAULTS.store, metavar="memory|etcd://HOST:PORT[,HOST:PORT...]",
                    help="where registrations, failures and key-values are kept: memory (default; lost when this "
                         "process ends) or etcd, which survives restarts and lets standby replicas take over "
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
                                 min_processes=args.min_processes or 1,
                                 limits=Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
-                                allow_mixed_platforms=args.allow_mixed_platforms, attempt=args.attempt)
+                                allow_mixed_platforms=args.allow_mixed_platforms, attempt=args.attempt,
+                                max_restarts=args.max_restarts)
     except InvalidArgument as e:
         print(f"ifrt-coordinator: {e}", file=sys.stderr)
         return 2

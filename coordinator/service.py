@@ -100,13 +100,17 @@ class CoordinatorService:
     def _attempt_started(self, view: JobView) -> None:
         """A new job attempt: the ended attempt's waiting calls answer AttemptEnded (see ``serving``), its sessions
         are shut down, and the new attempt's first topology is serialized afresh."""
-        ended = view.failures[-1]
-        log.warning("attempt %d of the job ended (process %d on %s: %s); attempt %d starts", ended.attempt,
-                    ended.process_id, ended.host or "an unknown host", ended.reason, view.attempt,
-                    extra={"event": "attempt_started", "attempt": view.attempt, "process_id": ended.process_id,
-                           "host": ended.host, "reason": ended.reason})
+        if not view.failures:  # a new agent joined a job whose restarts were exhausted, or whose agents are gone
+            log.warning("a new run of the job starts as attempt %d (the last run's restarts were exhausted, or its "
+                        "agents are gone)", view.attempt, extra={"event": "attempt_started", "attempt": view.attempt})
+        else:
+            ended = view.failures[-1]
+            log.warning("attempt %d of the job ended (process %d on %s: %s); attempt %d starts", ended.attempt,
+                        ended.process_id, ended.host or "an unknown host", ended.reason, view.attempt,
+                        extra={"event": "attempt_started", "attempt": view.attempt, "process_id": ended.process_id,
+                               "host": ended.host, "reason": ended.reason})
         self._waiters.wake_all()
-        self.sessions.close(f"attempt {ended.attempt} of the job ended; attempt {view.attempt} starts (its "
+        self.sessions.close(f"attempt {view.attempt - 1} of the job ended; attempt {view.attempt} starts (its "
                             "processes register anew)")
         self._on_serving()
 

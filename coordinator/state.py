@@ -20,7 +20,7 @@ from dataclasses import replace
 from coordinator import journal
 from coordinator.admission import FIRST_GENERATION, Admission, Joined, Retry, Takeover, check_usable
 from coordinator.agreement import LiveSets, Members
-from coordinator.attempts import Attempts, AttemptStarted, JobView, NextAttempt
+from coordinator.attempts import Agent, Attempts, AttemptStarted, Host, JobView, NextAttempt
 from coordinator.barriers import BarrierResolved, Barriers
 from coordinator.catchup import catch_up
 from coordinator.cluster import ClusterConfig, FailurePolicy
@@ -65,7 +65,7 @@ class ClusterState:
         self._live_sets = LiveSets()
         self._preemption: Preemption | None = None
         self._journal: list[journal.Entry] = []
-        self.attempts = Attempts(config.attempt)
+        self.attempts = Attempts(config.attempt, config.max_restarts)
         self._history = History(config.limits.event_history)
         self.published_at = 0
         """The job event number that published the current generation."""
@@ -114,13 +114,28 @@ class ClusterState:
                 self._preemption.sync_step = step
             case journal.AttemptDecided():
                 self._end_attempt(entry)
+            case journal.AgentJoined():
+                self._agent_joined(entry)
         self._journal.clear()
 
     # Job attempts (coordinator.attempts).
-    def next_attempt(self, call: NextAttempt) -> tuple[JobView, list[Effect]]:
-        """NextAttempt: ends the job's current attempt once (journaled) and starts the next with every sub-machine
-        empty, or marks the restarts exhausted; a retry or a later caller is answered the same, changing nothing."""
-        entry = self.attempts.decide(call, self.config.limits)
+    def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset()) -> list[Effect]:
+        """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already); ``absent``: the agents the
+        shell has not seen watching for a while. A new run of the job (see coordinator.attempts) starts a new attempt
+        with every sub-machine empty."""
+        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent)
+        if entry is None:
+            return []
+        self._journal.append(entry)
+        return self._agent_joined(entry)
+
+    def next_attempt(self, call: NextAttempt, proof: str = "") -> tuple[JobView, list[Effect]]:
+        """NextAttempt from the agent ``call.agent_uid`` (``proof``: the hash of the secret its call carries): ends
+        the job's current attempt once (journaled) and starts the next with every sub-machine empty, or marks the
+        restarts exhausted; a retry or a later caller is answered the same, changing nothing. PermissionDenied for a
+        caller that is no agent of the job, or a cause it may not give (see coordinator.attempts)."""
+        agent = self.attempts.agent(call.agent_uid, proof)
+        entry = self.attempts.decide(call, self.config.limits, agent, self._registered_from)
         if entry is None:
             return self.attempts.view(), []
         self._journal.append(entry)
@@ -129,11 +144,31 @@ class ClusterState:
 
     def _end_attempt(self, entry: journal.AttemptDecided) -> list[Effect]:
         effect = self.attempts.apply(entry)
-        if isinstance(effect, AttemptStarted):  # everything but the attempts (and the journal) starts empty
-            attempts, entries = self.attempts, self._journal
-            self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
-            self.attempts, self._journal = attempts, entries
+        if isinstance(effect, AttemptStarted):
+            self._start_afresh()
         return [effect]
+
+    def _agent_joined(self, entry: journal.AgentJoined) -> list[Effect]:
+        effect = self.attempts.apply_joined(entry)
+        if effect is None:
+            return []
+        self._start_afresh()
+        return [effect]
+
+    def _start_afresh(self) -> None:
+        """A new attempt: everything but the attempts (and the journal) starts empty."""
+        attempts, entries = self.attempts, self._journal
+        self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
+        self.attempts, self._journal = attempts, entries
+
+    def _registered_from(self, process_id: int) -> Host | None:
+        """Where the process holding ``process_id`` in this attempt registered from (None: none holds it)."""
+        if self.topology is not None:
+            member = self._admission.member_of(process_id)
+        else:  # before publication only explicit ids are known
+            member = next((m for m in self._admission.members.values()
+                           if m.registration.process_id == process_id and m.live), None)
+        return None if member is None else (member.registration.hostname, member.registration.host_address)
 
     def reset_liveness(self, now: float) -> None:
         """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
@@ -395,7 +430,7 @@ class ClusterState:
                     f"--min-processes {self.config.min_processes}: the cluster cannot continue")
         failed = self._notify(ProcessFailed(pid, why))  # numbered before the generation that drops it
         dropped = self._drop_if_elastic(pid)
-        effects.append(self.attempts.process_failed(pid, member.registration.hostname, why))
+        effects.append(self.attempts.process_failed(pid, member.registration.hostname, why, self.config.limits))
         return [failed, *self._journal_barriers(self._barriers.fail_including(pid, f"failed: {why}")),
                 *effects, *dropped]
 

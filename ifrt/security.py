@@ -20,7 +20,8 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x
 
 
 def new_process_secret() -> str:
-    """A fresh random secret for one process incarnation."""
+    """A fresh random secret for one process incarnation (or one ``ifrt run`` agent: agents prove who they are the
+    same way)."""
     return secrets.token_hex(16)
 
 
@@ -124,8 +125,10 @@ class _Details(NamedTuple):
     compression: grpc.Compression | None
 
 
-class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Adds the same metadata to every call of a channel."""
+class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the same metadata to every call of a channel, whatever its kind (a kind left out would go without the
+    token: ``WatchJob`` is unary-stream)."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
@@ -136,6 +139,12 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return continuation(self._details(client_call_details), request_iterator)

@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -17,10 +18,14 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 from coordinator.local import LocalCoordinator
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt._generated.coordinator_pb2_grpc import JobAgentsStub
 from ifrt.errors import EXIT_COORDINATOR_LOST
+from ifrt.protocol import SECRET_METADATA
 from ifrt.run import agent as core
 from ifrt.run.agent import (
     Agent,
@@ -42,6 +47,7 @@ from tests.helpers import BIN, poll_until
 from tests.netns import Hosts, skip_without_netns
 from tests.replicas import Replicas
 from tests.requirements import require
+from tests.tls import make_certs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_WORKER = Path(__file__).with_name("run_worker.py")
@@ -92,6 +98,15 @@ def test_a_survivor_reports_itself_when_no_cause_comes():
     assert actions[-1] == AskNextAttempt(0, Failure(0, 0, "node-a", "exit code 75"))
 
 
+def test_a_refused_report_waits_for_the_coordinators_own_and_asks_with_it():
+    agent = started(ids={0: 0, 1: 1})
+    assert kinds(agent.handle(WorkerExited(0, 1, 3), 1.0)) == [Stop, AskNextAttempt]
+    said = agent.handle(core.AskRefused(0, "the coordinator refused this report: process 1 registered from ..."), 1.1)
+    assert kinds(said) == [] and "waiting for the coordinator to declare the failure" in said[0].line
+    declared = Failure(0, 1, "node-a", "lost its connection")
+    assert agent.handle(ProcessFailedSeen(declared), 2.0)[-1] == AskNextAttempt(0, declared)
+
+
 def test_a_new_attempt_decided_elsewhere_restarts_the_workers():
     agent = started()
     actions = agent.handle(JobUpdate(JobView(1)), 1.0)
@@ -108,6 +123,15 @@ def test_exhausted_restarts_end_the_agent_with_every_attempts_failure():
     lines = [a.line for a in actions if isinstance(a, Say)]
     assert "attempt 0: process 1 on node-a failed: exit code 3" in lines
     assert "attempt 1: process 1 on node-a failed: exit code 3" in lines
+
+
+def test_exhausted_restarts_count_the_failures_the_coordinator_no_longer_lists():
+    failures = (Failure(40, 1, "node-a", "exit code 3"),)
+    actions = started().handle(JobUpdate(JobView(40, failures, exhausted=True, max_restarts=40, earlier=40)), 1.0)
+    lines = [a.line for a in actions if isinstance(a, Say)]
+    assert lines[:3] == ["the job's restarts are exhausted (40 allowed); failures:",
+                         "40 earlier attempts failed too (not listed)",
+                         "attempt 40: process 1 on node-a failed: exit code 3"]
 
 
 def test_the_agent_exits_0_once_every_worker_finished():
@@ -242,10 +266,10 @@ def loopback_env(address: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def two_agents(agents, address: str, scenario: str, *flags: str) -> list[RunAgent]:
+def two_agents(agents, address: str, scenario: str, *flags: str, env: dict[str, str] | None = None) -> list[RunAgent]:
     """Two agents on loopback as hosts 0 and 1 (explicit host ranks), two tests/run_worker.py workers each."""
     return [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",
-                   *flags, "--", sys.executable, str(RUN_WORKER), scenario, env=loopback_env(address))
+                   *flags, "--", sys.executable, str(RUN_WORKER), scenario, env=env or loopback_env(address))
             for h in range(2)]
 
 
@@ -365,6 +389,144 @@ def test_the_leading_replica_killed_right_after_deciding_a_restart_still_restart
         assert "all 2 workers finished" in err, agent.output()
 
 
+# Behind the token (and TLS), and who may end or restart the job.
+
+TOKEN = "the cluster's token"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def secured(tmp_path: Path, certs: Path, tls: bool) -> tuple[tuple[str, ...], dict[str, str], Path]:
+    """The coordinator's flags for a token (and TLS), the agents' extra environment, and the token file."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    flags: tuple[str, ...] = ("--token-file", str(token_file))
+    env: dict[str, str] = {}
+    if tls:
+        flags += ("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"))
+        env["IFRT_TLS_CA"] = str(certs / "ca.pem")
+    return flags, env, token_file
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["token", "token+tls"])
+def test_a_job_behind_the_token_and_tls_restarts_in_place_and_finishes(start_coordinator, agents, tmp_path, certs,
+                                                                      tls):
+    flags, extra, token_file = secured(tmp_path, certs, tls)
+    coordinator = start_coordinator(*flags, num_processes=4, log_level="WARNING")
+    env = loopback_env(coordinator.address, **extra)
+    both = two_agents(agents, coordinator.address, "once", "--max-restarts", "1", "--token-file", str(token_file),
+                      env=env)
+    first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+             for a in both]
+    os.kill(int(first[1][3].group(3)), signal.SIGKILL)  # WatchJob (unary-stream) and NextAttempt carry the token
+    for agent in both:
+        assert agent.wait() == 0, agent.output()
+        assert sorted(started_lines(agent, 1)) == sorted(started_lines(agent, 0)), agent.output()
+    assert "the call carries no token" not in "\n".join(both[0].err + both[1].err)
+
+
+def job_stub(address: str) -> tuple[JobAgentsStub, grpc.Channel]:
+    channel = grpc.insecure_channel(address)
+    return JobAgentsStub(channel), channel
+
+
+def refused(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value
+
+
+@contextlib.contextmanager
+def a_running_job(start_coordinator, agents):
+    """Two real agents of 2 looping workers each, in attempt 0, with a raw JobAgents stub for the attacker; on exit,
+    checks that the job ran on untouched (no agent exited, no restart, nothing exhausted) and stops it."""
+    # Without a token every caller is as a token holder: the job's authority is what stops it, not the token.
+    coordinator = start_coordinator(num_processes=4, log_level="DEBUG")
+    both = two_agents(agents, coordinator.address, "loop", "--max-restarts", "3")
+    for a in both:
+        poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+    job, channel = job_stub(coordinator.address)
+    with channel:
+        yield coordinator, job
+        state = next(job.WatchJob(pb.WatchJobRequest(host="elsewhere", agent_uid="onlooker"), timeout=10)).state
+        assert (state.attempt, state.exhausted, list(state.failures), state.max_restarts) == (0, False, [], 3)
+    time.sleep(1.0)  # on main both agents had exited 1 within 0.6 s of an attack
+    for agent in both:
+        assert agent.process.poll() is None, agent.output()
+        assert "attempt 1" not in "\n".join(agent.err) and "exhausted" not in "\n".join(agent.err), agent.output()
+    both[0].process.send_signal(signal.SIGTERM)
+    assert both[0].wait() == 7, both[0].output()
+
+
+def attack_next_attempt(job: JobAgentsStub, max_restarts: int | None, agent_uid: str = "") -> grpc.RpcError:
+    """NextAttempt(ended_attempt=0) naming process 1 from a caller with a secret of its own; the refusal."""
+    who = {"agent_uid": agent_uid} if agent_uid else {}
+    request = pb.NextAttemptRequest(ended_attempt=0, max_restarts=max_restarts, request_id=secrets.token_hex(8),
+                                    failure=pb.AttemptFailure(attempt=0, process_id=1, host="elsewhere",
+                                                              reason="made up"), **who)
+    return refused(lambda: job.NextAttempt(request, timeout=10, metadata=[(SECRET_METADATA, secrets.token_hex(16))]))
+
+
+def test_a_caller_who_is_no_agent_cannot_end_the_job_for_good(start_coordinator, agents):
+    with a_running_job(start_coordinator, agents) as (_, job):
+        ending = attack_next_attempt(job, 0)  # on main: both agents stopped their workers and exited 1
+        assert ending.code() is grpc.StatusCode.PERMISSION_DENIED, ending
+        assert "is no agent of this job" in ending.details()
+        joining = refused(lambda: next(job.WatchJob(pb.WatchJobRequest(
+            host="elsewhere", agent_uid="intruder", workers=1, max_restarts=0), timeout=10,
+            metadata=[(SECRET_METADATA, "intruder")])))
+        assert joining.code() is grpc.StatusCode.FAILED_PRECONDITION, joining  # nor become one of its agents
+        assert "this agent expects --max-restarts 0, but the job's restart budget is 3" in joining.details()
+
+
+def test_a_caller_who_is_no_agent_cannot_restart_the_job_at_will(start_coordinator, agents):
+    with a_running_job(start_coordinator, agents) as (_, job):
+        for _ in range(20):  # on main: 20 restarts, each wiping every registration, key and barrier
+            assert attack_next_attempt(job, 10**6).code() is grpc.StatusCode.PERMISSION_DENIED
+        joining = refused(lambda: next(job.WatchJob(pb.WatchJobRequest(
+            host="elsewhere", agent_uid="intruder", workers=1), timeout=10,
+            metadata=[(SECRET_METADATA, "intruder")])))
+        assert joining.code() is grpc.StatusCode.FAILED_PRECONDITION, joining  # the job's agents cover its 4
+        assert "would exceed the job's 4 processes: it is no agent of this job" in joining.details()
+
+
+def test_a_caller_cannot_act_for_an_agent_of_the_job(start_coordinator, agents):
+    with a_running_job(start_coordinator, agents) as (coordinator, job):
+        real_uid = re.search(r"the agent '?(\w+)'? on ", coordinator.log).group(1)  # what an attacker may learn
+        acting = attack_next_attempt(job, None, agent_uid=real_uid)  # on main: attempt 1 started
+        assert acting.code() is grpc.StatusCode.PERMISSION_DENIED, acting
+        assert "does not carry its secret" in acting.details()
+
+
+def test_an_exhausted_job_stays_exhausted_for_that_job_only(start_coordinator, agents):
+    coordinator = start_coordinator(num_processes=4, log_level="WARNING")
+    for agent in two_agents(agents, coordinator.address, "fail"):  # no restart allowed: the first failure ends it
+        assert agent.wait() == core.EXIT_JOB_FAILED, agent.output()
+    began = time.monotonic()
+    again = two_agents(agents, coordinator.address, "finish")  # the next run of the job, on the same journal
+    for agent in again:
+        assert agent.wait() == 0, agent.output()
+        assert sorted(started_lines(agent, 1)) in ([0, 1], [2, 3]), agent.output()
+    assert time.monotonic() - began > 0.6
+    assert "a new run of the job starts as attempt 1 (the last run's restarts were exhausted" in coordinator.log
+
+
+def test_an_agent_that_states_another_budget_than_the_jobs_is_refused_naming_both(start_coordinator, agents):
+    coordinator = start_coordinator("--max-restarts", "1", num_processes=1, log_level="WARNING")
+    env = loopback_env(coordinator.address)
+    other = agents("--max-restarts", "5", "--", sys.executable, str(RUN_WORKER), "finish", env=env)
+    assert other.wait() == core.EXIT_USAGE, other.output()
+    assert ("this agent expects --max-restarts 5, but the job's restart budget is 1 (the coordinator's "
+            "--max-restarts)") in "\n".join(other.err), other.output()
+    assert other.out == [], other.output()  # no worker was started
+    taking = agents("--", sys.executable, str(RUN_WORKER), "finish", env=env)
+    assert taking.wait() == 0, taking.output()
+
+
 def jax_env(address: str) -> dict[str, str]:
     env = loopback_env(address)
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1", XLA_FLAGS="--xla_force_host_platform_device_count=1",
@@ -396,12 +558,16 @@ def test_a_killed_jax_worker_restarts_the_whole_job_in_place_from_checkpoints(tm
         require("jax", "pip install 'ifrt-topology[jax]' (scripts/test.sh installs it)")
     skip_without_netns()
     with Hosts(2) as hosts, own_hostname_addresses(hosts):
-        coordinator = LocalCoordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4,
+        (tmp_path / "certs").mkdir()
+        certs = make_certs(tmp_path / "certs", ips=(hosts.address(1),))  # behind the token and TLS, as in a cluster
+        flags, extra, token_file = secured(tmp_path / "certs", certs, tls=True)
+        coordinator = LocalCoordinator("--heartbeat-timeout", str(HEARTBEAT_S), *flags, num_processes=4,
                                        bind=f"{hosts.address(1)}:8476", wrapper=hosts.command(1, []),
                                        log_level="WARNING")
         try:
-            env = jax_env(coordinator.address)
-            both = [agents("--nproc-per-host", "2", "--max-restarts", "2", "--grace-seconds", "2", "--",
+            env = {**jax_env(coordinator.address), **extra}
+            both = [agents("--nproc-per-host", "2", "--max-restarts", "2", "--grace-seconds", "2",
+                           "--token-file", str(token_file), "--",
                            sys.executable, str(TRAIN), "--runtime", "jax", "--checkpoint-dir", str(tmp_path),
                            "--steps", str(STEPS), "--step-seconds", "0.2", env=env, wrapper=hosts.command(h, []))
                     for h in (1, 2)]

@@ -41,12 +41,16 @@ PROCESS_PHASE_FAILED: ProcessPhase
 PROCESS_PHASE_LEFT: ProcessPhase
 
 class WatchJobRequest(_message.Message):
-    __slots__ = ("host", "agent_uid")
+    __slots__ = ("host", "agent_uid", "workers", "max_restarts")
     HOST_FIELD_NUMBER: _ClassVar[int]
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     host: str
     agent_uid: str
-    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ...) -> None: ...
+    workers: int
+    max_restarts: int
+    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ..., workers: _Optional[int] = ..., max_restarts: _Optional[int] = ...) -> None: ...
 
 class AttemptFailure(_message.Message):
     __slots__ = ("attempt", "process_id", "host", "reason")
@@ -61,14 +65,18 @@ class AttemptFailure(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., process_id: _Optional[int] = ..., host: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("attempt", "failures", "exhausted")
+    __slots__ = ("attempt", "failures", "exhausted", "max_restarts", "earlier_failures")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    EARLIER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     failures: _containers.RepeatedCompositeFieldContainer[AttemptFailure]
     exhausted: bool
-    def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+    max_restarts: int
+    earlier_failures: int
+    def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., earlier_failures: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("state", "process_failed", "attempt_started", "exhausted")
@@ -83,16 +91,18 @@ class JobEvent(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ...) -> None: ...
 
 class NextAttemptRequest(_message.Message):
-    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id")
+    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid")
     ENDED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_UID_FIELD_NUMBER: _ClassVar[int]
     ended_attempt: int
     failure: AttemptFailure
     max_restarts: int
     request_id: str
-    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    agent_uid: str
+    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ..., agent_uid: _Optional[str] = ...) -> None: ...
 
 class NextAttemptResponse(_message.Message):
     __slots__ = ("state",)

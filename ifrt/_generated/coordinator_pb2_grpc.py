@@ -944,10 +944,21 @@ class JobAgentsServicer:
 
     def WatchJob(self, request, context):
         """The job as an agent needs it: first a JobState (the current attempt and
-        every failure so far), then, in the order the coordinator decided them,
+        the latest failures), then, in the order the coordinator decided them,
         each failure of a process of the current attempt, each new attempt, and
-        the end of the job's restarts.
-        INVALID_ARGUMENT     the host or agent_uid is empty or too long.
+        the end of the job's restarts. With `workers` > 0 the caller joins the job
+        as one of its agents (journaled: its agent_uid, host, address, and the
+        sha256 of the secret its calls carry in `ifrt-process-secret` metadata,
+        as a process's); with 0 it only watches. A new agent that joins a job whose
+        restarts are exhausted, or whose agents are all gone, starts the next run
+        of it: the next attempt, with no failure and the whole budget.
+        INVALID_ARGUMENT     the host or agent_uid is empty or too long, or an
+        agent's call carries no secret.
+        PERMISSION_DENIED    agent_uid is another agent's (its secret differs).
+        FAILED_PRECONDITION  max_restarts differs from the job's restart budget,
+        or the job's agents already cover --num-processes
+        workers (none of them is on the caller's host or
+        gone longer than the heartbeat timeout).
         RESOURCE_EXHAUSTED   too many agents watch (--max-agents).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -958,12 +969,19 @@ class JobAgentsServicer:
         """Ends attempt `ended_attempt` after a failure and starts the next one,
         decided once: the first call for an attempt decides (and is journaled
         before it is answered), and every later call for the same attempt (a
-        retry, another agent) gets the same answer, also after a failover.
+        retry, another agent) gets the same answer, also after a failover. Only an
+        agent of the job may call it (agent_uid and its secret), and only with a
+        failure the coordinator declared or one of its own workers' (a process
+        registered from its host, or one it could not name).
         OK                   `attempt` is the attempt to run now; `exhausted`
-        when the job had max_restarts restarts already:
+        when the job had its max_restarts restarts already:
         no attempt starts and every agent stops.
         INVALID_ARGUMENT     a string is too long, or ended_attempt is ahead of
         the job's current attempt.
+        PERMISSION_DENIED    the caller is no agent of the job, or the failure
+        names another host's process that the coordinator
+        did not declare failed; nothing changes.
+        FAILED_PRECONDITION  max_restarts is set and differs from the job's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

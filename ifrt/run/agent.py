@@ -42,11 +42,14 @@ class Failure:
 
 @dataclass(frozen=True)
 class JobView:
-    """The job as the coordinator decided it: its current attempt, every attempt's failure, whether it is over."""
+    """The job as the coordinator decided it: its current attempt, the latest attempts' failures (``earlier`` more
+    not listed), whether it is over, and its restart budget."""
 
     attempt: int
     failures: tuple[Failure, ...] = ()
     exhausted: bool = False
+    max_restarts: int = 0
+    earlier: int = 0
 
 
 # Events.
@@ -93,11 +96,20 @@ class LinkFailed:
 
 
 @dataclass(frozen=True)
+class AskRefused:
+    """The coordinator refused this agent's NextAttempt after ``attempt`` (PERMISSION_DENIED: a cause it may not give,
+    such as a worker it took for its own); the coordinator's own report of the failure will do."""
+
+    attempt: int
+    message: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passes (the shell sends it a few times a second)."""
 
 
-Event = JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | Tick
+Event = JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
 
 
 # Actions.
@@ -160,9 +172,10 @@ def workers_status(returncodes: list[int]) -> int:
     return 0
 
 
-def summary(failures: tuple[Failure, ...]) -> list[str]:
-    """One line per failed attempt, oldest first."""
-    return [f.describe() for f in failures] or ["no failure was recorded"]
+def summary(failures: tuple[Failure, ...], earlier: int = 0) -> list[str]:
+    """One line per failed attempt, oldest first (``earlier`` ones the coordinator no longer lists are counted)."""
+    lines = [f"{earlier} earlier attempts failed too (not listed)"] if earlier else []
+    return lines + [f.describe() for f in failures] or ["no failure was recorded"]
 
 
 @dataclass
@@ -196,6 +209,11 @@ class Agent:
             return []
         if isinstance(event, Interrupted):
             return self._interrupted(event.signum)
+        if isinstance(event, AskRefused):
+            if event.attempt != self.attempt or self._asked != self.attempt:
+                return []
+            self._asked = None  # the next process_failed of this attempt is asked about again
+            return [Say(f"{event.message}; waiting for the coordinator to declare the failure")]
         if isinstance(event, LinkFailed):
             return self._end(event.exit_code, [event.message, *(summary(self.failures) if self.failures else ())])
         if isinstance(event, Tick) and self._pending is not None and self._cause_deadline is not None \
@@ -209,7 +227,8 @@ class Agent:
     def _job(self, view: JobView) -> list[Action]:
         self.failures = view.failures
         if view.exhausted:
-            lines = ["the job's restarts are exhausted; failures:", *summary(view.failures)]
+            lines = [f"the job's restarts are exhausted ({view.max_restarts} allowed); failures:",
+                     *summary(view.failures, view.earlier)]
             return self._end(EXIT_JOB_FAILED, lines)
         if self.attempt is not None and view.attempt <= self.attempt:
             return []  # the attempt running (or a stale answer): nothing to do

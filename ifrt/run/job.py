@@ -26,6 +26,7 @@ from ifrt.run.agent import (
     LinkFailed,
     ProcessFailedSeen,
 )
+from ifrt.security import new_process_secret
 from ifrt.settings import resolve
 from ifrt.transfer import local_address_toward
 
@@ -36,7 +37,8 @@ IDS_POLL_S = 0.2
 
 
 def view_of(state: pb.JobState) -> JobView:
-    return JobView(state.attempt, tuple(failure_of(f) for f in state.failures), state.exhausted)
+    return JobView(state.attempt, tuple(failure_of(f) for f in state.failures), state.exhausted, state.max_restarts,
+                   state.earlier_failures)
 
 
 def failure_of(f: pb.AttemptFailure) -> Failure:
@@ -64,12 +66,17 @@ class _AgentConnection(Connection):
 
 
 class JobLink:
-    """The job's agent on one host: no process of the job (no registration, session or process secret)."""
+    """The job's agent on one host, running ``workers`` workers: no process of the job (no registration or session),
+    but an agent of it, which proves who it is as a process does (a random secret of its own on every call, whose
+    hash the coordinator keeps when the agent joins). ``max_restarts``: the restart budget it expects (None: the
+    job's)."""
 
-    def __init__(self, coordinator: str | None, failover_window_s: float, **kwargs: Any) -> None:
+    def __init__(self, coordinator: str | None, failover_window_s: float, *, workers: int,
+                 max_restarts: int | None = None, **kwargs: Any) -> None:
         self.settings = resolve(coordinator, **kwargs)
-        self.connection = _AgentConnection(self.settings, "")
+        self.connection = _AgentConnection(self.settings, new_process_secret())
         self.agent_uid = uuid.uuid4().hex
+        self.workers, self.max_restarts = workers, max_restarts
         self.failover_window_s = failover_window_s
         self._stop = threading.Event()
 
@@ -81,7 +88,8 @@ class JobLink:
         return thread
 
     def _follow(self, emit: Callable[[Event], None]) -> None:
-        request = pb.WatchJobRequest(host=self.settings.hostname, agent_uid=self.agent_uid)
+        request = pb.WatchJobRequest(host=self.settings.hostname, agent_uid=self.agent_uid, workers=self.workers,
+                                     max_restarts=self.max_restarts)
         lost_since: float | None = None
         watched = False
         while not self._stop.is_set():
@@ -119,11 +127,11 @@ class JobLink:
             self.connection.rotate(target)
             self._stop.wait(self.connection.backoff.next())
 
-    def next_attempt(self, ended: int, failure: Failure, max_restarts: int) -> JobView:
+    def next_attempt(self, ended: int, failure: Failure) -> JobView:
         """The coordinator's decision on the end of attempt ``ended`` (retried across replicas within the failover
-        window, the same request id each time: decided once)."""
+        window, the same request id each time: decided once), under the job's restart budget."""
         request = pb.NextAttemptRequest(
-            ended_attempt=ended, max_restarts=max_restarts, request_id=uuid.uuid4().hex,
+            ended_attempt=ended, agent_uid=self.agent_uid, request_id=uuid.uuid4().hex,
             failure=pb.AttemptFailure(attempt=failure.attempt, process_id=failure.process_id, host=failure.host,
                                       reason=failure.reason))
         answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)

@@ -13,11 +13,12 @@ import threading
 import time
 
 from ifrt import clusters, failfast
-from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError
+from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
 from ifrt.run.agent import (
     EXIT_USAGE,
     Agent,
     AskNextAttempt,
+    AskRefused,
     Event,
     Exit,
     Interrupted,
@@ -49,9 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-host", type=int, default=1, metavar="N",
                    help="workers to start on this host (default %(default)s); each gets IFRT_LOCAL_RANK and "
                         "IFRT_LOCAL_WORLD_SIZE")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restarts of the whole job the coordinator may decide before every agent gives up "
-                        "(default %(default)s: the first failure ends the job)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="restarts of the whole job the coordinator may decide before every agent gives up: the job's "
+                        "budget, the same for every agent (default: the job's, which is the coordinator's "
+                        "--max-restarts, else the first agent's, else 0: the first failure ends the job); an agent "
+                        "that states another than the job's is refused")
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
                         "worker stopped by SIGSTOP gets SIGKILL at once)")
@@ -89,7 +92,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"ifrt run: {safe(problem)}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        link = JobLink(args.coordinator, failfast.failover_window_from_env(), token_file=args.token_file)
+        link = JobLink(args.coordinator, failfast.failover_window_from_env(), workers=args.nproc_per_host,
+                       max_restarts=args.max_restarts, token_file=args.token_file)
     except IfrtError as e:
         print(f"ifrt run: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -184,7 +188,10 @@ class Shell:
 
     def _ask(self, action: AskNextAttempt) -> None:
         try:
-            view = self.link.next_attempt(action.ended_attempt, action.failure, self.args.max_restarts)
+            view = self.link.next_attempt(action.ended_attempt, action.failure)
+        except PermissionDenied as e:
+            self.events.put(AskRefused(action.ended_attempt, f"the coordinator refused this report: {e}"))
+            return
         except IfrtError as e:
             code = EXIT_COORDINATOR_LOST if e.retryable else EXIT_USAGE
             self.events.put(LinkFailed(f"the coordinator did not decide the next attempt: {type(e).__name__}: {e}",
