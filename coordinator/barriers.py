@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits, shown
+from coordinator.limits import (
+    BARRIER_OVERHEAD_BYTES,
+    DEFAULT_LIMITS,
+    FLAGS,
+    PARTICIPANT_BYTES,
+    Limits,
+    exhausted,
+    shown,
+)
 from ifrt.errors import BarrierCancelled, BarrierFailed, BarrierTimeout, IfrtError, InvalidArgument
 
 
@@ -40,6 +48,25 @@ class Barriers:
         self.limits = limits
         self._by_name: dict[str, Barrier] = {}
         self._pending: set[str] = set()
+        self._sets: dict[frozenset[int], frozenset[int]] = {}  # every set of participants, held once
+        self.held = 0
+        """Bytes barriers hold, as ``--max-barrier-bytes`` counts them (see ``cost``)."""
+
+    def cost(self, name: str, participants: frozenset[int]) -> int:
+        """What keeping one more barrier counts against ``--max-barrier-bytes``: its name (in the barrier, its error
+        and its journal entry), BARRIER_OVERHEAD_BYTES, 8 bytes a participant in its journal entry, and its set of
+        participants unless a kept barrier has the same set."""
+        shared = participants in self._sets
+        return (3 * len(name.encode()) + BARRIER_OVERHEAD_BYTES + 8 * len(participants)
+                + (0 if shared else PARTICIPANT_BYTES * len(participants)))
+
+    def _keep(self, name: str, participants: frozenset[int], started_at: float, deadline: float, *,
+              error: IfrtError | None = None, done: bool = False) -> Barrier:
+        """Keeps a new barrier, its set of participants shared with any kept barrier of the same processes."""
+        self.held += self.cost(name, participants)
+        participants = self._sets.setdefault(participants, participants)
+        barrier = self._by_name[name] = Barrier(name, participants, started_at, deadline, done=done, error=error)
+        return barrier
 
     def get(self, name: str) -> Barrier | None:
         return self._by_name.get(name)
@@ -53,7 +80,10 @@ class Barriers:
 
     def restore(self, name: str, participants: frozenset[int], error: IfrtError | None) -> None:
         """Puts back a finished barrier (from the journal), so late arrivals get its result."""
-        self._by_name[name] = Barrier(name, participants, 0.0, 0.0, done=error is None, error=error)
+        if name in self._by_name:  # a barrier finished once; nothing more to count
+            self._by_name[name].error, self._by_name[name].done = error, error is None
+        else:
+            self._keep(name, participants, 0.0, 0.0, error=error, done=error is None)
         self._pending.discard(name)
 
     def arrive(self, name: str, process_id: int, participants: frozenset[int], timeout_s: float, now: float,
@@ -75,8 +105,8 @@ class Barriers:
             raise InvalidArgument(f"process {process_id} is not a participant of barrier {name!r} "
                                   f"(processes {_ids(participants)})")
         if barrier is None:
-            self._check_room(name)
-            barrier = self._by_name[name] = Barrier(name, participants, now, now + timeout_s)
+            self._check_room(name, participants)
+            barrier = self._keep(name, participants, now, now + timeout_s)
             self._pending.add(name)
         if not barrier.pending:
             return barrier, []
@@ -100,8 +130,8 @@ class Barriers:
                                   f"{self.limits.barrier_name_bytes} (the coordinator's {FLAGS['barrier_name_bytes']})")
         barrier = self._by_name.get(name)
         if barrier is None:
-            self._check_room(name)
-            barrier = self._by_name[name] = Barrier(name, frozenset(), now, now)
+            self._check_room(name, frozenset())
+            barrier = self._keep(name, frozenset(), now, now)
         elif not barrier.pending:
             return False, []
         return True, self._fail(barrier, BarrierCancelled(f"barrier {name!r} was cancelled by {by}"))
@@ -127,11 +157,17 @@ class Barriers:
                     f"{', '.join(describe(p) for p in missing[:16])}{' ...' if len(missing) > 16 else ''}"))
         return effects
 
-    def _check_room(self, name: str) -> None:
-        """InvalidArgument unless one more barrier fits under ``limits.barriers``."""
+    def _check_room(self, name: str, participants: frozenset[int]) -> None:
+        """InvalidArgument unless one more barrier fits under ``limits.barriers``; ResourceExhausted unless its bytes
+        fit under ``limits.barrier_bytes``."""
         if len(self._by_name) >= self.limits.barriers:
             raise InvalidArgument(f"barrier {shown(name)} would be barrier number {len(self._by_name) + 1}: expected "
                                   f"at most {self.limits.barriers} barriers (the coordinator's {FLAGS['barriers']})")
+        if self.held + self.cost(name, participants) > self.limits.barrier_bytes:
+            raise exhausted(f"keeping barrier {shown(name)} ({self.cost(name, participants)} bytes)",
+                            self.limits.barrier_bytes, "barrier_bytes",
+                            "every barrier is kept to answer late arrivals: use fewer (and shorter) names, or raise "
+                            "the flag", self.held)
 
     def _pending_barriers(self) -> list[Barrier]:
         return [self._by_name[name] for name in sorted(self._pending)]

@@ -1,12 +1,13 @@
 """Journal compaction: which entries a replay still needs, decided without I/O.
 
-A key's value needs only its latest write. An increment or swap that a retry may still ask about (one of its
-client's last ``ANSWERS_REMEMBERED`` answers) keeps its entry for the answer, even when a later write replaced
-its value; a deletion stays only while it removes such a kept write. Everything else (registrations, failures,
-departures, barriers, live-set agreements, preemption) stays, within the current job attempt; of the attempts that
-ended, key-values, barriers and agreements go (a new attempt starts them empty). Replaying the kept entries,
-in their order, builds the same state as replaying them all, and so does a journal of which only an oldest part was
-compacted (a store that cannot replace its journal at once applies the result oldest first, in steps).
+A key's value needs only its latest write. An increment or swap that a retry may still ask about (a call
+``coordinator.retries`` still remembers, within ``--max-answer-bytes``) keeps its entry for the answer, even when a
+later write replaced its value; a deletion stays only while it removes such a kept write. Everything else
+(registrations, failures, departures, barriers, live-set agreements, preemption) stays, within the current job
+attempt; of the attempts that ended, key-values, barriers and agreements go (a new attempt starts them empty).
+Replaying the kept entries, in their order, builds the same state as replaying them all, and so does a journal of
+which only an oldest part was compacted (a store that cannot replace its journal at once applies the result oldest
+first, in steps).
 
     set k=A   set k=B   incr n (call r1)   del k   incr n (call r2)        ->   incr n (r1)   incr n (r2)
     dropped   dropped   kept: r1's answer  dropped kept: n's value
@@ -17,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator import journal
-from coordinator.retries import ANSWERS_REMEMBERED
+from coordinator.limits import DEFAULT_LIMITS, Limits
+from coordinator.retries import RetryAnswers, Swapped
 
 MIN_BYTES = 32 << 20
 """Superseded journal bytes below which no compaction runs (the journal is then small anyway)."""
@@ -31,10 +33,11 @@ replay of a journal compacted only in part needs none of them to apply what foll
 needs the registration it names, so those stay)."""
 
 
-def needed(entries: Sequence[journal.Entry]) -> list[bool]:
-    """For each entry, whether a replay still needs it (see the module's docstring)."""
+def needed(entries: Sequence[journal.Entry], limits: Limits = DEFAULT_LIMITS) -> list[bool]:
+    """For each entry, whether a replay still needs it (see the module's docstring), under the ``limits`` the
+    coordinator remembers answers by."""
     start = _current_attempt_start(entries)
-    return [not isinstance(e, _STANDALONE) for e in entries[:start]] + _needed_in_attempt(entries[start:])
+    return [not isinstance(e, _STANDALONE) for e in entries[:start]] + _needed_in_attempt(entries[start:], limits)
 
 
 def _current_attempt_start(entries: Sequence[journal.Entry]) -> int:
@@ -46,11 +49,11 @@ def _current_attempt_start(entries: Sequence[journal.Entry]) -> int:
     return 0
 
 
-def _needed_in_attempt(entries: Sequence[journal.Entry]) -> list[bool]:
+def _needed_in_attempt(entries: Sequence[journal.Entry], limits: Limits) -> list[bool]:
     """``needed`` within one attempt's entries."""
     keep = [True] * len(entries)
     final = _final_writes(entries)
-    answers = _remembered_answers(entries)
+    answers = _remembered_answers(entries, limits)
     pending: set[str] = set()  # keys of kept writes that are not their key's final value
     for i, entry in enumerate(entries):
         if isinstance(entry, _WRITES):
@@ -92,19 +95,20 @@ def _final_writes(entries: Sequence[journal.Entry]) -> set[int]:
     return final
 
 
-def _remembered_answers(entries: Sequence[journal.Entry]) -> set[int]:
-    """Indices of the increments and swaps whose answers a replay remembers at the end, found as the state machine
-    remembers them (each client's last ``ANSWERS_REMEMBERED`` request ids, oldest forgotten first). Both the entry
-    that first remembered a request id and the one that last set its answer are kept, so the order is the same."""
-    done: dict[str, dict[str, tuple[int, int]]] = {}
+def _remembered_answers(entries: Sequence[journal.Entry], limits: Limits) -> set[int]:
+    """Indices of the increments and swaps whose calls a replay remembers at the end, found by remembering them as
+    the state machine does (``coordinator.retries``), and of the newest call forgotten for want of bytes: replayed
+    before the remembered ones, it leaves no room for any older call a kept write would bring back."""
+    retries = RetryAnswers(limits)
+    last: dict[tuple[str, str, str], int] = {}  # call -> the entry that last set its answer
     for i, entry in enumerate(entries):
         if isinstance(entry, journal.KeyIncremented | journal.KeySwapped) and entry.request_id:
-            calls = done.setdefault(entry.client_uid, {})
-            first = calls[entry.request_id][0] if entry.request_id in calls else i
-            calls[entry.request_id] = (first, i)
-            if len(calls) > ANSWERS_REMEMBERED:
-                del calls[next(iter(calls))]
-    return {i for calls in done.values() for pair in calls.values() for i in pair}
+            answer, stored = ((entry.value, 0) if isinstance(entry, journal.KeyIncremented)
+                              else (Swapped.of(entry.value), len(entry.value)))
+            retries.remember(entry.client_uid, entry.request_id, entry.key, answer, stored)
+            last[(entry.client_uid, entry.request_id, entry.key)] = i
+    remembered = {last.pop(call) for call in retries.calls()}
+    return remembered | ({max(last.values())} if last and remembered else set())
 
 
 class Garbage:

@@ -8,8 +8,9 @@ from collections.abc import Callable
 from coordinator import journal
 from coordinator.effects import Effect, KeyChanged
 from coordinator.kv import KeyValueStore
-from coordinator.limits import Limits, check_call_id
-from coordinator.retries import RetryAnswers
+from coordinator.limits import FLAGS, Limits, check_call_id, shown
+from coordinator.retries import FORGOTTEN, Answer, RetryAnswers, Swapped
+from ifrt.errors import InvalidArgument
 
 
 class KeyValues:
@@ -18,7 +19,7 @@ class KeyValues:
     def __init__(self, limits: Limits, record: Callable[[journal.Entry], None]) -> None:
         self.limits = limits
         self.store = KeyValueStore(limits)
-        self.retries = RetryAnswers()
+        self.retries = RetryAnswers(limits)
         self._record = record
 
     def set(self, key: str, value: bytes, allow_overwrite: bool) -> list[Effect]:
@@ -29,30 +30,50 @@ class KeyValues:
         return [KeyChanged(key, value)]
 
     def increment(self, client_uid: str, key: str, amount: int, request_id: str, *,
-                  agent: bool) -> tuple[int, list[Effect]]:
+                  agent: bool = False) -> tuple[int, list[Effect]]:
         """Adds ``amount`` to the integer ``key`` holds (0 when unset); returns the sum. A retry (the same
-        ``request_id`` from the same client) is answered the sum it made, not applied again."""
+        ``request_id`` on the same key from the same client) is answered the sum it made, not applied again.
+        ``agent`` (the caller is no process) changes nothing: every caller's answers share the same bounds."""
         check_call_id("request_id", request_id, self.limits)
-        if isinstance(answer := self.retries.get(client_uid, request_id), int):
+        if isinstance(answer := self._retried(client_uid, request_id, key, "increment"), int):
             return answer, []
         total = self.store.increment(key, amount)
         self._record(journal.KeyIncremented(key, total, client_uid, request_id))  # replayed as the value
-        self.retries.remember(client_uid, request_id, total, agent=agent)
+        self.retries.remember(client_uid, request_id, key, total, 0)
         return total, [KeyChanged(key, str(total).encode())]
 
     def compare_set(self, client_uid: str, key: str, expected: bytes, desired: bytes, request_id: str, *,
-                    agent: bool) -> tuple[bytes | None, list[Effect]]:
+                    agent: bool = False) -> tuple[bytes | None, list[Effect]]:
         """TCPStore's compare-and-set; returns what the key holds now (None: unset). A retry of a swap (the same
-        ``request_id`` from the same client) is answered as the swap was, not applied again."""
+        ``request_id`` on the same key, with the same ``desired``, from the same client) is answered as the swap
+        was, not applied again. ``agent`` changes nothing (see ``increment``)."""
         check_call_id("request_id", request_id, self.limits)
-        if isinstance(answer := self.retries.get(client_uid, request_id), bytes):
-            return answer, []
+        if (answer := self._retried(client_uid, request_id, key, "swap")) is not None:
+            if answer != Swapped.of(desired):
+                raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was a swap to another "
+                                      "value: a retry repeats its call, a new call takes a new request_id")
+            return desired, []
         value, changed = self.store.compare_set(key, expected, desired)
         if not changed:  # nothing to remember: a retry compares again, as if this call never happened
             return value, []
         self._record(journal.KeySwapped(key, desired, client_uid, request_id))
-        self.retries.remember(client_uid, request_id, desired, agent=agent)
+        self.retries.remember(client_uid, request_id, key, Swapped.of(desired), len(desired))
         return value, [KeyChanged(key, desired)]
+
+    def _retried(self, client_uid: str, request_id: str, key: str, kind: str) -> Answer | None:
+        """The remembered answer of this call (an increment's sum or a swap's digest), None for a new call;
+        InvalidArgument, changing nothing, when it was a call of another kind or its answer is forgotten."""
+        answer = self.retries.get(client_uid, request_id, key)
+        if answer is FORGOTTEN:
+            raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was answered before this "
+                                  f"client's last {self.limits.answers_per_caller} calls, and its answer is no longer "
+                                  f"kept (the coordinator's {FLAGS['answers_per_caller']}): a new call takes a new "
+                                  "request_id")
+        if answer is not None and isinstance(answer, Swapped) != (kind == "swap"):
+            was, now = ("a swap", "an increment") if kind == "increment" else ("an increment", "a swap")
+            raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was {was}, not {now}: a new "
+                                  "call takes a new request_id")
+        return answer  # type: ignore[return-value]
 
     def delete(self, key: str, prefix: bool) -> tuple[int, list[Effect]]:
         """Deletes ``key`` (or every key starting with it); returns how many keys went."""
@@ -62,17 +83,17 @@ class KeyValues:
         return len(deleted), [KeyChanged(k, None) for k in deleted]
 
     def replay(self, entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped | journal.KeysDeleted, *,
-               agent: bool) -> None:
+               agent: bool = False) -> None:
         """Applies a journaled key-value decision again."""
         match entry:
             case journal.KeySet(key=key, value=value):
                 self.store.restore(key, value)
             case journal.KeyIncremented(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, str(value).encode())
-                self.retries.remember(uid, request_id, value, agent=agent)
+                self.retries.remember(uid, request_id, key, value, 0)
             case journal.KeySwapped(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, value)
-                self.retries.remember(uid, request_id, value, agent=agent)
+                self.retries.remember(uid, request_id, key, Swapped.of(value), len(value))
             case journal.KeysDeleted(key=key, prefix=prefix):
                 self.store.delete(key, prefix)
 
@@ -80,4 +101,5 @@ class KeyValues:
         return self.store.get(key)
 
     def dir(self, prefix: str) -> list[tuple[str, bytes]]:
-        return self.store.dir(prefix)
+        """Every (key, value) under ``prefix``, sorted by key; ResourceExhausted past ``--max-reply-bytes``."""
+        return self.store.dir(prefix, self.limits.reply_bytes)

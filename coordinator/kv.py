@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import re
 
-from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits, shown
+from coordinator.limits import DEFAULT_LIMITS, FLAGS, KEY_OVERHEAD_BYTES, Limits, exhausted, shown
 from ifrt.errors import InvalidArgument, KeyExists
 
 _INTEGER = re.compile(rb"-?[0-9]{1,19}")
+ENTRY_FRAMING = 16
+"""Bytes a listed entry costs in a KeyValueDir answer besides its key and value (protobuf tags and lengths)."""
+
+
+def cost(key: str, value: bytes) -> int:
+    """What holding ``key`` with ``value`` counts against ``--kv-max-bytes``."""
+    return len(key.encode()) + len(value) + KEY_OVERHEAD_BYTES
 
 
 class KeyValueStore:
-    """Keys are text, values bytes, both within ``limits`` (as is the number of keys). Setting the same value
-    again is a no-op."""
+    """Keys are text, values bytes, both within ``limits``, as are the number of keys and the bytes held
+    (``held``). Setting the same value again is a no-op."""
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         self._values: dict[str, bytes] = {}
+        self.held = 0
+        """Bytes held, as ``--kv-max-bytes`` counts them (see ``cost``)."""
 
     def check(self, key: str, value: bytes, allow_overwrite: bool) -> None:
         """Raises what ``set`` would raise, without changing anything."""
@@ -29,6 +38,14 @@ class KeyValueStore:
         if old is not None and old != value and not allow_overwrite:
             raise KeyExists(f"key {shown(key)} already holds another value ({len(old)} bytes): pass "
                             "allow_overwrite=True to replace it")
+        self._check_room(key, value, old)
+
+    def _check_room(self, key: str, value: bytes, old: bytes | None) -> None:
+        """ResourceExhausted if storing ``value`` in place of ``old`` would pass ``--kv-max-bytes``."""
+        after = self.held + cost(key, value) - (0 if old is None else cost(key, old))
+        if after > self.limits.kv_bytes and after > self.held:
+            raise exhausted(f"storing {len(value)} bytes at key {shown(key)}", self.limits.kv_bytes, "kv_bytes",
+                            "delete keys that are no longer needed, or raise the flag", self.held)
 
     def check_key(self, key: str) -> None:
         """InvalidArgument unless ``key`` is 1 to ``kv_key_bytes`` bytes long (what a get may wait on, too)."""
@@ -48,8 +65,13 @@ class KeyValueStore:
         self.check(key, value, allow_overwrite)
         if self._values.get(key) == value:
             return False
-        self._values[key] = value
+        self._put(key, value)
         return True
+
+    def _put(self, key: str, value: bytes) -> None:
+        old = self._values.get(key)
+        self.held += cost(key, value) - (0 if old is None else cost(key, old))
+        self._values[key] = value
 
     def increment(self, key: str, amount: int) -> int:
         """Adds ``amount`` to the decimal integer ``key`` holds (0 when unset), stores the sum as its decimal text
@@ -77,18 +99,25 @@ class KeyValueStore:
         """Deletes ``key``, or every key starting with it; returns the keys deleted, sorted (none is no error)."""
         gone = sorted(k for k in self._values if k.startswith(key)) if prefix else [key] * (key in self._values)
         for k in gone:
-            del self._values[k]
+            self.held -= cost(k, self._values.pop(k))
         return gone
 
     def restore(self, key: str, value: bytes) -> None:
         """Puts back a value from the journal, unchecked: it was accepted under the limits of its time."""
-        self._values[key] = value
+        self._put(key, value)
 
     def get(self, key: str) -> bytes | None:
         """The value of ``key`` (None while unset); InvalidArgument for a key no set could have stored."""
         self.check_key(key)
         return self._values.get(key)
 
-    def dir(self, prefix: str) -> list[tuple[str, bytes]]:
-        """Every (key, value) whose key starts with ``prefix``, sorted by key."""
-        return sorted((k, v) for k, v in self._values.items() if k.startswith(prefix))
+    def dir(self, prefix: str, most_bytes: int | None = None) -> list[tuple[str, bytes]]:
+        """Every (key, value) whose key starts with ``prefix``, sorted by key. ResourceExhausted, before any answer
+        is built, when their keys and values (and ``ENTRY_FRAMING`` bytes each) pass ``most_bytes``."""
+        found = sorted(k for k in self._values if k.startswith(prefix))
+        if most_bytes is not None:
+            size = sum(len(k.encode()) + len(self._values[k]) + ENTRY_FRAMING for k in found)
+            if size > most_bytes:
+                raise exhausted(f"the listing of {len(found)} keys under {shown(prefix)} ({size} bytes)", most_bytes,
+                                "reply_bytes", "list a narrower prefix, or raise the flag")
+        return [(k, self._values[k]) for k in found]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ifrt.errors import InvalidArgument
+from ifrt.errors import InvalidArgument, ResourceExhausted
 from ifrt.ids import MAX_LOCAL_DEVICES
 
 FLAGS = {
@@ -33,6 +33,13 @@ FLAGS = {
     "connections": "--max-connections",
     "event_history": "--max-event-history",
     "agents": "--max-agents",
+    "kv_bytes": "--kv-max-bytes",
+    "reply_bytes": "--max-reply-bytes",
+    "answers_per_caller": "--max-answers-per-caller",
+    "answer_bytes": "--max-answer-bytes",
+    "barrier_bytes": "--max-barrier-bytes",
+    "sessions_per_process": "--max-sessions-per-process",
+    "backlog_bytes": "--max-backlog-bytes",
 }
 """The ``ifrt-coordinator`` flag that sets each limit (named in every error about it)."""
 
@@ -92,6 +99,30 @@ class Limits:
     agents: int = 4096
     """Job watches (WatchJob) held open at once: one per host agent (``ifrt run``), so a job of 4096 hosts fits; each
     holds at most --max-session-backlog-bytes of unread events."""
+    kv_bytes: int = 256 << 20
+    """Most bytes the key-value store holds: every key and value, and KEY_OVERHEAD_BYTES a key for what holding it
+    costs besides (its entry, objects and journal record). Its journal holds about as much again (see
+    docs/security.md): the store's share of the coordinator's memory is a few times this."""
+    reply_bytes: int = 16 << 20
+    """Largest answer the coordinator builds for one call (a KeyValueDir of a prefix): a listing past it is refused
+    with RESOURCE_EXHAUSTED instead of being built."""
+    answers_per_caller: int = 64
+    """Increments and swaps remembered per caller (client uid) for its retries: a client retries only its calls in
+    flight."""
+    answer_bytes: int = 32 << 20
+    """Most bytes of remembered answers over all callers (see ``coordinator.retries``): each call's caller, request id
+    and key, ANSWER_OVERHEAD_BYTES, and for a swap the value its journal entry keeps; the oldest call is forgotten
+    first (its retry, if one ever comes, is applied as a new call)."""
+    barrier_bytes: int = 64 << 20
+    """Most bytes barriers hold, cancelled and finished ones included (each name is kept to answer late arrivals):
+    their names (in the barrier, its error and its journal entry), BARRIER_OVERHEAD_BYTES each and their participants
+    (a set shared by barriers of the same processes is counted once)."""
+    sessions_per_process: int = 4
+    """Sessions one process may hold open at once (two overlap briefly while a client reconnects); a newer one ends
+    the oldest."""
+    backlog_bytes: int = 256 << 20
+    """Most bytes of events all sessions together leave unread (an event sent to many sessions is one message, counted
+    once); past it the session that holds the most is ended, and its process attaches again."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -112,6 +143,23 @@ def shown(text: str, most: int = 64) -> str:
     """A caller's text as an error quotes it: its first ``most`` characters (errors travel in a status message,
     which gRPC clients refuse beyond 8 KiB of metadata)."""
     return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
+
+
+KEY_OVERHEAD_BYTES = 256
+"""What a key costs the coordinator besides its key's and value's bytes (dict entry, objects, journal record): counted
+against --kv-max-bytes, so many tiny keys cannot hold more than the budget says."""
+ANSWER_OVERHEAD_BYTES = 256
+"""What a remembered answer costs besides its strings (its entries in two dicts, its tuple and digest)."""
+BARRIER_OVERHEAD_BYTES = 1024
+"""What a kept barrier costs besides its name (its object, its error, its journal entry)."""
+PARTICIPANT_BYTES = 72
+"""What one process id costs in a barrier's set of participants (a set slot and an int; 8 more in its journal)."""
+
+
+def exhausted(what: str, limit: int, name: str, hint: str, held: int | None = None) -> ResourceExhausted:
+    """The RESOURCE_EXHAUSTED of a byte budget: what would pass it, the limit and its flag, and the bytes held."""
+    holding = "" if held is None else f"; {held} bytes are held"
+    return ResourceExhausted(f"{what} would pass the coordinator's {FLAGS[name]} of {limit} bytes{holding}: {hint}")
 
 
 FD_RESERVE = 64

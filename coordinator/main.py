@@ -152,6 +152,35 @@ def parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-agents", dest="agents", type=int, default=default.agents, metavar="N",
                         help="job watches (WatchJob, one per `ifrt run` agent) held open at once; further ones are "
                              "refused with RESOURCE_EXHAUSTED (default %(default)s)")
+    budgets = p.add_argument_group(
+        "memory budgets", "bytes a caller can make the coordinator hold, each with its own RESOURCE_EXHAUSTED that "
+                          "names its flag (docs/security.md adds them up)")
+    budgets.add_argument("--kv-max-bytes", dest="kv_bytes", type=int, default=default.kv_bytes, metavar="BYTES",
+                         help="bytes the key-value store holds: keys, values and 256 bytes a key; a write past it is "
+                              "refused, a smaller overwrite or a deletion is not (default %(default)s)")
+    budgets.add_argument("--max-reply-bytes", dest="reply_bytes", type=int, default=default.reply_bytes,
+                         metavar="BYTES", help="largest answer built for one call (a KeyValueDir listing); a larger "
+                                               "one is refused (default %(default)s)")
+    budgets.add_argument("--max-answers-per-caller", dest="answers_per_caller", type=int,
+                         default=default.answers_per_caller, metavar="N",
+                         help="increments and swaps whose answers are kept per caller for its retries; a retry of "
+                              "an older call is refused (default %(default)s)")
+    budgets.add_argument("--max-answer-bytes", dest="answer_bytes", type=int, default=default.answer_bytes,
+                         metavar="BYTES", help="bytes of remembered answers over all callers, a swap's value "
+                                               "included (its journal entry keeps it); the oldest call is forgotten "
+                                               "first (default %(default)s)")
+    budgets.add_argument("--max-barrier-bytes", dest="barrier_bytes", type=int, default=default.barrier_bytes,
+                         metavar="BYTES", help="bytes barriers hold, finished and cancelled ones included (names, "
+                                               "participants); a new barrier past it is refused (default "
+                                               "%(default)s)")
+    budgets.add_argument("--max-sessions-per-process", dest="sessions_per_process", type=int,
+                         default=default.sessions_per_process, metavar="N",
+                         help="sessions one process holds open at once; a newer one ends the oldest (default "
+                              "%(default)s)")
+    budgets.add_argument("--max-backlog-bytes", dest="backlog_bytes", type=int, default=default.backlog_bytes,
+                         metavar="BYTES", help="bytes of events all sessions together leave unread (an event sent to "
+                                               "many is counted once); past it the session holding the most is "
+                                               "ended and its process attaches again (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
     p.add_argument("--ready-file", metavar="PATH",

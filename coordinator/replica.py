@@ -185,7 +185,7 @@ class Replica:
         if raw is None or entries is None:
             raw = await self.store.load()
             entries = [journal.decode(r) for r in raw]
-        keep = compaction.needed(entries)
+        keep = compaction.needed(entries, self.config.limits)
         await self.store.compact(raw, keep)
         kept = [i for i, k in enumerate(keep) if k]
         self._garbage = compaction.Garbage.of([entries[i] for i in kept], [len(raw[i]) for i in kept], compacted=True)

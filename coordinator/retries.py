@@ -1,39 +1,101 @@
-"""The answers of increments and swaps, kept per client and request id, so that a retried call is answered as its
-first call was instead of being applied twice. No I/O."""
+"""The answers of increments and swaps, kept per caller, request id and key, so that a retried call is answered as
+its first call was instead of being applied twice. No I/O.
+
+Bounded two ways, both decided by the order calls were answered, so that a replay of the journal (whole, or compacted
+to the entries ``coordinator.compaction`` keeps) remembers exactly the same answers:
+
+- in bytes over all callers (``--max-answer-bytes``): the calls remembered are the newest whose costs (``cost``) fit,
+  the oldest forgotten first;
+- per caller (``--max-answers-per-caller``): of those, a caller's newest answers are kept; an older call of the
+  caller stays only as a mark (its cost still counted), so that its retry is refused instead of applied again.
+
+A swap's answer is the value it stored, which its retry carries again: only that value's digest is kept in memory.
+Its journal entry keeps the value, which a compaction keeps while the call is remembered: the value's bytes count.
+"""
 
 from __future__ import annotations
 
-ANSWERS_REMEMBERED = 64
-"""Increments and swaps remembered per client for its retries (a client retries only its calls in flight)."""
-AGENTS_REMEMBERED = 1024
-"""Callers that are no process (torchrun's agents) whose increments and swaps are remembered for retries (the oldest
-is forgotten past this)."""
+import hashlib
+from dataclasses import dataclass
+
+from coordinator.limits import ANSWER_OVERHEAD_BYTES, DEFAULT_LIMITS, Limits
+
+
+@dataclass(frozen=True)
+class Swapped:
+    """A swap's answer: the digest of the value it stored (a retry carries the value)."""
+
+    digest: bytes
+
+    @classmethod
+    def of(cls, value: bytes) -> Swapped:
+        return cls(hashlib.sha256(value).digest())
+
+
+class _Forgotten:
+    """The answer of a call remembered only as a mark (past ``--max-answers-per-caller``)."""
+
+    def __repr__(self) -> str:
+        return "FORGOTTEN"
+
+
+FORGOTTEN = _Forgotten()
+Answer = int | Swapped
+"""An increment's sum, or a swap's digest."""
+Call = tuple[str, str, str]
+"""(client uid, request id, key): a request id names a call on one key; the same id on another key is another call."""
+
+
+def cost(call: Call, stored: int) -> int:
+    """What remembering a call counts against ``--max-answer-bytes`` (``stored``: the bytes of the value its journal
+    entry keeps)."""
+    return sum(len(part.encode()) for part in call) + stored + ANSWER_OVERHEAD_BYTES
 
 
 class RetryAnswers:
-    """Each client's last ``ANSWERS_REMEMBERED`` answers by request id; of callers that are no process, only the
-    ``AGENTS_REMEMBERED`` most recently answered are kept (any number of them could come)."""
+    """The answers of the newest calls within ``answer_bytes``; of each caller, the newest ``answers_per_caller``."""
 
-    def __init__(self) -> None:
-        self.answers: dict[str, dict[str, int | bytes]] = {}  # client uid -> request id -> its answer (sum, value)
-        self._agents: dict[str, None] = {}  # callers that are no process, least recently answered first
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+        self.answers: dict[str, dict[tuple[str, str], Answer]] = {}
+        """Client uid -> (request id, key) -> its answer, oldest first."""
+        self._calls: dict[Call, int] = {}  # every call remembered, answered or marked, oldest first -> its cost
+        self.held = 0
+        """Bytes remembered, as ``--max-answer-bytes`` counts them."""
 
-    def get(self, client_uid: str, request_id: str) -> int | bytes | None:
-        """The answer given to this request before, None if none is remembered."""
-        return self.answers.get(client_uid, {}).get(request_id)
+    def get(self, client_uid: str, request_id: str, key: str) -> Answer | _Forgotten | None:
+        """The answer given to this call before; FORGOTTEN when the call is remembered only as a mark; None if it is
+        not remembered at all (a new call, or one older than every call the bytes allow)."""
+        answer = self.answers.get(client_uid, {}).get((request_id, key))
+        if answer is None and (client_uid, request_id, key) in self._calls:
+            return FORGOTTEN
+        return answer
 
-    def remember(self, client_uid: str, request_id: str, answer: int | bytes, *, agent: bool) -> None:
-        """Keeps ``answer`` for retries of ``request_id`` (nothing without one); ``agent``: the caller is no process."""
+    def remember(self, client_uid: str, request_id: str, key: str, answer: Answer, stored: int) -> None:
+        """Keeps ``answer`` for retries of ``request_id`` on ``key`` (nothing without a request id; ``stored``: the
+        bytes of the value its journal entry keeps), forgetting the oldest answers past the bounds."""
         if not request_id:
             return
+        call = (client_uid, request_id, key)
+        if call in self._calls:  # only a journal written before calls were refused this: the newest counts
+            self._drop(call)
         done = self.answers.setdefault(client_uid, {})
-        done[request_id] = answer
-        if len(done) > ANSWERS_REMEMBERED:
-            del done[next(iter(done))]  # the oldest: its caller has long moved on
-        if agent:
-            self._agents.pop(client_uid, None)
-            self._agents[client_uid] = None
-            if len(self._agents) > AGENTS_REMEMBERED:
-                oldest = next(iter(self._agents))
-                del self._agents[oldest]
-                self.answers.pop(oldest, None)
+        done[(request_id, key)] = answer
+        self._calls[call] = spent = cost(call, stored)
+        self.held += spent
+        if len(done) > self.limits.answers_per_caller:
+            del done[next(iter(done))]  # a mark now: its cost stays counted
+        while self.held > self.limits.answer_bytes and len(self._calls) > 1:
+            self._drop(next(iter(self._calls)))
+
+    def _drop(self, call: Call) -> None:
+        self.held -= self._calls.pop(call)
+        client_uid, request_id, key = call
+        done = self.answers.get(client_uid, {})
+        done.pop((request_id, key), None)
+        if not done:
+            self.answers.pop(client_uid, None)
+
+    def calls(self) -> list[Call]:
+        """Every call remembered (answered or marked), oldest first."""
+        return list(self._calls)

@@ -16,10 +16,10 @@ from coordinator.history import GenerationPublished
 from coordinator.limits import FLAGS, Limits
 from coordinator.messages import PublishedGeneration, event_message, snapshot_message
 from coordinator.noise import noisy
-from coordinator.outbox import Outbox
+from coordinator.outbox import Backlogs, Outbox
 from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed
+from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, ResourceExhausted
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -67,8 +67,9 @@ class Sessions:
     def __init__(self, service: SessionHost, limits: Limits) -> None:
         self._service = service
         self._limits = limits
-        self._open: dict[str, set[Outbox]] = {}
+        self._open: dict[str, dict[Outbox, None]] = {}  # client uid -> its open sessions, oldest first
         self._watches: dict[Outbox, set[str]] = {}  # session outbox -> the key prefixes it watches
+        self._backlogs = Backlogs(limits.backlog_bytes)
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """A process's live session: cluster events out. Costs nothing while nothing happens: the server's keepalive
@@ -95,8 +96,12 @@ class Sessions:
             await abort(context, e, f"session of client {uid}")
         queue = Outbox(limits.session_backlog_bytes, lambda waiting: _Evicted(InvalidArgument(
             f"this session left {waiting} bytes of events unread: expected at most {limits.session_backlog_bytes} "
-            f"(the coordinator's {FLAGS['session_backlog_bytes']}); attach again and re-read watched keys")))
-        self._open.setdefault(uid, set()).add(queue)
+            f"(the coordinator's {FLAGS['session_backlog_bytes']}); attach again and re-read watched keys")),
+            self._backlogs, lambda waiting: _Evicted(ResourceExhausted(
+                f"this session left {waiting} bytes of events unread, the most of any session, while all sessions "
+                f"together passed the coordinator's {FLAGS['backlog_bytes']} of {limits.backlog_bytes} bytes; attach "
+                "again and re-read watched keys")))
+        self._hold(uid, queue)
         reader = asyncio.create_task(self._read(requests, queue))
         log.debug("session of process %d attached", process_id)
         try:
@@ -124,11 +129,27 @@ class Sessions:
                     await context.write(item)
         finally:
             reader.cancel()
+            self._backlogs.remove(queue)
             self._watches.pop(queue, None)
-            self._open[uid].discard(queue)
-            if not self._open[uid]:
-                del self._open[uid]
+            held = self._open.get(uid, {})
+            held.pop(queue, None)
+            if not held:
+                self._open.pop(uid, None)
             state.detach(uid, service.clock())
+
+    def _hold(self, uid: str, queue: Outbox) -> None:
+        """Keeps a process's new session; past ``--max-sessions-per-process`` its oldest one ends (a client that
+        reconnects holds two briefly)."""
+        held = self._open.setdefault(uid, {})
+        held[queue] = None
+        while len(held) > self._limits.sessions_per_process:
+            oldest = next(iter(held))
+            del held[oldest]
+            self._watches.pop(oldest, None)
+            most = self._limits.sessions_per_process
+            oldest.put_nowait(_Evicted(ResourceExhausted(
+                f"this process opened a newer session: it may hold at most {most} at once (the coordinator's "
+                f"{FLAGS['sessions_per_process']}); this one, its oldest, ends")))
 
     async def _catch_up(self, context: grpc.aio.ServicerContext, state: ClusterState, process_id: int,
                         opening: pb.SessionOpen) -> int:
@@ -142,15 +163,13 @@ class Sessions:
         except IfrtError as e:
             await abort(context, e, what)
         topology_event = service.current_generation().event
-        messages = [topology_event if isinstance(n.event, GenerationPublished) else event_message(n)[1]
-                    for n in catch_up.events]
+        for n in catch_up.events:  # one at a time: each write waits for the caller to read (flow control)
+            await context.write(topology_event if isinstance(n.event, GenerationPublished) else event_message(n)[1])
         if catch_up.snapshot is not None:
             log.info("session of process %d opened from job event %d, which the history (%s %d) no longer holds: "
                      "sent each process's state as of event %d", process_id, opening.since_event,
                      FLAGS["event_history"], self._limits.event_history, catch_up.head)
-            messages.append(snapshot_message(catch_up.snapshot))
-        for message in messages:
-            await context.write(message)
+            await context.write(snapshot_message(catch_up.snapshot))
         return catch_up.head
 
     async def _read(self, requests: AsyncIterator[bytes], queue: Outbox) -> None:

@@ -8,13 +8,15 @@ import re
 import time
 import uuid
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ifrt
 from coordinator import compaction, journal
+from coordinator.effects import KeyChanged
+from coordinator.limits import DEFAULT_LIMITS, Limits
 from coordinator.replica import Replica
-from coordinator.retries import ANSWERS_REMEMBERED
 from coordinator.state import ClusterState
 from coordinator.store import EtcdStore, MemoryStore
 from ifrt._generated import coordinator_pb2 as pb
@@ -26,7 +28,9 @@ from tests.resources import rss_bytes
 MiB = 1 << 20
 KEYS = ["a", "ab", "abc", "b", "ba"]  # prefixes of each other, for prefix deletions
 UIDS = ["p0", "p1"]
-REQUESTS = 2 * ANSWERS_REMEMBERED  # more request ids than a client's answers remembered: some are forgotten
+SMALL = Limits(answers_per_caller=8, answer_bytes=8 * 700)
+"""Bounds that forget answers within a script: a caller's 9th call, and about the 9th call of all."""
+REQUESTS = 24  # more request ids than SMALL lets a client's answers be remembered: some are forgotten
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("set"), st.sampled_from(KEYS), st.binary(max_size=3)),
@@ -56,9 +60,9 @@ def play(s: ClusterState, script) -> None:
             pass
 
 
-def replayed(entries) -> ClusterState:
+def replayed(entries, limits: Limits = DEFAULT_LIMITS) -> ClusterState:
     """A new replica's state: the two processes' registrations, then ``entries``."""
-    s = published(n=2)
+    s = published(n=2, limits=limits)
     fresh = ClusterState(s.config)
     for entry in [*s.take_journal(), *entries]:
         fresh.replay(entry)
@@ -67,32 +71,35 @@ def replayed(entries) -> ClusterState:
 
 def observable(s: ClusterState):
     """What replay must rebuild: the topology, every key's value, and what a retry of each call is answered."""
-    return (s.topology, s._kv.dir(""), {uid: list(done.items()) for uid, done in s._kv.retries.answers.items()})
+    retries = s._kv.retries
+    return (s.topology, s._kv.dir(""), {uid: list(done.items()) for uid, done in retries.answers.items()},
+            retries.calls(), retries.held, s._kv.store.held)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(script=ops, cut=st.floats(0, 1))
-def test_a_compacted_journal_replays_to_the_same_state_whole_or_in_part(script, cut):
-    s = published(n=2)
+@given(script=ops, cut=st.floats(0, 1), small=st.booleans())
+def test_a_compacted_journal_replays_to_the_same_state_whole_or_in_part(script, cut, small):
+    limits = SMALL if small else DEFAULT_LIMITS
+    s = published(n=2, limits=limits)
     play(s, script)
     entries = kv_entries(s)
-    keep = compaction.needed(entries)
+    keep = compaction.needed(entries, limits)
     whole = [e for e, k in zip(entries, keep, strict=True) if k]
     p = int(cut * len(entries))  # a store that compacts oldest first may stop anywhere
     part = [e for e, k in zip(entries[:p], keep[:p], strict=True) if k] + entries[p:]
-    expected = observable(replayed(entries))
-    assert observable(replayed(whole)) == expected
-    assert observable(replayed(part)) == expected
-    again = compaction.needed(whole)  # compacting a compacted journal drops nothing more that matters
-    assert observable(replayed([e for e, k in zip(whole, again, strict=True) if k])) == expected
+    expected = observable(replayed(entries, limits))
+    assert observable(replayed(whole, limits)) == expected
+    assert observable(replayed(part, limits)) == expected
+    again = compaction.needed(whole, limits)  # compacting a compacted journal drops nothing more that matters
+    assert observable(replayed([e for e, k in zip(whole, again, strict=True) if k], limits)) == expected
 
 
 def kv_entries(s: ClusterState) -> list[journal.Entry]:
     return [e for e in s.take_journal() if not isinstance(e, journal.Registered)]
 
 
-def kept(entries) -> list[journal.Entry]:
-    return [e for e, k in zip(entries, compaction.needed(entries), strict=True) if k]
+def kept(entries, limits: Limits = DEFAULT_LIMITS) -> list[journal.Entry]:
+    return [e for e, k in zip(entries, compaction.needed(entries, limits), strict=True) if k]
 
 
 def test_overwrites_of_a_key_keep_only_the_last():
@@ -111,13 +118,36 @@ def test_deleted_keys_leave_nothing():
     assert kept(kv_entries(s)) == []
 
 
-def test_increments_keep_the_answers_a_retry_may_ask_for():
-    s = published(n=2)
+def test_increments_keep_the_answers_a_retry_may_ask_for_within_the_answer_bytes():
+    limits = Limits(answer_bytes=100 * (256 + len("p0call-000n")))  # 100 increments' answers
+    s = published(n=2, limits=limits)
     for i in range(300):
-        s.kv_increment("p0", "n", 1, f"call-{i}")
-    entries = kept(kv_entries(s))
-    assert [e.request_id for e in entries] == [f"call-{i}" for i in range(300 - ANSWERS_REMEMBERED, 300)]
-    assert replayed(entries).kv_increment("p0", "n", 1, "call-299") == (300, [])  # answered, not applied again
+        s.kv_increment("p0", "n", 1, f"call-{i:03d}")
+    entries = kept(kv_entries(s), limits)
+    # The last 100 calls, and the newest call forgotten before them (so that a replay forgets what came before)
+    assert [e.request_id for e in entries] == [f"call-{i:03d}" for i in range(199, 300)]
+    again = replayed(entries, limits)
+    assert again.kv_increment("p0", "n", 1, "call-299") == (300, [])  # answered, not applied again
+    with pytest.raises(ifrt.InvalidArgument, match="was answered before this client's last 64 calls"):
+        again.kv_increment("p0", "n", 1, "call-235")  # remembered as a call, its answer forgotten: refused
+    assert again.kv_increment("p0", "n", 1, "call-000") == (301, [KeyChanged("n", b"301")])  # forgotten: a new call
+
+
+def test_swaps_of_big_values_deleted_at_once_leave_at_most_the_answer_bytes_in_the_journal():
+    # 1,500 swaps of 1 MiB values, each key deleted right after, left 1,500 MiB in the journal (64 answers kept for
+    # every caller id): the answers kept now are those within --max-answer-bytes.
+    limits = Limits(answer_bytes=8 * MiB)
+    s = published(n=2, limits=limits)
+    value = b"v" * (MiB // 4)
+    for i in range(200):
+        s.kv_compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
+        s.kv_delete("p0", f"torchrun/{i}", False)
+    everything = kv_entries(s)
+    entries = kept(everything, limits)
+    stored = sum(len(e.value) for e in entries if isinstance(e, journal.KeySwapped))
+    assert 7 * MiB < stored <= 8 * MiB + len(value)
+    assert s._kv.retries.held <= limits.answer_bytes
+    assert observable(replayed(entries, limits)) == observable(replayed(everything, limits))
 
 
 def test_a_deletion_stays_while_it_removes_a_remembered_swap():

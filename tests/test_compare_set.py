@@ -11,7 +11,7 @@ import pytest
 import ifrt
 from coordinator import journal
 from coordinator.effects import KeyChanged
-from coordinator.limits import DEFAULT_LIMITS
+from coordinator.limits import DEFAULT_LIMITS, Limits
 from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
@@ -147,15 +147,53 @@ def test_callers_that_are_no_process_may_use_the_agent_keys_only(published_yet):
             getattr(s, method)(agent, *args)
 
 
-def test_retries_are_remembered_for_a_bounded_number_of_agents():
-    from coordinator.retries import AGENTS_REMEMBERED
-
-    s = published()
+def test_retries_are_remembered_within_the_answer_bytes_over_all_callers():
+    # Agents (any number of caller ids) and processes share --max-answer-bytes: the oldest calls are forgotten first.
+    value = b"x" * 1000
+    s = published(limits=Limits(answer_bytes=50 * 1400))
     first = "agent-first"
     s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")
     s.kv_compare_set("p0", "torchrun/k", b"A", b"B", "p0-r1")
     assert s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"A"  # a retry: answered, not compared
-    for i in range(AGENTS_REMEMBERED):
-        s.kv_compare_set(f"agent-{i}", f"torchrun/{i}", b"", b"x", "r1")
+    for i in range(100):
+        s.kv_compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
+    assert s._kv.retries.held <= 50 * 1400
     # The first agent is forgotten now: its retry compares again (and finds B there).
     assert s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"B"
+    assert s.kv_compare_set("agent-99", "torchrun/99", b"", value, "r1") == (value, [])  # the newest: remembered
+
+
+def test_a_request_id_retried_on_another_key_is_another_call():
+    # The same request id on another key was answered with the first key's value, and the second key never set.
+    s = published()
+    assert s.kv_compare_set("p0", "a", b"", b"A", "r1") == (b"A", [KeyChanged("a", b"A")])
+    assert s.kv_compare_set("p0", "b", b"", b"B", "r1") == (b"B", [KeyChanged("b", b"B")])
+    assert (s.kv_get("p1", "a"), s.kv_get("p1", "b")) == (b"A", b"B")
+    assert s.kv_increment("p0", "n", 5, "r1") == (5, [KeyChanged("n", b"5")])
+    assert s.kv_increment("p0", "m", 7, "r1") == (7, [KeyChanged("m", b"7")])
+    # Retries of each are answered as each was, and applied nowhere
+    assert s.kv_compare_set("p0", "b", b"", b"B", "r1") == (b"B", [])
+    assert s.kv_increment("p0", "n", 5, "r1") == (5, [])
+
+
+def test_a_request_id_reused_on_the_same_key_for_another_call_is_refused_and_changes_nothing():
+    s = published()
+    s.kv_compare_set("p0", "k", b"", b"A", "r1")
+    s.take_journal()
+    with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap to another value"):
+        s.kv_compare_set("p0", "k", b"A", b"C", "r1")
+    with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap, not an increment"):
+        s.kv_increment("p0", "k", 1, "r1")
+    assert s.kv_get("p1", "k") == b"A" and s.take_journal() == []
+
+
+def test_a_retry_of_a_call_past_the_answers_per_caller_is_refused_not_applied_again():
+    s = published(limits=Limits(answers_per_caller=4))
+    for i in range(6):
+        s.kv_increment("p0", "n", 1, f"r{i}")
+    s.take_journal()
+    with pytest.raises(InvalidArgument, match=r"was answered before this client's last 4 calls, and its answer is no "
+                                              r"longer kept \(the coordinator's --max-answers-per-caller\)"):
+        s.kv_increment("p0", "n", 1, "r0")
+    assert s.kv_get("p1", "n") == b"6" and s.take_journal() == []
+    assert s.kv_increment("p0", "n", 1, "r5") == (6, [])
