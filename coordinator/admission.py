@@ -17,8 +17,9 @@ from coordinator.assignment import assign_process_ids
 from coordinator.attempts import check_attempt
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Admitted, Published, Waiting
-from coordinator.members import Member, Status, claim_of
-from coordinator.registration import Registration
+from coordinator.limits import exhausted
+from coordinator.members import Member, Status, claim_of, retire
+from coordinator.registration import Registration, registration_cost
 from ifrt.errors import ClusterMismatch, InvalidArgument, PermissionDenied, ProcessDeclaredFailed, ProcessIdTaken
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.progress import Progress
@@ -65,17 +66,24 @@ class Admission:
         self._explicit: bool | None = None
         self._first_registration_at: float | None = None
         self._missing_ids: set[int] = set(range(config.num_processes))  # explicit ids not held yet
+        self._replaced: dict[object, str] = {}  # claim -> uid of the one replaced incarnation kept (see retire)
+        self.held = 0
+        """Bytes of registrations admitted in this job attempt (each journaled for good), as
+        ``--max-registration-bytes`` counts them."""
 
     @property
     def registered(self) -> int:
         return len(self.holder)
 
-    def admit(self, r: Registration, now: float, attempt: int) -> Retry | Takeover | Joined:
+    def admit(self, r: Registration, now: float, attempt: int, *, restoring: bool = False) -> Retry | Takeover | Joined:
         """Decides what a registration is (``attempt``: the job's current one); a new member is admitted here, a
-        takeover is left to ``take_over``."""
+        takeover is left to ``take_over``. ``restoring``: replayed from the journal, where it was admitted under
+        the limits of its time (none is checked again)."""
         known = self.members.get(r.client_uid)
         if known is not None:
             self.check_owner(known, r.secret_hash)
+            if known.replaced:  # its request is no longer kept to compare: it ended either way
+                check_usable(known)
             if not r.is_retry_of(known.registration):
                 raise ClusterMismatch(f"client {r.client_uid} registered again with a different request (first from "
                                       f"{known.registration.describe()}): a retry must repeat the first registration")
@@ -83,6 +91,8 @@ class Admission:
             known.last_seen = now
             return Retry(known)
         self._check_fits(r, attempt)
+        if not restoring:
+            self._check_room(r)
         claim = claim_of(r)
         holder_uid = self.holder.get(claim)
         if holder_uid is not None:
@@ -97,6 +107,7 @@ class Admission:
                                   f"and generation {self.topology.generation} is published; {r.describe()} is not "
                                   "one of them")
         member = self.members[r.client_uid] = Member(r, Status.JOINING, now)
+        self.held += registration_cost(r)
         self.holder[claim] = r.client_uid
         self._missing_ids.discard(r.process_id)  # type: ignore[arg-type]
         self._explicit = r.process_id is not None
@@ -112,7 +123,12 @@ class Admission:
         claim = claim_of(r)
         if holder.live:
             holder.status, holder.reason = Status.FAILED, f"replaced by a restarted process from {r.describe()}"
+        retire(holder)
+        if (older := self._replaced.get(claim)) is not None:
+            del self.members[older]  # its client is told it is unknown, and to register again
+        self._replaced[claim] = holder.uid
         member = self.members[r.client_uid] = Member(r, Status.ALIVE, now, incarnation=holder.incarnation + 1)
+        self.held += registration_cost(r)
         self.holder[claim] = r.client_uid
         pid = self.process_ids[claim]
         self.in_topology.add(pid)
@@ -221,6 +237,15 @@ class Admission:
                                    slice_index[d.slice_key], d.attributes, r.plugin, d.coordinates)
                            for d in r.devices)
         return TopologyContent(self.config.cluster_id, generation, len(processes), tuple(processes), tuple(devices))
+
+    def _check_room(self, r: Registration) -> None:
+        """ResourceExhausted unless one more registration fits within ``--max-registration-bytes``."""
+        limits = self.config.limits
+        if self.held + registration_cost(r) > limits.registration_bytes:
+            raise exhausted(f"the registration of {r.describe()} ({registration_cost(r)} bytes)",
+                            limits.registration_bytes, "registration_bytes",
+                            "every registration of this job attempt is kept (a restarted process's too): restart "
+                            "the job as a new attempt, or raise the flag", self.held)
 
     def _check_fits(self, r: Registration, attempt: int) -> None:
         config = self.config

@@ -40,6 +40,7 @@ FLAGS = {
     "barrier_bytes": "--max-barrier-bytes",
     "sessions_per_process": "--max-sessions-per-process",
     "backlog_bytes": "--max-backlog-bytes",
+    "registration_bytes": "--max-registration-bytes",
 }
 """The ``ifrt-coordinator`` flag that sets each limit (named in every error about it)."""
 
@@ -123,6 +124,10 @@ class Limits:
     backlog_bytes: int = 256 << 20
     """Most bytes of events all sessions together leave unread (an event sent to many sessions is one message, counted
     once); past it the session that holds the most is ended, and its process attaches again."""
+    registration_bytes: int = 512 << 20
+    """Most bytes of registrations one job attempt holds: each RegisterRequest admitted, a restarted process's and
+    one forgotten before publication too (the journal keeps every one until the next attempt), and
+    REGISTRATION_OVERHEAD_BYTES each. 2**14 processes of 8 devices take about 40 MB."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -152,6 +157,8 @@ ANSWER_OVERHEAD_BYTES = 256
 """What a remembered answer costs besides its strings (its entries in two dicts, its tuple and digest)."""
 BARRIER_OVERHEAD_BYTES = 1024
 """What a kept barrier costs besides its name (its object, its error, its journal entry)."""
+REGISTRATION_OVERHEAD_BYTES = 1024
+"""What a registration costs besides its request's bytes (its objects, its journal record's framing)."""
 PARTICIPANT_BYTES = 72
 """What one process id costs in a barrier's set of participants (a set slot and an int; 8 more in its journal)."""
 

@@ -181,6 +181,10 @@ def parser() -> argparse.ArgumentParser:
                          metavar="BYTES", help="bytes of events all sessions together leave unread (an event sent to "
                                                "many is counted once); past it the session holding the most is "
                                                "ended and its process attaches again (default %(default)s)")
+    budgets.add_argument("--max-registration-bytes", dest="registration_bytes", type=int,
+                         default=default.registration_bytes, metavar="BYTES",
+                         help="bytes of registrations one job attempt keeps (journaled), restarted processes' "
+                              "included; a registration past it is refused (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
     p.add_argument("--ready-file", metavar="PATH",

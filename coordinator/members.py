@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.registration import Registration
 
@@ -27,6 +27,7 @@ class Member:
     sessions: int = 0  # open session streams (two overlap briefly when a client reconnects); keepalive vouches for each
     reason: str = ""
     grace_s: float | None = None  # how long it may stay silent without a call or session; None: the heartbeat timeout
+    replaced: bool = False  # a newer incarnation holds its claim: only what answers its client is kept (see ``retire``)
 
     @property
     def uid(self) -> str:
@@ -41,6 +42,13 @@ class Member:
     def attended(self) -> bool:
         """A call waits on us or a session is open: something vouches that it is alive."""
         return bool(self.calls or self.sessions)
+
+
+def retire(member: Member) -> None:
+    """Keeps of an incarnation that a newer one replaced only what answers its client (who it was, its secret's hash,
+    why it ended): its devices and request, up to --max-request-bytes, go (the journal keeps the request)."""
+    member.registration = replace(member.registration, devices=(), request=b"")
+    member.replaced = True
 
 
 def claim_of(r: Registration) -> object:

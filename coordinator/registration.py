@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
-from coordinator.limits import DEFAULT_LIMITS, FLAGS, Limits
+from coordinator.limits import DEFAULT_LIMITS, FLAGS, REGISTRATION_OVERHEAD_BYTES, Limits
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
@@ -182,6 +182,11 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
 def _endpoint(address: str, replayed: bool) -> str:
     """The transfer endpoint a process registers: empty (none), or HOST:PORT; InvalidArgument naming it if not."""
     return check_address(address, "the transfer endpoint address") if address and not replayed else address
+
+
+def registration_cost(r: Registration) -> int:
+    """What admitting ``r`` counts against ``--max-registration-bytes``: its request, as the journal keeps it."""
+    return len(to_request(r)) + REGISTRATION_OVERHEAD_BYTES
 
 
 def to_request(r: Registration) -> bytes:

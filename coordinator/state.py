@@ -93,7 +93,7 @@ class ClusterState:
         members = self._admission.members
         match entry:
             case journal.Registered(registration=r, now=now):
-                self.register(r, now)
+                self.register(r, now, restoring=True)
             case journal.Failed(client_uid=uid, why=why):
                 self._fail(members[uid], why)
             case journal.Left(client_uid=uid):
@@ -175,11 +175,12 @@ class ClusterState:
         self._liveness.reset(self._admission.members.values(), now)
 
     # Registration.
-    def register(self, r: Registration, now: float) -> tuple[Waiting | Published, list[Effect]]:
+    def register(self, r: Registration, now: float, *,
+                 restoring: bool = False) -> tuple[Waiting | Published, list[Effect]]:
         """Admits a process, recognizes its retry, or takes over the id of a dead one (a restart). The answer says
         what the shell logs and wakes: the admission, and the first publication when this completed the cluster."""
         admission = self._admission
-        decision = admission.admit(r, now, self.attempts.current)
+        decision = admission.admit(r, now, self.attempts.current, restoring=restoring)
         if isinstance(decision, Retry):
             return admission.answer(r), []
         self._journal.append(journal.Registered(r, now))
