@@ -71,8 +71,11 @@ def _text(value: str, what: str, limit: int, *, where: str = "", required: bool 
 _DeviceRow = tuple[int, str, str, str, tuple[int, ...], tuple[tuple[str, str], ...]]
 _known: dict[_DeviceRow, LocalDevice] = {}
 """Devices seen before, by their fields: hosts of one cluster mostly report equal devices, so each is built (and
-held in memory) once. Bounded by clearing; a cache, not state: what it holds never changes a registration."""
+held in memory) once. Bounded by clearing, in devices and in the bytes of their strings (a device may carry 64
+attributes of a kilobyte each); a cache, not state: what it holds never changes a registration."""
 _KNOWN_MOST = 1 << 16
+_KNOWN_MOST_BYTES = 8 << 20
+_known_bytes = 0
 
 
 def _rows(request: pb.RegisterRequest) -> list[_DeviceRow]:
@@ -131,15 +134,24 @@ def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, 
     if len({len(row[4]) for row in rows}) > 1:
         raise InvalidArgument(f"devices have coordinates of ranks {sorted({len(row[4]) for row in rows})}: "
                               "expected the same number of coordinates for every device of a process")
-    if len(_known) > _KNOWN_MOST:
+    global _known_bytes
+    if len(_known) > _KNOWN_MOST or _known_bytes > _KNOWN_MOST_BYTES:
         _known.clear()
+        _known_bytes = 0
     devices = []
     for row in rows:
         device = _known.get(row)
         if device is None:
             device = _known[row] = LocalDevice(*row[:5], attributes=dict(row[5]))
+            _known_bytes += _row_bytes(row)
         devices.append(device)
     return tuple(devices)
+
+
+def _row_bytes(row: _DeviceRow) -> int:
+    """About what a cached device holds: its strings, and 256 bytes for its objects."""
+    _, platform, kind, slice_key, _, attributes = row
+    return 256 + len(platform) + len(kind) + len(slice_key) + sum(len(k) + len(v) + 128 for k, v in attributes)
 
 
 def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits = DEFAULT_LIMITS,

@@ -125,13 +125,37 @@ def _stream_limit(streams: int) -> list[tuple[str, int]]:
     return [("grpc.max_concurrent_streams", streams)] if streams else []
 
 
+GARBAGE_GROWTH_BYTES = 16 << 20
+"""Resident memory gained since the last full collection past which the next round collects every generation."""
+
+
 async def _collect_young_garbage_every(interval_s: float) -> None:
     """Frees the reference cycles that finished calls leave (gRPC's call objects hold their request): a server that
-    allocates little never triggers Python's collector, so the large requests of refused calls would stay."""
+    allocates little never triggers Python's collector, so the large requests of refused calls would stay. A call
+    in flight during a collection has its objects promoted to the oldest generation, which Python collects by its
+    count of objects, not their bytes (a 4 MiB request is a few containers of strings): once resident memory grew by
+    GARBAGE_GROWTH_BYTES, a round collects them all."""
+    baseline = _resident_bytes()
     while True:
         await asyncio.sleep(interval_s)
-        gc.collect(1)
-        _trim()
+        resident = _resident_bytes()
+        if resident > baseline + GARBAGE_GROWTH_BYTES:
+            gc.collect()
+            _trim()
+            baseline = _resident_bytes()
+        else:
+            gc.collect(1)
+            _trim()
+            baseline = min(baseline, resident)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is not there: then every round is a young one)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _libc_trim() -> Callable[[], object]:

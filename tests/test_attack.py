@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2
 
 import ifrt
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import ResourceExhausted
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from tests.resources import open_fds, rss_bytes
 
@@ -298,7 +300,8 @@ def test_watches_are_limited_in_length_and_number(start_coordinator):
 def test_sessions_that_read_nothing_hold_at_most_their_backlog(start_coordinator):
     # Every change is journaled once (the memory store's share) but queued for each watching session: 16 sessions
     # that never read would hold 16 copies of everything; each holds at most --max-session-backlog-bytes.
-    coordinator = start_coordinator("--max-session-backlog-bytes", str(MiB), num_processes=1)
+    coordinator = start_coordinator("--max-session-backlog-bytes", str(MiB), "--max-sessions-per-process", "32",
+                                    num_processes=1)
     client = member(coordinator.address)
     before = Resources(coordinator.pid)
 
@@ -428,3 +431,256 @@ def test_a_session_cancelled_while_events_are_written_logs_no_traceback(start_co
         time.sleep(0.5)
         assert "Traceback" not in coordinator.log and "internal error" not in coordinator.log, coordinator.log
         assert client.kv_try_get("flood/4/23") == b"v" * (256 << 10)  # the coordinator went on serving
+
+
+# 10. Byte budgets: what members and token holders make the coordinator hold adds up (docs/security.md).
+
+class Peak:
+    """The daemon's largest resident memory while the block runs (sampled every 10 ms): an answer built and sent in
+    one call leaves no trace afterwards, only while it is held."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.most, self._stop = pid, rss_bytes(pid), threading.Event()
+
+    def __enter__(self) -> Peak:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.most = max(self.most, rss_bytes(self.pid))
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_values_past_the_key_value_bytes_are_refused_and_hold_nothing(start_coordinator):
+    # 1,000 values of 1 MiB took an unbounded coordinator from 67 to 2,432 MB (the store and its journal).
+    coordinator = start_coordinator("--kv-max-bytes", str(8 * MiB), num_processes=1)
+    client = member(coordinator.address)
+    before = Resources(coordinator.pid)
+
+    async def attack() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            put = channel.unary_unary(COORDINATOR + "KeyValueSet")
+            codes = []
+            for batch in range(10):
+                calls = [put(pb.KeyValueSetRequest(client_uid=client.client_uid, key=f"big/{batch}/{i}",
+                                                   value=bytes([i]) * MiB).SerializeToString(),
+                             metadata=as_member(client), timeout=30) for i in range(30)]
+                codes += await asyncio.gather(*(code(c) for c in calls))
+            return codes
+
+    with client:
+        codes = asyncio.run(asyncio.wait_for(attack(), 60))
+        assert codes.count(grpc.StatusCode.OK) == 7 and codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 293
+        settle()
+        before.assert_near("after 300 values of 1 MiB")
+        with pytest.raises(ResourceExhausted, match=r"storing 1048576 bytes at key 'one more' would pass the "
+                                                         r"coordinator's --kv-max-bytes of 8388608 bytes; \d+ bytes "
+                                                         r"are held"):
+            client.kv_set("one more", b"x" * MiB)
+        assert client.kv_delete("big/", prefix=True) == 7
+        client.kv_set("one more", b"x" * MiB)  # room again
+
+
+def test_a_listing_past_the_reply_bytes_is_refused_before_it_is_built(start_coordinator):
+    # One KeyValueDir of a big store built a 1.05 GB answer.
+    coordinator = start_coordinator("--max-reply-bytes", str(6 * MiB), num_processes=1)
+    client = member(coordinator.address)
+
+    async def attack() -> set[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            listing = channel.unary_unary(COORDINATOR + "KeyValueDir")
+            request = pb.KeyValueDirRequest(client_uid=client.client_uid, prefix="big/").SerializeToString()
+            codes = set()
+            for _ in range(3):
+                calls = [listing(request, metadata=as_member(client), timeout=30) for _ in range(8)]
+                codes |= set(await asyncio.gather(*(code(c) for c in calls)))
+            return codes
+
+    with client:
+        for i in range(24):
+            client.kv_set(f"big/{i}", bytes([i]) * MiB)
+        settle()
+        before = Resources(coordinator.pid)
+        with Peak(coordinator.pid) as peak:
+            assert asyncio.run(asyncio.wait_for(attack(), 60)) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert peak.most - before.rss < GROWTH, f"the coordinator grew by {(peak.most - before.rss) / MiB:.0f} MiB"
+        with pytest.raises(ResourceExhausted, match=r"the listing of 24 keys under 'big/' \(25166\d+ bytes\) "
+                                                         r"would pass the coordinator's --max-reply-bytes of 6291456 "
+                                                         r"bytes: list a narrower prefix"):
+            client.kv_dir("big/")
+        assert sorted(client.kv_dir("big/2")) == ["big/2", "big/20", "big/21", "big/22", "big/23"]
+
+
+def test_swaps_of_big_values_deleted_at_once_hold_at_most_the_answer_bytes(start_coordinator):
+    # 1,500 swaps of 1 MiB values from as many caller ids, each key deleted right after, left the store empty and the
+    # coordinator at 3,105 MB: every answer remembered (1,024 callers) and kept in the journal (64 for every caller).
+    coordinator = start_coordinator("--max-answer-bytes", str(8 * MiB), num_processes=1)
+    before = Resources(coordinator.pid)
+
+    async def attack() -> set[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            swap = channel.unary_unary(COORDINATOR + "KeyValueCompareSet")
+            delete = channel.unary_unary(COORDINATOR + "KeyValueDelete")
+
+            async def one(i: int) -> grpc.StatusCode:
+                key = f"torchrun/run/{i}"
+                swapped = await code(swap(pb.KeyValueCompareSetRequest(
+                    client_uid=f"agent-{i}", key=key, desired=bytes([i % 256]) * MiB,
+                    request_id="r1").SerializeToString(), timeout=30))
+                if swapped is not grpc.StatusCode.OK:
+                    return swapped
+                return await code(delete(pb.KeyValueDeleteRequest(client_uid=f"agent-{i}", key=key)
+                                         .SerializeToString(), timeout=30))
+
+            codes = set()
+            for batch in range(15):
+                codes |= set(await asyncio.gather(*(one(batch * 20 + i) for i in range(20))))
+            return codes
+
+    assert asyncio.run(asyncio.wait_for(attack(), 60)) == {grpc.StatusCode.OK}
+    settle()
+    # The journal holds up to 32 MiB of superseded entries (then it is compacted) and the answers' 8 MiB; the
+    # unbounded coordinator held 300 MiB of answers and 400 MiB of journal after the same 300 swaps.
+    before.assert_near("after 300 swaps of 1 MiB values, each deleted at once", growth=2 * GROWTH)
+
+
+def test_cancels_of_unknown_barriers_stop_at_the_barrier_bytes(start_coordinator):
+    # Cancelled unknown barriers held 5.2 KB each, 5.2 GB at --max-barriers.
+    coordinator = start_coordinator("--max-barrier-bytes", str(MiB), num_processes=1)
+    client = member(coordinator.address)
+    before = Resources(coordinator.pid)
+
+    async def attack() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            cancel = channel.unary_unary(COORDINATOR + "CancelBarrier")
+            codes = []
+            for batch in range(20):
+                calls = [cancel(pb.CancelBarrierRequest(client_uid=client.client_uid,
+                                                        name=f"{batch:02d}/{i:02d}/" + "b" * 1000).SerializeToString(),
+                                metadata=as_member(client), timeout=30) for i in range(100)]
+                codes += await asyncio.gather(*(code(c) for c in calls))
+            return codes
+
+    with client:
+        codes = asyncio.run(asyncio.wait_for(attack(), 60))
+        kept = MiB // (3 * 1006 + 1024)  # each: its name three times (barrier, error, journal) and 1 KiB
+        assert codes.count(grpc.StatusCode.OK) == kept
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 2000 - kept
+        with pytest.raises(ResourceExhausted, match=r"keeping barrier 'one more/b+'\.\.\. \(1009 characters\) \(4051 "
+                                                    r"bytes\) would pass the coordinator's --max-barrier-bytes of "
+                                                    r"1048576 bytes; \d+ bytes are held"):
+            client.cancel_barrier("one more/" + "b" * 1000)
+        before.assert_near("after 2,000 cancels of unknown barriers")
+
+
+def test_one_process_holds_at_most_its_sessions(start_coordinator):
+    # One process could open any number of sessions, each holding up to --max-session-backlog-bytes.
+    coordinator = start_coordinator("--max-sessions-per-process", "2", num_processes=1)
+    client = member(coordinator.address)
+
+    async def attack() -> list[str]:
+        hold = asyncio.Event()
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            calls = []
+            for _ in range(12):
+                call = session_stream(channel, client, [], hold)
+                await call.read()  # attached
+                calls.append(call)
+            ended = []
+            for call in calls[:-2]:
+                try:
+                    async with asyncio.timeout(10):
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                    ended.append("closed")
+                except grpc.RpcError as e:
+                    ended.append(f"{e.code().name}: {e.details()}")
+            for call in calls[-2:]:  # the newest two are still open
+                assert not call.done()
+            hold.set()
+            return ended
+
+    with client:
+        ended = asyncio.run(asyncio.wait_for(attack(), 60))
+        assert set(ended) == {"RESOURCE_EXHAUSTED: this process opened a newer session: it may hold at most 2 at "
+                              "once (the coordinator's --max-sessions-per-process); this one, its oldest, ends"}
+        client.kv_set("still", b"served")  # the process itself goes on
+        assert client.kv_try_get("still") == b"served"
+
+
+def test_sessions_that_read_nothing_hold_at_most_the_backlog_bytes_together(start_coordinator):
+    # Each session watching a prefix of its own holds its own events: 16 sessions held 16 backlogs.
+    coordinator = start_coordinator("--max-session-backlog-bytes", str(8 * MiB), "--max-backlog-bytes",
+                                    str(4 * MiB), "--max-sessions-per-process", "32", num_processes=1)
+    client = member(coordinator.address)
+
+    async def attack() -> list[str]:
+        hold = asyncio.Event()
+        options = (*OWN, ("grpc.http2.bdp_probe", 0))
+        async with grpc.aio.insecure_channel(coordinator.address, options=options) as channel:
+            calls = [session_stream(channel, client, [pb.SessionRequest(watch=pb.WatchKeys(prefix=f"p{i}/"))], hold)
+                     for i in range(16)]
+            for call in calls:
+                await call.read()  # attached; from here on the session's events are never read
+            for round_ in range(8):
+                for i in range(16):
+                    await asyncio.to_thread(client.kv_set, f"p{i}/value", bytes([round_]) * (MiB // 2),
+                                            allow_overwrite=True)
+            await asyncio.sleep(1)
+            hold.set()
+            ended = []
+            for call in calls:
+                try:
+                    async with asyncio.timeout(20):
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                    ended.append("closed")
+                except grpc.RpcError as e:
+                    ended.append(e.code().name + (" --max-backlog-bytes" if "--max-backlog-bytes" in e.details()
+                                                  else ""))
+            return ended
+
+    with client:
+        ended = asyncio.run(asyncio.wait_for(attack(), 90))
+        # 64 MiB of events, 4 MiB to each session: all of them past --max-backlog-bytes, none past its own bound
+        assert ended.count("RESOURCE_EXHAUSTED --max-backlog-bytes") >= 12, ended
+        assert "INVALID_ARGUMENT" not in ended
+
+
+def big_registration(uid: str) -> bytes:
+    """Process 0's RegisterRequest of 64 devices with 64 attributes of a kilobyte each (4 MiB)."""
+    devices = [pb.LocalDevice(local_id=d, platform="cpu", kind="cpu",
+                              attributes={f"{uid}-{a:02d}": "v" * 1000 for a in range(64)}) for d in range(64)]
+    return pb.RegisterRequest(client_uid=uid, hostname="host-0", process_id=0, num_processes=1, plugin="cpu",
+                              devices=devices).SerializeToString()
+
+
+def test_leaving_and_registering_again_holds_at_most_the_registration_bytes(start_coordinator):
+    # Each leave and re-register kept the old registration's request in memory and in the journal for good.
+    coordinator = start_coordinator("--max-registration-bytes", str(10 * MiB), num_processes=1)
+    before = Resources(coordinator.pid)
+
+    async def attack() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            register = channel.unary_unary(COORDINATOR + "Register")
+            leave = channel.unary_unary(COORDINATOR + "Leave")
+            codes = []
+            for cycle in range(30):
+                uid = f"incarnation-{cycle}"
+                codes.append(await code(register(big_registration(uid), timeout=30)))
+                if codes[-1] is grpc.StatusCode.OK:
+                    await code(leave(pb.LeaveRequest(client_uid=uid).SerializeToString(), timeout=30))
+            return codes
+
+    codes = asyncio.run(asyncio.wait_for(attack(), 60))
+    assert codes == [grpc.StatusCode.OK] * 2 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 28, codes
+    settle()
+    # Two registrations of 4 MiB are kept (the journal's, the current one's devices), and the device cache: the
+    # unbounded coordinator held 30 of each (500 MB)
+    before.assert_near("after 30 registrations of 4 MiB, each leaving before the next", growth=2 * GROWTH)
+    assert "--max-registration-bytes" in coordinator.log
