@@ -41,6 +41,7 @@ FLAGS = {
     "sessions_per_process": "--max-sessions-per-process",
     "backlog_bytes": "--max-backlog-bytes",
     "registration_bytes": "--max-registration-bytes",
+    "pending_reply_bytes": "--max-pending-reply-bytes",
 }
 """The ``ifrt-coordinator`` flag that sets each limit (named in every error about it)."""
 
@@ -128,6 +129,9 @@ class Limits:
     """Most bytes of registrations one job attempt holds: each RegisterRequest admitted, a restarted process's and
     one forgotten before publication too (the journal keeps every one until the next attempt), and
     REGISTRATION_OVERHEAD_BYTES each. 2**14 processes of 8 devices take about 40 MB."""
+    pending_reply_bytes: int = 256 << 20
+    """Most bytes of large answers (64 KiB and more: listings, big values) built and not yet read by their callers,
+    over all calls; an answer past it is refused with RESOURCE_EXHAUSTED, and the caller may ask again."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -185,6 +185,10 @@ def parser() -> argparse.ArgumentParser:
                          default=default.registration_bytes, metavar="BYTES",
                          help="bytes of registrations one job attempt keeps (journaled), restarted processes' "
                               "included; a registration past it is refused (default %(default)s)")
+    budgets.add_argument("--max-pending-reply-bytes", dest="pending_reply_bytes", type=int,
+                         default=default.pending_reply_bytes, metavar="BYTES",
+                         help="bytes of large answers (64 KiB and more) built and not yet read by their callers, "
+                              "over all calls; an answer past it is refused (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
     p.add_argument("--ready-file", metavar="PATH",

@@ -27,6 +27,7 @@ from coordinator.history import Numbered
 from coordinator.messages import PublishedGeneration, event_message, progress_answer
 from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
+from coordinator.replies import PendingReplies
 from coordinator.rpcs import RPCS, Call, Rpc, Wait, answers
 from coordinator.sessions import Sessions
 from coordinator.state import ClusterState
@@ -69,6 +70,7 @@ class CoordinatorService:
         self._progress_cache: tuple[float, int, bytes] = (-math.inf, -1, b"")
         self._waiters = Waiters()
         self.sessions = Sessions(self, self.replica.config.limits)
+        self._replies = PendingReplies(self.replica.config.limits.pending_reply_bytes)
         self.effect_listeners: list[Callable[[list[Effect]], None]] = []
         """Called with the effects of every command once durable (after this service carried them out)."""
         self.step_down_listeners: list[Callable[[str], None]] = []
@@ -211,7 +213,10 @@ class CoordinatorService:
                 self._waiters.drop(wait.on(request), future)
         if isinstance(result, IfrtError):
             await abort(context, result, what, level=logging.DEBUG)
-        return rpc.encode(result)
+        try:
+            return self._replies.hold(rpc.encode(result), context, what)
+        except IfrtError as e:
+            await abort(context, e, what)
 
     async def _wait(self, context: grpc.aio.ServicerContext, wait: Wait, request: object, call: Call,
                     future: asyncio.Future, what: str, epoch: int) -> object:
