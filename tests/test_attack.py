@@ -684,3 +684,71 @@ def test_leaving_and_registering_again_holds_at_most_the_registration_bytes(star
     # unbounded coordinator held 30 of each (500 MB)
     before.assert_near("after 30 registrations of 4 MiB, each leaving before the next", growth=2 * GROWTH)
     assert "--max-registration-bytes" in coordinator.log
+
+
+class SilentHttp2:
+    """A raw HTTP/2 client that sends gRPC calls and never lets an answer's bytes through (a stream window of 0):
+    what gRPC clients cannot do, and an attacker can."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        initial_window_size = (4).to_bytes(2, "big") + (0).to_bytes(4, "big")
+        self.sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + self._frame(4, 0, 0, initial_window_size)
+                          + self._frame(4, 1, 0, b""))  # our settings, and the ack of the server's
+        self._stream = 1
+
+    @staticmethod
+    def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+    @staticmethod
+    def _literal(name: str, value: str) -> bytes:
+        """An HPACK literal header field without indexing (both strings shorter than 127 bytes, no Huffman)."""
+        assert len(name) < 127 and len(value) < 127
+        return bytes([0, len(name)]) + name.encode() + bytes([len(value)]) + value.encode()
+
+    def call(self, method: str, request: bytes, metadata: tuple[tuple[str, str], ...]) -> None:
+        headers = b"".join(self._literal(k, v) for k, v in (
+            (":method", "POST"), (":scheme", "http"), (":path", COORDINATOR + method), (":authority", "x"),
+            ("content-type", "application/grpc"), ("te", "trailers"), *metadata))
+        message = b"\0" + len(request).to_bytes(4, "big") + request
+        self.sock.sendall(self._frame(1, 4, self._stream, headers)  # END_HEADERS
+                          + self._frame(0, 1, self._stream, message))  # END_STREAM
+        self._stream += 2
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_answers_nobody_reads_hold_at_most_the_pending_reply_bytes(start_coordinator):
+    # A caller asking again and again for a 1 MiB value and never reading the answers made the coordinator hold one
+    # answer per call it opened.
+    coordinator = start_coordinator("--max-pending-reply-bytes", str(8 * MiB), num_processes=1)
+    client = member(coordinator.address)
+    with client:
+        client.kv_set("big", b"v" * MiB)
+        settle()
+        before = Resources(coordinator.pid)
+        silent = SilentHttp2(coordinator.address)
+        try:
+            get = pb.KeyValueTryGetRequest(client_uid=client.client_uid, key="big").SerializeToString()
+            for _ in range(200):
+                silent.call("KeyValueTryGet", get, as_member(client))
+            coordinator.wait_for_log("--max-pending-reply-bytes")
+            time.sleep(1)
+            before.assert_near("while 200 answers of 1 MiB were asked for and none read")
+            with pytest.raises(ResourceExhausted, match=r"the answer to key-value try-get of 'big' \(1048582 bytes\) "
+                                                        r"would pass the coordinator's --max-pending-reply-bytes of "
+                                                        r"8388608 bytes; 7340074 bytes are held"):
+                client.kv_try_get("big")
+        finally:
+            silent.close()
+        deadline = time.monotonic() + 20  # the attacker's calls end with its connection, and their answers go
+        while time.monotonic() < deadline:
+            try:
+                assert client.kv_try_get("big") == b"v" * MiB
+                break
+            except ResourceExhausted:
+                time.sleep(0.2)
+        assert client.kv_try_get("big") == b"v" * MiB
