@@ -42,6 +42,7 @@ FLAGS = {
     "backlog_bytes": "--max-backlog-bytes",
     "registration_bytes": "--max-registration-bytes",
     "pending_reply_bytes": "--max-pending-reply-bytes",
+    "watch_bytes": "--max-watch-bytes",
 }
 """The ``ifrt-coordinator`` flag that sets each limit (named in every error about it)."""
 
@@ -101,7 +102,7 @@ class Limits:
     agents: int = 4096
     """Job watches (WatchJob) held open at once: one per host agent (``ifrt run``), so a job of 4096 hosts fits; each
     holds at most --max-session-backlog-bytes of unread events."""
-    kv_bytes: int = 256 << 20
+    kv_bytes: int = 128 << 20
     """Most bytes the key-value store holds: every key and value, and KEY_OVERHEAD_BYTES a key for what holding it
     costs besides (its entry, objects and journal record). Its journal holds about as much again (see
     docs/security.md): the store's share of the coordinator's memory is a few times this."""
@@ -111,7 +112,7 @@ class Limits:
     answers_per_caller: int = 64
     """Increments and swaps remembered per caller (client uid) for its retries: a client retries only its calls in
     flight."""
-    answer_bytes: int = 32 << 20
+    answer_bytes: int = 16 << 20
     """Most bytes of remembered answers over all callers (see ``coordinator.retries``): each call's caller, request id
     and key, ANSWER_OVERHEAD_BYTES, and for a swap the value its journal entry keeps; the oldest call is forgotten
     first (its retry, if one ever comes, is applied as a new call)."""
@@ -119,17 +120,21 @@ class Limits:
     """Most bytes barriers hold, cancelled and finished ones included (each name is kept to answer late arrivals):
     their names (in the barrier, its error and its journal entry), BARRIER_OVERHEAD_BYTES each and their participants
     (a set shared by barriers of the same processes is counted once)."""
-    sessions_per_process: int = 4
+    sessions_per_process: int = 2
     """Sessions one process may hold open at once (two overlap briefly while a client reconnects); a newer one ends
     the oldest."""
     backlog_bytes: int = 256 << 20
     """Most bytes of events all sessions together leave unread (an event sent to many sessions is one message, counted
     once); past it the session that holds the most is ended, and its process attaches again."""
-    registration_bytes: int = 512 << 20
+    registration_bytes: int = 256 << 20
     """Most bytes of registrations one job attempt holds: each RegisterRequest admitted, a restarted process's and
-    one forgotten before publication too (the journal keeps every one until the next attempt), and
-    REGISTRATION_OVERHEAD_BYTES each. 2**14 processes of 8 devices take about 40 MB."""
-    pending_reply_bytes: int = 256 << 20
+    one forgotten before publication too (the journal keeps every one until the next attempt), with
+    REGISTRATION_OVERHEAD_BYTES each and DEVICE_BYTES a device (its objects, in the registration and the topology).
+    2**14 processes of 8 devices take about 57 MB."""
+    watch_bytes: int = 32 << 20
+    """Most bytes of key prefixes all sessions together watch (each prefix and WATCH_OVERHEAD_BYTES); a watch past it
+    is not started and is logged, like one past --max-watches-per-session."""
+    pending_reply_bytes: int = 128 << 20
     """Most bytes of large answers (64 KiB and more: listings, big values) built and not yet read by their callers,
     over all calls; an answer past it is refused with RESOURCE_EXHAUSTED, and the caller may ask again."""
 
@@ -162,7 +167,11 @@ ANSWER_OVERHEAD_BYTES = 256
 BARRIER_OVERHEAD_BYTES = 1024
 """What a kept barrier costs besides its name (its object, its error, its journal entry)."""
 REGISTRATION_OVERHEAD_BYTES = 1024
-"""What a registration costs besides its request's bytes (its objects, its journal record's framing)."""
+"""What a registration costs besides its request's bytes and its devices (its objects, its journal record)."""
+DEVICE_BYTES = 320
+"""What one registered device costs besides its bytes in the request: its object, and its Device in the topology."""
+WATCH_OVERHEAD_BYTES = 128
+"""What a watched prefix costs besides its bytes (its entry in the session's set)."""
 PARTICIPANT_BYTES = 72
 """What one process id costs in a barrier's set of participants (a set slot and an int; 8 more in its journal)."""
 

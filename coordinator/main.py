@@ -185,6 +185,9 @@ def parser() -> argparse.ArgumentParser:
                          default=default.registration_bytes, metavar="BYTES",
                          help="bytes of registrations one job attempt keeps (journaled), restarted processes' "
                               "included; a registration past it is refused (default %(default)s)")
+    budgets.add_argument("--max-watch-bytes", dest="watch_bytes", type=int, default=default.watch_bytes,
+                         metavar="BYTES", help="bytes of key prefixes all sessions together watch; a watch past it is "
+                                               "not started and is logged (default %(default)s)")
     budgets.add_argument("--max-pending-reply-bytes", dest="pending_reply_bytes", type=int,
                          default=default.pending_reply_bytes, metavar="BYTES",
                          help="bytes of large answers (64 KiB and more) built and not yet read by their callers, "

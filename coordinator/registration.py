@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
-from coordinator.limits import DEFAULT_LIMITS, FLAGS, REGISTRATION_OVERHEAD_BYTES, Limits
+from coordinator.limits import DEFAULT_LIMITS, DEVICE_BYTES, FLAGS, REGISTRATION_OVERHEAD_BYTES, Limits
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
@@ -197,8 +197,9 @@ def _endpoint(address: str, replayed: bool) -> str:
 
 
 def registration_cost(r: Registration) -> int:
-    """What admitting ``r`` counts against ``--max-registration-bytes``: its request, as the journal keeps it."""
-    return len(to_request(r)) + REGISTRATION_OVERHEAD_BYTES
+    """What admitting ``r`` counts against ``--max-registration-bytes``: its request, as the journal keeps it, and
+    its devices' objects."""
+    return len(to_request(r)) + REGISTRATION_OVERHEAD_BYTES + DEVICE_BYTES * len(r.devices)
 
 
 def to_request(r: Registration) -> bytes:

@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator.calls import abort, caller_proof, parse
 from coordinator.history import GenerationPublished
-from coordinator.limits import FLAGS, Limits
+from coordinator.limits import FLAGS, WATCH_OVERHEAD_BYTES, Limits
 from coordinator.messages import PublishedGeneration, event_message, snapshot_message
 from coordinator.noise import noisy
 from coordinator.outbox import Backlogs, Outbox
@@ -70,6 +70,7 @@ class Sessions:
         self._open: dict[str, dict[Outbox, None]] = {}  # client uid -> its open sessions, oldest first
         self._watches: dict[Outbox, set[str]] = {}  # session outbox -> the key prefixes it watches
         self._backlogs = Backlogs(limits.backlog_bytes)
+        self._watch_bytes = 0  # of every prefix watched, as --max-watch-bytes counts them
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """A process's live session: cluster events out. Costs nothing while nothing happens: the server's keepalive
@@ -130,7 +131,7 @@ class Sessions:
         finally:
             reader.cancel()
             self._backlogs.remove(queue)
-            self._watches.pop(queue, None)
+            self._unwatch(queue)
             held = self._open.get(uid, {})
             held.pop(queue, None)
             if not held:
@@ -145,7 +146,7 @@ class Sessions:
         while len(held) > self._limits.sessions_per_process:
             oldest = next(iter(held))
             del held[oldest]
-            self._watches.pop(oldest, None)
+            self._unwatch(oldest)
             most = self._limits.sessions_per_process
             oldest.put_nowait(_Evicted(ResourceExhausted(
                 f"this process opened a newer session: it may hold at most {most} at once (the coordinator's "
@@ -204,8 +205,21 @@ class Sessions:
                           "at most %d (the coordinator's %s)", len(watched), limits.watches_per_session,
                           FLAGS["watches_per_session"])
             return
+        spent = len(prefix.encode()) + WATCH_OVERHEAD_BYTES
+        if prefix not in watched and self._watch_bytes + spent > limits.watch_bytes:
+            noisy.warning("session:watch-bytes", "ignored a watch of %d bytes while sessions watch prefixes of %d "
+                          "bytes: expected at most %d (the coordinator's %s)", spent, self._watch_bytes,
+                          limits.watch_bytes, FLAGS["watch_bytes"])
+            return
+        if prefix not in watched:
+            self._watch_bytes += spent
         watched.add(prefix)
         queue.put_nowait(pb.SessionEvent(watching=request.watch).SerializeToString())
+
+    def _unwatch(self, queue: Outbox) -> None:
+        """Forgets what a session that ended (or was ended) watched."""
+        for prefix in self._watches.pop(queue, ()):
+            self._watch_bytes -= len(prefix.encode()) + WATCH_OVERHEAD_BYTES
 
     def broadcast(self, number: int, message: bytes) -> None:
         """Queues ``message`` (job event ``number``; 0: not a job event) for every session."""

@@ -752,3 +752,32 @@ def test_answers_nobody_reads_hold_at_most_the_pending_reply_bytes(start_coordin
             except ResourceExhausted:
                 time.sleep(0.2)
         assert client.kv_try_get("big") == b"v" * MiB
+
+
+def test_watches_of_all_sessions_hold_at_most_the_watch_bytes(start_coordinator):
+    # Each session could watch 1,024 prefixes of a kilobyte (1 MiB a session, 2 sessions a process, any process).
+    coordinator = start_coordinator("--max-watch-bytes", str(8 * 1128), num_processes=1)
+    client = member(coordinator.address)
+
+    async def attack() -> list[str]:
+        hold = asyncio.Event()
+        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
+            watches = [pb.SessionRequest(watch=pb.WatchKeys(prefix=f"{i:04d}/" + "p" * 995)) for i in range(12)]
+            call = session_stream(channel, client, watches, hold)
+            acked = []
+            try:
+                async with asyncio.timeout(3):
+                    async for raw in call:
+                        event = pb.SessionEvent.FromString(raw)
+                        if event.WhichOneof("kind") == "watching":
+                            acked.append(event.watching.prefix[:4])
+            except TimeoutError:
+                pass
+            hold.set()
+            call.cancel()
+            return acked
+
+    with client:
+        assert asyncio.run(asyncio.wait_for(attack(), 60)) == [f"{i:04d}" for i in range(8)]
+        assert ("ignored a watch of 1128 bytes while sessions watch prefixes of 9024 bytes: expected at most 9024 "
+                "(the coordinator's --max-watch-bytes)") in coordinator.log
