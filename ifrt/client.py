@@ -317,7 +317,9 @@ class Client:
                     raise KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s") from None
 
     def kv_dir(self, prefix: str, timeout: float = 60.0) -> dict[str, bytes]:
-        """Every key starting with ``prefix`` and its value, sorted by key."""
+        """Every key starting with ``prefix`` and its value, sorted by key. ``ifrt.errors.ResourceExhausted`` (naming
+        the coordinator's ``--max-reply-bytes``) when their keys and values together pass what one answer may hold:
+        the coordinator refuses the listing rather than build it, so list a narrower prefix."""
         response = self._unary("KeyValueDir", lambda _: pb.KeyValueDirRequest(
             client_uid=self.client_uid, prefix=prefix), time.monotonic() + timeout)
         return {e.key: e.value for e in response.entries}

@@ -28,7 +28,10 @@ def test_defaults_are_the_documented_limits():
                               barrier_name_bytes=1024, concurrent_streams=4096, barriers=1048576,
                               watches_per_session=1024, session_backlog_bytes=67108864, health_name_bytes=256,
                               health_watches_per_connection=4, health_watches=1024, first_message_seconds=10,
-                              connection_idle_seconds=30, connections=0)
+                              connection_idle_seconds=30, connections=0, kv_bytes=134217728,
+                              reply_bytes=16777216, answers_per_caller=64, answer_bytes=16777216,
+                              barrier_bytes=67108864, sessions_per_process=2, backlog_bytes=268435456,
+                              registration_bytes=268435456, watch_bytes=33554432, pending_reply_bytes=134217728)
     assert ClusterConfig(num_processes=1).limits == Limits()
 
 
