@@ -94,6 +94,34 @@ def test_a_compacted_journal_replays_to_the_same_state_whole_or_in_part(script, 
     assert observable(replayed([e for e, k in zip(whole, again, strict=True) if k], limits)) == expected
 
 
+swaps_of_any_size = st.lists(st.one_of(
+    st.tuples(st.just("incr"), st.sampled_from(KEYS), st.integers(-3, 3), st.sampled_from(UIDS),
+              st.integers(0, REQUESTS)),
+    st.tuples(st.just("swap"), st.sampled_from(KEYS), st.binary(max_size=1), st.binary(min_size=1, max_size=3000),
+              st.sampled_from(UIDS), st.integers(0, REQUESTS)),
+    st.tuples(st.just("del"), st.sampled_from(KEYS), st.booleans()),
+), max_size=200)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=swaps_of_any_size, cut=st.floats(0, 1), budget=st.integers(300, 12_000), per_caller=st.integers(1, 10))
+def test_answers_of_any_cost_are_remembered_the_same_after_a_compaction(script, cut, budget, per_caller):
+    # The calls remembered are the newest whose costs fit: compaction keeps them and the newest call forgotten
+    # before them, so that a replay, whole or in part, forgets exactly what the coordinator forgot.
+    limits = Limits(answer_bytes=budget, answers_per_caller=per_caller)
+    s = published(n=2, limits=limits)
+    play(s, script)
+    entries = kv_entries(s)
+    keep = compaction.needed(entries, limits)
+    whole = [e for e, k in zip(entries, keep, strict=True) if k]
+    p = int(cut * len(entries))
+    part = [e for e, k in zip(entries[:p], keep[:p], strict=True) if k] + entries[p:]
+    expected = observable(replayed(entries, limits))
+    assert observable(replayed(whole, limits)) == expected
+    assert observable(replayed(part, limits)) == expected
+    assert s._kv.retries.held <= budget or len(s._kv.retries.calls()) == 1
+
+
 def kv_entries(s: ClusterState) -> list[journal.Entry]:
     return [e for e in s.take_journal() if not isinstance(e, journal.Registered)]
 
