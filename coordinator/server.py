@@ -126,7 +126,9 @@ def _stream_limit(streams: int) -> list[tuple[str, int]]:
 
 
 GARBAGE_GROWTH_BYTES = 16 << 20
-"""Resident memory gained since the last full collection past which the next round collects every generation."""
+"""Resident memory gained since the last full collection past which a round collects every generation."""
+FULL_COLLECTION_SHARE = 20
+"""A full collection waits at least this many times the last one's duration after it (5% of the loop at most)."""
 
 
 async def _collect_young_garbage_every(interval_s: float) -> None:
@@ -134,15 +136,17 @@ async def _collect_young_garbage_every(interval_s: float) -> None:
     allocates little never triggers Python's collector, so the large requests of refused calls would stay. A call
     in flight during a collection has its objects promoted to the oldest generation, which Python collects by its
     count of objects, not their bytes (a 4 MiB request is a few containers of strings): once resident memory grew by
-    GARBAGE_GROWTH_BYTES, a round collects them all."""
-    baseline = _resident_bytes()
+    GARBAGE_GROWTH_BYTES (a quarter, for a large heap), a round collects them all, as often as their cost allows."""
+    loop = asyncio.get_running_loop()
+    baseline, not_before = _resident_bytes(), 0.0
     while True:
         await asyncio.sleep(interval_s)
         resident = _resident_bytes()
-        if resident > baseline + GARBAGE_GROWTH_BYTES:
+        if resident > baseline + max(GARBAGE_GROWTH_BYTES, baseline // 4) and loop.time() >= not_before:
+            started = loop.time()
             gc.collect()
             _trim()
-            baseline = _resident_bytes()
+            baseline, not_before = _resident_bytes(), loop.time() + FULL_COLLECTION_SHARE * (loop.time() - started)
         else:
             gc.collect(1)
             _trim()
