@@ -96,7 +96,9 @@ class JobAgentsService:
             outbox = Outbox(limits.session_backlog_bytes, lambda waiting: _Closed(InvalidArgument(
                 f"this job watch left {waiting} bytes of events unread: expected at most "
                 f"{limits.session_backlog_bytes} (the coordinator's {FLAGS['session_backlog_bytes']}); watch "
-                "again")))
+                "again")), service.sessions.backlogs, lambda waiting: _Closed(ResourceExhausted(
+                    f"this job watch left {waiting} bytes of events unread while sessions and watches together left "
+                    f"more than {limits.backlog_bytes} (the coordinator's {FLAGS['backlog_bytes']}); watch again")))
             outbox.put_nowait(pb.JobEvent(state=_job_state(service.state.attempts.view())).SerializeToString())
             self._watches.add(outbox)
             log.debug("the agent %s on %s watches the job", shown(uid), shown(request.host))
@@ -108,6 +110,7 @@ class JobAgentsService:
                     await context.write(item)
             finally:
                 self._watches.discard(outbox)
+                service.sessions.backlogs.remove(outbox)
         finally:
             self._watching[uid] -= 1
             if not self._watching[uid]:

@@ -93,8 +93,9 @@ class Limits:
     """A connection without a call in flight (or still in its handshake) for this long is closed; a process's
     session is a call in flight, so only connections that hold nothing are closed (clients reconnect at once)."""
     connections: int = 0
-    """Most connections at once; further ones are refused at accept. 0: the descriptor limit less the descriptors
-    the coordinator keeps for itself (see ``connection_cap``)."""
+    """Most connections at once; further ones are refused at accept. 0: what the job needs, a connection for each
+    process and each host's agent and SPARE_CONNECTIONS twice, within the descriptor limit less the descriptors the
+    coordinator keeps for itself (see ``connection_cap``)."""
     event_history: int = 1 << 16
     """Job events (failures, departures, restarts, generations, a preemption notice) kept for sessions that attach
     or reconnect late: four for each of 2**14 processes. A session further behind gets a snapshot of each process's
@@ -190,11 +191,18 @@ SPARE_CONNECTIONS = 64
 processes reconnecting while their old connection is not yet closed."""
 
 
-def connection_cap(limits: Limits, descriptor_limit: int) -> int:
-    """The most connections accepted at once: ``--max-connections`` within the descriptor limit less
-    FD_RESERVE (0: that)."""
+def connection_cap(limits: Limits, descriptor_limit: int, num_processes: int) -> int:
+    """The most connections accepted at once: ``--max-connections`` (0: ``jobs_connections``) within the
+    descriptor limit less FD_RESERVE. A caller without the token can hold only connections: bounding them by the
+    job's size bounds what strangers make the coordinator hold."""
     derived = max(1, descriptor_limit - FD_RESERVE)
-    return min(limits.connections, derived) if limits.connections else derived
+    return min(limits.connections or jobs_connections(num_processes), derived)
+
+
+def jobs_connections(num_processes: int) -> int:
+    """The connections a job of ``num_processes`` uses at most: one for each process and each host's ``ifrt run``
+    agent (at most one a process), and SPARE_CONNECTIONS twice (operators, probes, processes reconnecting)."""
+    return 2 * (num_processes + SPARE_CONNECTIONS)
 
 
 def descriptors_needed(num_processes: int) -> int:

@@ -146,9 +146,10 @@ def parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-connections", dest="connections", type=int, default=default.connections,
                         metavar="N",
                         help="most connections at once, further ones are refused at accept (default %(default)s: "
-                             "the descriptor limit, raised to its hard limit at start, less 64 the coordinator "
-                             "keeps for itself; a job needs a descriptor limit of at least --num-processes + 128, "
-                             "and the coordinator warns at start when it is lower)")
+                             "what the job uses, --num-processes twice (a process and an agent each) plus 128, "
+                             "within the descriptor limit, raised to its hard limit at start, less 64 the "
+                             "coordinator keeps for itself; a job needs a descriptor limit of at least "
+                             "--num-processes + 128, and the coordinator warns at start when it is lower)")
     limits.add_argument("--max-agents", dest="agents", type=int, default=default.agents, metavar="N",
                         help="job watches (WatchJob, one per `ifrt run` agent) held open at once; further ones are "
                              "refused with RESOURCE_EXHAUSTED (default %(default)s)")

@@ -185,7 +185,7 @@ def _connection_limits(limits: Limits, num_processes: int) -> list[tuple[str, in
             soft = hard
         except (ValueError, OSError):
             pass
-    cap = connection_cap(limits, soft)
+    cap = connection_cap(limits, soft, num_processes)
     if cap < num_processes + SPARE_CONNECTIONS or (limits.connections and limits.connections > cap):
         log.warning("the descriptor limit (ulimit -n) is %d, so at most %d connections are accepted at once: a "
                     "job of %d processes needs at least %d; raise the limit (or --max-connections)", soft, cap,

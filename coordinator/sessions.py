@@ -69,7 +69,8 @@ class Sessions:
         self._limits = limits
         self._open: dict[str, dict[Outbox, None]] = {}  # client uid -> its open sessions, oldest first
         self._watches: dict[Outbox, set[str]] = {}  # session outbox -> the key prefixes it watches
-        self._backlogs = Backlogs(limits.backlog_bytes)
+        self.backlogs = Backlogs(limits.backlog_bytes)
+        """What every session and job watch leaves unread, bounded together (``--max-backlog-bytes``)."""
         self._watch_bytes = 0  # of every prefix watched, as --max-watch-bytes counts them
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
@@ -98,7 +99,7 @@ class Sessions:
         queue = Outbox(limits.session_backlog_bytes, lambda waiting: _Evicted(InvalidArgument(
             f"this session left {waiting} bytes of events unread: expected at most {limits.session_backlog_bytes} "
             f"(the coordinator's {FLAGS['session_backlog_bytes']}); attach again and re-read watched keys")),
-            self._backlogs, lambda waiting: _Evicted(ResourceExhausted(
+            self.backlogs, lambda waiting: _Evicted(ResourceExhausted(
                 f"this session left {waiting} bytes of events unread, the most of any session, while all sessions "
                 f"together passed the coordinator's {FLAGS['backlog_bytes']} of {limits.backlog_bytes} bytes; attach "
                 "again and re-read watched keys")))
@@ -130,7 +131,7 @@ class Sessions:
                     await context.write(item)
         finally:
             reader.cancel()
-            self._backlogs.remove(queue)
+            self.backlogs.remove(queue)
             self._unwatch(queue)
             held = self._open.get(uid, {})
             held.pop(queue, None)

@@ -385,6 +385,20 @@ def test_session_streams_that_never_open_are_ended(start_coordinator):
 
 # 8. Idle and silent connections are closed and capped; a real process gets in.
 
+def test_by_default_connections_are_capped_at_what_the_job_uses(start_coordinator):
+    coordinator = start_coordinator(num_processes=2)  # a process and an agent each, and 128: 132
+    before = Resources(coordinator.pid)
+    host, port = coordinator.address.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(300)]
+    try:
+        time.sleep(1)  # the coordinator accepts what it accepts
+        _, descriptors = before.grown()
+        assert descriptors <= 132 + 8, f"{descriptors} connections held by a 2-process job's coordinator"
+    finally:
+        for sock in silent:
+            sock.close()
+
+
 def test_idle_and_silent_connections_are_closed_and_capped(start_coordinator):
     coordinator = start_coordinator("--max-connection-idle", "1", "--max-connections", "64", num_processes=1)
     before = Resources(coordinator.pid)
