@@ -87,9 +87,16 @@ class Process:
     process_id: int
     hostname: str
     address: str = ""
+    network: tuple[str, ...] = ()
+    """Where its host sits in the network, root (spine) to leaf (rack), the host not included (``ifrt.network``);
+    empty where nothing said."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "network", tuple(self.network))
 
     def to_dict(self) -> dict:
-        return {"process_id": self.process_id, "hostname": self.hostname, "address": self.address}
+        return {"process_id": self.process_id, "hostname": self.hostname, "address": self.address,
+                "network": list(self.network)}
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ def test_dict_has_the_documented_fields():
     assert {"process_id", "num_processes", "generation", "fingerprint", "devices", "processes"} <= set(d)
     assert set(d["devices"][0]) == {"id", "process_id", "local_id", "platform", "kind", "slice_index", "attributes",
                                     "plugin", "coordinates"}
-    assert set(d["processes"][0]) == {"process_id", "hostname", "address"}
+    assert set(d["processes"][0]) == {"process_id", "hostname", "address", "network"}
 
 
 def test_edited_dict_no_longer_matches_its_fingerprint():
