@@ -20,16 +20,13 @@ from coordinator.outbox import Backlogs, Outbox
 from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, ResourceExhausted
+from ifrt.protocol import NO_HEARTBEATS_MS
 
 log = logging.getLogger("ifrt.coordinator")
 
 _END = object()
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 """A Heartbeat message: accepted and ignored (the connection's keepalive pings carry liveness; it decides nothing)."""
-NO_HEARTBEATS_MS = 3_600_000
-"""What ``Attached.heartbeat_interval_ms`` says: the coordinator needs no Heartbeat messages. A client that reads the
-field (ifrt's own did until liveness moved to keepalive pings) then sends one an hour; 0 would read as "without
-pause" to it."""
 
 
 class _Number:

@@ -1,8 +1,9 @@
 """The live session of a discovered process: cluster events in, key watches out, reconnecting until closed.
 
 Liveness rides on the session's connection: the coordinator and this process ping each other (gRPC keepalive,
-``ClientConfig.channel_options``), and a connection that drops ends the session. The session sends no Heartbeat
-messages: while it is open, the coordinator does not count a process silent, whatever it sends.
+``ClientConfig.channel_options``), and a connection that drops ends the session. The session also sends a small
+Heartbeat as often as the coordinator's ``attached`` answer asks (a few times per heartbeat timeout), so that a
+process that stops answering (hung, stopped) shows as slow well before its connection is dropped.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from ifrt.events import (
     ProcessRestarted,
     TopologyChanged,
 )
+from ifrt.protocol import NO_HEARTBEATS_MS
 from ifrt.settings import session_gate
 from ifrt.topology import Topology
 
 log = logging.getLogger("ifrt.client")
+HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat())
 
 
 class SessionOwner(Protocol):
@@ -75,6 +78,7 @@ class Session:
         self._prefixes: set[str] = set()  # key prefixes watched, sent again on every new stream
         self._acks: dict[str, threading.Event] = {}  # prefix -> set once the coordinator watches it for us
         self._outbox: queue.Queue | None = None  # messages for the current stream (key watches)
+        self._heartbeat_s: float | None = None  # how often the coordinator asks for a Heartbeat (None: never)
         self.position = owner.topology_position
         """The number of the last job event received (at first, that of the held topology's publication)."""
         self._gate = session_gate()
@@ -146,7 +150,10 @@ class Session:
         for prefix in prefixes:
             yield pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix))
         while not stream_done.is_set() and not self._closed.is_set():
-            message = outbox.get()  # None: the stream ended or the session closes
+            try:  # None: the stream ended or the session closes
+                message = outbox.get(timeout=self._heartbeat_s)
+            except queue.Empty:
+                message = HEARTBEAT
             if message is None or stream_done.is_set() or self._closed.is_set():
                 return
             yield message
@@ -158,6 +165,8 @@ class Session:
                 return
             self.position = number
         if kind == "attached":
+            interval_ms = event.attached.heartbeat_interval_ms
+            self._heartbeat_s = interval_ms / 1000 if 0 < interval_ms < NO_HEARTBEATS_MS else None
             self.attached.set()
             self._connection.answered(target)
             if self._lost:
