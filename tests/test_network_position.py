@@ -207,3 +207,19 @@ def test_a_bad_source_stops_the_process_by_name_before_it_registers(start_coordi
     assert code == 1 and said in err, err
     status = status_json(coordinator.address)
     assert status["registered"] == 0 and status["processes"] == []
+
+
+def test_ifrt_discovers_table_names_each_processes_domain():
+    from ifrt import render
+    from ifrt.records import Device, Process, TopologyContent
+
+    processes = (Process(0, "node1", "", ("spine1", "block2", "rack7")), Process(1, "node2", "", ()))
+    devices = (Device(0, 0, 0, "cpu", "cpu"), Device(1 << 17, 1, 0, "cpu", "cpu"))
+    table = render.table(Topology(wire.encode(TopologyContent("", 1, 2, processes, devices)), 0)).splitlines()
+    assert table[0].split() == ["process", "host", "network", "global", "id", "local", "id", "platform", "kind",
+                                "slice"]
+    assert table[2].split()[:3] == ["0", "node1", "spine1/block2/rack7"]
+    assert table[3].split()[:3] == ["1", "node2", "-"]
+    without = (Process(0, "node1"),)
+    plain = render.table(Topology(wire.encode(TopologyContent("", 1, 1, without, devices[:1])), 0))
+    assert "network" not in plain
