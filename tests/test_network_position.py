@@ -223,3 +223,20 @@ def test_ifrt_discovers_table_names_each_processes_domain():
     without = (Process(0, "node1"),)
     plain = render.table(Topology(wire.encode(TopologyContent("", 1, 1, without, devices[:1])), 0))
     assert "network" not in plain
+
+
+def test_the_network_option_of_client_orders_ids_before_the_local_rank(start_coordinator):
+    import ifrt
+    from tests.helpers import together
+
+    coordinator = start_coordinator(num_processes=2)
+    options = [{"local_rank": 0, "network": ["spine1", "rack10"]}, {"local_rank": 1, "network": "spine1,rack9"}]
+
+    def discover(o: dict) -> Topology:
+        with ifrt.Client(coordinator.address, timeout=60, **o) as client:
+            return client.discover()
+
+    first, second = together(options, discover)
+    assert (first.process_id, second.process_id) == (1, 0)  # rack9 before rack10, whatever the local ranks say
+    assert [p.network for p in first.processes] == [("spine1", "rack9"), ("spine1", "rack10")]
+    assert first.canonical_bytes == second.canonical_bytes
