@@ -231,7 +231,7 @@ class Admission:
         trusted = Device.trusted
         for pid in sorted(members):  # by process id, and each registration's devices by local id: sorted by id
             r = members[pid]
-            processes.append(Process(pid, r.hostname, r.address))
+            processes.append(Process(pid, r.hostname, r.address, r.network))
             first = pid << LOCAL_ID_BITS
             devices.extend(trusted(first | d.local_id, pid, d.local_id, d.platform, d.kind,
                                    slice_index[d.slice_key], d.attributes, r.plugin, d.coordinates)

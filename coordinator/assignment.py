@@ -6,6 +6,7 @@ import ipaddress
 from collections.abc import Iterable
 
 from coordinator.registration import Registration
+from ifrt.network import natural_key, path_key
 
 
 def assign_process_ids(registrations: Iterable[Registration]) -> dict[str, int]:
@@ -18,11 +19,17 @@ def assign_process_ids(registrations: Iterable[Registration]) -> dict[str, int]:
 
 
 def assignment_order(r: Registration) -> tuple:
-    """Hostname, then host address as an address (10.0.0.2 before 10.0.0.10; IPv4 before IPv6), then local rank.
+    """Network path (level by level, ``ifrt.network.path_key``; no position first, as XLA sorts an empty path), then
+    slice (its first device's slice key: a process's devices share one in every plugin that names one), then
+    hostname, then host address as an address (10.0.0.2 before 10.0.0.10; IPv4 before IPv6), then local rank; every
+    name compared naturally (``node2`` before ``node10``), so consecutive ids share the smallest domain.
 
-    Total on admitted registrations: two with the same stable key are refused before ids are assigned.
+    Total on admitted registrations: two with the same stable key are refused before ids are assigned, and the
+    hostname's text breaks ties between names equal as numbers (``n01``, ``n1``).
     """
-    return r.hostname, address_order(r.host_address), r.local_rank
+    slice_key = r.devices[0].slice_key if r.devices else ""
+    return (path_key(r.network), natural_key(slice_key), natural_key(r.hostname), address_order(r.host_address),
+            r.local_rank)
 
 
 def address_order(address: str) -> tuple[int, int, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
@@ -11,6 +12,7 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
 from ifrt.hostport import check_address
 from ifrt.ids import MAX_LOCAL_DEVICES
+from ifrt.network import MAX_LEVELS, check_path
 from ifrt.records import LocalDevice
 
 MAX_CLIENT_UID = 128
@@ -38,6 +40,8 @@ class Registration:
     the same secret. Empty when the client sent none (then its client uid alone identifies it)."""
     attempt: int | None = None
     """The job attempt the process belongs to (None: it did not say)."""
+    network: tuple[str, ...] = ()
+    """Where its host sits in the network, root to leaf (``ifrt.network``; empty: no position)."""
     request: bytes = field(default=b"", compare=False, repr=False)
     """The RegisterRequest as received (empty when built otherwise): what the journal keeps of it."""
 
@@ -174,21 +178,33 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
     if request.local_rank < 0:
         raise InvalidArgument(f"local rank {request.local_rank} is negative: expected >= 0")
     devices = _devices(request, limits)
+    hostname = _text(request.hostname, "hostname", limits.string_bytes, required=True)
+    network = _network(request.network, f"the network path of {hostname}") if request.network else ()
     return Registration(
         client_uid=request.client_uid,
         cluster_id=_text(request.cluster_id, "cluster_id", limits.string_bytes),
         num_processes=request.num_processes,
         process_id=request.process_id if request.HasField("process_id") else None,
-        hostname=_text(request.hostname, "hostname", limits.string_bytes, required=True),
+        hostname=hostname,
         host_address=host_address,
         local_rank=request.local_rank,
         address=_endpoint(_text(request.address, "address", limits.string_bytes), replayed),
         devices=devices,
         plugin=_text(request.plugin, "plugin", limits.string_bytes),
         attempt=request.attempt if request.HasField("attempt") else None,
+        network=network,
         secret_hash=secret_hash,
         request=raw,
     )
+
+
+def _network(levels: Sequence[str], where: str) -> tuple[str, ...]:
+    """The network path a process registers (``ifrt.network.check_path``); too many levels are refused before
+    their names are shown, which could be any size."""
+    if len(levels) > MAX_LEVELS:
+        raise InvalidArgument(f"{where} has {len(levels)} levels: expected at most {MAX_LEVELS}, from the root "
+                              "(spine) to the rack")
+    return check_path(levels, where)
 
 
 def _endpoint(address: str, replayed: bool) -> str:
@@ -212,6 +228,7 @@ def to_request(r: Registration) -> bytes:
         request.process_id = r.process_id
     if r.attempt is not None:
         request.attempt = r.attempt
+    request.network.extend(r.network)
     for d in r.devices:
         wire.add_local_device(request, d)
     return request.SerializeToString()

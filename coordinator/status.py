@@ -32,6 +32,8 @@ class ProcessReport:
     heartbeat_age_s: float
     """Since the process was last heard from; 0 while a call of it is in flight."""
     attached: bool
+    network: tuple[str, ...] = ()
+    """Where its host sits in the network, root to leaf (empty: no position)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def _process(p: ProcessReport) -> pb.ProcessStatus:
     message = pb.ProcessStatus(hostname=p.hostname, host_address=p.host_address, local_rank=p.local_rank,
                                address=p.address, devices=p.devices, phase=_PROCESS_PHASES[p.phase],
                                reason=p.reason, incarnation=p.incarnation, heartbeat_age_seconds=p.heartbeat_age_s,
-                               attached=p.attached)
+                               attached=p.attached, network=p.network)
     if p.process_id is not None:
         message.process_id = p.process_id
     return message

@@ -153,6 +153,13 @@ def _env(as_json: bool) -> int:
     _print_unknown(unknown)
     _print_launchers(launchers)
     for field, value in shown.items():
+        if field == "network_source":
+            continue
+        if field == "network":
+            value = (f"{'/'.join(settings.network)} (from {settings.network_source})" if settings.network else
+                     "(none: ids follow hostnames; set IFRT_NETWORK_NODES or IFRT_NODE_LABELS_FILE, see "
+                     "docs/discovery.md)")
+            value = safe(value)
         if field == "cluster_id" and not value:
             value = "(not set: joins the cluster the coordinator serves, 'default' unless its --cluster-id says)"
         print(f"{field}: {value}")

@@ -186,6 +186,7 @@ class Client:
             request.process_id = s.process_id
         if s.attempt is not None:
             request.attempt = s.attempt
+        request.network.extend(s.network)
         try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
             plugin.configure_process(s.local_rank, s.local_world_size)
             devices = list(plugin.local_devices(s.local_device_ids))

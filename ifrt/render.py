@@ -8,12 +8,16 @@ from ifrt.topology import Topology
 
 
 def table(topology: Topology) -> str:
-    """One row per device: process, host, global id, local id, platform, kind, slice."""
+    """One row per device: process, host, its network domain (a column only where some process has a position:
+    the path joined, ``spine1/block2/rack7``), global id, local id, platform, kind, slice."""
     hosts = {p.process_id: safe(p.hostname) for p in topology.processes}
-    header = ("process", "host", "global id", "local id", "platform", "kind", "slice")
+    networked = any(p.network for p in topology.processes)
+    domains = {p.process_id: safe("/".join(p.network)) or "-" for p in topology.processes}
+    header = ("process", "host", *(("network",) if networked else ()), "global id", "local id", "platform", "kind",
+              "slice")
     rows = [header] + [
-        (str(d.process_id), hosts[d.process_id], str(d.id), str(d.local_id), safe(d.platform), safe(d.kind),
-         str(d.slice_index))
+        (str(d.process_id), hosts[d.process_id], *((domains[d.process_id],) if networked else ()), str(d.id),
+         str(d.local_id), safe(d.platform), safe(d.kind), str(d.slice_index))
         for d in topology.devices
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

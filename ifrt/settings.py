@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypedDict, Unpack
 
-from ifrt import clusters
+from ifrt import clusters, network_sources
 from ifrt.errors import InvalidArgument
 from ifrt.hostport import split_host_port
 from ifrt.protocol import read_secret_file
@@ -42,6 +42,8 @@ PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy")
 """What gRPC reads to route a channel through a proxy (ifrt's channels ignore them unless IFRT_USE_PROXY=1)."""
 PREFLIGHT_ENV = "IFRT_PREFLIGHT"  # "1": discover() runs the pre-flight before it returns
 PREFLIGHT_TIMEOUT_ENV = "IFRT_PREFLIGHT_TIMEOUT"  # "60": seconds the whole check may take under IFRT_PREFLIGHT=1
+NETWORK_NODES_ENV = network_sources.NETWORK_NODES_ENV  # "spine1,block2,rack7": this host's network position
+NODE_LABELS_FILE_ENV = network_sources.NODE_LABELS_FILE_ENV  # "/etc/ifrt/node-labels": the node's labels, key=value
 FAILOVER_WINDOW_ENV = "IFRT_FAILOVER_WINDOW"  # "30": seconds a started runtime waits for a coordinator to answer
 SESSION_GATE_ENV = "IFRT_TEST_SESSION_GATE"
 """For tests: the path of a file; while it does not exist, the session does not open (nor reopen), so a test can make
@@ -62,6 +64,8 @@ class DiscoverOptions(TypedDict, total=False):
     - ``local_device_ids``: which of the plugin's devices this process owns (default: all it lists)
     - ``timeout``: seconds to wait for every process to register (default ``DISCOVER_TIMEOUT_S``, 300)
     - ``token``: the cluster's shared secret (else ``IFRT_TOKEN_FILE``, then ``IFRT_TOKEN``)
+    - ``network``: where this host sits in the network, root (spine) to leaf (rack), as names or one comma-separated
+      string (else ``IFRT_NETWORK_NODES``, XLA's, Slurm's or the node's labels: ``ifrt.network_sources``)
     """
 
     process_id: int | None
@@ -70,6 +74,7 @@ class DiscoverOptions(TypedDict, total=False):
     local_device_ids: Sequence[int] | None
     timeout: float
     token: str | None
+    network: Sequence[str] | str | None
 
 
 class ProcessOptions(DiscoverOptions, total=False):
@@ -122,6 +127,10 @@ class Settings:
     """Whether the coordinator is dialled through the proxy the environment names (by default: directly)."""
     slice_index: int | None = None
     """The slice the launcher placed this host in (TPU multislice); the slice key of devices whose plugin gives none."""
+    network: tuple[str, ...] = ()
+    """Where this host sits in the network, root to leaf (empty: no source gave a position)."""
+    network_source: str = ""
+    """Where ``network`` came from (``IFRT_NETWORK_NODES``, ...; empty where nothing did)."""
 
     @property
     def tls(self) -> bool:
@@ -208,6 +217,7 @@ def resolve(coordinator: str | Sequence[str] | None = None, **options: Unpack[Pr
     if bool(tls["tls_cert"]) != bool(tls["tls_key"]):
         raise InvalidArgument(f"a client certificate needs its key and a key its certificate: set both {TLS_CERT_ENV} "
                               f"and {TLS_KEY_ENV}, or neither")
+    position = network_position(options.get("network"), env)
     return Settings(
         coordinators=coordinators,
         process_id=pid,
@@ -227,7 +237,26 @@ def resolve(coordinator: str | Sequence[str] | None = None, **options: Unpack[Pr
         preemption_signals=_signals(options.get("preemption_signals"), env),
         use_proxy=_use_proxy(options.get("use_proxy"), env),
         slice_index=None if launcher is None else launcher.slice_index,
+        network=position.path,
+        network_source=position.source,
     )
+
+
+def network_position(given: Sequence[str] | str | None = None,
+                     environ: Mapping[str, str] | None = None) -> network_sources.Position:
+    """This host's network position and its source (``ifrt.network_sources.choose``), reading the labels file
+    ``IFRT_NODE_LABELS_FILE`` names; InvalidArgument naming the path if it cannot be read."""
+    env = os.environ if environ is None else environ
+    path = env.get(NODE_LABELS_FILE_ENV, "").strip()
+    text = None
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidArgument(f"{NODE_LABELS_FILE_ENV}={path!r} cannot be read ({e.strerror or e}): expected a "
+                                  "file of the node's labels, one key=value a line") from None
+    return network_sources.choose(given, env, text)
 
 
 def parse_signal(value: int | str, origin: str) -> signal.Signals:

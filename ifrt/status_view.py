@@ -55,6 +55,7 @@ def _process(p: pb.ProcessStatus) -> dict[str, Any]:
         "incarnation": p.incarnation,
         "heartbeat_age_s": round(p.heartbeat_age_seconds, 3),
         "attached": p.attached,
+        "network": list(p.network),
     }
 
 
@@ -102,19 +103,28 @@ def _shown(value: Any) -> Any:
     return value
 
 
+def domain(path: Any) -> str:
+    """A network path as one name, root first: ``spine1/block2/rack7`` ("" for none)."""
+    return "/".join(path)
+
+
 def _where(p: dict[str, Any]) -> str:
     return f"{p['host']} ({p['host_address']})" if p["host_address"] else p["host"]
 
 
 def _table(processes: list[dict[str, Any]]) -> str:
-    """One row per process: id, host, local rank, devices, state, incarnation, heartbeat age, session, reason."""
-    header = ("process", "host", "rank", "devices", "state", "incarnation", "heartbeat age", "session", "reason")
+    """One row per process: id, host, its network domain (a column only where some process has one), local rank,
+    devices, state, incarnation, heartbeat age, session, reason."""
+    networked = any(p.get("network") for p in processes)
+    header = ("process", "host", *(("network",) if networked else ()), "rank", "devices", "state", "incarnation",
+              "heartbeat age", "session", "reason")
     rows = [header] + [(
-        "-" if p["process_id"] is None else str(p["process_id"]), _where(p), str(p["local_rank"]), str(p["devices"]),
+        "-" if p["process_id"] is None else str(p["process_id"]), _where(p),
+        *((domain(p.get("network", ())) or "-",) if networked else ()), str(p["local_rank"]), str(p["devices"]),
         p["state"], str(p["incarnation"]), f"{p['heartbeat_age_s']:.1f}s", "open" if p["attached"] else "-",
         p["reason"]) for p in processes]
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    right = {0, 2, 3, 5, 6}
+    right = {0, 3, 4, 6, 7} if networked else {0, 2, 3, 5, 6}
     lines = ["  ".join(cell.rjust(w) if c in right else cell.ljust(w)
                        for c, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

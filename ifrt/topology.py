@@ -150,7 +150,8 @@ class Topology:
                 cluster_id=str(d.get("cluster_id", "")),
                 generation=int(d["generation"]),
                 num_processes=int(d["num_processes"]),
-                processes=tuple(Process(int(p["process_id"]), str(p["hostname"]), str(p.get("address", "")))
+                processes=tuple(Process(int(p["process_id"]), str(p["hostname"]), str(p.get("address", "")),
+                                        tuple(str(level) for level in p.get("network", ())))
                                 for p in d["processes"]),
                 devices=tuple(Device(int(x["id"]), int(x["process_id"]), int(x["local_id"]), str(x["platform"]),
                                      str(x["kind"]), int(x.get("slice_index", 0)), dict(x.get("attributes", {})),

@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import TopologyError
 from ifrt.ids import LOCAL_ID_BITS, MAX_LOCAL_DEVICES, MAX_PROCESSES_INT64
+from ifrt.network import MAX_LEVELS
 from ifrt.records import Device, LocalDevice, Process, TopologyContent
 
 FRONT_CODING_WIDTH = 64
@@ -148,8 +149,25 @@ def _encode(content: TopologyContent) -> bytes:
     key_indices = table.column(keys).tolist()
     for key, key_index in zip(keys, key_indices, strict=True):
         _put(columns.attributes.add(key=key_index).values, table.column([m.get(key) for m in attributes]) + 1)
+    _put_network(message.processes, table, processes)
     message.strings.extend(table.strings)
     return message.SerializeToString(deterministic=True)
+
+
+def _put_network(columns: pb.ProcessColumns, table: _StringTable, processes: Sequence[Process]) -> None:
+    """Each process's network path: its depth, then its levels as string indices (tabled after every other string,
+    so a topology without positions has the bytes it had before they existed); nothing when no process has one."""
+    depths = _ints(map(len, map(attrgetter("network"), processes)), len(processes))
+    if not depths.any():
+        return
+    if depths.max() > MAX_LEVELS:
+        raise TopologyError(f"a process has a network path of {int(depths.max())} levels: expected at most "
+                            f"{MAX_LEVELS}")
+    levels = table.column([level for p in processes for level in p.network])
+    if not levels.all():  # index 0 is ""
+        raise TopologyError("a process's network path has an empty level: expected a name at every level")
+    _put(columns.network_depths, depths)
+    _put(columns.network_levels, levels)
 
 
 def _ints(values: Iterable[int], count: int) -> np.ndarray:
@@ -292,7 +310,8 @@ def _decode(message: pb.Topology) -> TopologyContent:
     plugins = _indices(columns.plugins, count, "plugins", len(strings))
     ranks = _indices(columns.coordinate_ranks, count, "coordinate_ranks", len(message.devices.coordinates) + 1)
     pid_list = pids.tolist()
-    processes = tuple(Process(*p) for p in zip(pid_list, hostnames, addresses, strict=True))
+    networks = _networks(columns, count, strings)
+    processes = tuple(Process(*p) for p in zip(pid_list, hostnames, addresses, networks, strict=True))
 
     columns = message.devices
     n = int(counts.sum())
@@ -319,6 +338,22 @@ def _decode(message: pb.Topology) -> TopologyContent:
                                                         platforms.tolist(), kinds.tolist(), slices.tolist(), attributes,
                                                         device_plugins.tolist(), coordinates, strict=True)]
     return TopologyContent(message.cluster_id, message.generation, message.num_processes, processes, tuple(devices))
+
+
+def _networks(columns: pb.ProcessColumns, count: int, strings: list[str]) -> list[tuple[str, ...]]:
+    """Each process's network path (all empty when the topology carries none); a level is never the empty string."""
+    if not columns.network_depths.deltas:
+        if columns.network_levels.deltas:
+            raise ValueError("network_levels holds levels but network_depths is empty")
+        return [()] * count
+    depths = _indices(columns.network_depths, count, "network_depths", MAX_LEVELS + 1).tolist()
+    levels = [strings[i] for i in
+              _indices(columns.network_levels, sum(depths), "network_levels", len(strings), lowest=1).tolist()]
+    paths, start = [], 0
+    for depth in depths:
+        paths.append(tuple(levels[start:start + depth]))
+        start += depth
+    return paths
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from coordinator import journal
 from coordinator.assignment import assign_process_ids
 from coordinator.registration import Registration
+from ifrt.network import natural_key, path_key
 from ifrt.records import LocalDevice
 
 SEEDS = ("0", "1", "2", "3", "4", "5")
@@ -37,9 +39,10 @@ print(json.dumps(out))
 
 
 def registration(uid: str, *, host: str = "node", ip: str = "10.0.0.1", rank: int = 0,
-                 slices: tuple[str, ...] = ("",), pid: int | None = None) -> Registration:
+                 slices: tuple[str, ...] = ("",), pid: int | None = None,
+                 network: tuple[str, ...] = ()) -> Registration:
     devices = tuple(LocalDevice(i, "cpu", "cpu", slice_key=key) for i, key in enumerate(slices))
-    return Registration(uid, "", 0, pid, host, ip, rank, f"{host}:9000", devices, "cpu")
+    return Registration(uid, "", 0, pid, host, ip, rank, f"{host}:9000", devices, "cpu", network=network)
 
 
 def replayed_under_each_seed(scenarios: list[dict]) -> dict[str, list[str | None]]:
@@ -70,10 +73,13 @@ def test_slice_keys_equal_as_numbers_are_numbered_the_same_under_every_hash_seed
     assert by_key == {"slice-0001": 0, "slice-001": 1, "slice-01": 2, "slice-1": 3, "slice-2": 4, "slice-10": 5}
 
 
-hosts = st.sampled_from(["a", "b", "node", "node-10", "node-2"])
+hosts = st.sampled_from(["a", "b", "node", "node-10", "node-2", "node-02", "node10"])
 addresses = st.sampled_from(["10.0.0.2", "10.0.0.10", "10.0.0.9", "::1", "fe80::2", "192.168.1.1", "host.local"])
 slice_keys = st.sampled_from(["", "s", "slice-1", "slice-01", "slice-001", "slice-2", "slice-10", "x-1-2", "x-01-2"])
-processes = st.lists(st.tuples(hosts, addresses, st.integers(0, 3), st.lists(slice_keys, min_size=1, max_size=3)),
+levels = st.sampled_from(["spine1", "spine10", "spine2", "rack1", "rack01", "rack9", "rack10", "b"])
+networks = st.lists(levels, max_size=3).map(tuple)
+processes = st.lists(st.tuples(hosts, addresses, st.integers(0, 3), st.lists(slice_keys, min_size=1, max_size=3),
+                               networks),
                      min_size=1, max_size=8, unique_by=lambda p: (p[0], p[1], p[2]))
 
 
@@ -82,8 +88,8 @@ processes = st.lists(st.tuples(hosts, addresses, st.integers(0, 3), st.lists(sli
 def test_any_journal_replays_to_the_same_bytes_under_every_hash_seed(cases):
     scenarios = []
     for spec, rnd in cases:
-        regs = [registration(f"u{i}", host=h, ip=ip, rank=rank, slices=tuple(keys))
-                for i, (h, ip, rank, keys) in enumerate(spec)]
+        regs = [registration(f"u{i}", host=h, ip=ip, rank=rank, slices=tuple(keys), network=network)
+                for i, (h, ip, rank, keys, network) in enumerate(spec)]
         rnd.shuffle(regs)  # arrival order is part of the events, and must not matter either
         scenarios.append({"n": len(regs), "journal": journal_of(regs)})
     results = replayed_under_each_seed(scenarios)
@@ -102,3 +108,34 @@ def test_assigned_ids_sort_host_addresses_as_addresses():
 def test_hostname_still_comes_before_the_address():
     regs = [registration("u1", host="b", ip="10.0.0.1"), registration("u2", host="a", ip="10.0.0.9")]
     assert assign_process_ids(regs) == {"u2": 0, "u1": 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(processes, st.randoms(use_true_random=False))
+def test_assigned_ids_follow_the_network_then_slice_then_natural_hostname_in_any_arrival_order(spec, rnd):
+    regs = [registration(f"u{i}", host=h, ip=ip, rank=rank, slices=tuple(keys), network=network)
+            for i, (h, ip, rank, keys, network) in enumerate(spec)]
+    ids = assign_process_ids(regs)
+    shuffled = regs[:]
+    rnd.shuffle(shuffled)
+    assert assign_process_ids(shuffled) == ids
+    ordered = sorted(regs, key=lambda r: ids[r.client_uid])
+    assert sorted(ids.values()) == list(range(len(regs)))
+    for a, b in pairwise(ordered):  # each neighbour pair in order: network first, then slice, then host
+        assert path_key(a.network) <= path_key(b.network)
+        if a.network == b.network:
+            assert natural_key(a.devices[0].slice_key) <= natural_key(b.devices[0].slice_key)
+            if a.devices[0].slice_key == b.devices[0].slice_key:
+                assert natural_key(a.hostname) <= natural_key(b.hostname)
+
+
+def test_consecutive_ids_share_the_smallest_domain():
+    racks = {("s1", "rack10"): ["n1", "n2"], ("s1", "rack2"): ["n3", "n4"], ("s2", "rack1"): ["n5"], (): ["n6"]}
+    regs = [registration(f"u-{h}", host=h, network=path) for path, names in racks.items() for h in names]
+    ids = assign_process_ids(regs)
+    assert sorted(ids, key=ids.get) == ["u-n6", "u-n3", "u-n4", "u-n1", "u-n2", "u-n5"]
+
+
+def test_explicit_ids_are_kept_whatever_the_network():
+    regs = [registration("u1", host="a", pid=0, network=("s2",)), registration("u2", host="b", pid=1, network=("s1",))]
+    assert assign_process_ids(regs) == {"u1": 0, "u2": 1}

@@ -4,10 +4,14 @@ settings: the right process id, count and coordinator come out."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import re
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import jsonschema
 import kubernetes_validate
@@ -23,7 +27,7 @@ from tests.jobset_schema import JOBSET_V1ALPHA2
 DEPLOY = Path(__file__).parents[1] / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.37.0"  # the newest whose schemas kubernetes-validate ships
 BUILTIN = [DEPLOY / "job-config.yaml", DEPLOY / "etcd.yaml", DEPLOY / "coordinator.yaml",
-           DEPLOY / "workers" / "indexed-job.yaml"]
+           DEPLOY / "workers" / "indexed-job.yaml", DEPLOY / "workers" / "node-labels.yaml"]
 TOKEN = "s3cret-token-of-the-job"
 
 
@@ -193,12 +197,31 @@ def kubernetes_pod_env(index: int, hostname: str) -> dict[str, str]:
             "KUBERNETES_SERVICE_PORT": "443", "PATH": "/opt/ifrt/bin:/usr/bin:/bin"}
 
 
-def indexed_job_pods(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
+AWS = "topology.k8s.aws/network-node-layer-"
+
+
+def node_labels_written(pod_spec: dict, tmp_path: Path, labels: str) -> dict[str, Path]:
+    """The emptyDir the init container writes the node's labels into, as a local folder holding ``labels`` in the
+    file its command names; checked to be the volume the worker mounts."""
+    [init] = pod_spec["initContainers"]
+    [mount] = init["volumeMounts"]
+    [volume] = [v for v in pod_spec["volumes"] if v["name"] == mount["name"]]
+    assert volume == {"name": mount["name"], "emptyDir": {}}
+    out = init["command"][-1]
+    assert out.startswith(mount["mountPath"] + "/")
+    folder = tmp_path / mount["name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / out[len(mount["mountPath"]) + 1:]).write_text(labels)
+    return {mount["mountPath"]: folder}
+
+
+def indexed_job_pods(tmp_path: Path, labels: str = "") -> Iterator[tuple[int, dict[str, str]]]:
     job = find(DEPLOY / "workers" / "indexed-job.yaml", "Job")
     pod_spec = job["spec"]["template"]["spec"]
     [container] = pod_spec["containers"]
-    mounts = mounted_secret(pod_spec, container, tmp_path)
     for index in range(job["spec"]["completions"]):
+        mounts = mounted_secret(pod_spec, container, tmp_path) | node_labels_written(
+            pod_spec, tmp_path / str(index), labels.format(index=index))
         env = render_env(container, {"batch.kubernetes.io/job-completion-index": str(index)}, mounts)
         yield index, env | kubernetes_pod_env(index, f"ifrt-workers-{index}")
 
@@ -206,9 +229,11 @@ def indexed_job_pods(tmp_path: Path) -> Iterator[tuple[int, dict[str, str]]]:
 def test_an_indexed_job_pod_gets_its_index_the_count_and_every_replica(tmp_path, monkeypatch):
     monkeypatch.setattr("ifrt.clusters.kubernetes.socket.getfqdn", lambda: "ifrt-workers-0.ifrt-workers.ns.svc")
     seen = []
-    for index, env in indexed_job_pods(tmp_path):
+    for index, env in indexed_job_pods(tmp_path, f"kubernetes.io/hostname=node{{index}}\n{AWS}1=nn-a\n"
+                                                 f"{AWS}2=nn-b{{index}}\n"):
         settings = resolve(environ=env)
         seen.append((index, settings.process_id))
+        assert settings.network == ("nn-a", f"nn-b{index}")  # from the labels file the init container wrote
         assert settings.launcher == "kubernetes"
         assert settings.num_processes == int(config()["IFRT_NUM_PROCESSES"]) == 4
         assert settings.coordinators == ("ifrt-coordinator-0.ifrt-coordinator:8476",
@@ -274,3 +299,82 @@ def test_a_jobset_pod_whose_count_contradicts_the_configmap_is_refused(tmp_path)
     with pytest.raises(Exception, match="IFRT_NUM_PROCESSES=6 contradicts the jobset environment's "
                                         "JOBSET_GLOBAL_REPLICAS='2' x JOBSET_PODS_PER_JOB='2'"):
         resolve(environ=env | {"IFRT_NUM_PROCESSES": "6"})
+
+
+# --- the node's labels, for where the host sits in the network --------------------------------------------------------
+
+
+def test_the_init_container_may_get_its_node_and_nothing_else():
+    path = DEPLOY / "workers" / "node-labels.yaml"
+    account, role, binding = (find(path, kind) for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding"))
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+    pod_spec = find(DEPLOY / "workers" / "indexed-job.yaml", "Job")["spec"]["template"]["spec"]
+    assert pod_spec["serviceAccountName"] == account["metadata"]["name"]
+    [init] = pod_spec["initContainers"]
+    assert init["command"][:3] == ["python", "-m", "ifrt.node_labels"]
+    assert init["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    [worker] = pod_spec["containers"]
+    [labels_file] = [v["value"] for v in worker["env"] if v["name"] == "IFRT_NODE_LABELS_FILE"]
+    assert labels_file == init["command"][-1]
+    [mount] = [m for m in worker["volumeMounts"] if m["name"] == init["volumeMounts"][0]["name"]]
+    assert labels_file.startswith(mount["mountPath"] + "/") and mount["readOnly"] is True
+
+
+class NodeAPI(http.server.BaseHTTPRequestHandler):
+    """The API server's answer to GET /api/v1/nodes/<name> for one node, with a Node object of the real shape, to
+    the bearer token of the pod's service account only."""
+
+    node: ClassVar[dict] = {"kind": "Node", "apiVersion": "v1", "metadata": {"name": "node-a", "labels": {
+        "kubernetes.io/hostname": "node-a", "network.topology.nvidia.com/core": "core1",
+        "network.topology.nvidia.com/spine": "spine3", "network.topology.nvidia.com/leaf": "leaf12",
+        "network.topology.nvidia.com/accelerator": "nvl72-4", "nvidia.com/gpu.clique": "7f3a.1"}}}
+
+    def do_GET(self) -> None:
+        if self.headers.get("Authorization") != "Bearer pod-token":
+            self.send_error(401)
+        elif self.path != "/api/v1/nodes/node-a":
+            self.send_error(404)
+        else:
+            body = json.dumps(self.node).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_labels_the_init_container_writes_give_the_worker_its_network_position(tmp_path):
+    from ifrt import node_labels
+
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("pod-token\n")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NodeAPI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        pod_spec = find(DEPLOY / "workers" / "indexed-job.yaml", "Job")["spec"]["template"]["spec"]
+        [init] = pod_spec["initContainers"]
+        [mount] = init["volumeMounts"]
+        out = tmp_path / "node" / init["command"][-1][len(mount["mountPath"]) + 1:]
+        out.parent.mkdir()
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert node_labels.main([str(out), base], {"NODE_NAME": "node-a"}, str(account)) == 0
+        assert "network.topology.nvidia.com/leaf=leaf12\n" in out.read_text()
+        # A node it may not read (or a wrong token) fails the init container, naming the node and what it needs.
+        assert node_labels.main([str(tmp_path / "other"), base], {"NODE_NAME": "node-b"}, str(account)) == 1
+        assert not (tmp_path / "other").exists()
+    finally:
+        server.shutdown()
+        server.server_close()
+    [worker] = pod_spec["containers"]
+    env = render_env(worker, {}, {mount["mountPath"]: out.parent} | mounted_secret(pod_spec, worker, tmp_path))
+    settings = resolve(environ=env | kubernetes_pod_env(0, "ifrt-workers-0"))
+    assert settings.network == ("core1", "spine3", "leaf12")
+    assert settings.network_source.endswith("(nvidia-topograph labels)")

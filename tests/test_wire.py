@@ -240,3 +240,43 @@ def test_a_registered_device_leaves_its_host_attributes_home_and_takes_the_defau
             for d in request.devices] == [(3, "gpu", "h100", "7", [1, 2], {"memory": "80"}),
                                           (4, "gpu", "h100", "nvl0", [], {})]
     assert b"GPU-5e1f" not in request.SerializeToString()
+
+
+def networked(paths: list[tuple[str, ...]]) -> TopologyContent:
+    processes = tuple(Process(i, f"node{i}", "", path) for i, path in enumerate(paths))
+    return TopologyContent("c", 1, len(paths), processes, ())
+
+
+def test_network_paths_round_trip_with_repeated_names_sent_once():
+    paths = [("spine1", "rack1")] * 3 + [("spine1", "rack2"), (), ("spine2",), ("spine1", "rack1", "half1")]
+    canonical = wire.encode(networked(paths))
+    assert [p.network for p in wire.decode(canonical).processes] == paths
+    message = pb.Topology.FromString(canonical)
+    assert [s for s in message.strings if s.startswith(("spine", "rack", "half"))] == [
+        "spine1", "rack1", "rack2", "spine2", "half1"]  # each name once in the string table
+
+
+def test_a_topology_without_positions_carries_no_network_columns():
+    message = pb.Topology.FromString(wire.encode(networked([(), ()])))
+    assert not message.processes.HasField("network_depths") and not message.processes.HasField("network_levels")
+
+
+@pytest.mark.parametrize(("edit", "error"), [
+    (lambda m: m.processes.network_depths.deltas.__setitem__(0, 9),
+     "network_depths holds 9..9: expected 0 <= value < 9"),
+    (lambda m: m.processes.network_levels.deltas.__setitem__(0, 0), "network_levels holds 0.."),
+    (lambda m: m.processes.network_levels.deltas.append(1), "network_levels has 2 runs of 2 entries"),
+    (lambda m: m.processes.ClearField("network_depths"), "network_levels holds levels but network_depths is empty"),
+])
+def test_malformed_network_columns_are_a_topology_error(edit, error):
+    message = pb.Topology.FromString(wire.encode(networked([("s1",), ("s2",)])))
+    edit(message)
+    with pytest.raises(TopologyError, match=re.escape(error)):
+        wire.decode(message.SerializeToString())
+
+
+def test_an_empty_level_or_too_deep_a_path_is_not_encoded():
+    with pytest.raises(TopologyError, match="empty level"):
+        wire.encode(networked([("s1", "")]))
+    with pytest.raises(TopologyError, match="9 levels"):
+        wire.encode(networked([tuple(f"l{i}" for i in range(9))]))

@@ -134,7 +134,7 @@ class LocalDevice(_message.Message):
     def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_key: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt")
+    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt", "network")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class RegisterRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     PLUGIN_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     num_processes: int
     process_id: int
@@ -157,7 +158,8 @@ class RegisterRequest(_message.Message):
     wait_ms: int
     plugin: str
     attempt: int
-    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    network: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("registered", "expected", "missing_process_ids", "registered_hosts", "waited_seconds")
@@ -208,7 +210,7 @@ class Topology(_message.Message):
     def __init__(self, cluster_id: _Optional[str] = ..., generation: _Optional[int] = ..., num_processes: _Optional[int] = ..., strings: _Optional[_Iterable[str]] = ..., processes: _Optional[_Union[ProcessColumns, _Mapping]] = ..., devices: _Optional[_Union[DeviceColumns, _Mapping]] = ...) -> None: ...
 
 class ProcessColumns(_message.Message):
-    __slots__ = ("process_ids", "hostname_shared", "hostname_suffixes", "address_shared", "address_suffixes", "device_counts", "plugins", "coordinate_ranks")
+    __slots__ = ("process_ids", "hostname_shared", "hostname_suffixes", "address_shared", "address_suffixes", "device_counts", "plugins", "coordinate_ranks", "network_depths", "network_levels")
     PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_SHARED_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_SUFFIXES_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,8 @@ class ProcessColumns(_message.Message):
     DEVICE_COUNTS_FIELD_NUMBER: _ClassVar[int]
     PLUGINS_FIELD_NUMBER: _ClassVar[int]
     COORDINATE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_LEVELS_FIELD_NUMBER: _ClassVar[int]
     process_ids: IntColumn
     hostname_shared: IntColumn
     hostname_suffixes: _containers.RepeatedScalarFieldContainer[str]
@@ -225,7 +229,9 @@ class ProcessColumns(_message.Message):
     device_counts: IntColumn
     plugins: IntColumn
     coordinate_ranks: IntColumn
-    def __init__(self, process_ids: _Optional[_Union[IntColumn, _Mapping]] = ..., hostname_shared: _Optional[_Union[IntColumn, _Mapping]] = ..., hostname_suffixes: _Optional[_Iterable[str]] = ..., address_shared: _Optional[_Union[IntColumn, _Mapping]] = ..., address_suffixes: _Optional[_Iterable[str]] = ..., device_counts: _Optional[_Union[IntColumn, _Mapping]] = ..., plugins: _Optional[_Union[IntColumn, _Mapping]] = ..., coordinate_ranks: _Optional[_Union[IntColumn, _Mapping]] = ...) -> None: ...
+    network_depths: IntColumn
+    network_levels: IntColumn
+    def __init__(self, process_ids: _Optional[_Union[IntColumn, _Mapping]] = ..., hostname_shared: _Optional[_Union[IntColumn, _Mapping]] = ..., hostname_suffixes: _Optional[_Iterable[str]] = ..., address_shared: _Optional[_Union[IntColumn, _Mapping]] = ..., address_suffixes: _Optional[_Iterable[str]] = ..., device_counts: _Optional[_Union[IntColumn, _Mapping]] = ..., plugins: _Optional[_Union[IntColumn, _Mapping]] = ..., coordinate_ranks: _Optional[_Union[IntColumn, _Mapping]] = ..., network_depths: _Optional[_Union[IntColumn, _Mapping]] = ..., network_levels: _Optional[_Union[IntColumn, _Mapping]] = ...) -> None: ...
 
 class DeviceColumns(_message.Message):
     __slots__ = ("local_ids", "platforms", "kinds", "slice_indices", "coordinates", "attributes")
@@ -582,7 +588,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ProcessStatus(_message.Message):
-    __slots__ = ("process_id", "hostname", "host_address", "local_rank", "address", "devices", "phase", "reason", "incarnation", "heartbeat_age_seconds", "attached")
+    __slots__ = ("process_id", "hostname", "host_address", "local_rank", "address", "devices", "phase", "reason", "incarnation", "heartbeat_age_seconds", "attached", "network")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -594,6 +600,7 @@ class ProcessStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
     process_id: int
     hostname: str
     host_address: str
@@ -605,7 +612,8 @@ class ProcessStatus(_message.Message):
     incarnation: int
     heartbeat_age_seconds: float
     attached: bool
-    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ...) -> None: ...
+    network: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt")
