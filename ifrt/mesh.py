@@ -18,12 +18,13 @@ Tile assignments come in two forms, as compilers and runtimes need them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
+from ifrt.network import natural_key, path_key
 from ifrt.records import Device
 
 
@@ -61,12 +62,20 @@ def denormalize(tile_assignment: np.ndarray, device_list: Sequence[int] | np.nda
     return devices[positions]
 
 
-def topology_order(devices: Iterable[Device], hostnames: dict[int, str] | None = None) -> list[Device]:
-    """Devices ordered so one process's (then one host's, one slice's) devices are adjacent, in ring order."""
+def topology_order(devices: Iterable[Device], hostnames: Mapping[int, str] | None = None,
+                   networks: Mapping[int, Sequence[str]] | None = None) -> list[Device]:
+    """Devices ordered so one process's (then one host's, one slice's, one rack's, one block's) devices are adjacent,
+    in ring order: by network path (level by level, ``ifrt.network.path_key``), slice, hostname in natural order
+    (``node2`` before ``node10``), process, then ring order over coordinates and local id. Process ids only break
+    ties: a launcher's explicit ids need not follow the network, the mesh still does."""
     hostnames = hostnames or {}
+    networks = networks or {}
+    paths = {pid: path_key(path) for pid, path in networks.items()}
+    names = {pid: natural_key(name) for pid, name in hostnames.items()}
 
     def key(d: Device) -> tuple:
-        return (d.slice_index, hostnames.get(d.process_id, ""), d.process_id, _snake(d.coordinates), d.local_id)
+        return (paths.get(d.process_id, ()), d.slice_index, names.get(d.process_id, ()), d.process_id,
+                _snake(d.coordinates), d.local_id)
 
     return sorted(devices, key=key)
 
@@ -135,6 +144,10 @@ class Mesh:
     @property
     def size(self) -> int:
         return self._devices.size
+
+    @property
+    def ndim(self) -> int:
+        return self._devices.ndim
 
     def device_records(self) -> tuple[Device, ...]:
         """The topology's Device records, in mesh order (flattened)."""
@@ -213,6 +226,127 @@ class Mesh:
         """This mesh as one SPMD device, its members reachable from it."""
         return VirtualDevice(self)
 
+    def describe(self) -> str:
+        """Which level of the network each axis's rings stay within or cross, one line an axis, in words a person
+        can act on (see ``describe_axes``)."""
+        return "\n".join(describe_axes(self))
+
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
         return f"Mesh({axes}{', submesh' if self.parent else ''})"
+
+
+# Where a mesh's axes sit in the network.
+LEVEL_NAMES = ("rack", "block", "spine")
+"""What the levels of a network path are called in messages, from the leaf up; deeper ones are numbered."""
+
+
+@dataclass(frozen=True)
+class Domains:
+    """The domains each device of a mesh belongs to, from the smallest (the host) to the largest (the whole job):
+    ``keys[level][i]`` names the domain of level ``names[level]`` that flat device ``i`` is in."""
+
+    names: tuple[str, ...]
+    keys: tuple[tuple[str, ...], ...]
+
+
+def level_name(from_leaf: int) -> str:
+    """The name of a network level counted from the leaf (0 is the rack)."""
+    return LEVEL_NAMES[from_leaf] if from_leaf < len(LEVEL_NAMES) else f"level-{from_leaf + 1} switch"
+
+
+def domains(mesh: Mesh) -> Domains:
+    """The host, NVLink domain (a slice over several hosts), and network domains of every device of ``mesh``."""
+    topology = mesh.topology
+    if topology is None or not hasattr(topology, "process"):
+        raise ValueError("this mesh was built without a topology: it cannot say where its devices sit")
+    records = mesh.device_records()
+    processes = {pid: topology.process(pid) for pid in {d.process_id for d in records}}
+    hosts = tuple(processes[d.process_id].hostname or f"process {d.process_id}" for d in records)
+    paths = [tuple(processes[d.process_id].network) for d in records]
+    names, keys = ["host"], [hosts]
+    slices = tuple("/".join((*p, f"slice {d.slice_index}")) for p, d in zip(paths, records, strict=True))
+    leaves = len({tuple(p) for p in paths})
+    if leaves < len(set(slices)) < len(set(hosts)):  # slices span hosts (NVLink domains), several to a rack
+        names.append("NVLink domain")
+        keys.append(slices)
+    depth = max(map(len, paths), default=0)
+    for up in range(depth):
+        names.append(level_name(up))
+        keys.append(tuple("/".join(p[:max(len(p) - up, 0)]) for p in paths))
+    return Domains(tuple(names), tuple(keys))
+
+
+def ring_links(mesh: Mesh, axis: int, level_keys: Sequence[str]) -> tuple[int, int]:
+    """(links of ``axis``'s rings that join two domains of one level, rings with at least one such link): a ring
+    of n devices has n links (one for n = 2)."""
+    positions = np.arange(mesh.size).reshape(mesh.shape)
+    rings = np.moveaxis(positions, axis, -1).reshape(-1, mesh.shape[axis])
+    keys = np.asarray(level_keys, dtype=object)[rings]
+    n = mesh.shape[axis]
+    if n < 2:
+        return 0, 0
+    crossing = keys[:, 1:] != keys[:, :-1]
+    if n > 2:
+        crossing = np.concatenate([crossing, (keys[:, :1] != keys[:, -1:])], axis=1)
+    per_ring = crossing.sum(axis=1)
+    return int(per_ring.sum()), int((per_ring > 0).sum())
+
+
+def describe_axes(mesh: Mesh) -> list[str]:
+    """One line per axis: the smallest domain (host, NVLink domain, rack, block, ...) each of its rings stays
+    within, or which level it crosses, in how many of its rings, which domains hold how many of one such ring's
+    devices, and what size would keep it inside."""
+    found = domains(mesh)
+    lines = []
+    for axis, (name, n) in enumerate(zip(mesh.axis_names, mesh.shape, strict=True)):
+        counts = [ring_links(mesh, axis, keys) for keys in found.keys]
+        inside = next((level for level, (links, _) in enumerate(counts) if links == 0), None)
+        head = f"axis {name!r} ({n})"
+        if inside == 0:
+            lines.append(f"{head} stays within each host")
+            continue
+        crossed = (len(counts) if inside is None else inside) - 1  # the largest level some ring crosses
+        links, rings = counts[crossed]
+        total = mesh.size // n
+        level = found.names[crossed]
+        where = "spans the whole job" if inside is None else f"stays within each {found.names[inside]}"
+        if rings == total:
+            lines.append(f"{head} crosses {_plural(level)} in every ring ({links} links), {where}")
+            continue
+        lines.append(f"{head} crosses {_plural(level)} in {rings} of its {total} rings ({links} links), {where}: "
+                     f"{_example(mesh, axis, found.keys[crossed], level)}; {_advice(mesh, axis, found, crossed)}")
+    return lines
+
+
+def _plural(level: str) -> str:
+    return level + ("es" if level.endswith("h") else "s")
+
+
+def _example(mesh: Mesh, axis: int, keys: Sequence[str], level: str) -> str:
+    """Which domains hold how many devices of the first ring that crosses ``level``."""
+    positions = np.moveaxis(np.arange(mesh.size).reshape(mesh.shape), axis, -1).reshape(-1, mesh.shape[axis])
+    for ring in positions:
+        held: dict[str, int] = {}
+        for p in ring:
+            held[keys[int(p)]] = held.get(keys[int(p)], 0) + 1
+        if len(held) > 1:
+            parts = [f"{level} {k!r} holds {c}" for k, c in held.items()]
+            return f"{parts[0]} of its devices, " + ", ".join(parts[1:])
+    return ""
+
+
+def _advice(mesh: Mesh, axis: int, found: Domains, level: int) -> str:
+    """What would keep the axis inside ``level``: the devices each domain of it holds, and the span that divides
+    them all."""
+    sizes: dict[str, int] = {}
+    for k in found.keys[level]:
+        sizes[k] = sizes.get(k, 0) + 1
+    low, high = min(sizes.values()), max(sizes.values())
+    common = int(np.gcd.reduce(list(sizes.values())))
+    span = int(np.prod(mesh.shape[axis:]))
+    name = found.names[level]
+    held = f"{_plural(name)} hold {low} to {high} devices" if low != high else f"each {name} holds {low} devices"
+    inner = " and the axes inside it" if axis < mesh.ndim - 1 else ""
+    return (f"{held}: the axis{inner} span {span} devices; a span that divides {common} keeps every ring within "
+            f"its {name} (or give the {_plural(name)} equal numbers of hosts)")

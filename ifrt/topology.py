@@ -93,11 +93,13 @@ class Topology:
 
     def mesh(self, shape: Sequence[int], axis_names: Sequence[str],
              devices: Sequence[Device | int] | None = None) -> Mesh:
-        """A device mesh; by default over all devices in topology-aware order (one process's devices, then one
-        host's, one slice's, adjacent along the innermost axes; ring order where devices have coordinates)."""
+        """A device mesh; by default over all devices in network order (one process's devices, then one host's, one
+        slice's, one rack's, one block's adjacent along the innermost axes; ring order where devices have coordinates),
+        whatever the process ids. ``Mesh.describe()`` says which level of the network each axis crosses."""
         if devices is None:
             hostnames = {p.process_id: p.hostname for p in self.processes}
-            ids = [d.id for d in topology_order(self.devices, hostnames)]
+            networks = {p.process_id: p.network for p in self.processes if p.network}
+            ids = [d.id for d in topology_order(self.devices, hostnames, networks)]
         else:
             ids = [d.id if isinstance(d, Device) else int(d) for d in devices]
         if int(np.prod(shape)) != len(ids):

@@ -1,0 +1,86 @@
+"""Meshes that follow the network: devices ordered by network path, slice, hostname in natural order, whatever the
+process ids; ``Mesh.describe()`` names the level each axis crosses; torch's DeviceMesh keeps the order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ifrt.ids import LOCAL_ID_BITS
+from ifrt.mesh import describe_axes, domains, ring_links
+from tests.network_topologies import network_topology
+
+
+def hosts_of(mesh) -> list[str]:
+    """The hostname of each device, in mesh order (flattened)."""
+    return [mesh.topology.process(d.process_id).hostname for d in mesh.device_records()]
+
+
+def test_hostnames_are_ordered_naturally_whatever_the_ids():
+    names = [f"node{i}" for i in range(1, 13)]
+    by_text = sorted(names)  # node1, node10, node11, node12, node2, ...: the ids a text order would give
+    topology = network_topology([(pid, name, ()) for pid, name in enumerate(by_text)], devices_per_host=1)
+    mesh = topology.mesh((3, 4), ("data", "model"))
+    assert hosts_of(mesh) == names
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_explicit_ids_out_of_network_order_still_give_a_mesh_in_network_order(seed):
+    racks = {"r1": ["node7", "node66"], "r2": ["node8", "node9"], "r10": ["node1", "node2"]}
+    hosts = [(rack, name) for rack, names in racks.items() for name in names]
+    ids = list(range(len(hosts)))
+    random.Random(seed).shuffle(ids)  # a launcher's ids, in no network order
+    topology = network_topology([(pid, name, ("spine0", rack)) for pid, (rack, name) in zip(ids, hosts, strict=True)])
+    mesh = topology.mesh((3, 4), ("data", "model"))
+    # racks naturally (r1 < r2 < r10), hosts naturally within each (node7 < node66), a host's devices adjacent
+    assert hosts_of(mesh) == [h for h in ["node7", "node66", "node8", "node9", "node1", "node2"] for _ in (0, 1)]
+    assert [d.local_id for d in mesh.device_records()] == [0, 1] * 6
+
+
+def test_processes_without_a_position_come_first_as_xla_sorts_an_empty_path():
+    topology = network_topology([(0, "b", ("s", "r1")), (1, "a", ()), (2, "c", ("s",))], devices_per_host=1)
+    assert hosts_of(topology.mesh((3,), ("x",))) == ["a", "c", "b"]
+
+
+def uniform() -> list[tuple[int, str, tuple[str, ...]]]:
+    """2 blocks of 2 racks of 2 hosts (2 devices each), ids in reverse."""
+    names = [(f"b{b}", f"r{r}", f"node{8 * b + 2 * r + h}") for b in range(2) for r in range(2) for h in range(2)]
+    return [(len(names) - 1 - i, host, ("spine", block, f"{block}-{rack}")) for i, (block, rack, host)
+            in enumerate(names)]
+
+
+def test_each_axis_is_described_by_the_smallest_domain_that_holds_it():
+    mesh = network_topology(uniform()).mesh((2, 2, 2, 2), ("data", "fsdp", "pipe", "tensor"))
+    assert describe_axes(mesh) == [
+        "axis 'data' (2) crosses blocks in every ring (8 links), stays within each spine",
+        "axis 'fsdp' (2) crosses racks in every ring (8 links), stays within each block",
+        "axis 'pipe' (2) crosses hosts in every ring (8 links), stays within each rack",
+        "axis 'tensor' (2) stays within each host",
+    ]
+    assert mesh.describe() == "\n".join(describe_axes(mesh))
+
+
+def test_an_axis_that_unequal_racks_cannot_hold_says_where_and_what_would():
+    # rack r1 has 3 hosts, rack r2 one: the second ring of 4 devices has 2 in each
+    topology = network_topology([(0, "h1", ("r1",)), (1, "h2", ("r1",)), (2, "h3", ("r1",)), (3, "h4", ("r2",))])
+    mesh = topology.mesh((2, 4), ("data", "fsdp"))
+    lines = describe_axes(mesh)
+    assert lines[1] == ("axis 'fsdp' (4) crosses racks in 1 of its 2 rings (2 links), spans the whole job: rack "
+                        "'r1' holds 2 of its devices, rack 'r2' holds 2; racks hold 2 to 6 devices: the axis span 4 "
+                        "devices; a span that divides 2 keeps every ring within its rack (or give the racks equal "
+                        "numbers of hosts)")
+    found = domains(mesh)
+    assert found.names == ("host", "rack")
+    assert ring_links(mesh, 1, found.keys[1]) == (2, 1)
+
+
+def test_torch_device_mesh_ranks_keep_the_network_order():
+    import ifrt.torch
+
+    ids = [3, 0, 2, 1]  # explicit ids: rack r2's hosts got the low ones
+    topology = network_topology([(pid, f"node{i}", (f"r{1 + i // 2}",)) for i, pid in enumerate(ids)],
+                                devices_per_host=1)
+    mesh = topology.mesh((2, 2), ("dp", "tp"))
+    assert ifrt.torch.mesh_ranks(mesh) == [[3, 0], [2, 1]]
+    assert (mesh.devices >> LOCAL_ID_BITS).tolist() == [[3, 0], [2, 1]]
