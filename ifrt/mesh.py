@@ -80,6 +80,35 @@ def topology_order(devices: Iterable[Device], hostnames: Mapping[int, str] | Non
     return sorted(devices, key=key)
 
 
+def packed(units: Sequence[int], paths: Mapping[int, Sequence[str]], group: int) -> list[int]:
+    """``units`` (processes in network order) reordered so that as many runs of ``group`` consecutive units as
+    possible lie inside one rack, then one block, ...: in each domain its whole runs come first, and what is left
+    over of its subdomains (the tail of each, fewer than ``group``) is gathered after them to make runs that cross
+    subdomains but stay inside this domain. Where racks hold multiples of ``group`` it changes nothing."""
+    if group < 2:
+        return list(units)
+
+    def pack(members: list[int], depth: int) -> tuple[list[int], list[int]]:
+        children: dict[object, list[int]] = {}
+        for u in members:  # members are in network order: each subdomain is one run of them
+            path = paths.get(u, ())
+            children.setdefault(path[depth] if len(path) > depth else None, []).append(u)
+        if list(children) == [None]:  # the leaf: this rack's own units
+            whole = len(members) - len(members) % group
+            return members[:whole], members[whole:]
+        aligned: list[int] = []
+        left: list[int] = []
+        for child in children.values():
+            a, rest = pack(child, depth + 1)
+            aligned += a
+            left += rest
+        whole = len(left) - len(left) % group
+        return aligned + left[:whole], left[whole:]
+
+    aligned, left = pack(list(units), 0)
+    return aligned + left
+
+
 def _snake(coordinates: Sequence[int]) -> tuple[int, ...]:
     """Boustrophedon order over coordinates: consecutive devices are physical neighbours (a ring per row)."""
     if len(coordinates) < 2:

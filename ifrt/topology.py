@@ -14,10 +14,32 @@ import numpy as np
 from ifrt import wire
 from ifrt.errors import TopologyError
 from ifrt.ids import LOCAL_ID_BITS, MAX_LOCAL_DEVICES
-from ifrt.mesh import Mesh, topology_order
+from ifrt.mesh import Mesh, packed, topology_order
 from ifrt.records import Device, Process, TopologyContent
 
 _ID = attrgetter("id")
+
+
+def _packed(ordered: Sequence[Device], networks: Mapping[int, Sequence[str]], shape: Sequence[int]) -> list[Device]:
+    """Devices in network order, their processes packed (``ifrt.mesh.packed``) for the innermost axes that span
+    processes, where every process has as many devices: the rings of that axis stay inside racks (then blocks) as
+    far as unequal racks allow."""
+    by_process: dict[int, list[Device]] = {}
+    for d in ordered:
+        by_process.setdefault(d.process_id, []).append(d)
+    counts = {len(v) for v in by_process.values()}
+    if not networks or len(counts) != 1:
+        return list(ordered)
+    per_process = counts.pop()
+    span = 1
+    for size in reversed(tuple(shape)):
+        span *= int(size)
+        if span > per_process:
+            break
+    if span % per_process:
+        return list(ordered)
+    order = packed(list(by_process), networks, span // per_process)
+    return [d for pid in order for d in by_process[pid]]
 
 
 class Topology:
@@ -99,7 +121,8 @@ class Topology:
         if devices is None:
             hostnames = {p.process_id: p.hostname for p in self.processes}
             networks = {p.process_id: p.network for p in self.processes if p.network}
-            ids = [d.id for d in topology_order(self.devices, hostnames, networks)]
+            ordered = topology_order(self.devices, hostnames, networks)
+            ids = [d.id for d in _packed(ordered, networks, shape)]
         else:
             ids = [d.id if isinstance(d, Device) else int(d) for d in devices]
         if int(np.prod(shape)) != len(ids):

@@ -84,3 +84,20 @@ def test_torch_device_mesh_ranks_keep_the_network_order():
     mesh = topology.mesh((2, 2), ("dp", "tp"))
     assert ifrt.torch.mesh_ranks(mesh) == [[3, 0], [2, 1]]
     assert (mesh.devices >> LOCAL_ID_BITS).tolist() == [[3, 0], [2, 1]]
+
+
+def test_unequal_racks_are_packed_so_fewer_rings_cross_them():
+    # racks of 1, 2 and 1 hosts; rings of 2: in plain network order (a b)(c d) both cross racks; packed, rack
+    # r2's whole ring comes first and the leftovers of r1 and r3 share one
+    topology = network_topology([(0, "a", ("r1",)), (1, "b", ("r2",)), (2, "c", ("r2",)), (3, "d", ("r3",))],
+                                devices_per_host=1)
+    mesh = topology.mesh((2, 2), ("data", "pair"))
+    assert [hosts_of(mesh)[:2], hosts_of(mesh)[2:]] == [["b", "c"], ["a", "d"]]
+    assert ring_links(mesh, 1, domains(mesh).keys[1]) == (1, 1)
+    assert describe_axes(mesh)[1].startswith("axis 'pair' (2) crosses racks in 1 of its 2 rings (1 links)")
+
+
+def test_equal_racks_are_left_in_network_order():
+    topology = network_topology(uniform())
+    mesh = topology.mesh((8, 2), ("data", "tensor"))
+    assert hosts_of(mesh)[::2] == [f"node{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)]
