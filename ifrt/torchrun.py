@@ -6,8 +6,10 @@ The agents meet through torch's own ``DynamicRendezvousHandler`` (``--nnodes MIN
 re-rendezvous on a failure or a new node, exactly as with ``--rdzv-backend c10d``); only where its state lives
 changes: one key in ifrt's key-value store, written with compare-and-set, so the rendezvous survives the loss of
 any host and of a coordinator replica (the client moves on to the next replica of ``--rdzv-endpoint``). Node
-ranks follow ifrt's host-aware order: hostname, then host address as a number, like the process ids the
-coordinator assigns. Registered in the entry-point group ``torchrun.handlers`` (see pyproject.toml).
+ranks follow ifrt's host-aware order: network position (``IFRT_NETWORK_NODES``, level by level), then
+hostname in natural order (``node2`` before ``node10``), then host address as a number, like the process ids the
+coordinator assigns, so consecutive node ranks share the smallest rack or block. Registered in the entry-point
+group ``torchrun.handlers`` (see pyproject.toml).
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from ifrt.client import Client
 from ifrt.clusters.base import DEFAULT_PORT
 from ifrt.errors import IfrtError, InvalidArgument
+from ifrt.network import check_path, natural_key, path_key
 from ifrt.settings import COORDINATOR_ENV, own_variables, parse_coordinators
 from ifrt.torch import Store
 from ifrt.torchrun_state import check_state
 from ifrt.transfer import local_address_toward
 
 BACKEND = "ifrt"
+NETWORK_NODES_ENV = "IFRT_NETWORK_NODES"
+"""This agent's network position (comma-separated, root first), as ifrt's processes read it."""
 KEY_PREFIX = "torchrun/"
 """Every key the agents use starts with this (the coordinator lets agents, which are no processes of the
 topology, use these keys only)."""
@@ -80,7 +85,8 @@ def create_rendezvous_handler(params: RendezvousParameters) -> IfrtRendezvousHan
     handler = IfrtRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeouts,
         keep_alive_interval=keep_alive_interval, keep_alive_max_attempt=keep_alive_max_attempt)
-    host = HostKey(client.settings.hostname, params.local_addr or local_address_toward(coordinators))
+    host = HostKey(client.settings.hostname, params.local_addr or local_address_toward(coordinators),
+                   agent_position(os.environ))
     handler.hosts = NodeHosts(client, f"{prefix}hosts/", host, read_timeout)
     return handler
 
@@ -163,21 +169,34 @@ class IfrtRendezvousBackend(RendezvousBackend):
                                             f"({', '.join(self._client.settings.coordinators)}): {e}") from e
 
 
+def agent_position(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """Where this agent's host sits in the network: ``IFRT_NETWORK_NODES`` (comma-separated, root first), checked
+    as every position is (InvalidArgument naming the variable); empty where it is not set.
+
+    The agent reads only this variable: the other sources a worker's registration reads (XLA's variable, Slurm's
+    topology address, a node labels file) belong to ``ifrt.network_sources``, which this should call once it is
+    there, so that an agent and its workers always agree."""
+    value = environ.get(NETWORK_NODES_ENV, "")
+    return check_path(value.split(","), NETWORK_NODES_ENV) if value.strip() else ()
+
+
 @dataclass(frozen=True)
 class HostKey:
-    """Where an agent runs: its hostname (as ifrt registers it) and its host address."""
+    """Where an agent runs: its hostname (as ifrt registers it), its host address and its network position."""
 
     hostname: str
     address: str
+    network: tuple[str, ...] = ()
 
     def order(self) -> tuple:
-        """ifrt's host order: hostname, then the address as a number (10.0.0.9 before 10.0.0.10, IPv4 before IPv6),
-        then any other address text."""
+        """ifrt's host order: network path (level by level), hostname (both in natural order), then the address as a
+        number (10.0.0.9 before 10.0.0.10, IPv4 before IPv6), then any other address text."""
+        first = path_key(self.network), natural_key(self.hostname)
         try:
             ip = ipaddress.ip_address(self.address)
         except ValueError:
-            return self.hostname, 7, 0, self.address
-        return self.hostname, ip.version, int(ip), self.address
+            return *first, 7, 0, self.address
+        return *first, ip.version, int(ip), self.address
 
 
 def node_ranks(participants: Mapping[str, HostKey]) -> dict[str, int]:
@@ -194,7 +213,10 @@ class NodeHosts:
 
     def publish(self, node: str) -> None:
         """Records this agent's host for ``node`` (its name in the rendezvous) before it joins a round."""
-        value = json.dumps({"hostname": self.host.hostname, "address": self.host.address}).encode()
+        entry: dict[str, Any] = {"hostname": self.host.hostname, "address": self.host.address}
+        if self.host.network:
+            entry["network"] = list(self.host.network)
+        value = json.dumps(entry).encode()
         try:
             self.client.kv_set(self.prefix + node, value, allow_overwrite=True, timeout=self.timeout)
         except IfrtError as e:
@@ -223,12 +245,18 @@ def host_entry(key: str, raw: bytes) -> HostKey:
         entry = json.loads(raw)
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError included), or nested past the limit
         entry = None
-    if not (isinstance(entry, dict) and set(entry) == {"hostname", "address"}
-            and all(isinstance(v, str) for v in entry.values())):
+    network = entry.get("network", []) if isinstance(entry, dict) else None
+    if not (isinstance(entry, dict) and set(entry) - {"network"} == {"hostname", "address"}
+            and isinstance(entry["hostname"], str) and isinstance(entry["address"], str)
+            and isinstance(network, list) and all(isinstance(level, str) for level in network)):
         raise RendezvousStateError(f"refused the node's host at {key!r} on ifrt's coordinator: expected "
-                                   f'{{"hostname": str, "address": str}} as torchrun\'s agents write it, found '
-                                   f"{raw[:64]!r} ({len(raw)} bytes)")
-    return HostKey(entry["hostname"], entry["address"])
+                                   f'{{"hostname": str, "address": str, "network": [str, ...]}} as torchrun\'s agents '
+                                   f"write it, found {raw[:64]!r} ({len(raw)} bytes)")
+    try:
+        path = check_path(network, f"the node's network position at {key!r}")
+    except InvalidArgument as e:
+        raise RendezvousStateError(f"refused the node's host: {e}") from e
+    return HostKey(entry["hostname"], entry["address"], path)
 
 
 class IfrtRendezvousHandler(DynamicRendezvousHandler):
@@ -260,5 +288,5 @@ class IfrtRendezvousHandler(DynamicRendezvousHandler):
             self.hosts.client.close()
 
 
-__all__ = ["BACKEND", "KEY_PREFIX", "HostKey", "IfrtRendezvousBackend", "IfrtRendezvousHandler",
+__all__ = ["BACKEND", "KEY_PREFIX", "HostKey", "agent_position", "IfrtRendezvousBackend", "IfrtRendezvousHandler",
            "NodeHosts", "create_rendezvous_handler", "endpoint_replicas", "handler_creator", "host_entry", "node_ranks"]
