@@ -262,7 +262,9 @@ class _PageView:
         if topology is not None:
             if self._extras[0] != topology.generation:
                 hostnames = {p.process_id: p.hostname for p in topology.processes}
-                self._extras = (topology.generation, status_svg.topology_extras(topology.devices, hostnames))
+                networks = {p.process_id: p.network for p in topology.processes if p.network}
+                self._extras = (topology.generation,
+                                status_svg.topology_extras(topology.devices, hostnames, networks))
             view = status_svg.with_extras(view, self._extras[1])
         return view
 

@@ -1,7 +1,8 @@
 """The cluster as an SVG picture, drawn from the status view (``ifrt status --json``'s dict): hosts as boxes holding
-their processes and devices, grouped by slice; trouble marked by color, the reason and heartbeat age on hover.
-Pure: no I/O, no clock; the same view gives the same bytes. Every string a caller sent is escaped for XML and made
-safe (``ifrt.safe_text``): no control or bidi character reaches the picture, so none can reorder its text."""
+their processes and devices, grouped by rack (where processes have a network position) and slice; trouble marked by
+color, the reason and heartbeat age on hover. Pure: no I/O, no clock; the same view gives the same bytes. Every
+string a caller sent is escaped for XML and made safe (``ifrt.safe_text``): no control or bidi character reaches the
+picture, so none can reorder its text."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 from html import escape
 from typing import Any
 
+from ifrt.network import natural_key, path_key
 from ifrt.safe_text import safe
 
 MARKS = ("failed", "missing", "restarting", "slow", "left", "joining", "alive")
@@ -20,10 +22,13 @@ DETAIL_HOSTS = 64
 """Up to this many hosts, each is drawn with its processes and every device's global id; past it, one tile a host."""
 MAX_TILES = 1024
 """Past this many hosts, consecutive hosts (in mesh order) share a tile, so the picture stays ~1,000 elements."""
+MAX_RACK_ROWS = 128
+"""Up to this many racks, the tiles of each rack start a row of their own, named at its left; past it, the tiles run
+on in network order."""
 SLOW_FRACTION = 0.5
 """A process unheard of for more than this fraction of the heartbeat timeout is marked slow."""
 DEVICES_PER_ROW = 8
-_CELL, _GAP, _HOST_W, _COLUMNS, _TILE, _TILES_PER_ROW = 40, 4, 460, 3, 12, 64
+_CELL, _GAP, _HOST_W, _COLUMNS, _TILE, _TILES_PER_ROW, _RACK_LABEL_W = 40, 4, 460, 3, 12, 64, 170
 
 
 def mark(process: dict[str, Any], heartbeat_timeout_s: float) -> str:
@@ -89,22 +94,29 @@ def svg(view: dict[str, Any]) -> str:
 
 
 def _hosts(processes: list[dict[str, Any]]) -> list[tuple[tuple, list[dict[str, Any]]]]:
-    """Processes grouped by (slice, host, address), hosts in the default mesh order where known (else by slice,
-    then first process id); each missing process is a host of its own, last."""
+    """Processes grouped by (network path, slice, host, address), hosts in network order (path level by level, then
+    the default mesh order where known, else slice, hostname in natural order, first process id); each missing
+    process is a host of its own, last."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for p in processes:
-        key = (p.get("slice"), p["host"], p.get("host_address", ""))
+        key = (tuple(p.get("network") or ()), p.get("slice"), p["host"], p.get("host_address", ""))
         if p["state"] == "missing":
-            key = (None, "(not registered)", str(p["process_id"]))  # each missing process its own box
+            key = ((), None, "(not registered)", str(p["process_id"]))  # each missing process its own box
         groups.setdefault(key, []).append(p)
 
     def order(item: tuple[tuple, list[dict[str, Any]]]) -> tuple:
         key, members = item
         mesh = min((min(m["mesh_positions"]) for m in members if m.get("mesh_positions")), default=math.inf)
         first = min((m["process_id"] for m in members if m["process_id"] is not None), default=math.inf)
-        return (key[0] is None, key[0] or 0, mesh, first, key[1], key[2])
+        return (key[1] is None and key[2] == "(not registered)", path_key(key[0]), mesh, key[1] is None,
+                key[1] or 0, natural_key(key[2]), first, key[3])
 
     return sorted(groups.items(), key=order)
+
+
+def _domain(path: tuple[str, ...]) -> str:
+    """How a rack is named on the page: its path, root first (``spine / block3 / rack7``)."""
+    return " / ".join(path)
 
 
 def _legend(counts: dict[str, int]) -> list[str]:
@@ -120,16 +132,21 @@ def _legend(counts: dict[str, int]) -> list[str]:
 
 
 def _detailed(hosts: list[tuple[tuple, list[dict[str, Any]]]], timeout: float, top: int) -> tuple[list[str], int, int]:
-    """One box per host, a row per process, a cell per device with its global id; a band per slice."""
+    """One box per host, a row per process, a cell per device with its global id; a band per rack (where hosts have
+    a network position), and per slice within it."""
     parts: list[str] = []
-    y, column, row_height, current_slice = top, 0, 0, object()
-    for (slice_index, host, address), members in hosts:
-        if slice_index != current_slice:
+    y, column, row_height, current = top, 0, 0, object()
+    for (path, slice_index, host, address), members in hosts:
+        if (path, slice_index) != current:
             if column:
                 y, column, row_height = y + row_height + 10, 0, 0
-            current_slice = slice_index
+            band = [f"rack {_domain(path)}"] if path and (not isinstance(current, tuple) or current[0] != path) else []
             if slice_index is not None:
-                parts.append(_text(10, y + 12, f"slice {slice_index}", "host"))
+                band.append(f"slice {slice_index}")
+            current = (path, slice_index)
+            if band:
+                parts.append(f'<g class="domain" data-network="{_shown(_domain(path))}">'
+                             + _text(10, y + 12, ", ".join(band), "host") + "</g>")
                 y += 18
         box = _host_box(host, address, members, timeout)
         height = box[0]
@@ -175,26 +192,41 @@ def _host_box(host: str, address: str, members: list[dict[str, Any]], timeout: f
 
 
 def _tiles(hosts: list[tuple[tuple, list[dict[str, Any]]]], timeout: float, top: int) -> tuple[list[str], int, int]:
-    """One small tile per host (or per run of consecutive hosts past ``MAX_TILES``), colored by its worst process."""
+    """One small tile per host (or per run of consecutive hosts past ``MAX_TILES``), colored by its worst process;
+    where hosts have a network position, a row (or rows) per rack, named at its left."""
     per_tile = math.ceil(len(hosts) / MAX_TILES)
-    parts = [_text(10, top + 12, f"{len(hosts)} hosts, {per_tile} a tile: hover a tile for its processes", "note")]
+    racks: dict[tuple[str, ...], list[tuple[tuple, list[dict[str, Any]]]]] = {}
+    for host in hosts:
+        racks.setdefault(host[0][0], []).append(host)
+    placed = any(racks) and len(racks) <= MAX_RACK_ROWS
+    left = 10 + (_RACK_LABEL_W if placed else 0)
+    note = f"{len(hosts)} hosts, {per_tile} a tile" + (f" in {len(racks)} racks" if placed else "")
+    parts = [_text(10, top + 12, f"{note}: hover a tile for its processes", "note")]
     y0, step = top + 20, _TILE + 2
-    for t in range(math.ceil(len(hosts) / per_tile)):
-        chunk = hosts[t * per_tile:(t + 1) * per_tile]
-        members = [p for _, ps in chunk for p in ps]
-        marks = [mark(p, timeout) for p in members]
-        worst = min(marks, key=MARKS.index)
-        x, y = 10 + (t % _TILES_PER_ROW) * step, y0 + (t // _TILES_PER_ROW) * step
-        parts.append(f'<rect x="{x}" y="{y}" width="{_TILE}" height="{_TILE}" fill="{COLORS[worst]}">'
-                     f'<title>{escape(_tile_title(chunk, members, marks, timeout))}</title></rect>')
-    rows = math.ceil(math.ceil(len(hosts) / per_tile) / _TILES_PER_ROW)
-    return parts, y0 + rows * step + 10, 20 + _TILES_PER_ROW * step
+    row = 0
+    for path, members_of_rack in (racks.items() if placed else [((), hosts)]):
+        if placed:
+            parts.append(f'<g class="domain" data-network="{_shown(_domain(path))}">'
+                         + _text(10, y0 + row * step + _TILE - 2, _domain(path) or "(no position)", "note") + "</g>")
+        tiles = math.ceil(len(members_of_rack) / per_tile)
+        for t in range(tiles):
+            chunk = members_of_rack[t * per_tile:(t + 1) * per_tile]
+            members = [p for _, ps in chunk for p in ps]
+            marks = [mark(p, timeout) for p in members]
+            worst = min(marks, key=MARKS.index)
+            x, y = left + (t % _TILES_PER_ROW) * step, y0 + (row + t // _TILES_PER_ROW) * step
+            parts.append(f'<rect x="{x}" y="{y}" width="{_TILE}" height="{_TILE}" fill="{COLORS[worst]}">'
+                         f'<title>{escape(_tile_title(chunk, members, marks, timeout))}</title></rect>')
+        row += math.ceil(tiles / _TILES_PER_ROW)
+    return parts, y0 + row * step + 10, left + 10 + _TILES_PER_ROW * step
 
 
 def _tile_title(chunk: list[tuple[tuple, list[dict[str, Any]]]], members: list[dict[str, Any]], marks: list[str],
                 timeout: float) -> str:
     first, last = chunk[0][0], chunk[-1][0]
-    names = safe(first[1]) if len(chunk) == 1 else f"{safe(first[1])} .. {safe(last[1])} ({len(chunk)} hosts)"
+    names = safe(first[2]) if len(chunk) == 1 else f"{safe(first[2])} .. {safe(last[2])} ({len(chunk)} hosts)"
+    if first[0]:
+        names += f" in rack {safe(_domain(first[0]))}"
     tally = ", ".join(f"{marks.count(m)} {m}" for m in MARKS if m in marks)
     trouble = [describe(p, timeout) for p, m in zip(members, marks, strict=True) if m not in ("alive", "joining")]
     lines = [f"{names}: {len(members)} processes, {tally}", *trouble[:5]]
@@ -222,12 +254,15 @@ def trouble(view: dict[str, Any]) -> Iterable[str]:
 
 
 
-def topology_extras(devices: Iterable[Any], hostnames: dict[int, str]) -> dict[int, dict[str, Any]]:
-    """Per process id of a published topology: its slice, its devices' global ids and their positions in the
-    default mesh order (``ifrt.mesh.topology_order``), from the topology's devices (``ifrt.records.Device``)."""
+def topology_extras(devices: Iterable[Any], hostnames: dict[int, str],
+                    networks: dict[int, tuple[str, ...]] | None = None) -> dict[int, dict[str, Any]]:
+    """Per process id of a published topology: its slice, its network position (where it has one), its devices'
+    global ids and their positions in the default mesh order (``ifrt.mesh.topology_order``), from the topology's
+    devices (``ifrt.records.Device``) and processes' network paths."""
     from ifrt.mesh import topology_order  # numpy: only where a topology is at hand
 
-    ordered = topology_order(devices, hostnames)
+    networks = networks or {}
+    ordered = topology_order(devices, hostnames, networks)
     position = {d.id: i for i, d in enumerate(ordered)}
     by_process: dict[int, list[Any]] = {}
     for d in ordered:
@@ -237,6 +272,8 @@ def topology_extras(devices: Iterable[Any], hostnames: dict[int, str]) -> dict[i
         mine.sort(key=lambda d: d.local_id)
         extras[pid] = {"slice": mine[0].slice_index, "device_ids": [d.id for d in mine],
                        "mesh_positions": [position[d.id] for d in mine]}
+        if networks.get(pid):
+            extras[pid]["network"] = list(networks[pid])
     return extras
 
 
