@@ -279,9 +279,14 @@ class Domains:
     keys: tuple[tuple[str, ...], ...]
 
 
-def level_name(from_leaf: int) -> str:
-    """The name of a network level counted from the leaf (0 is the rack)."""
-    return LEVEL_NAMES[from_leaf] if from_leaf < len(LEVEL_NAMES) else f"level-{from_leaf + 1} switch"
+def level_name(from_leaf: int, depth: int) -> str:
+    """The name of a level of a ``depth``-level network path, counted from the leaf: the leaf is the rack, the root
+    of a deeper path the spine, the level under it the block; any other is numbered."""
+    if from_leaf == 0:
+        return LEVEL_NAMES[0]
+    if from_leaf == depth - 1:
+        return LEVEL_NAMES[2]
+    return LEVEL_NAMES[1] if from_leaf == 1 else f"level-{from_leaf + 1} switch"
 
 
 def domains(mesh: Mesh) -> Domains:
@@ -301,7 +306,7 @@ def domains(mesh: Mesh) -> Domains:
         keys.append(slices)
     depth = max(map(len, paths), default=0)
     for up in range(depth):
-        names.append(level_name(up))
+        names.append(level_name(up, depth))
         keys.append(tuple("/".join(p[:max(len(p) - up, 0)]) for p in paths))
     return Domains(tuple(names), tuple(keys))
 
@@ -379,3 +384,32 @@ def _advice(mesh: Mesh, axis: int, found: Domains, level: int) -> str:
     inner = " and the axes inside it" if axis < mesh.ndim - 1 else ""
     return (f"{held}: the axis{inner} span {span} devices; a span that divides {common} keeps every ring within "
             f"its {name} (or give the {_plural(name)} equal numbers of hosts)")
+
+
+def network_lines(topology: Any, shape: Sequence[int] | None = None,
+                  axis_names: Sequence[str] | None = None) -> list[str]:
+    """What ``ifrt discover`` prints about the network (``topology`` is an ``ifrt.Topology``): how many domains of
+    each level there are and how many devices they hold, the largest axis that stays within each, and, given a mesh
+    shape, ``describe_axes`` of ``topology.mesh(shape, axis_names)``. Empty where no process has a position."""
+    processes = topology.processes
+    if not any(p.network for p in processes):
+        return []
+    devices: dict[int, int] = {}
+    for d in topology.devices:
+        devices[d.process_id] = devices.get(d.process_id, 0) + 1
+    depth = max(len(p.network) for p in processes)
+    lines = []
+    for up in range(depth):
+        held: dict[tuple[str, ...], int] = {}
+        for p in processes:
+            key = tuple(p.network[:max(len(p.network) - up, 0)])
+            held[key] = held.get(key, 0) + devices.get(p.process_id, 0)
+        name, low, high = level_name(up, depth), min(held.values()), max(held.values())
+        sizes = f"{low} devices each" if low == high else f"{low} to {high} devices"
+        lines.append(f"{len(held)} {_plural(name) if len(held) != 1 else name} of {sizes}: a mesh's inner axes "
+                     f"stay within each {name} where together they span a divisor of "
+                     f"{int(np.gcd.reduce(list(held.values())))} devices")
+    if shape is not None:
+        names = tuple(axis_names) if axis_names is not None else tuple(f"axis{i}" for i in range(len(shape)))
+        lines += describe_axes(topology.mesh(shape, names))
+    return lines

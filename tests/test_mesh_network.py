@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ifrt.ids import LOCAL_ID_BITS
-from ifrt.mesh import describe_axes, domains, ring_links
+from ifrt.mesh import describe_axes, domains, network_lines, ring_links
 from tests.network_topologies import network_topology
 
 
@@ -101,3 +101,16 @@ def test_equal_racks_are_left_in_network_order():
     topology = network_topology(uniform())
     mesh = topology.mesh((8, 2), ("data", "tensor"))
     assert hosts_of(mesh)[::2] == [f"node{i}" for i in (0, 1, 2, 3, 8, 9, 10, 11)]
+
+
+def test_network_lines_say_what_each_level_holds_and_describe_a_mesh():
+    topology = network_topology([(0, "h1", ("s", "r1")), (1, "h2", ("s", "r1")), (2, "h3", ("s", "r1")),
+                                 (3, "h4", ("s", "r2"))])
+    assert network_lines(topology, (2, 4), ("data", "fsdp")) == [
+        "2 racks of 2 to 6 devices: a mesh's inner axes stay within each rack where together they span a divisor of "
+        "2 devices",
+        "1 spine of 8 devices each: a mesh's inner axes stay within each spine where together they span a divisor "
+        "of 8 devices",
+        *describe_axes(topology.mesh((2, 4), ("data", "fsdp"))),
+    ]
+    assert network_lines(network_topology([(0, "h1", ())])) == []
