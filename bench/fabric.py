@@ -22,7 +22,8 @@ Columns (process orders):
 - ``launcher``: the arrival order of the processes (random), or the Kubernetes completion index for pods.
 - ``xla``: XLA's ``network_nodes`` order (``topology_util.cc``): a stable sort of the launcher's process ids on the
   network path, levels compared as text; re-implemented here (one jaxlib process per host cannot run here for
-  1,024 hosts; ``--jaxlib-check`` runs jaxlib's own exchange on 4 processes and prints what it does).
+  1,024 hosts). ``--jaxlib-check`` runs jaxlib's own exchange on 4 processes and checks that the process indices
+  it gives agree (jaxlib 0.10.2 reads the variable: it renumbers ``process_index``, not the device ids).
 - ``optimum``: a lower bound, per axis and level, on the rings that cross the level and on the all-reduce time, for
   layouts that give inner axes priority (tensor inside a host, then fsdp's rings with their tensor groups inside the
   fewest racks): for axis k with n devices a ring and a span P (the axis and those inside it), at a level whose
@@ -250,29 +251,31 @@ jax.config.update("jax_platforms", "cpu")
 pid, n, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid)
 devices = jax.devices()
-if pid == 0:
-    print(json.dumps([d.process_index for d in sorted(devices, key=lambda d: d.id)]))
+print(json.dumps({"process_index": jax.process_index(), "local_device_ids": [d.id for d in jax.local_devices()]}))
 jax.distributed.shutdown()
 """
 
 
 def jaxlib_check(port: int = 29531) -> dict:
-    """jaxlib's own topology exchange on 4 CPU processes, each with XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES set:
-    the processes in the order of their devices' global ids."""
+    """jaxlib's own topology exchange on 4 CPU processes (launched as 0..3), each with
+    XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES set: the process index each ends with, against ``xla_order``."""
     import jaxlib
 
-    paths = ["s,rack3", "s,rack1", "s,rack4", "s,rack2"]
+    paths = [("s", "rack10"), ("s", "rack9"), ("s", "rack2"), ("s", "rack1")]
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.py"
         probe.write_text(JAX_PROBE)
         procs = [subprocess.Popen([sys.executable, str(probe), str(i), "4", str(port)], stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True,
-                                  env={**os.environ, "XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES": paths[i]})
+                                  env={**os.environ, "XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES": ",".join(paths[i])})
                  for i in range(4)]
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    by_id = json.loads(outs[0])
-    return {"jaxlib": jaxlib.__version__, "network_nodes": paths, "processes_by_device_id": by_id,
-            "network_order": sorted(range(4), key=lambda i: paths[i].split(","))}
+        answers = [json.loads(p.communicate(timeout=180)[0]) for p in procs]
+    ours = xla_order(paths, list(range(4)))
+    return {"jaxlib": jaxlib.__version__, "network_nodes": [",".join(p) for p in paths],
+            "process_index_by_launch_id": [a["process_index"] for a in answers],
+            "local_device_ids_by_launch_id": [a["local_device_ids"] for a in answers],
+            "xla_order_here": {h: rank for rank, h in enumerate(ours)},
+            "agrees": [a["process_index"] for a in answers] == [ours.index(h) for h in range(4)]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
