@@ -344,11 +344,14 @@ def describe_axes(mesh: Mesh) -> list[str]:
         links, rings = counts[crossed]
         total = mesh.size // n
         level = found.names[crossed]
-        where = "spans the whole job" if inside is None else f"stays within each {found.names[inside]}"
+        whole = inside is None or len(set(found.keys[inside])) == 1
+        where = "spans the whole job" if whole else f"stays within each {found.names[inside]}"
         if rings == total:
             lines.append(f"{head} crosses {_plural(level)} in every ring ({links} links), {where}")
             continue
-        lines.append(f"{head} crosses {_plural(level)} in {rings} of its {total} rings ({links} links), {where}: "
+        parts = [f"{_plural(found.names[lv])} in {counts[lv][1]}" for lv in range(1, crossed + 1) if counts[lv][1]]
+        parts[0] += f" of its {total} rings"
+        lines.append(f"{head} crosses {' and '.join(parts)} ({links} links across {_plural(level)}), {where}: "
                      f"{_example(mesh, axis, found.keys[crossed], level)}; {_advice(mesh, axis, found, crossed)}")
     return lines
 

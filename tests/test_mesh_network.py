@@ -53,7 +53,7 @@ def uniform() -> list[tuple[int, str, tuple[str, ...]]]:
 def test_each_axis_is_described_by_the_smallest_domain_that_holds_it():
     mesh = network_topology(uniform()).mesh((2, 2, 2, 2), ("data", "fsdp", "pipe", "tensor"))
     assert describe_axes(mesh) == [
-        "axis 'data' (2) crosses blocks in every ring (8 links), stays within each spine",
+        "axis 'data' (2) crosses blocks in every ring (8 links), spans the whole job",
         "axis 'fsdp' (2) crosses racks in every ring (8 links), stays within each block",
         "axis 'pipe' (2) crosses hosts in every ring (8 links), stays within each rack",
         "axis 'tensor' (2) stays within each host",
@@ -66,7 +66,8 @@ def test_an_axis_that_unequal_racks_cannot_hold_says_where_and_what_would():
     topology = network_topology([(0, "h1", ("r1",)), (1, "h2", ("r1",)), (2, "h3", ("r1",)), (3, "h4", ("r2",))])
     mesh = topology.mesh((2, 4), ("data", "fsdp"))
     lines = describe_axes(mesh)
-    assert lines[1] == ("axis 'fsdp' (4) crosses racks in 1 of its 2 rings (2 links), spans the whole job: rack "
+    assert lines[1] == ("axis 'fsdp' (4) crosses racks in 1 of its 2 rings (2 links across racks), spans the whole "
+                        "job: rack "
                         "'r1' holds 2 of its devices, rack 'r2' holds 2; racks hold 2 to 6 devices: the axis span 4 "
                         "devices; a span that divides 2 keeps every ring within its rack (or give the racks equal "
                         "numbers of hosts)")
@@ -94,7 +95,7 @@ def test_unequal_racks_are_packed_so_fewer_rings_cross_them():
     mesh = topology.mesh((2, 2), ("data", "pair"))
     assert [hosts_of(mesh)[:2], hosts_of(mesh)[2:]] == [["b", "c"], ["a", "d"]]
     assert ring_links(mesh, 1, domains(mesh).keys[1]) == (1, 1)
-    assert describe_axes(mesh)[1].startswith("axis 'pair' (2) crosses racks in 1 of its 2 rings (1 links)")
+    assert describe_axes(mesh)[1].startswith("axis 'pair' (2) crosses racks in 1 of its 2 rings (1 links across racks)")
 
 
 def test_equal_racks_are_left_in_network_order():
