@@ -51,6 +51,8 @@ def mesh() -> dict:
     ifrt_mesh = topology.mesh((2, len(topology.devices) // 2), ("data", "model"))
     jax_mesh = ifrt.jax.mesh(ifrt_mesh)
     half = ifrt.jax.mesh(ifrt_mesh.submesh((1, 0), (1, ifrt_mesh.shape[1])))
+    # an order that is not the ids' (as a network order need not be): JAX gets it as it is
+    shuffled = topology.mesh(ifrt_mesh.shape, ("data", "model"), devices=ifrt_mesh.devices.reshape(-1)[::-1].tolist())
     matches, shards = sharded_matmul(jax_mesh)
     return {
         "process_id": topology.process_id,
@@ -62,6 +64,8 @@ def mesh() -> dict:
         "jax_mesh_ids": [[d.id for d in row] for row in jax_mesh.devices],
         "jax_mesh_processes": [[d.process_index for d in row] for row in jax_mesh.devices],
         "submesh_ids": [[d.id for d in row] for row in half.devices],
+        "reversed_ifrt_processes": (shuffled.devices >> 17).tolist(),
+        "reversed_jax_processes": [[d.process_index for d in row] for row in ifrt.jax.mesh(shuffled).devices],
         "jax_local_ids": sorted(d.id for d in jax.local_devices()),
         "result_matches_reference": matches,
         "addressable_shards": shards,

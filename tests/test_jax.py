@@ -50,6 +50,8 @@ def test_four_processes_start_jax_with_assigned_ids_and_compute_across_them(star
         assert a["ifrt_mesh"] == [[0, 1, 1 << 17, 1 << 17 | 1], [2 << 17, 2 << 17 | 1, 3 << 17, 3 << 17 | 1]]
         assert a["jax_mesh_processes"] == [[0, 0, 1, 1], [2, 2, 3, 3]]
         assert a["submesh_ids"] == [a["jax_mesh_ids"][1]]
+        # a mesh in an order other than the ids' (a network order) reaches JAX as it is
+        assert a["reversed_jax_processes"] == a["reversed_ifrt_processes"] == [[3, 3, 2, 2], [1, 1, 0, 0]]
         # a sum over "model" crosses processes: every process's shards equal numpy's result
         assert a["result_matches_reference"] and a["addressable_shards"] == 2
 
