@@ -15,8 +15,9 @@ Columns (process orders):
 
 - ``ifrt``: ``Topology.mesh`` of this change (network path level by level, then hostname, both in natural order),
   over a topology whose process ids are the launcher's (explicit ids, in no network order).
-- ``ifrt_ids``: the hosts in the order of the ids the coordinator assigns (network path, then hostname, naturally),
-  laid out as they come (what a mesh built from ids alone gets).
+- ``ifrt_ids``: the hosts in the order of the ids the coordinator assigns (its own ``assign_process_ids`` on
+  registrations in arrival order: network path, then hostname, naturally), laid out as they come (what a mesh
+  built from ids alone gets).
 - ``hostname_text``: torch's dynamic rendezvous (``sorted`` over its ``_NodeDesc`` of the agents' FQDNs: its own
   code), which is also ifrt's id order before this change (hostname as text).
 - ``launcher``: the arrival order of the processes (random), or the Kubernetes completion index for pods.
@@ -53,9 +54,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coordinator.assignment import assign_process_ids
+from coordinator.registration import Registration
 from ifrt import wire
 from ifrt.ids import LOCAL_ID_BITS
-from ifrt.network import natural_key, path_key
 from ifrt.records import Device, Process, TopologyContent
 from ifrt.topology import Topology
 
@@ -125,9 +127,7 @@ def ifrt_topology(names: list[str], paths: list[tuple[str, ...]], launcher: list
                     for p in processes for i in range(DEVICES))
     content = TopologyContent("fabric", 1, len(processes), processes, devices)
     topology = Topology(wire.encode(content), 0)
-    if topology.processes != processes:  # the wire form does not carry positions yet: hold the records as given
-        topology.__dict__["_content"] = content
-        topology.__dict__.pop("_process_by_id", None)
+    assert topology.processes == processes  # positions travel in the canonical bytes
     return topology
 
 
@@ -138,9 +138,13 @@ def ifrt_order(topology: Topology, launcher: list[int], shape: tuple[int, ...], 
     return [launcher[int(d) >> LOCAL_ID_BITS] for d in flat[::DEVICES]]
 
 
-def coordinator_ids(names: list[str], paths: list[tuple[str, ...]]) -> list[int]:
-    """Hosts in the order the coordinator assigns ids (network path, then hostname, naturally)."""
-    return sorted(range(len(names)), key=lambda h: (path_key(paths[h]), natural_key(names[h])))
+def coordinator_ids(names: list[str], paths: list[tuple[str, ...]], arrival: list[int]) -> list[int]:
+    """Hosts in the order of the ids the coordinator assigns (its own ``assign_process_ids``) to processes that
+    registered in ``arrival`` order with no id of their own."""
+    registrations = [Registration(str(h), "fabric", len(names), None, names[h], f"10.200.{h // 256}.{h % 256}", 0, "",
+                                  (), network=paths[h]) for h in arrival]
+    ids = assign_process_ids(registrations)
+    return sorted(range(len(names)), key=lambda h: ids[str(h)])
 
 
 def torch_order(names: list[str], rng: random.Random) -> list[int]:
@@ -217,7 +221,7 @@ def run_case(fabric_name: str, racks: list[int], form: str) -> dict:
     names, launcher = hostnames(form, len(paths), rng)
     keys = level_keys(paths)
     topology = ifrt_topology(names, paths, launcher)
-    ids = coordinator_ids(names, paths)
+    ids = coordinator_ids(names, paths, launcher)
     peers = {
         "hostname_text": torch_order(names, rng),
         "launcher": launcher,
@@ -287,9 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              for form in ("numbered", "cloud", "pods")]
     out = {"hosts": HOSTS, "devices_per_host": DEVICES, "bandwidth_gbps": BANDWIDTH_GBPS, "bucket_bytes": BUCKET,
            "unequal_racks": unequal_racks(),
-           "ifrt_order": "Topology.mesh of this branch; equal to the coordinator's id order computed with its key "
-                         "(ifrt.network.path_key, then natural_key of the hostname): positions do not travel "
-                         "through a real coordinator on this branch yet",
+           "ifrt_order": "Topology.mesh over canonical topology bytes carrying each process's network path, "
+                         "process ids the launcher's; ifrt_ids: coordinator.assignment.assign_process_ids on "
+                         "registrations in arrival order (the coordinator's own decision, without its gRPC front)",
            "cases": cases}
     if args.jaxlib_check:
         out["jaxlib_check"] = jaxlib_check()

@@ -6,7 +6,7 @@ The agents meet through torch's own ``DynamicRendezvousHandler`` (``--nnodes MIN
 re-rendezvous on a failure or a new node, exactly as with ``--rdzv-backend c10d``); only where its state lives
 changes: one key in ifrt's key-value store, written with compare-and-set, so the rendezvous survives the loss of
 any host and of a coordinator replica (the client moves on to the next replica of ``--rdzv-endpoint``). Node
-ranks follow ifrt's host-aware order: network position (``IFRT_NETWORK_NODES``, level by level), then
+ranks follow ifrt's host-aware order: network position (``IFRT_NETWORK_NODES`` or another source, level by level), then
 hostname in natural order (``node2`` before ``node10``), then host address as a number, like the process ids the
 coordinator assigns, so consecutive node ranks share the smallest rack or block. Registered in the entry-point
 group ``torchrun.handlers`` (see pyproject.toml).
@@ -41,14 +41,12 @@ from ifrt.client import Client
 from ifrt.clusters.base import DEFAULT_PORT
 from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.network import check_path, natural_key, path_key
-from ifrt.settings import COORDINATOR_ENV, own_variables, parse_coordinators
+from ifrt.settings import COORDINATOR_ENV, network_position, own_variables, parse_coordinators
 from ifrt.torch import Store
 from ifrt.torchrun_state import check_state
 from ifrt.transfer import local_address_toward
 
 BACKEND = "ifrt"
-NETWORK_NODES_ENV = "IFRT_NETWORK_NODES"
-"""This agent's network position (comma-separated, root first), as ifrt's processes read it."""
 KEY_PREFIX = "torchrun/"
 """Every key the agents use starts with this (the coordinator lets agents, which are no processes of the
 topology, use these keys only)."""
@@ -170,14 +168,10 @@ class IfrtRendezvousBackend(RendezvousBackend):
 
 
 def agent_position(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """Where this agent's host sits in the network: ``IFRT_NETWORK_NODES`` (comma-separated, root first), checked
-    as every position is (InvalidArgument naming the variable); empty where it is not set.
-
-    The agent reads only this variable: the other sources a worker's registration reads (XLA's variable, Slurm's
-    topology address, a node labels file) belong to ``ifrt.network_sources``, which this should call once it is
-    there, so that an agent and its workers always agree."""
-    value = environ.get(NETWORK_NODES_ENV, "")
-    return check_path(value.split(","), NETWORK_NODES_ENV) if value.strip() else ()
+    """Where this agent's host sits in the network, from the sources its workers read (``IFRT_NETWORK_NODES``,
+    XLA's variable, Slurm's topology address, the node labels file: ``ifrt.settings.network_position``), so an
+    agent and its workers agree; empty where none gives one; InvalidArgument naming the source of a bad one."""
+    return network_position(None, environ).path
 
 
 @dataclass(frozen=True)
