@@ -296,8 +296,10 @@ def domains(mesh: Mesh) -> Domains:
         raise ValueError("this mesh was built without a topology: it cannot say where its devices sit")
     records = mesh.device_records()
     processes = {pid: topology.process(pid) for pid in {d.process_id for d in records}}
-    hosts = tuple(processes[d.process_id].hostname or f"process {d.process_id}" for d in records)
     paths = [tuple(processes[d.process_id].network) for d in records]
+    # a host is named inside its rack: nested domains, even where processes of one machine claim different racks
+    hosts = tuple("/".join((*path, processes[d.process_id].hostname or f"process {d.process_id}"))
+                  for path, d in zip(paths, records, strict=True))
     names, keys = ["host"], [hosts]
     slices = tuple("/".join((*p, f"slice {d.slice_index}")) for p, d in zip(paths, records, strict=True))
     leaves = len({tuple(p) for p in paths})

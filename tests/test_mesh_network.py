@@ -115,3 +115,32 @@ def test_network_lines_say_what_each_level_holds_and_describe_a_mesh():
         *describe_axes(topology.mesh((2, 4), ("data", "fsdp"))),
     ]
     assert network_lines(network_topology([(0, "h1", ())])) == []
+
+
+def test_explicit_ids_from_a_real_coordinator_keep_and_the_mesh_follows_the_network(monkeypatch):
+    import threading
+
+    import ifrt
+    from coordinator.local import LocalCoordinator
+
+    racks = ["rack10", "rack9", "rack2", "rack1"]  # process i's rack: the launcher's ids run against the network
+    topologies: list = [None] * 4
+    monkeypatch.setenv("IFRT_CPU_DEVICE_COUNT", "2")
+    with LocalCoordinator(num_processes=4) as coordinator:
+        def run(i: int) -> None:
+            with ifrt.Client(coordinator.address, process_id=i, num_processes=4, timeout=60, session=False,
+                             transfer=False, network=("spine", racks[i])) as client:
+                topologies[i] = client.discover()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert len({t.fingerprint for t in topologies}) == 1
+    topology = topologies[0]
+    assert [p.network for p in topology.processes] == [("spine", r) for r in racks]  # ids as given
+    mesh = topology.mesh((4, 2), ("data", "tensor"))
+    assert (mesh.devices >> LOCAL_ID_BITS).tolist() == [[3, 3], [2, 2], [1, 1], [0, 0]]  # rack1, rack2, rack9, rack10
+    assert describe_axes(mesh) == ["axis 'data' (4) crosses racks in every ring (8 links), spans the whole job",
+                                   "axis 'tensor' (2) stays within each host"]

@@ -268,8 +268,9 @@ def test_node_ranks_follow_the_network_then_natural_hostnames():
     assert node_ranks(hosts) == {"d": 0, "c": 1, "a": 2, "b": 3}
 
 
-def test_an_agent_reads_its_position_from_ifrt_network_nodes_and_refuses_a_bad_one():
+def test_an_agent_reads_its_position_as_its_workers_do_and_refuses_a_bad_one():
     assert agent_position({"IFRT_NETWORK_NODES": "spine1, block2,rack7"}) == ("spine1", "block2", "rack7")
+    assert agent_position({"XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES": "s,r1"}) == ("s", "r1")
     assert agent_position({}) == ()
     with pytest.raises(InvalidArgument, match=r"IFRT_NETWORK_NODES: level 1 of the network path .* is empty"):
         agent_position({"IFRT_NETWORK_NODES": "spine1,,rack7"})
@@ -295,9 +296,10 @@ def test_agents_in_two_racks_get_node_ranks_in_rack_order_not_address_order(star
     coordinator = start_coordinator(num_processes=4)
     # by address 127.0.0.9 would be node 0 (ifrt's order without positions); its rack, rack10, comes after rack2
     placed = {"127.0.0.9": "spine,rack10", "127.0.0.10": "spine,rack2"}
-    agents = [torchrun(coordinator.address, "racks", addr, ifrt_env={"IFRT_NETWORK_NODES": rack})
+    agents = [torchrun(coordinator.address, "racks", addr, "--ifrt", ifrt_env={"IFRT_NETWORK_NODES": rack})
               for addr, rack in placed.items()]
     finish_all(agents)
     reports = results(tmp_path)
     assert {r["node_addr"]: r["GROUP_RANK"] for r in reports} == {"127.0.0.10": "0", "127.0.0.9": "1"}
+    assert [r["process_id"] for r in reports] == [0, 1, 2, 3]  # the workers' ids, in the same network order
     assert {r["MASTER_ADDR"] for r in reports} == {"127.0.0.10"}
