@@ -11,6 +11,7 @@ import sys
 from ifrt import render, variables, waiting
 from ifrt.client import Client
 from ifrt.errors import IfrtError
+from ifrt.mesh import network_lines
 from ifrt.safe_text import safe, safe_lines
 from ifrt.settings import (
     COORDINATOR_ENV,
@@ -53,6 +54,10 @@ def parser() -> argparse.ArgumentParser:
                    timeout_help="give up after this long, naming who is missing (default %(default)s)")
     d.add_argument("--json", action="store_true", help="print the topology as one JSON object (Topology.to_dict)")
     d.add_argument("--verbose", "-v", action="store_true", help="log progress while waiting")
+    d.add_argument("--mesh", metavar="SHAPE", type=_mesh_shape,
+                   help="a mesh shape such as 64x16x8: also say which level of the network each of its axes crosses")
+    d.add_argument("--axes", metavar="NAMES", default=None,
+                   help="the --mesh axes' names, comma-separated, outermost first (default axis0,axis1,...)")
     pl = commands.add_parser("plugins", help="list the device plugins found and whether each works here",
                              description="Lists built-in plugins and those of installed distributions (entry "
                                          "point group ifrt.plugins), whether each is available here and why not. "
@@ -301,11 +306,30 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(topology.to_json())
-    else:
-        print(render.summary(topology))
-        print(f"this process: {topology.process_id}")
-        print(render.table(topology))
+        return 0
+    print(render.summary(topology))
+    print(f"this process: {topology.process_id}")
+    print(render.table(topology))
+    names = args.axes.split(",") if args.axes else None
+    try:
+        lines = network_lines(topology, args.mesh, names)
+    except ValueError as e:  # a shape that does not hold the topology's devices, names that do not fit it
+        print(f"ifrt discover: --mesh {'x'.join(map(str, args.mesh or ()))}: {safe(e)}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(safe(line))
     return 0
+
+
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    """``64x16x8`` -> (64, 16, 8); argparse's error for anything but positive sizes joined by ``x``."""
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive axis sizes joined by x, such as 64x16x8")
+    return shape
 
 
 if __name__ == "__main__":

@@ -398,7 +398,7 @@ def network_lines(topology: Any, shape: Sequence[int] | None = None,
     shape, ``describe_axes`` of ``topology.mesh(shape, axis_names)``. Empty where no process has a position."""
     processes = topology.processes
     if not any(p.network for p in processes):
-        return []
+        return [] if shape is None else describe_axes(topology.mesh(shape, _axis_names(shape, axis_names)))
     devices: dict[int, int] = {}
     for d in topology.devices:
         devices[d.process_id] = devices.get(d.process_id, 0) + 1
@@ -415,6 +415,9 @@ def network_lines(topology: Any, shape: Sequence[int] | None = None,
                      f"stay within each {name} where together they span a divisor of "
                      f"{int(np.gcd.reduce(list(held.values())))} devices")
     if shape is not None:
-        names = tuple(axis_names) if axis_names is not None else tuple(f"axis{i}" for i in range(len(shape)))
-        lines += describe_axes(topology.mesh(shape, names))
+        lines += describe_axes(topology.mesh(shape, _axis_names(shape, axis_names)))
     return lines
+
+
+def _axis_names(shape: Sequence[int], axis_names: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(axis_names) if axis_names is not None else tuple(f"axis{i}" for i in range(len(shape)))

@@ -144,3 +144,41 @@ def test_explicit_ids_from_a_real_coordinator_keep_and_the_mesh_follows_the_netw
     assert (mesh.devices >> LOCAL_ID_BITS).tolist() == [[3, 3], [2, 2], [1, 1], [0, 0]]  # rack1, rack2, rack9, rack10
     assert describe_axes(mesh) == ["axis 'data' (4) crosses racks in every ring (8 links), spans the whole job",
                                    "axis 'tensor' (2) stays within each host"]
+
+
+def test_ifrt_discover_says_where_each_axis_of_a_mesh_sits(start_coordinator):
+    import os
+    import subprocess
+
+    from tests.helpers import BIN, finish
+
+    coordinator = start_coordinator(num_processes=2)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    children = [subprocess.Popen([str(BIN / "ifrt"), "discover", "--coordinator", coordinator.address, "--timeout",
+                                  "60", "--mesh", "2x2", "--axes", "data,tensor"],
+                                 env={**clean, "IFRT_CPU_DEVICE_COUNT": "2", "IFRT_NETWORK_NODES": f"spine,{rack}",
+                                      "IFRT_LOCAL_RANK": str(rank)},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for rank, rack in enumerate(("rack10", "rack9"))]
+    for child in children:
+        code, out, err = finish(child)
+        assert code == 0, err
+        assert out.splitlines()[-4:] == [
+            "2 racks of 2 devices each: a mesh's inner axes stay within each rack where together they span a divisor "
+            "of 2 devices",
+            "1 spine of 4 devices each: a mesh's inner axes stay within each spine where together they span a divisor "
+            "of 4 devices",
+            "axis 'data' (2) crosses racks in every ring (2 links), spans the whole job",
+            "axis 'tensor' (2) stays within each host"], out
+
+
+def test_a_bad_mesh_shape_is_refused_before_anything_registers():
+    import subprocess
+
+    from tests.helpers import BIN
+
+    for shape in ("0x2", "2xfour", ""):
+        result = subprocess.run([str(BIN / "ifrt"), "discover", "--coordinator", "127.0.0.1:1", "--mesh", shape],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2
+        assert f"argument --mesh: {shape!r}: expected positive axis sizes joined by x, such as 64x16x8" in result.stderr
