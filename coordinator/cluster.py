@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from coordinator.limits import DEFAULT_LIMITS, Limits
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_PROCESSES
+from ifrt.protocol import SLOW_SHARE
 
 # Liveness rides on each connection's HTTP/2 keepalive (CoordinatorConfig.keepalive_options). A process that goes
 # silent is noticed at most ping interval + ping timeout later (its connection is dropped and its session ends), then
@@ -19,6 +20,11 @@ PING_INTERVAL_SHARE = 1 / 2
 PING_TIMEOUT_SHARE = 3 / 8
 """How long a ping may go unanswered, as a share of the heartbeat timeout: long enough that a peer whose gRPC core
 is slow to answer (a host busy with a registration storm) keeps its session."""
+
+
+HEARTBEAT_SHARE = 1 / 5
+"""How often a session sends a Heartbeat, as a share of the heartbeat timeout. Heartbeats decide nothing (the
+keepalive pings do): they show a process that stopped answering as slow before its connection is dropped."""
 
 
 class FailurePolicy(enum.StrEnum):
@@ -40,6 +46,10 @@ class ClusterConfig:
     """A process silent this long (its connection's keepalive pings unanswered, or its session ended and it did not
     attach again) is failed; before publication, its registration is forgotten."""
     on_failure: FailurePolicy = FailurePolicy.PROPAGATE
+    max_heartbeat_rate: float = 512.0
+    """Heartbeats a second the sessions of the whole job may send: each costs the coordinator about 0.1-0.3 ms of
+    CPU, so past ``max_heartbeat_rate * heartbeat_timeout_s * HEARTBEAT_SHARE`` processes (1,024 at the defaults)
+    they are spaced further apart, and a process that stops answering shows as slow later."""
     min_processes: int = 1
     """With the elastic policy: fewest processes a new generation may have."""
     limits: Limits = DEFAULT_LIMITS
@@ -73,6 +83,21 @@ class ClusterConfig:
             raise InvalidArgument(f"--max-restarts {self.max_restarts} is out of range: expected an integer >= 0")
         if not self.heartbeat_timeout_s > 0:
             raise InvalidArgument(f"heartbeat timeout {self.heartbeat_timeout_s} is not positive: expected seconds > 0")
+        if not self.max_heartbeat_rate > 0:
+            raise InvalidArgument(f"--max-heartbeat-rate {self.max_heartbeat_rate} is not positive: expected "
+                                  "heartbeats a second > 0")
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often each session sends a Heartbeat: HEARTBEAT_SHARE of the heartbeat timeout, or as spaced as
+        ``max_heartbeat_rate`` asks for this job's processes."""
+        return max(self.heartbeat_timeout_s * HEARTBEAT_SHARE, self.num_processes / self.max_heartbeat_rate)
+
+    @property
+    def slow_after_s(self) -> float:
+        """A session quiet this long (no Heartbeat) shows its process as slow: SLOW_SHARE of the timeout, or one
+        and a half heartbeat intervals where heartbeats are spaced further."""
+        return max(self.heartbeat_timeout_s * SLOW_SHARE, 1.5 * self.heartbeat_interval_s)
 
     @property
     def reconnect_grace_s(self) -> float:

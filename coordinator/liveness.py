@@ -26,11 +26,16 @@ class Overdue:
     member: Member
     silent_s: float
     grace_s: float
+    stopped_answering: bool = False
+    """Its session had sent no Heartbeat for a while when its connection was dropped: it hung, not its network."""
 
     @property
     def why(self) -> str:
         if self.member.status is Status.JOINING:
             return f"went silent for {self.silent_s:.1f}s before the topology was published"
+        if self.stopped_answering:
+            return (f"stopped answering (no heartbeat for {self.member.quiet_s:.1f}s, then its connection was "
+                    f"dropped) and did not come back within {self.grace_s:g}s")
         return f"lost its connection and did not come back within {self.grace_s:g}s"
 
 
@@ -65,11 +70,20 @@ class Liveness:
         """A session opened: its connection's keepalive vouches for the process from now on."""
         self._last_arrival = now
         member.sessions += 1
+        member.heard_at, member.quiet_s = None, 0.0
         self._vouched(member, now)
+
+    @staticmethod
+    def heard(member: Member, now: float) -> None:
+        """A session's Heartbeat: the process answers. It decides nothing (a quiet session is shown slow, not
+        failed); a session that never sent one is judged by its connection's keepalive alone."""
+        member.heard_at = now
 
     def detached(self, member: Member, now: float) -> None:
         """A session ended: unless another session or a call vouches for it, the reconnect grace starts."""
         member.sessions = max(0, member.sessions - 1)
+        if not member.sessions and member.heard_at is not None:
+            member.quiet_s = now - member.heard_at
         self._released(member, now, self.config.reconnect_grace_s)
 
     def _vouched(self, member: Member, now: float) -> None:
@@ -109,7 +123,7 @@ class Liveness:
             if silent <= grace or (catching_up and silent <= config.catching_up_limit_s):
                 continue
             del self._unattended[uid]
-            found.append(Overdue(member, silent, grace))
+            found.append(Overdue(member, silent, grace, member.quiet_s > config.slow_after_s))
         return found
 
     def fail(self, member: Member, process_id: int, why: str) -> bool:

@@ -28,6 +28,10 @@ class Member:
     reason: str = ""
     grace_s: float | None = None  # how long it may stay silent without a call or session; None: the heartbeat timeout
     replaced: bool = False  # a newer incarnation holds its claim: only what answers its client is kept (see ``retire``)
+    heard_at: float | None = None  # its session's last Heartbeat (None: none since it attached, as from a client
+    # that predates them): a session quiet past ClusterConfig.slow_after_s shows its process as slow
+    quiet_s: float = 0.0  # how long its session had been quiet when the last one ended: a dropped connection after
+    # that long means the process stopped answering, not that its connection was lost
 
     @property
     def uid(self) -> str:

@@ -210,6 +210,8 @@ class _StateCollector(Collector):
         yield states
         yield _gauge("ifrt_processes_registered", "Processes registered (current incarnations)", report.registered)
         yield _gauge("ifrt_processes_failed", "Processes declared failed and not restarted", len(report.failed))
+        yield _gauge("ifrt_processes_slow", "Processes alive whose session has sent no heartbeat for a third of the "
+                     "heartbeat timeout (stopped answering; failed if it stays so)", len(report.slow))
         yield _gauge("ifrt_generation", "Generation of the published topology (0 before publication)",
                      report.generation)
         yield _gauge("ifrt_sessions_open", "Live session streams open", report.sessions_open)

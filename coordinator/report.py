@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.admission import Admission
-from coordinator.members import Status
+from coordinator.members import Member, Status
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, ProcessReport, StatusReport
 
 
@@ -15,7 +15,7 @@ def cluster_report(admission: Admission, now: float) -> StatusReport:
         member = admission.members[uid]
         r = member.registration
         pid = admission.process_ids.get(claim, r.process_id)
-        age = 0.0 if member.attended else max(0.0, now - member.last_seen)
+        age = heartbeat_age(member, now)
         processes.append(ProcessReport(pid, r.hostname, r.host_address, r.local_rank, r.address, len(r.devices),
                                        member.status.value, member.reason, member.incarnation, age,
                                        member.sessions > 0, r.network))
@@ -31,4 +31,12 @@ def cluster_report(admission: Admission, now: float) -> StatusReport:
         registered=admission.registered, expected=config.num_processes, missing_process_ids=admission.missing_ids(),
         waited_s=admission.waited_s(now), processes=tuple(processes),
         sessions_open=sum(m.sessions for m in admission.members.values()),
-        heartbeat_timeout_s=config.heartbeat_timeout_s)
+        heartbeat_timeout_s=config.heartbeat_timeout_s, slow_after_s=config.slow_after_s)
+
+
+def heartbeat_age(member: Member, now: float) -> float:
+    """Since the process was last heard from: its session's last Heartbeat (0 for a session that sends none: its
+    keepalive vouches for it), else 0 while a call of it waits on us, else since its last call or session ended."""
+    if member.sessions:
+        return 0.0 if member.heard_at is None else max(0.0, now - member.heard_at)
+    return 0.0 if member.calls else max(0.0, now - member.last_seen)

@@ -20,13 +20,13 @@ from coordinator.outbox import Backlogs, Outbox
 from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, ResourceExhausted
-from ifrt.protocol import NO_HEARTBEATS_MS
 
 log = logging.getLogger("ifrt.coordinator")
 
 _END = object()
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
-"""A Heartbeat message: accepted and ignored (the connection's keepalive pings carry liveness; it decides nothing)."""
+"""A Heartbeat message: it decides nothing (the connection's keepalive pings carry liveness), but a session that sends
+none for a while shows its process as slow."""
 
 
 class _Number:
@@ -101,12 +101,13 @@ class Sessions:
                 f"together passed the coordinator's {FLAGS['backlog_bytes']} of {limits.backlog_bytes} bytes; attach "
                 "again and re-read watched keys")))
         self._hold(uid, queue)
-        reader = asyncio.create_task(self._read(requests, queue))
+        reader = asyncio.create_task(self._read(requests, queue, uid))
         log.debug("session of process %d attached", process_id)
         try:
             generation = service.current_generation()
             await context.write(pb.SessionEvent(attached=pb.Attached(
-                heartbeat_interval_ms=NO_HEARTBEATS_MS, generation=generation.generation)).SerializeToString())
+                heartbeat_interval_ms=round(state.config.heartbeat_interval_s * 1000),
+                generation=generation.generation)).SerializeToString())
             sent = 0  # the number of the last job event this session has
             if opening.open.since_event:
                 sent = await self._catch_up(context, state, process_id, opening.open)
@@ -171,11 +172,15 @@ class Sessions:
             await context.write(snapshot_message(catch_up.snapshot))
         return catch_up.head
 
-    async def _read(self, requests: AsyncIterator[bytes], queue: Outbox) -> None:
-        """Reads the session's messages after SessionOpen until the stream ends."""
+    async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, uid: str) -> None:
+        """Reads the session's messages after SessionOpen until the stream ends: Heartbeats (the process answers)
+        and key watches."""
+        service = self._service
         try:
             async for raw in requests:
-                if raw != _HEARTBEAT:
+                if raw == _HEARTBEAT:
+                    service.state.heard(uid, service.clock())
+                else:
                     self._request(raw, queue)
         except (grpc.RpcError, asyncio.CancelledError):
             pass

@@ -228,6 +228,11 @@ class ClusterState:
         self._liveness.attached(member, now)
         return self._admission.process_id(member)
 
+    def heard(self, client_uid: str, now: float) -> None:
+        """A Heartbeat on a session of ``client_uid`` (its owner was checked when the session opened)."""
+        if (member := self._admission.members.get(client_uid)) is not None:
+            self._liveness.heard(member, now)
+
     def detach(self, client_uid: str, now: float) -> None:
         """A session ended (closed, or its connection dropped): unless another is open, the process has the
         reconnect grace to attach again."""

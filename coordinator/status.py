@@ -30,7 +30,8 @@ class ProcessReport:
     reason: str
     incarnation: int
     heartbeat_age_s: float
-    """Since the process was last heard from; 0 while a call of it is in flight."""
+    """Since the process was last heard from: its session's last Heartbeat, else its last call (0 while a call of
+    it is in flight and no session is open)."""
     attached: bool
     network: tuple[str, ...] = ()
     """Where its host sits in the network, root to leaf (empty: no position)."""
@@ -52,10 +53,18 @@ class StatusReport:
     processes: tuple[ProcessReport, ...]
     sessions_open: int
     heartbeat_timeout_s: float
+    slow_after_s: float
+    """A process alive whose session has sent no Heartbeat for longer is slow."""
 
     @property
     def failed(self) -> tuple[ProcessReport, ...]:
         return tuple(p for p in self.processes if p.phase == "failed")
+
+    @property
+    def slow(self) -> tuple[ProcessReport, ...]:
+        """Processes alive whose session has sent no Heartbeat for more than ``slow_after_s``."""
+        return tuple(p for p in self.processes
+                     if p.phase == "alive" and p.attached and p.heartbeat_age_s > self.slow_after_s)
 
     @property
     def max_heartbeat_age_s(self) -> float:
@@ -78,7 +87,8 @@ def leader_answer(report: StatusReport, *, fingerprint: str, replica: str, leade
         missing_process_ids=report.missing_process_ids, missing=report.expected - report.registered,
         processes=[_process(p) for p in report.processes], leader=leader, replica=replica, store=store,
         waited_seconds=report.waited_s, time_to_publish_seconds=time_to_publish_s or 0.0,
-        sessions_open=report.sessions_open, heartbeat_timeout_seconds=report.heartbeat_timeout_s, attempt=attempt)
+        sessions_open=report.sessions_open, heartbeat_timeout_seconds=report.heartbeat_timeout_s, attempt=attempt,
+        slow_after_seconds=report.slow_after_s)
 
 
 def standby_answer(*, cluster_id: str, expected: int, replica: str, leader: str | None, store: str,

@@ -15,6 +15,9 @@ TOKEN_METADATA = "ifrt-token"
 """Call metadata carrying the cluster's shared token (compared in constant time by the coordinator)."""
 SECRET_METADATA = "ifrt-process-secret"
 """Call metadata carrying this process's own secret: only the process that registered may act for it."""
+SLOW_SHARE = 1 / 3
+"""A process whose session sent no Heartbeat for this share of the heartbeat timeout is shown as slow (``ifrt
+status``, the status page, metrics): it stopped answering, and is declared failed if it stays so."""
 NO_HEARTBEATS_MS = 3_600_000
 """``Attached.heartbeat_interval_ms`` of a coordinator that asks for no Heartbeat (an hour, not 0, which a client
 could take as "without pause")."""

@@ -167,6 +167,9 @@ class Session:
         if kind == "attached":
             interval_ms = event.attached.heartbeat_interval_ms
             self._heartbeat_s = interval_ms / 1000 if 0 < interval_ms < NO_HEARTBEATS_MS else None
+            with self._watch_lock:  # the request stream waits without a timeout until now: wake it
+                if self._outbox is not None and self._heartbeat_s is not None:
+                    self._outbox.put(HEARTBEAT)
             self.attached.set()
             self._connection.answered(target)
             if self._lost:

@@ -12,6 +12,7 @@ from html import escape
 from typing import Any
 
 from ifrt.network import natural_key, path_key
+from ifrt.protocol import SLOW_SHARE
 from ifrt.safe_text import safe
 
 MARKS = ("failed", "missing", "restarting", "slow", "left", "joining", "alive")
@@ -25,20 +26,23 @@ MAX_TILES = 1024
 MAX_RACK_ROWS = 128
 """Up to this many racks, the tiles of each rack start a row of their own, named at its left; past it, the tiles run
 on in network order."""
-SLOW_FRACTION = 0.5
-"""A process unheard of for more than this fraction of the heartbeat timeout is marked slow."""
 DEVICES_PER_ROW = 8
 _CELL, _GAP, _HOST_W, _COLUMNS, _TILE, _TILES_PER_ROW, _RACK_LABEL_W = 40, 4, 460, 3, 12, 64, 170
 
 
-def mark(process: dict[str, Any], heartbeat_timeout_s: float) -> str:
+def slow_after(view: dict[str, Any]) -> float:
+    """Seconds without a heartbeat after which the view's processes are slow (0: never)."""
+    return view.get("slow_after_s") or SLOW_SHARE * (view.get("heartbeat_timeout_s") or 0.0)
+
+
+def mark(process: dict[str, Any], slow_after_s: float) -> str:
     """How ``process`` (a process of the view) is drawn: one of ``MARKS``."""
     state = process["state"]
     if state in ("failed", "left", "missing"):
         return state
     if state == "joining" and process.get("incarnation", 0) > 0:
         return "restarting"
-    if heartbeat_timeout_s > 0 and process.get("heartbeat_age_s", 0) > SLOW_FRACTION * heartbeat_timeout_s:
+    if slow_after_s > 0 and process.get("attached", True) and process.get("heartbeat_age_s", 0) > slow_after_s:
         return "slow"
     return state if state in MARKS else "joining"
 
@@ -57,11 +61,11 @@ def processes_with_missing(view: dict[str, Any]) -> list[dict[str, Any]]:
     return processes + placeholders
 
 
-def describe(process: dict[str, Any], heartbeat_timeout_s: float) -> str:
+def describe(process: dict[str, Any], slow_after_s: float) -> str:
     """One line about a process for a tooltip or a list: id, host, mark, reason, heartbeat age."""
     pid = "?" if process["process_id"] is None else process["process_id"]
     where = safe(process["host"]) + (f" ({safe(process['host_address'])})" if process.get("host_address") else "")
-    text = f"process {pid} on {where}: {mark(process, heartbeat_timeout_s)}"
+    text = f"process {pid} on {where}: {mark(process, slow_after_s)}"
     if process.get("reason"):
         text += f", {safe(process['reason'])}"
     if process["state"] != "missing":
@@ -73,7 +77,7 @@ def describe(process: dict[str, Any], heartbeat_timeout_s: float) -> str:
 
 def svg(view: dict[str, Any]) -> str:
     """The picture of the cluster ``view`` describes, as a standalone SVG document (no external asset)."""
-    timeout = view.get("heartbeat_timeout_s") or 0.0
+    timeout = slow_after(view)
     processes = processes_with_missing(view)
     hosts = _hosts(processes)
     counts = {m: 0 for m in MARKS}
@@ -247,7 +251,7 @@ def _shown(text: object) -> str:
 
 def trouble(view: dict[str, Any]) -> Iterable[str]:
     """A line for each process that is not alive and well (failed, missing, restarting, slow, left), worst first."""
-    timeout = view.get("heartbeat_timeout_s") or 0.0
+    timeout = slow_after(view)
     marked = [(MARKS.index(mark(p, timeout)), p) for p in processes_with_missing(view)]
     for _, p in sorted((m for m in marked if MARKS[m[0]] not in ("alive", "joining")), key=lambda m: m[0]):
         yield describe(p, timeout)

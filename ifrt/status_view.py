@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.protocol import SLOW_SHARE
 from ifrt.safe_text import safe
 
 STANDBY = "standby"
@@ -38,6 +39,7 @@ def to_dict(answer: pb.StatusResponse) -> dict[str, Any]:
         "time_to_publish_s": round(answer.time_to_publish_seconds, 3) if answer.time_to_publish_seconds else None,
         "sessions_open": answer.sessions_open,
         "heartbeat_timeout_s": answer.heartbeat_timeout_seconds,
+        "slow_after_s": answer.slow_after_seconds or SLOW_SHARE * answer.heartbeat_timeout_seconds,
         "attempt": answer.attempt,
     }
 
@@ -88,7 +90,7 @@ def render(view: dict[str, Any]) -> str:
     lines.append("replicas:   " + ", ".join(f"{r['address']} {r['role']}" for r in view["replicas"]))
     if view["processes"]:
         lines.append("")
-        lines.append(_table(view["processes"]))
+        lines.append(_table(view["processes"], view.get("slow_after_s") or 0.0))
     return "\n".join(lines)
 
 
@@ -108,11 +110,18 @@ def domain(path: Any) -> str:
     return "/".join(path)
 
 
+def _state(p: dict[str, Any], slow_after_s: float) -> str:
+    """A process's state, ``alive (slow)`` where its session has sent no heartbeat for ``slow_after_s``."""
+    if p["state"] == "alive" and p["attached"] and p["heartbeat_age_s"] > slow_after_s > 0:
+        return "alive (slow)"
+    return p["state"]
+
+
 def _where(p: dict[str, Any]) -> str:
     return f"{p['host']} ({p['host_address']})" if p["host_address"] else p["host"]
 
 
-def _table(processes: list[dict[str, Any]]) -> str:
+def _table(processes: list[dict[str, Any]], slow_after_s: float) -> str:
     """One row per process: id, host, its network domain (a column only where some process has one), local rank,
     devices, state, incarnation, heartbeat age, session, reason."""
     networked = any(p.get("network") for p in processes)
@@ -121,8 +130,8 @@ def _table(processes: list[dict[str, Any]]) -> str:
     rows = [header] + [(
         "-" if p["process_id"] is None else str(p["process_id"]), _where(p),
         *((domain(p.get("network", ())) or "-",) if networked else ()), str(p["local_rank"]), str(p["devices"]),
-        p["state"], str(p["incarnation"]), f"{p['heartbeat_age_s']:.1f}s", "open" if p["attached"] else "-",
-        p["reason"]) for p in processes]
+        _state(p, slow_after_s), str(p["incarnation"]), f"{p['heartbeat_age_s']:.1f}s",
+        "open" if p["attached"] else "-", p["reason"]) for p in processes]
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     right = {0, 3, 4, 6, 7} if networked else {0, 2, 3, 5, 6}
     lines = ["  ".join(cell.rjust(w) if c in right else cell.ljust(w)

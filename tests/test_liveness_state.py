@@ -251,3 +251,28 @@ def test_oversized_value_is_refused_and_stores_nothing():
         s.kv_set("p0", "k", b"x" * 9, allow_overwrite=False)
     assert s.kv_get("p0", "k") is None
     assert s.take_journal() == []
+
+
+def test_a_session_that_stopped_heartbeating_shows_slow_and_fails_as_stopped_answering():
+    s = published()  # heartbeat timeout 1 s: slow past 1/3 s without a heartbeat
+    for uid in ("p0", "p1", "p2"):
+        s.heard(uid, 0.1)
+    s.heard("p0", 0.45)
+    s.heard("p2", 0.45)
+    report = s.report(0.5)
+    assert [p.process_id for p in report.slow] == [1]  # quiet for 0.4 s
+    assert [round(p.heartbeat_age_s, 2) for p in report.processes] == [0.05, 0.4, 0.05]
+    s.detach("p1", 0.6)  # its connection dropped after 0.5 s without a heartbeat: it stopped answering
+    s.heard("p2", 0.59)
+    s.detach("p2", 0.6)  # heard from just before: its connection was lost
+    assert failures(s.tick(0.8)) == [
+        ProcessFailed(1, "stopped answering (no heartbeat for 0.5s, then its connection was dropped) and did not "
+                         "come back within 0.125s"),
+        ProcessFailed(2, "lost its connection and did not come back within 0.125s")]
+
+
+def test_a_session_that_never_heartbeats_is_judged_by_its_connection_alone():
+    s = published()  # clients that predate heartbeats: keepalive vouches for them, as before
+    assert s.report(50.0).slow == () and {p.heartbeat_age_s for p in s.report(50.0).processes} == {0.0}
+    s.detach("p1", 50.0)
+    assert failures(s.tick(50.2)) == [ProcessFailed(1, "lost its connection and did not come back within 0.125s")]

@@ -616,7 +616,7 @@ class ProcessStatus(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt")
+    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt", "slow_after_seconds")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +635,7 @@ class StatusResponse(_message.Message):
     SESSIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SLOW_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     state: ClusterPhase
     generation: int
@@ -653,4 +654,5 @@ class StatusResponse(_message.Message):
     sessions_open: int
     heartbeat_timeout_seconds: float
     attempt: int
-    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
+    slow_after_seconds: float
+    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ..., attempt: _Optional[int] = ..., slow_after_seconds: _Optional[float] = ...) -> None: ...
