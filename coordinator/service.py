@@ -37,6 +37,7 @@ from coordinator.waits import progress_stale, wait_s
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import AttemptEnded, CoordinatorUnavailable, IfrtError, UnknownClient
+from ifrt.protocol import attempt_ended
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -112,8 +113,7 @@ class CoordinatorService:
                         extra={"event": "attempt_started", "attempt": view.attempt, "process_id": ended.process_id,
                                "host": ended.host, "reason": ended.reason})
         self._waiters.wake_all()
-        self.sessions.close(f"attempt {view.attempt - 1} of the job ended; attempt {view.attempt} starts (its "
-                            "processes register anew)")
+        self.sessions.close(attempt_ended(view.attempt - 1, view.attempt))
         self._on_serving()
 
     # The pipeline's steps.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 
 from ifrt.errors import InvalidArgument
 
@@ -21,6 +22,20 @@ status``, the status page, metrics): it stopped answering, and is declared faile
 NO_HEARTBEATS_MS = 3_600_000
 """``Attached.heartbeat_interval_ms`` of a coordinator that asks for no Heartbeat (an hour, not 0, which a client
 could take as "without pause")."""
+
+
+def attempt_ended(ended: int, started: int) -> str:
+    """Why the coordinator ends every session when the job's next attempt starts (``ended_attempt`` reads it)."""
+    return f"attempt {ended} of the job ended; attempt {started} starts (its processes register anew)"
+
+
+def ended_attempt(reason: str) -> tuple[int, int] | None:
+    """The (ended, started) attempts of a session's end that ``attempt_ended`` gave, else None."""
+    found = _ATTEMPT_ENDED.match(reason)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+_ATTEMPT_ENDED = re.compile(r"attempt (\d+) of the job ended; attempt (\d+) starts \(its processes register anew\)$")
 
 
 def proof_of(secret: str) -> str:

@@ -30,7 +30,7 @@ from ifrt.events import (
     ProcessRestarted,
     TopologyChanged,
 )
-from ifrt.protocol import NO_HEARTBEATS_MS
+from ifrt.protocol import NO_HEARTBEATS_MS, ended_attempt
 from ifrt.settings import session_gate
 from ifrt.topology import Topology
 
@@ -219,7 +219,11 @@ class Session:
         self.attached.clear()
         if not self._lost:
             self._lost = True
-            log.warning("lost the coordinator: %s; reconnecting", reason)
+            if (attempts := ended_attempt(reason)) is not None:  # not a lost coordinator: ifrt run restarts us
+                log.info("attempt %d of the job ended and attempt %d starts: this process's agent (ifrt run) "
+                         "stops it and starts it again", *attempts)
+            else:
+                log.warning("lost the coordinator: %s; reconnecting", reason)
             self._emit(CoordinatorLost(reason))
 
     def _rejoin(self) -> None:

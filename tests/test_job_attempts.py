@@ -5,6 +5,7 @@ none of it."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import signal
 import threading
@@ -15,6 +16,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
+import ifrt
 from coordinator import compaction, journal
 from coordinator.attempts import (
     FAILURES_KEPT,
@@ -32,6 +34,7 @@ from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.errors import AttemptEnded, ClusterMismatch, InvalidArgument, PermissionDenied, from_rpc_error
+from ifrt.events import CoordinatorLost
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA, proof_of
 from tests.helpers import TIMEOUT, admit, lose_session, published, reg, register_request
 from tests.replicas import LEADER_TTL, serving
@@ -584,3 +587,19 @@ def test_agents_that_are_gone_make_room_for_the_next_run_of_the_job(start_coordi
     finally:
         for agent in second:
             agent.close()
+
+
+def test_a_process_whose_attempt_ended_says_so_not_that_it_lost_the_coordinator(start_coordinator, caplog):
+    coordinator = start_coordinator(num_processes=1)
+    caplog.set_level(logging.INFO, logger="ifrt.client")
+    with WireAgent(coordinator.address, "host-1").join() as agent, \
+            ifrt.Client(coordinator.address, process_id=0, attempt=0, transfer=False, timeout=30) as client:
+        ended = threading.Event()
+        client.on_event(lambda e: isinstance(e, CoordinatorLost) and ended.set())
+        client.discover()
+        assert client.wait_attached(30)
+        assert agent.next(0).attempt == 1
+        assert ended.wait(30)
+    said = [r for r in caplog.records if "attempt 0 of the job ended and attempt 1 starts" in r.getMessage()]
+    assert said and said[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if "lost the coordinator" in r.getMessage()]
