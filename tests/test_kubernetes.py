@@ -242,7 +242,7 @@ def test_an_indexed_job_pod_gets_its_index_the_count_and_every_replica(tmp_path,
     assert seen == [(0, 0), (1, 1), (2, 2), (3, 3)]
 
 
-def jobset_pods(tmp_path: Path) -> Iterator[tuple[int, int, dict[str, str]]]:
+def jobset_pods(tmp_path: Path, labels: str = "") -> Iterator[tuple[int, int, dict[str, str]]]:
     """Every pod of the JobSet with the annotations JobSet's controller gives it (labelAndAnnotateObject)."""
     jobset = find(DEPLOY / "workers" / "jobset.yaml", "JobSet")
     name, replicated_jobs = jobset["metadata"]["name"], jobset["spec"]["replicatedJobs"]
@@ -262,8 +262,10 @@ def jobset_pods(tmp_path: Path) -> Iterator[tuple[int, int, dict[str, str]]]:
                 "jobset.sigs.k8s.io/job-global-index": str(offset + job_index),
             }  # no jobset.sigs.k8s.io/coordinator: the manifest names no spec.coordinator
             for pod in range(replicated["template"]["spec"]["completions"]):
+                written = node_labels_written(pod_spec, tmp_path / f"{job_index}-{pod}",
+                                              labels.format(index=offset + job_index))
                 env = render_env(container, annotations | {"batch.kubernetes.io/job-completion-index": str(pod)},
-                                 mounts)
+                                 mounts | written)
                 yield offset + job_index, pod, env | kubernetes_pod_env(pod, f"{name}-{replicated['name']}-"
                                                                              f"{job_index}-{pod}")
         offset += replicated["replicas"]
@@ -271,8 +273,9 @@ def jobset_pods(tmp_path: Path) -> Iterator[tuple[int, int, dict[str, str]]]:
 
 def test_a_jobset_pod_gets_a_process_id_numbered_across_its_child_jobs(tmp_path, caplog):
     seen = []
-    for job, pod, env in jobset_pods(tmp_path):
+    for job, pod, env in jobset_pods(tmp_path, f"{AWS}1=nn-a\n{AWS}2=nn-b{{index}}\n"):
         settings = resolve(environ=env)
+        assert settings.network == ("nn-a", f"nn-b{job}")  # from the labels file the init container wrote
         assert settings.launcher == "jobset"
         seen.append(((job, pod), settings.process_id))
         assert settings.num_processes == 4
@@ -304,7 +307,15 @@ def test_a_jobset_pod_whose_count_contradicts_the_configmap_is_refused(tmp_path)
 # --- the node's labels, for where the host sits in the network --------------------------------------------------------
 
 
-def test_the_init_container_may_get_its_node_and_nothing_else():
+def worker_pod_specs() -> list[dict]:
+    """The pod template of each worker manifest: the Indexed Job's and the JobSet's."""
+    [replicated] = find(DEPLOY / "workers" / "jobset.yaml", "JobSet")["spec"]["replicatedJobs"]
+    return [find(DEPLOY / "workers" / "indexed-job.yaml", "Job")["spec"]["template"]["spec"],
+            replicated["template"]["spec"]["template"]["spec"]]
+
+
+@pytest.mark.parametrize("pod_spec", worker_pod_specs(), ids=["indexed-job", "jobset"])
+def test_the_init_container_may_get_its_node_and_nothing_else(pod_spec):
     path = DEPLOY / "workers" / "node-labels.yaml"
     account, role, binding = (find(path, kind) for kind in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding"))
     assert role["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
@@ -312,7 +323,6 @@ def test_the_init_container_may_get_its_node_and_nothing_else():
                                   "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
                                     "namespace": account["metadata"]["namespace"]}]
-    pod_spec = find(DEPLOY / "workers" / "indexed-job.yaml", "Job")["spec"]["template"]["spec"]
     assert pod_spec["serviceAccountName"] == account["metadata"]["name"]
     [init] = pod_spec["initContainers"]
     assert init["command"][:3] == ["python", "-m", "ifrt.node_labels"]
