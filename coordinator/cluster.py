@@ -94,10 +94,16 @@ class ClusterConfig:
         return max(self.heartbeat_timeout_s * HEARTBEAT_SHARE, self.num_processes / self.max_heartbeat_rate)
 
     @property
+    def unanswered_after_s(self) -> float:
+        """A session quiet this long (one and a half heartbeat intervals) missed a heartbeat: if its connection is
+        dropped then, the process stopped answering (a healthy one's connection lost is never this quiet)."""
+        return 1.5 * self.heartbeat_interval_s
+
+    @property
     def slow_after_s(self) -> float:
-        """A session quiet this long (no Heartbeat) shows its process as slow: SLOW_SHARE of the timeout, or one
-        and a half heartbeat intervals where heartbeats are spaced further."""
-        return max(self.heartbeat_timeout_s * SLOW_SHARE, 1.5 * self.heartbeat_interval_s)
+        """A session quiet this long (no Heartbeat) shows its process as slow: SLOW_SHARE of the timeout, or
+        ``unanswered_after_s`` where heartbeats are spaced further."""
+        return max(self.heartbeat_timeout_s * SLOW_SHARE, self.unanswered_after_s)
 
     @property
     def reconnect_grace_s(self) -> float:

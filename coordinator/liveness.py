@@ -123,7 +123,7 @@ class Liveness:
             if silent <= grace or (catching_up and silent <= config.catching_up_limit_s):
                 continue
             del self._unattended[uid]
-            found.append(Overdue(member, silent, grace, member.quiet_s > config.slow_after_s))
+            found.append(Overdue(member, silent, grace, member.quiet_s > config.unanswered_after_s))
         return found
 
     def fail(self, member: Member, process_id: int, why: str) -> bool:
