@@ -5,6 +5,11 @@ dead holder (a restart). No I/O, no journal: the router (``ClusterState``) journ
     (none) ──(admit)──▶ JOINING ──(the N-th registers: publish)──▶ ALIVE
        ▲                   │
        └───(forget)────────┘ (silent or gone before publication)
+
+After publication, a registration for an id whose process is live (attended) is refused (ProcessIdTaken); one
+for the id of a dead process takes it over (a restart), answered once no id of the generation is held by a
+process known to be gone (failed or left); one for the id of a process that left, or while a process of the run
+has left (the run is finishing), waits for the job's next run (``coordinator.runs``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ class Takeover:
 
 
 @dataclass(frozen=True)
+class NextRun:
+    """The claim's process left on purpose, or the run is finishing: the registration waits for the next run."""
+
+    holder: Member
+
+
+@dataclass(frozen=True)
 class Joined:
     """A new member was admitted; ``completed`` when it was the last one and generation 1 was built."""
 
@@ -70,12 +82,16 @@ class Admission:
         self.held = 0
         """Bytes of registrations admitted in this job attempt (each journaled for good), as
         ``--max-registration-bytes`` counts them."""
+        self.held_since: dict[object, float] = {}  # claim -> when its current incarnation registered
+        self.pending: set[str] = set()  # restarted processes not answered yet: an id of the run is held by a gone one
+        self.left: set[int] = set()  # process ids whose process left on purpose: they do not come back into this run
 
     @property
     def registered(self) -> int:
         return len(self.holder)
 
-    def admit(self, r: Registration, now: float, attempt: int, *, restoring: bool = False) -> Retry | Takeover | Joined:
+    def admit(self, r: Registration, now: float, attempt: int, *,
+              restoring: bool = False) -> Retry | Takeover | NextRun | Joined:
         """Decides what a registration is (``attempt``: the job's current one); a new member is admitted here, a
         takeover is left to ``take_over``. ``restoring``: replayed from the journal, where it was admitted under
         the limits of its time (none is checked again)."""
@@ -98,17 +114,20 @@ class Admission:
         if holder_uid is not None:
             holder = self.members[holder_uid]
             if holder.live and holder.attended:
-                raise _taken(r, holder.registration)
+                raise _taken(r, holder.registration, now - self.held_since.get(claim, now))
             if self.topology is not None:
+                if holder.status is Status.LEFT or self.finishing():
+                    return NextRun(holder)
                 return Takeover(holder)
             del self.members[holder_uid]  # a dead registration before publication: the newcomer replaces it
         elif self.topology is not None:
             raise ClusterMismatch(f"the cluster is complete: all {self.config.num_processes} processes registered "
                                   f"and generation {self.topology.generation} is published; {r.describe()} is not "
-                                  "one of them")
+                                  f"one of them: is another job using this coordinator? {ANOTHER_JOB}")
         member = self.members[r.client_uid] = Member(r, Status.JOINING, now)
         self.held += registration_cost(r)
         self.holder[claim] = r.client_uid
+        self.held_since[claim] = now
         self._missing_ids.discard(r.process_id)  # type: ignore[arg-type]
         self._explicit = r.process_id is not None
         if self._first_registration_at is None:
@@ -130,6 +149,7 @@ class Admission:
         member = self.members[r.client_uid] = Member(r, Status.ALIVE, now, incarnation=holder.incarnation + 1)
         self.held += registration_cost(r)
         self.holder[claim] = r.client_uid
+        self.held_since[claim] = now
         pid = self.process_ids[claim]
         self.in_topology.add(pid)
         return pid, member
@@ -140,6 +160,7 @@ class Admission:
         claim = claim_of(r)
         if self.holder.get(claim) == r.client_uid:
             del self.holder[claim]
+            self.held_since.pop(claim, None)
             if r.process_id is not None:
                 self._missing_ids.add(r.process_id)
         del self.members[r.client_uid]
@@ -154,6 +175,8 @@ class Admission:
         """What a registration is answered now: progress, or its process id in the published topology."""
         if self.topology is None:
             return Waiting(len(self.holder), self.config.num_processes, admitted)
+        if r.client_uid in self.pending:  # a restart waiting for the gone processes of the run to come back
+            return Waiting(len(self.in_topology - self.gone()), self.config.num_processes, admitted)
         return Published(self.process_ids[claim_of(r)], self.topology, admitted)
 
     def waited_s(self, now: float) -> float:
@@ -192,6 +215,21 @@ class Admission:
             raise PermissionDenied(f"this call acts for {who} but does not carry its process secret "
                                    f"({'none was sent' if not proof else 'another was sent'}): only the process "
                                    "that registered may act for it")
+
+    def gone(self) -> set[int]:
+        """The process ids of the current generation held by a process that failed or left."""
+        return {pid for pid in self.in_topology if (m := self.member_of(pid)) is None or not m.live}
+
+    def finishing(self) -> bool:
+        """Whether a process of the current generation left on purpose: the run publishes no generation any more
+        (its registrations wait for the next run)."""
+        return any(pid in self.in_topology for pid in self.left)
+
+    def check_fits(self, r: Registration, attempt: int) -> None:
+        """The checks of ``admit`` that depend on the configuration, the members and the registration budget
+        (ClusterMismatch, InvalidArgument or ResourceExhausted), changing nothing."""
+        self._check_fits(r, attempt)
+        self._check_room(r)
 
     def survivors_suffice(self, process_id: int) -> bool:
         """Whether dropping ``process_id`` from the topology leaves at least ``min_processes`` in it."""
@@ -294,9 +332,16 @@ def _natural(key: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)), key
 
 
-def _taken(r: Registration, holder: Registration) -> ProcessIdTaken:
+ANOTHER_JOB = "give it its own --cluster-id or coordinator"
+"""The advice for a registration that another job's live processes stand in the way of."""
+
+
+def _taken(r: Registration, holder: Registration, held_s: float) -> ProcessIdTaken:
+    held = (f"held by a live process on {holder.hostname} ({holder.host_address or 'no address'}) since "
+            f"{max(0.0, held_s):.1f}s ago: is another job using this coordinator? {ANOTHER_JOB}")
     if r.process_id is not None:
         return ProcessIdTaken(f"process id {r.process_id} is already registered by {holder.describe()}, which is "
-                              f"alive; {r.describe()} cannot take it: give each process its own id")
-    return ProcessIdTaken(f"{r.describe()} is already registered by another live process: give each process on one "
-                          "host its own local rank (IFRT_LOCAL_RANK), or explicit process ids")
+                              f"alive ({held}); {r.describe()} cannot take it. Within one job, give each process "
+                              "its own id")
+    return ProcessIdTaken(f"{r.describe()} is already registered by another live process ({held}). Within one job, "
+                          "give each process on one host its own local rank (IFRT_LOCAL_RANK), or explicit process ids")

@@ -96,5 +96,39 @@ class KeyChanged:
     value: bytes | None
 
 
+# The job's runs (coordinator.runs).
+@dataclass(frozen=True)
+class RunStarted:
+    """Effect: run ``run`` started (``ended`` was over); the shell ends what waited in the old one."""
+
+    ended: int
+    run: int
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    """Effect: every process of run ``run`` left or failed; registrations waiting for the next run may start it."""
+
+    run: int
+
+
+@dataclass(frozen=True)
+class WaitingForNextRun:
+    """A registration's answer: its id's process left the running ``run`` (or the run is finishing, a process of it
+    having left), so it waits for the next run; ``still_live`` names the run's processes still live."""
+
+    run: int
+    expected: int
+    still_live: tuple[str, ...]
+    live: int
+
+    def describe(self) -> str:
+        """``waiting for run 2 of the job to end (...): 2 of its processes are still live: 1 (h1 (10.0.0.2)), 3``."""
+        more = self.live - len(self.still_live)
+        named = ", ".join(self.still_live) + (f" and {more} more" if more > 0 else "")
+        return (f"waiting for run {self.run} of the job to end (this process's id left it): {self.live} of its "
+                f"processes {'is' if self.live == 1 else 'are'} still live: {named}")
+
+
 Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | LeftOut
-          | PreemptionResolved | AttemptStarted | AttemptsExhausted | AttemptProcessFailed)
+          | PreemptionResolved | AttemptStarted | AttemptsExhausted | AttemptProcessFailed | RunStarted | RunEnded)

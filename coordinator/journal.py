@@ -2,8 +2,8 @@
 
 Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
 registrations, key-values and their deletions, finished barriers, live-set agreements, a preemption notice
-and its sync step, each decision of the job's next attempt, and the job's agents. Liveness (heartbeats, open
-calls) is not: after a replay, every process gets a grace period to re-attach.
+and its sync step, each decision of the job's next attempt, the job's agents, and the start of each run of the
+job. Liveness (heartbeats, open calls) is not: after a replay, every process gets a grace period to re-attach.
 """
 
 from __future__ import annotations
@@ -134,12 +134,21 @@ class AgentJoined:
     replaced: tuple[str, ...] = ()
 
 
+
+@dataclass(frozen=True)
+class RunStarted:
+    """Every process of the job's run before left or failed, and a registration started run ``run``: every
+    sub-machine but the attempts starts empty (``coordinator.runs``)."""
+
+    run: int
+
+
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
-         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined)
+         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined | RunStarted)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
                                                          KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
                                                          PreemptionNoticed, PreemptionSyncDecided, AttemptDecided,
-                                                         AgentJoined)}
+                                                         AgentJoined, RunStarted)}
 
 
 def encode(entry: Entry) -> bytes:

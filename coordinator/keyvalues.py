@@ -97,6 +97,13 @@ class KeyValues:
             case journal.KeysDeleted(key=key, prefix=prefix):
                 self.store.delete(key, prefix)
 
+    def carry(self, before: KeyValues, prefix: str) -> None:
+        """Takes over ``before``'s keys under ``prefix`` and its remembered answers (a new run of the job: what
+        lives outside its runs, e.g. torchrun's rendezvous, goes on)."""
+        for key, value in before.store.dir(prefix):
+            self.store.restore(key, value)
+        self.retries = before.retries
+
     def get(self, key: str) -> bytes | None:
         return self.store.get(key)
 

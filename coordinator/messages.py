@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from coordinator.effects import WaitingForNextRun
 from coordinator.history import Numbered, Snapshot
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
@@ -54,6 +55,14 @@ def progress_answer(p: Progress, most_hosts: int) -> bytes:
     return pb.RegisterResponse(progress=pb.Progress(
         registered=p.registered, expected=p.expected, missing_process_ids=p.missing_process_ids,
         registered_hosts=p.registered_hosts[:most_hosts], waited_seconds=p.waited_seconds,
+    )).SerializeToString()
+
+
+def next_run_answer(w: WaitingForNextRun, waited_s: float) -> bytes:
+    """A Register answer for a registration that waits for the job's next run: none of it registered yet, and who
+    of the finishing run is still live (in the hosts' place, where every client shows it)."""
+    return pb.RegisterResponse(progress=pb.Progress(
+        registered=0, expected=w.expected, registered_hosts=[w.describe()], waited_seconds=waited_s,
     )).SerializeToString()
 
 

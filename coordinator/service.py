@@ -22,9 +22,21 @@ from coordinator.barriers import BarrierResolved
 from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.config import CoordinatorConfig
 from coordinator.decisions_log import log_admitted, log_event
-from coordinator.effects import Effect, Evict, Forgotten, KeyChanged, Notify, Published, Republish, Waiting
+from coordinator.effects import (
+    Effect,
+    Evict,
+    Forgotten,
+    KeyChanged,
+    Notify,
+    Published,
+    Republish,
+    RunEnded,
+    RunStarted,
+    Waiting,
+    WaitingForNextRun,
+)
 from coordinator.history import Numbered
-from coordinator.messages import PublishedGeneration, event_message, progress_answer
+from coordinator.messages import PublishedGeneration, event_message, next_run_answer, progress_answer
 from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
 from coordinator.replies import PendingReplies
@@ -44,6 +56,10 @@ log = logging.getLogger("ifrt.coordinator")
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 PUBLISHED = ("published",)
 """What a Register call waits for while the topology is incomplete."""
+NEXT_RUN = ("next-run",)
+"""What a Register call waits for while its id waits for the job's next run (``coordinator.runs``)."""
+NEXT_RUN_LOG_S = 3.0
+"""How often the log says which processes of a finishing run registrations for the next one wait for."""
 _CALL_ATTEMPT: ContextVar[int | None] = ContextVar("call_attempt", default=None)
 """The job attempt the current call began in (set by its first ``serving``)."""
 R = TypeVar("R")
@@ -67,9 +83,11 @@ class CoordinatorService:
         self.time_to_publish_s: float | None = None
         """From the first registration to generation 1, when this replica published it (not replayed it)."""
         self.generation = PublishedGeneration()
+        self._generation_run = 0  # the run of the job whose generation ``generation`` holds
         self._announced = 0  # the latest generation sent to the sessions
         self._progress_cache: tuple[float, int, bytes] = (-math.inf, -1, b"")
         self._waiters = Waiters()
+        self._next_run_logged = -math.inf  # when the log last said who a registration for the next run waits for
         self.sessions = Sessions(self, self.replica.config.limits)
         self._replies = PendingReplies(self.replica.config.limits.pending_reply_bytes)
         self.effect_listeners: list[Callable[[list[Effect]], None]] = []
@@ -83,6 +101,8 @@ class CoordinatorService:
 
     def current_generation(self) -> PublishedGeneration:
         """The current generation's bytes (serialized once, when the state holds a new one)."""
+        if self._generation_run != self.state.run:  # a new run numbers its generations from 1 again
+            self.generation, self._generation_run = PublishedGeneration(), self.state.run
         self.generation.sync(self.state.topology, self.state.published_at)
         return self.generation
 
@@ -114,6 +134,15 @@ class CoordinatorService:
                                "host": ended.host, "reason": ended.reason})
         self._waiters.wake_all()
         self.sessions.close(attempt_ended(view.attempt - 1, view.attempt))
+        self._on_serving()
+
+    def _run_started(self, ended: int, run: int) -> None:
+        """A new run of the job on this coordinator (``coordinator.runs``): what waited in the ended run looks
+        again, and the new run's first topology is serialized afresh."""
+        log.warning("run %d of the job is over (every process of it left or failed); run %d starts with the processes "
+                    "that register now", ended, run, extra={"event": "run_started", "run": run})
+        self._waiters.wake_all()
+        self.sessions.close(f"run {ended} of the job is over; run {run} starts (its processes register anew)")
         self._on_serving()
 
     # The pipeline's steps.
@@ -242,6 +271,8 @@ class CoordinatorService:
         what = f"registration from {context.peer()}"
         await self.serving(context, "registration")
         state, epoch = self.state, self.replica.epoch
+        began = self.clock()
+        until = began + wait_s(state.config, request.wait_ms / 1000)  # the call's whole wait
         try:
             registration = reg.from_request(request, peer_host(context.peer()), state.config.limits,
                                             caller_proof(context), raw)
@@ -249,6 +280,10 @@ class CoordinatorService:
                 outcome, effects = state.register(registration, self.clock())
         except IfrtError as e:
             await abort(context, e, what)
+        if isinstance(outcome, WaitingForNextRun):
+            outcome, effects = await self._wait_for_next_run(registration, outcome, until, context, what, epoch)
+            if isinstance(outcome, WaitingForNextRun):
+                return next_run_answer(outcome, self.clock() - began)
         uid = registration.client_uid
         state.call_started(uid, self.clock())  # alive while its call is held, by the journal too (under load)
         published = self._waiters.expect(PUBLISHED) if isinstance(outcome, Waiting) else None
@@ -258,7 +293,7 @@ class CoordinatorService:
             self._apply(effects)
             if published is None:
                 return self.current_generation().answer(outcome.process_id)  # type: ignore[union-attr]
-            woke = await _until(published, wait_s(state.config, request.wait_ms / 1000))
+            woke = await _until(published, max(0.0, until - self.clock()))
         finally:
             if published is not None:
                 self._waiters.drop(PUBLISHED, published)
@@ -276,14 +311,51 @@ class CoordinatorService:
             return self.current_generation().answer(outcome.process_id)
         return self._progress_answer()
 
+    async def _wait_for_next_run(self, r: reg.Registration, outcome: WaitingForNextRun, until: float,
+                                 context: grpc.aio.ServicerContext, what: str,
+                                 epoch: int) -> tuple[Waiting | Published | WaitingForNextRun, list[Effect]]:
+        """Holds a registration whose id waits for the next run until that run can start (then registers it
+        again: the first such registration starts it) or the call's wait is over; says in the log, every few
+        seconds, which processes of the finishing run are still live."""
+        state = self.state
+        self._log_next_run(outcome)
+        while (remaining := until - self.clock()) > 0:
+            future = self._waiters.expect(NEXT_RUN)
+            try:
+                woke = await _until(future, remaining)
+            finally:
+                self._waiters.drop(NEXT_RUN, future)
+            await self.serving(context, "registration", epoch)
+            if woke is None:
+                break
+            try:
+                with wire.gc_paused():
+                    outcome, effects = state.register(r, self.clock())  # type: ignore[assignment]
+            except IfrtError as e:
+                await abort(context, e, what)
+            if not isinstance(outcome, WaitingForNextRun):
+                return outcome, effects
+        self._log_next_run(outcome)
+        return outcome, []
+
+    def _log_next_run(self, outcome: WaitingForNextRun) -> None:
+        now = self.clock()
+        if now - self._next_run_logged >= NEXT_RUN_LOG_S:
+            self._next_run_logged = now
+            log.info("a registration waits for the next run: %s", outcome.describe(),
+                     extra={"event": "waiting_for_next_run", "run": outcome.run})
+
     def _announce(self, outcome: Waiting | Published) -> None:
-        """Logs an admission; a first publication is serialized and wakes every waiting Register call."""
+        """Logs an admission; a first publication is serialized and wakes every waiting Register call, as does a
+        restart that made the generation whole (restarted processes waiting for it look again)."""
         if outcome.admitted is not None:
             log_admitted(outcome.admitted)
         if isinstance(outcome, Published) and outcome.first is not None:
             self.time_to_publish_s = outcome.first.waited_s
             self.current_generation()
             self._waiters.resolve(PUBLISHED, outcome.first)
+        elif isinstance(outcome, Published):
+            self._waiters.resolve(PUBLISHED, WOKEN)
 
     def _progress_answer(self) -> bytes:
         """Who is still missing, made again only when the core's rule says the last answer is stale."""
@@ -320,10 +392,18 @@ class CoordinatorService:
             match effect:
                 case AttemptStarted(view=view):
                     self._attempt_started(view)
+                case RunStarted(ended=ended, run=run):
+                    self._run_started(ended, run)
+                case RunEnded(run=run):
+                    log.info("every process of run %d of the job left or failed: the next registration starts run "
+                             "%d", run, run + 1, extra={"event": "run_ended", "run": run})
+                    self._waiters.resolve(NEXT_RUN, WOKEN)
+                    self._waiters.resolve(PUBLISHED, WOKEN)  # restarts still waiting in it look again
                 case Notify(event=event, number=number):
                     log_event(event, self.state)
                     self.sessions.broadcast(*event_message(Numbered(number, event)))
                 case Republish():
+                    self._waiters.resolve(PUBLISHED, WOKEN)  # restarts waiting for a whole generation look again
                     generation = self.current_generation()
                     if generation.generation > self._announced:  # once, however many calls synced it meanwhile
                         self._announced = generation.generation

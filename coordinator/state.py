@@ -7,6 +7,10 @@ attempts) and journals what they decide.
        └─(silent for the grace before publication: forgotten)           ├─(silent for the grace)──▶ FAILED
                                                                         └─(a new process takes its id)──▶ restarted
 
+Once every process of the published run has left or failed, the next registration starts the job's next run
+(``coordinator.runs``, journaled as ``RunStarted``): every sub-machine but the attempts starts empty, as for a new
+attempt, and the new processes form generation 1 of it alone.
+
 Every method is an event (time arrives as data, ``now``) and returns its effects for the shell to carry out. A
 rejected event raises a typed ``ifrt.errors`` error and leaves the state exactly as it was. Every durable decision is
 journaled (``take_journal``) for the shell to persist before acknowledging; ``replay`` of those entries gives the
@@ -17,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coordinator import journal
-from coordinator.admission import FIRST_GENERATION, Admission, Joined, Retry, Takeover, check_usable
+from coordinator import journal, runs
+from coordinator.admission import FIRST_GENERATION, Admission, Joined, NextRun, Retry, Takeover, check_usable
 from coordinator.agreement import LiveSets, Members
 from coordinator.attempts import Agent, Attempts, AttemptStarted, Host, JobView, NextAttempt
 from coordinator.barriers import BarrierResolved, Barriers
@@ -32,7 +36,10 @@ from coordinator.effects import (
     Notify,
     Published,
     Republish,
+    RunEnded,
+    RunStarted,
     Waiting,
+    WaitingForNextRun,
 )
 from coordinator.history import CatchUp, GenerationPublished, History
 from coordinator.keyvalues import KeyValues
@@ -70,6 +77,8 @@ class ClusterState:
         self.published_at = 0
         """The job event number that published the current generation."""
         self._incarnated_at: dict[int, int] = {}  # process id -> event number of its latest restart
+        self.run = runs.FIRST_RUN
+        """The job's run on this coordinator (``coordinator.runs``): kept, like the attempts, when state restarts."""
 
     @property
     def topology(self) -> TopologyContent | None:
@@ -116,6 +125,8 @@ class ClusterState:
                 self._end_attempt(entry)
             case journal.AgentJoined():
                 self._agent_joined(entry)
+            case journal.RunStarted():
+                self._start_run(entry)
         self._journal.clear()
 
     # Job attempts (coordinator.attempts).
@@ -156,10 +167,10 @@ class ClusterState:
         return [effect]
 
     def _start_afresh(self) -> None:
-        """A new attempt: everything but the attempts (and the journal) starts empty."""
-        attempts, entries = self.attempts, self._journal
+        """A new attempt: everything but the attempts, the run number (and the journal) starts empty."""
+        attempts, entries, run = self.attempts, self._journal, self.run
         self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
-        self.attempts, self._journal = attempts, entries
+        self.attempts, self._journal, self.run = attempts, entries, run
 
     def _registered_from(self, process_id: int) -> Host | None:
         """Where the process holding ``process_id`` in this attempt registered from (None: none holds it)."""
@@ -176,16 +187,29 @@ class ClusterState:
 
     # Registration.
     def register(self, r: Registration, now: float, *,
-                 restoring: bool = False) -> tuple[Waiting | Published, list[Effect]]:
-        """Admits a process, recognizes its retry, or takes over the id of a dead one (a restart). The answer says
-        what the shell logs and wakes: the admission, and the first publication when this completed the cluster."""
+                 restoring: bool = False) -> tuple[Waiting | Published | WaitingForNextRun, list[Effect]]:
+        """Admits a process, recognizes its retry, takes over the id of a dead one (a restart), or tells it to wait
+        for the next run (its id left the run). The first registration after every process of the run left or
+        failed starts the next run. The answer says what the shell logs and wakes: the admission, and the first
+        publication when this completed the cluster."""
+        started: list[Effect] = []
+        admission = self._admission
+        if (r.client_uid not in admission.members or r.client_uid in admission.pending) and self._over():
+            # a new process, or a restart that never got a generation of the run: either starts the next run
+            Admission(self.config).check_fits(r, self.attempts.current)  # refused, it changes nothing (not the run)
+            entry = journal.RunStarted(self.run + 1)
+            self._journal.append(entry)
+            started = self._start_run(entry)
         admission = self._admission
         decision = admission.admit(r, now, self.attempts.current, restoring=restoring)
         if isinstance(decision, Retry):
-            return admission.answer(r), []
+            return admission.answer(r), started
+        if isinstance(decision, NextRun):
+            return runs.waiting(admission, self.run), started
         self._journal.append(journal.Registered(r, now))
         if isinstance(decision, Takeover):
-            return self._restart(r, decision.holder, now)
+            outcome, effects = self._restart(r, decision.holder, now)
+            return outcome, started + effects
         assert isinstance(decision, Joined)
         self._liveness.track(decision.member)
         outcome = admission.answer(r, admission.admitted(r))
@@ -194,7 +218,29 @@ class ClusterState:
             self.published_at = self._history.add(GenerationPublished(FIRST_GENERATION))
             outcome = replace(outcome, first=FirstPublication(outcome.topology, self.published_at,
                                                               admission.waited_s(now)))
-        return outcome, []
+        return outcome, started
+
+    def waiting_for_next_run(self) -> WaitingForNextRun | None:
+        """What a registration that waits for the next run is told now; None once the run is over (it may start
+        the next one)."""
+        return None if self._over() else runs.waiting(self._admission, self.run)
+
+    def _start_run(self, entry: journal.RunStarted) -> list[Effect]:
+        """Starts run ``entry.run``: every sub-machine but the attempts starts empty; the agents' keys (torchrun's
+        rendezvous, outside any run) carry over."""
+        ended, attempts, entries, kv = self.run, self.attempts, self._journal, self._kv
+        self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
+        self.attempts, self._journal, self.run = attempts, entries, entry.run
+        self._kv.carry(kv, AGENT_KEY_PREFIX)
+        return [RunStarted(ended, entry.run)]
+
+    def _over(self) -> bool:
+        return runs.over(self._admission, self._liveness.down)
+
+    def _ended(self, was_over: bool) -> list[Effect]:
+        """RunEnded when the event just handled ended the run (registrations waiting for the next one may start
+        it)."""
+        return [RunEnded(self.run)] if not was_over and self._over() else []
 
     def answer(self, client_uid: str, now: float) -> Waiting | Published:
         """What a registered process's waiting call answers now; UnknownClient if it was forgotten meanwhile,
@@ -247,17 +293,19 @@ class ClusterState:
         if member is None:
             raise UnknownClient(f"client {client_uid} is not a registered process: nothing to leave")
         self._admission.check_owner(member, proof)
-        return self._leave(member) + self._settle(now)
+        was_over = self._over()
+        return self._leave(member) + self._settle(now) + self._ended(was_over)
 
     def tick(self, now: float) -> list[Effect]:
         """Fails processes silent beyond their grace (forgets them before publication), in the order they went
         silent, and barriers past their deadline; decides what waits on who is alive."""
         effects: list[Effect] = []
+        was_over = self._over()
         for overdue in self._liveness.overdue(now, self._admission.members):
             joining = overdue.member.status is Status.JOINING
             effects += (self._forget if joining else self._fail)(overdue.member, overdue.why)
         effects += self._journal_barriers(self._barriers.expire(now, self.describe_process))
-        return effects + self._settle(now)
+        return effects + self._settle(now) + self._ended(was_over)
 
     # Barriers.
     def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float,
@@ -416,14 +464,26 @@ class ClusterState:
         check_usable(member)
         return member
 
-    def _restart(self, r: Registration, holder: Member, now: float) -> tuple[Published, list[Effect]]:
-        pid, member = self._admission.take_over(r, holder, now)
+    def _restart(self, r: Registration, holder: Member, now: float) -> tuple[Waiting | Published, list[Effect]]:
+        admission = self._admission
+        pid, member = admission.take_over(r, holder, now)
         self._liveness.restarted(member, pid)
         effects: list[Effect] = [*self._journal_barriers(self._barriers.fail_including(pid, "restarted")),
                                  self._notify(ProcessRestarted(pid, member.incarnation))]
         self._incarnated_at[pid] = self._history.head
-        effects += self._published(self._admission.republish_if_changed())
-        return Published(pid, self.topology), effects  # type: ignore[arg-type]
+        admission.pending.add(member.uid)
+        effects += self._publish_if_whole()
+        return admission.answer(r), effects
+
+    def _publish_if_whole(self) -> list[Effect]:
+        """Answers the restarted processes once every id of the generation is held by a process that neither
+        failed nor left: the next generation when theirs changed it. Until then none is published, so no process
+        is handed a generation holding a process known to be gone."""
+        admission = self._admission
+        if not admission.pending or admission.gone():
+            return []
+        admission.pending.clear()
+        return self._published(admission.republish_if_changed())
 
     def _fail(self, member: Member, why: str) -> list[Effect]:
         self._journal.append(journal.Failed(member.uid, why))
@@ -448,6 +508,7 @@ class ClusterState:
         self._journal.append(journal.Left(member.uid))
         pid = self._admission.process_id(member)
         self._liveness.leave(member, pid)
+        self._admission.left.add(pid)
         return [self._notify(ProcessLeft(pid)), *self._journal_barriers(self._barriers.fail_including(pid, "left")),
                 *self._drop_if_elastic(pid)]
 
@@ -459,7 +520,7 @@ class ClusterState:
     def _drop_if_elastic(self, pid: int) -> list[Effect]:
         if self.config.on_failure is not FailurePolicy.ELASTIC or not self._admission.survivors_suffice(pid):
             return []
-        return self._published(self._admission.drop(pid))
+        return self._published(self._admission.drop(pid)) + self._publish_if_whole()
 
     def _published(self, topology: TopologyContent | None) -> list[Effect]:
         """Numbers a new generation (if any) in the job's history; returns the effect that sends it."""

@@ -168,13 +168,13 @@ def journaled_cluster():
     s.arrive("u0", "lonely", frozenset({0, 1}), 0.5, 3.0)
     s.tick(3.6)  # "lonely" times out
     s.arrive("u0", "sync", frozenset({0, 2}), 60, 3.7)
-    s.leave("u2", 4.0)  # Left; "sync" fails
-    s.arrive("u0", "pair", frozenset({0, 1}), 60, 4.5)
-    s.detach("u1", 5.0)
-    s.tick(5.5)  # process 1 lost its session and did not come back: Failed; "pair" fails
-    outcome, _ = s.register(reg("u1-again", 1, host="h1", devices=3), 6.0)  # a restart with other devices
+    s.arrive("u0", "pair", frozenset({0, 1}), 60, 3.8)
+    s.detach("u1", 3.9)
+    s.tick(4.5)  # process 1 lost its session and did not come back: Failed; "pair" fails
+    outcome, _ = s.register(reg("u1-again", 1, host="h1", devices=3), 4.6)  # a restart with other devices
     assert isinstance(outcome, Published) and outcome.topology.generation == 2
     assert s.kv_set("u1-again", "nccl/id", b"new", True)
+    s.leave("u2", 5.0)  # Left; "sync" fails
     return s, s.take_journal()
 
 

@@ -248,6 +248,22 @@ def test_a_killed_worker_restarts_the_group_within_max_restarts(start_coordinato
     assert {r["TORCHELASTIC_RESTART_COUNT"] for r in reports if r["GROUP_RANK"] == "1"} == {"1"}
 
 
+def test_a_killed_worker_with_ifrt_torch_restarts_the_group_as_a_new_run_on_every_node(start_coordinator, torchrun,
+                                                                                      tmp_path):
+    """torchrun restarts every node's workers (--max-restarts 1) after one worker of a started group is killed: the
+    restarted workers (restart count 1 on the failed node, 0 on the other) form a new run of the job together."""
+    coordinator = start_coordinator(num_processes=4)
+    agents = [torchrun(coordinator.address, "rerun", addr, "--hang-after-start", "1", "--ifrt", max_restarts=1)
+              for addr in ("127.0.0.2", "127.0.0.3")]
+    poll_until((tmp_path / "hang.pid").exists, timeout=RUN_S, what="a worker of a started group waiting to be killed")
+    os.kill(int((tmp_path / "hang.pid").read_text()), signal.SIGKILL)
+    finish_all(agents)  # bounded: every agent ends within RUN_S, or the test fails naming what each said
+    reports = results(tmp_path)
+    assert [r["process_id"] for r in reports] == [0, 1, 2, 3]
+    assert {r["TORCHELASTIC_RESTART_COUNT"] for r in reports if r["GROUP_RANK"] == "1"} == {"1"}
+    assert "run 2 starts" in coordinator.log, coordinator.log[-5000:]
+
+
 def test_nnodes_min_max_starts_with_one_node_and_admits_a_late_one(start_coordinator, torchrun, security, tmp_path):
     coordinator = start_coordinator(*security.flags, num_processes=4)
     first = torchrun(coordinator.address, "elastic", "127.0.0.2", "--until-world", "4", nnodes="1:2",

@@ -3,7 +3,8 @@
 
 Writes one JSON file per worker into --out: its torchrun ranks, the all_reduce of every rank + 1, and its
 parameters after the step (equal in every worker when DDP worked). Options make it wait to be killed, so a test
-can kill it by pid (--hang-node N) or until the group grows (--until-world N).
+can kill it by pid (--hang-node N, before the group starts; --hang-after-start N, once it has started) or until the
+group grows (--until-world N).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--hang-node", type=int, default=None,
                    help="on the first attempt, local rank 1 of this node writes its pid and waits to be killed")
+    p.add_argument("--hang-after-start", type=int, default=None,
+                   help="as --hang-node, but once the process group has started (a topology every worker holds)")
     p.add_argument("--until-world", type=int, default=None,
                    help="wait (until torchrun restarts the group) while the world has fewer workers than this")
     p.add_argument("--ifrt", action="store_true", help="start with ifrt.torch.init_process_group()")
@@ -48,6 +51,10 @@ def main() -> None:
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.hang_after_start == node and env["TORCHELASTIC_RESTART_COUNT"] == "0":
+        if local == 1:
+            (out / "hang.pid").write_text(str(os.getpid()))
+        time.sleep(HANG_S)  # every worker of the first group: the one killed, and its peers in a collective's place
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
     torch.manual_seed(0)

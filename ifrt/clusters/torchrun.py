@@ -23,7 +23,9 @@ RANK_ENV = "RANK"  # "6": the global rank
 WORLD_SIZE_ENV = "WORLD_SIZE"  # "8": processes over all nodes
 LOCAL_RANK_ENV = "LOCAL_RANK"  # "2": rank on this node
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"  # "4": processes on this node (torchrun only)
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # "1": how often torchrun restarted the workers (the attempt)
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # "1": how often this node's agent restarted its workers
+# Not the job attempt: torchrun counts restarts per node (a node restarted because another failed keeps 0), so the
+# workers of one restarted group disagree on it. They start a new run of the job instead (docs/pytorch.md).
 
 
 class Torchrun(ClusterEnvironment):
@@ -48,5 +50,4 @@ class Torchrun(ClusterEnvironment):
             num_processes=r.integer(WORLD_SIZE_ENV, field="num_processes", minimum=1, required=True),
             local_rank=r.integer(LOCAL_RANK_ENV, field="local_rank"),
             local_world_size=r.integer(LOCAL_WORLD_SIZE_ENV, field="local_world_size", minimum=1),
-            attempt=r.integer(RESTART_COUNT_ENV, field="attempt"),
         )
