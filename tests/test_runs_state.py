@@ -4,7 +4,7 @@ no generation holds a process known to be gone, and a replay of the journal deci
 
 import pytest
 
-from coordinator import journal
+from coordinator import compaction, journal
 from coordinator.cluster import FailurePolicy
 from coordinator.effects import Published, Republish, RunEnded, RunStarted, Waiting, WaitingForNextRun
 from coordinator.state import ClusterState
@@ -153,14 +153,18 @@ def test_replaying_the_journal_of_two_runs_gives_the_same_state():
         s.attach(f"q{i}", 10.0)
     s.kv_set("q0", "new", b"2", False)
     entries = s.take_journal()
-    rebuilt = ClusterState(s.config)
+    rebuilt, compacted = ClusterState(s.config), ClusterState(s.config)
     for raw in [journal.encode(e) for e in entries]:
         rebuilt.replay(journal.decode(raw))
+    for entry, kept in zip(entries, compaction.needed(entries), strict=True):
+        if kept:
+            compacted.replay(entry)
     assert rebuilt.take_journal() == []
-    assert rebuilt.run == s.run == 2
-    assert wire.encode(rebuilt.topology) == wire.encode(s.topology)
+    assert rebuilt.run == compacted.run == s.run == 2
+    assert wire.encode(rebuilt.topology) == wire.encode(compacted.topology) == wire.encode(s.topology)
     rebuilt.reset_liveness(11.0)
-    for state in (s, rebuilt):
+    compacted.reset_liveness(11.0)
+    for state in (s, rebuilt, compacted):
         assert [state.kv_get("q0", k) for k in ("old", "new", "torchrun/job/state")] == [None, b"2", b"r"]
         assert state.register(reg("q1", 1, host="h1", devices=1), 12.0) == (Published(1, state.topology), [])
 
