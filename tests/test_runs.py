@@ -7,7 +7,8 @@ from __future__ import annotations
 import queue
 import time
 
-from tests.helpers import discover_process, finish
+from tests.helpers import clients, discover_process, finish, status_json
+from tests.replicas import Replicas
 
 HEARTBEAT_TIMEOUT = "2"
 
@@ -100,3 +101,25 @@ def test_a_process_that_left_waits_for_the_next_run(start_coordinator, workers):
     assert len({line["topology"] for line in lines}) == 1 and {line["generation"] for line in lines} == {1}
     assert [line["process_id"] for line in lines] == [0, 1, 2]
     assert "run 2 starts" in coordinator.log
+
+
+def test_a_new_run_and_its_keys_survive_a_failover(etcd):
+    """The start of a run is journaled: the replica that takes over serves the same run, none of the run before."""
+    with Replicas(etcd, num_processes=2, cluster_id="reruns") as replicas:
+        old = clients(replicas.addresses, 2)
+        old[0].kv_set("nccl/id", b"run-1")
+        for c in old:
+            c.close()  # the job ends
+        new = clients(replicas.addresses, 2)  # the re-run: the next run of the job
+        try:
+            assert new[0].kv_try_get("nccl/id") is None
+            new[0].kv_set("nccl/id", b"run-2")
+            fingerprint = new[0].topology.fingerprint
+            replicas.kill_leader()
+            assert new[1].kv_get("nccl/id", timeout=30) == b"run-2"  # served by the new leader, from the journal
+            assert "run 2 starts" not in replicas.leader.log  # replayed, not decided again
+            status = status_json(replicas.addresses)
+            assert (status["generation"], status["fingerprint"]) == (1, fingerprint)
+        finally:
+            for c in new:
+                c.close()

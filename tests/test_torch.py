@@ -110,11 +110,11 @@ def test_a_restarted_start_against_a_durable_journal_never_reads_the_previous_st
         assert old == same
         first[1].kv_set(f"{old}0//cpu//0/1", b"127.0.0.1:40001")  # what gloo leaves behind: a peer's address
         generation = first[0].topology.generation
-        for c in first:
-            c.close()
     finally:
         first_coordinator.stop(signal.SIGKILL)  # the whole job dies; its journal stays in etcd
         first_coordinator.close()
+    for c in first:  # died with it: nobody left (a job whose processes all left ends its run; the next starts empty)
+        c.close()
 
     with LocalCoordinator(*args, num_processes=2) as again:
         second = clients(again.address, 2)  # the same processes: same ids and generation, the old keys still there
