@@ -135,9 +135,9 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
     coordinator = start_coordinator(num_processes=2, log_level="WARNING")
     view = [{"platform": "cpu", "kind": "cpu"}]
 
-    def clients() -> list[ifrt.Client]:
-        made = [ifrt.Client(coordinator.address, process_id=p, num_processes=2, transfer=False, timeout=30)
-                for p in (0, 1)]
+    def clients(**options: object) -> list[ifrt.Client]:
+        made = [ifrt.Client(coordinator.address, process_id=p, num_processes=2, transfer=False, timeout=30,
+                            **options) for p in (0, 1)]
         both = threading.Barrier(2, timeout=30)
         threads = [threading.Thread(target=lambda c=c: (c.discover(), both.wait())) for c in made]
         for t in threads:
@@ -157,14 +157,17 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
 
         return together(runs, run, timeout=deadline_s + 10), runs
 
-    first = clients()
+    # Processes that vanish without a goodbye (no session keeps them, none leaves), as a killed job's do: the
+    # restarted ones take their ids back in the same run of the job. (A job whose processes all left starts a new
+    # run instead, where nothing of the previous one is left: tests/test_runs.py.)
+    first = clients(session=False)
     (address, same), (lead, follow) = exchange(first)
     assert address == same and follow.leader_nonce == lead.nonce
     generation = first[0].topology.generation
-    for c in first:
-        c.close()
 
     second = clients()  # the same processes again: same ids, same topology, the old records still in the store
+    for c in first:
+        c.close()  # replaced already: its goodbye changes nothing
     assert second[0].topology.generation == generation
     (alone,), _ = exchange(second[1:], deadline_s=1.5)  # process 0 has not written yet: only old records exist
     assert isinstance(alone, ifrt.DiscoveryTimeout) and "previous start" in str(alone)
