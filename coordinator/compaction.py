@@ -4,8 +4,9 @@ A key's value needs only its latest write. An increment or swap that a retry may
 ``coordinator.retries`` still remembers, within ``--max-answer-bytes``) keeps its entry for the answer, even when a
 later write replaced its value; a deletion stays only while it removes such a kept write. Everything else
 (registrations, failures, departures, barriers, live-set agreements, preemption) stays, within the current job
-attempt; of the attempts that ended, key-values, barriers and agreements go (a new attempt starts them empty).
-Replaying the kept entries, in their order, builds the same state as replaying them all, and so does a journal of
+attempt; of the attempts that ended, key-values, barriers and agreements go (a new attempt starts them empty), and
+so do those of the ended runs of the current attempt (``coordinator.runs``), but the agents' keys, which a new run
+keeps. Replaying the kept entries, in their order, builds the same state as replaying them all, and so does a journal of
 which only an oldest part was compacted (a store that cannot replace its journal at once applies the result oldest
 first, in steps).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator import journal
+from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import DEFAULT_LIMITS, Limits
 from coordinator.retries import RetryAnswers, Swapped
 
@@ -37,7 +39,20 @@ def needed(entries: Sequence[journal.Entry], limits: Limits = DEFAULT_LIMITS) ->
     """For each entry, whether a replay still needs it (see the module's docstring), under the ``limits`` the
     coordinator remembers answers by."""
     start = _current_attempt_start(entries)
-    return [not isinstance(e, _STANDALONE) for e in entries[:start]] + _needed_in_attempt(entries[start:], limits)
+    run = _current_run_start(entries, start)
+    carried = {start + i for i in _final_writes(entries[start:]) if entries[start + i].key.startswith(AGENT_KEY_PREFIX)}
+    return ([not isinstance(e, _STANDALONE) for e in entries[:start]]
+            + [not isinstance(e, _STANDALONE) or i in carried for i, e in enumerate(entries[start:run], start)]
+            + _needed_in_attempt(entries[run:], limits))
+
+
+def _current_run_start(entries: Sequence[journal.Entry], start: int) -> int:
+    """Where the current run of the job begins within the attempt that begins at ``start`` (coordinator.runs): the
+    ended runs' standalone entries go, but the final writes of the agents' keys, which a new run keeps."""
+    for i in range(len(entries) - 1, start - 1, -1):
+        if isinstance(entries[i], journal.RunStarted):
+            return i + 1
+    return start
 
 
 def _current_attempt_start(entries: Sequence[journal.Entry]) -> int:
@@ -148,6 +163,10 @@ class Garbage:
                     else [entry.key] * (entry.key in self._latest))
             self.bytes += size + sum(self._latest.pop(k) for k in gone)
             self.entries += 1 + len(gone)
+        elif isinstance(entry, journal.RunStarted):  # the ended run's keys go, but the agents'
+            gone = [k for k in self._latest if not k.startswith(AGENT_KEY_PREFIX)]
+            self.bytes += sum(self._latest.pop(k) for k in gone)
+            self.entries += len(gone)
 
     def due(self) -> bool:
         """Whether a compaction would now drop at least as much as the journal held after the last one."""

@@ -98,11 +98,10 @@ class KeyValues:
                 self.store.delete(key, prefix)
 
     def carry(self, before: KeyValues, prefix: str) -> None:
-        """Takes over ``before``'s keys under ``prefix`` and its remembered answers (a new run of the job: what
-        lives outside its runs, e.g. torchrun's rendezvous, goes on)."""
+        """Takes over ``before``'s keys under ``prefix`` (a new run of the job: what lives outside its runs, e.g.
+        torchrun's rendezvous, goes on; remembered answers do not, as in a new attempt)."""
         for key, value in before.store.dir(prefix):
             self.store.restore(key, value)
-        self.retries = before.retries
 
     def get(self, key: str) -> bytes | None:
         return self.store.get(key)

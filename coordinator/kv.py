@@ -8,6 +8,10 @@ from coordinator.limits import DEFAULT_LIMITS, FLAGS, KEY_OVERHEAD_BYTES, Limits
 from ifrt.errors import InvalidArgument, KeyExists
 
 _INTEGER = re.compile(rb"-?[0-9]{1,19}")
+AGENT_KEY_PREFIX = "torchrun/"
+"""Keys that callers which are no process of the topology may use too: torchrun's agents meet there before any
+worker exists (``ifrt.torchrun``). The cluster token still guards them, and the store's limits bound them. They
+belong to no run of the job (``coordinator.runs``): a new run keeps them."""
 ENTRY_FRAMING = 16
 """Bytes a listed entry costs in a KeyValueDir answer besides its key and value (protobuf tags and lengths)."""
 

@@ -43,6 +43,7 @@ from coordinator.effects import (
 )
 from coordinator.history import CatchUp, GenerationPublished, History
 from coordinator.keyvalues import KeyValues
+from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import check_call_id
 from coordinator.liveness import Liveness
 from coordinator.members import Member, Status
@@ -54,10 +55,6 @@ from ifrt.errors import ERROR_CLASSES, IfrtError, InvalidArgument, ProcessDeclar
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.progress import Progress
 from ifrt.records import TopologyContent
-
-AGENT_KEY_PREFIX = "torchrun/"
-"""Keys that callers which are no process of the topology may use too: torchrun's agents meet there before any
-worker exists (``ifrt.torchrun``). The cluster token still guards them, and the store's limits bound them."""
 
 
 class ClusterState:
@@ -196,7 +193,9 @@ class ClusterState:
         admission = self._admission
         if (r.client_uid not in admission.members or r.client_uid in admission.pending) and self._over():
             # a new process, or a restart that never got a generation of the run: either starts the next run
-            Admission(self.config).check_fits(r, self.attempts.current)  # refused, it changes nothing (not the run)
+            fresh = Admission(self.config)
+            fresh.held = admission.held
+            fresh.check_fits(r, self.attempts.current)  # refused, it changes nothing (not even the run)
             entry = journal.RunStarted(self.run + 1)
             self._journal.append(entry)
             started = self._start_run(entry)
@@ -227,10 +226,13 @@ class ClusterState:
 
     def _start_run(self, entry: journal.RunStarted) -> list[Effect]:
         """Starts run ``entry.run``: every sub-machine but the attempts starts empty; the agents' keys (torchrun's
-        rendezvous, outside any run) carry over."""
+        rendezvous, outside any run) carry over, and the registrations journaled in this attempt stay counted
+        against ``--max-registration-bytes``."""
         ended, attempts, entries, kv = self.run, self.attempts, self._journal, self._kv
+        held = self._admission.held  # the ended runs' registrations stay in the attempt's journal: still counted
         self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
         self.attempts, self._journal, self.run = attempts, entries, entry.run
+        self._admission.held = held
         self._kv.carry(kv, AGENT_KEY_PREFIX)
         return [RunStarted(ended, entry.run)]
 

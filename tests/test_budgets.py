@@ -96,14 +96,14 @@ def test_barriers_are_bounded_in_bytes_and_share_their_sets_of_participants():
 
 def test_a_replaced_incarnation_keeps_no_request_and_only_the_latest_is_kept():
     s = published(n=2)
-    for i in range(1, 6):
-        s.leave("p0" if i == 1 else f"p0-{i - 1}", 0.0)
+    for i in range(1, 6):  # process 0 killed (its session gone) and restarted, again and again
+        s.detach("p0" if i == 1 else f"p0-{i - 1}", 0.0)
         s.register(reg(f"p0-{i}", 0, host="h0", devices=64), 0.0)
     members = s._admission.members
     assert sorted(members) == ["p0-4", "p0-5", "p1"]  # the current incarnation and the one it replaced
     assert members["p0-4"].registration.devices == () and members["p0-4"].replaced
     assert len(members["p0-5"].registration.devices) == 64
-    with pytest.raises(ProcessDeclaredFailed, match="was declared left"):
+    with pytest.raises(ProcessDeclaredFailed, match="was declared failed: replaced by a restarted process"):
         s.register(reg("p0-4", 0, host="h0", devices=64), 1.0)  # its retry: told it ended, not compared
     with pytest.raises(UnknownClient):
         s.attach("p0-3", 1.0)  # an older one is no longer known: register again
@@ -116,7 +116,7 @@ def test_registrations_of_an_attempt_are_bounded_in_bytes_replays_are_not_refuse
     uid = "p0"
     refused = None
     for i in range(1, 100):
-        s.leave(uid, 0.0)
+        s.detach(uid, 0.0)  # killed, and restarted (a process that left would wait for the next run instead)
         try:
             s.register(reg(f"p0-{i}", 0, host="h0", devices=8), 0.0)
         except ResourceExhausted as e:

@@ -7,10 +7,13 @@ import pytest
 from coordinator import compaction, journal
 from coordinator.cluster import FailurePolicy
 from coordinator.effects import Published, Republish, RunEnded, RunStarted, Waiting, WaitingForNextRun
+from coordinator.limits import Limits
 from coordinator.state import ClusterState
 from ifrt import wire
-from ifrt.errors import ClusterMismatch, ProcessIdTaken, UnknownClient
+from ifrt.errors import ClusterMismatch, ProcessIdTaken, ResourceExhausted, UnknownClient
 from tests.helpers import published, reg
+
+KiB = 1 << 10
 
 
 def register_all(s: ClusterState, prefix: str, n: int = 3, now: float = 10.0, **fields) -> list:
@@ -179,3 +182,35 @@ def test_a_restart_still_waiting_when_its_run_ends_starts_the_next_run():
     assert RunEnded(1) in s.tick(5.0)  # the last process that held a generation of run 1 failed
     outcome, effects = s.register(reg("p1-again", 1, host="h1"), 6.0)  # its long-poll, again
     assert effects == [RunStarted(1, 2)] and outcome == Waiting(1, 3) and s.run == 2
+
+
+def test_compaction_drops_the_ended_runs_keys_but_the_agents():
+    s = published()
+    s.kv_set("p0", "nccl/id", b"run-1", False)
+    s.kv_set("agent", "torchrun/job/state", b"r", False)
+    leave_all(s)
+    register_all(s, "q", devices=1)
+    entries = s.take_journal()
+    kept = dict(zip(range(len(entries)), compaction.needed(entries), strict=True))
+    writes = {e.key: kept[i] for i, e in enumerate(entries) if isinstance(e, journal.KeySet)}
+    assert writes == {"nccl/id": False, "torchrun/job/state": True}
+    garbage = compaction.Garbage.of(entries, [len(journal.encode(e)) for e in entries], compacted=False)
+    assert garbage.entries == 1  # run 1's key, counted toward the next compaction
+
+
+def test_the_registrations_of_every_run_count_against_the_registration_budget():
+    s = published(3, limits=Limits(registration_bytes=16 * KiB))
+    leave_all(s)
+    s.take_journal()
+    runs_started = 0
+    with pytest.raises(ResourceExhausted, match="--max-registration-bytes"):
+        for i in range(100):  # each run journals its registrations for good (until a new attempt)
+            for j in range(3):
+                _, effects = s.register(reg(f"r{i}-{j}", j, host=f"h{j}", devices=8), 10.0)
+                runs_started += effects.count(RunStarted(s.run - 1, s.run))
+            leave_all(s, f"r{i}-")
+    assert 0 < runs_started < 100 and s._admission.held <= 16 * KiB
+    before = (s.run, s.topology, s.take_journal())
+    with pytest.raises(ResourceExhausted):
+        s.register(reg("late", 0, host="h0", devices=8), 11.0)
+    assert (s.run, s.topology, s.take_journal()) == (before[0], before[1], [])  # refused: no run started
