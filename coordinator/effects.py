@@ -126,8 +126,8 @@ class WaitingForNextRun:
         """``waiting for run 2 of the job to end (...): 2 of its processes are still live: 1 (h1 (10.0.0.2)), 3``."""
         more = self.live - len(self.still_live)
         named = ", ".join(self.still_live) + (f" and {more} more" if more > 0 else "")
-        return (f"waiting for run {self.run} of the job to end (this process's id left it): {self.live} of its "
-                f"processes {'is' if self.live == 1 else 'are'} still live: {named}")
+        return (f"waiting for run {self.run} of the job to end (a process of it left: this one joins the next run): "
+                f"{self.live} of its processes {'is' if self.live == 1 else 'are'} still live: {named}")
 
 
 Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | LeftOut
