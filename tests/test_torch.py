@@ -69,6 +69,21 @@ def test_four_processes_get_ranks_from_ifrt_and_compute_on_its_mesh(start_coordi
     assert answers[0]["store_prefix"].startswith("ifrt/torch/g1/")
 
 
+@pytest.mark.slow
+def test_the_same_job_run_again_against_the_daemon_starts_a_new_run_of_it(start_coordinator):
+    """The README's daemon outlives the job: its second launch (each process a new one, the first all gone) forms
+    generation 1 of the job's next run, its own, instead of restarting the old processes one by one."""
+    coordinator = start_coordinator(num_processes=4)
+    first = results(start_workers(coordinator.address, LAUNCH_ORDER))
+    second = results(start_workers(coordinator.address, LAUNCH_ORDER))
+    for answers in (first, second):
+        assert [a["process_id"] for a in answers] == list(LAUNCH_ORDER)
+        assert {a["all_reduce"] for a in answers} == {1 + 2 + 3 + 4}
+        assert len({a["store_prefix"] for a in answers}) == 1
+        assert answers[0]["store_prefix"].startswith("ifrt/torch/g1/")  # generation 1 of its own run
+    assert "run 2 starts" in coordinator.log and " restarted (incarnation" not in coordinator.log
+
+
 def test_a_default_group_that_exists_already_is_refused_saying_what_to_do():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
