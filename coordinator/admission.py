@@ -113,7 +113,7 @@ class Admission:
         holder_uid = self.holder.get(claim)
         if holder_uid is not None:
             holder = self.members[holder_uid]
-            if holder.live and holder.attended:
+            if holder.live and self._answering(holder, now):
                 raise _taken(r, holder.registration, now - self.held_since.get(claim, now))
             if self.topology is not None:
                 if holder.status is Status.LEFT or self.finishing():
@@ -215,6 +215,15 @@ class Admission:
             raise PermissionDenied(f"this call acts for {who} but does not carry its process secret "
                                    f"({'none was sent' if not proof else 'another was sent'}): only the process "
                                    "that registered may act for it")
+
+    def _answering(self, member: Member, now: float) -> bool:
+        """Whether something vouches for ``member`` now: a call in flight, or a session that is not overdue (its
+        heartbeats, where its client sends them, not missed). A process that stopped answering may be restarted."""
+        if member.calls:
+            return True
+        if not member.sessions:
+            return False
+        return member.heard_at is None or now - member.heard_at <= self.config.unanswered_after_s
 
     def gone(self) -> set[int]:
         """The process ids of the current generation held by a process that failed or left."""

@@ -472,6 +472,8 @@ class ClusterState:
         self._liveness.restarted(member, pid)
         effects: list[Effect] = [*self._journal_barriers(self._barriers.fail_including(pid, "restarted")),
                                  self._notify(ProcessRestarted(pid, member.incarnation))]
+        if holder.sessions:  # it stopped answering, its session still open: the restart ends it
+            effects.append(Evict(holder.uid, f"replaced by a restarted process from {r.describe()}"))
         self._incarnated_at[pid] = self._history.head
         admission.pending.add(member.uid)
         effects += self._publish_if_whole()

@@ -6,7 +6,7 @@ import pytest
 
 from coordinator import compaction, journal
 from coordinator.cluster import FailurePolicy
-from coordinator.effects import Published, Republish, RunEnded, RunStarted, Waiting, WaitingForNextRun
+from coordinator.effects import Evict, Published, Republish, RunEnded, RunStarted, Waiting, WaitingForNextRun
 from coordinator.limits import Limits
 from coordinator.state import ClusterState
 from ifrt import wire
@@ -214,3 +214,14 @@ def test_the_registrations_of_every_run_count_against_the_registration_budget():
     with pytest.raises(ResourceExhausted):
         s.register(reg("late", 0, host="h0", devices=8), 11.0)
     assert (s.run, s.topology, s.take_journal()) == (before[0], before[1], [])  # refused: no run started
+
+
+def test_a_process_that_stopped_answering_may_be_restarted_while_its_session_is_open():
+    s = published()
+    s.heard("p1", 1.0)  # a heartbeat: answering
+    late = 1.0 + s.config.unanswered_after_s
+    with pytest.raises(ProcessIdTaken, match="another job"):
+        s.register(reg("p1-again", 1, host="h1"), late)  # not overdue yet: a live process
+    outcome, effects = s.register(reg("p1-again", 1, host="h1"), late + 0.01)  # hung (SIGSTOP): overdue
+    assert isinstance(outcome, Published) and outcome.process_id == 1 and s.run == 1
+    assert Evict("p1", "replaced by a restarted process from h1 (10.0.0.1)") in effects
