@@ -35,7 +35,7 @@ class Overdue:
             return f"went silent for {self.silent_s:.1f}s before the topology was published"
         if self.stopped_answering:
             return (f"stopped answering (no heartbeat for {self.member.quiet_s:.1f}s, then its connection was "
-                    f"dropped) and did not come back within {self.grace_s:g}s")
+                    f"dropped: hung, or its host cut off) and did not come back within {self.grace_s:g}s")
         return f"lost its connection and did not come back within {self.grace_s:g}s"
 
 

@@ -266,8 +266,8 @@ def test_a_session_that_stopped_heartbeating_shows_slow_and_fails_as_stopped_ans
     s.heard("p2", 0.59)
     s.detach("p2", 0.6)  # heard from just before: its connection was lost
     assert failures(s.tick(0.8)) == [
-        ProcessFailed(1, "stopped answering (no heartbeat for 0.5s, then its connection was dropped) and did not "
-                         "come back within 0.125s"),
+        ProcessFailed(1, "stopped answering (no heartbeat for 0.5s, then its connection was dropped: hung, or its "
+                         "host cut off) and did not come back within 0.125s"),
         ProcessFailed(2, "lost its connection and did not come back within 0.125s")]
 
 
