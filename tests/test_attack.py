@@ -229,24 +229,26 @@ def test_waiting_gets_of_keys_nobody_sets_leave_nothing_behind(start_coordinator
 
 # 6. Barriers, watches and a session's backlog are limited.
 
+async def cancel_unknown_barriers(address: str, client: ifrt.Client, batches: int) -> list[grpc.StatusCode]:
+    """A member cancels ``batches`` x 100 barriers nobody started, each named with 1,006 bytes; every call's code."""
+    async with grpc.aio.insecure_channel(address, options=OWN) as channel:
+        cancel = channel.unary_unary(COORDINATOR + "CancelBarrier")
+        codes = []
+        for batch in range(batches):
+            calls = [cancel(pb.CancelBarrierRequest(client_uid=client.client_uid,
+                                                    name=f"{batch:02d}/{i:02d}/" + "b" * 1000).SerializeToString(),
+                            metadata=as_member(client), timeout=30) for i in range(100)]
+            codes += await asyncio.gather(*(code(c) for c in calls))
+        return codes
+
+
 def test_cancels_of_unknown_barriers_stop_at_the_barrier_limit(start_coordinator):
     coordinator = start_coordinator("--max-barriers", "50", num_processes=1)
     client = member(coordinator.address)
     before = Resources(coordinator.pid)
 
-    async def attack() -> list[grpc.StatusCode]:
-        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
-            cancel = channel.unary_unary(COORDINATOR + "CancelBarrier")
-            codes = []
-            for batch in range(40):
-                calls = [cancel(pb.CancelBarrierRequest(client_uid=client.client_uid,
-                                                        name=f"{batch}/{i}/" + "b" * 1000).SerializeToString(),
-                                metadata=as_member(client), timeout=30) for i in range(100)]
-                codes += await asyncio.gather(*(code(c) for c in calls))
-            return codes
-
     with client:
-        codes = asyncio.run(asyncio.wait_for(attack(), 60))
+        codes = asyncio.run(asyncio.wait_for(cancel_unknown_barriers(coordinator.address, client, 40), 60))
         assert codes.count(grpc.StatusCode.OK) == 50 and codes.count(grpc.StatusCode.INVALID_ARGUMENT) == 3950
         with pytest.raises(ifrt.InvalidArgument, match=r"expected at most 50 barriers \(the coordinator's "
                                                        r"--max-barriers\)"):
@@ -569,19 +571,8 @@ def test_cancels_of_unknown_barriers_stop_at_the_barrier_bytes(start_coordinator
     client = member(coordinator.address)
     before = Resources(coordinator.pid)
 
-    async def attack() -> list[grpc.StatusCode]:
-        async with grpc.aio.insecure_channel(coordinator.address, options=OWN) as channel:
-            cancel = channel.unary_unary(COORDINATOR + "CancelBarrier")
-            codes = []
-            for batch in range(20):
-                calls = [cancel(pb.CancelBarrierRequest(client_uid=client.client_uid,
-                                                        name=f"{batch:02d}/{i:02d}/" + "b" * 1000).SerializeToString(),
-                                metadata=as_member(client), timeout=30) for i in range(100)]
-                codes += await asyncio.gather(*(code(c) for c in calls))
-            return codes
-
     with client:
-        codes = asyncio.run(asyncio.wait_for(attack(), 60))
+        codes = asyncio.run(asyncio.wait_for(cancel_unknown_barriers(coordinator.address, client, 20), 60))
         kept = MiB // (3 * 1006 + 1024)  # each: its name three times (barrier, error, journal) and 1 KiB
         assert codes.count(grpc.StatusCode.OK) == kept
         assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 2000 - kept
