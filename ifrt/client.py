@@ -307,11 +307,17 @@ class Client:
     def kv_get(self, key: str, timeout: float) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds for some process to set it."""
         deadline = time.monotonic() + timeout
+
+        def unset(last_error: IfrtError | None) -> IfrtError:
+            if last_error is None:  # the time ran out between the coordinator's answer and the next ask
+                return KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s")
+            return self._connection.unavailable("KeyValueGet", last_error)
+
         while True:
             try:
-                response = self._unary("KeyValueGet", lambda remaining: pb.KeyValueGetRequest(
+                response = self._connection.call("KeyValueGet", lambda remaining: pb.KeyValueGetRequest(
                     client_uid=self.client_uid, key=key, wait_ms=max(0, int(remaining * 1000))), deadline,
-                    slack=self.config.answer_slack_s)
+                    slack=self.config.answer_slack_s, give_up=unset)
                 return response.value
             except KeyValueTimeout:
                 if time.monotonic() >= deadline:  # the coordinator caps one wait; ours may be longer

@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import grpc
@@ -153,10 +154,15 @@ class Connection:
             self.answered(target)
             report.reached()
             return answer
-        if give_up is not None:
-            raise give_up(last_error)
-        raise CoordinatorUnavailable(f"{method} did not reach the coordinator ({self.where}) in time; last error: "
-                                     f"{last_error}")
+        raise (give_up or partial(self.unavailable, method))(last_error)
+
+    def unavailable(self, method: str, last_error: IfrtError | None) -> CoordinatorUnavailable:
+        """What a call of ``method`` that ran out of time raises by default."""
+        if last_error is None:
+            return CoordinatorUnavailable(f"{method} was not sent to the coordinator ({self.where}): its time had run "
+                                          "out before the call")
+        return CoordinatorUnavailable(f"{method} did not reach the coordinator ({self.where}) in time; last error: "
+                                      f"{last_error}")
 
     def close(self) -> None:
         """Closes every channel; a later call opens them again."""

@@ -50,6 +50,18 @@ def test_try_get_increment_delete_and_a_watch_of_a_prefix(start_coordinator):
             a.kv_increment("other")
 
 
+def test_a_get_whose_time_runs_out_before_it_is_asked_reads_as_unset_not_as_an_unreachable_coordinator(
+        start_coordinator):
+    coordinator = start_coordinator(num_processes=1)
+    (client,) = clients(coordinator.address, 1)
+    with client:  # the race of a retried wait: the coordinator answered "not yet" just before the deadline
+        for timeout in (0.0, 1e-9):
+            with pytest.raises(ifrt.KeyValueTimeout, match=r"key 'never' was not set within 0\.0s"):
+                client.kv_get("never", timeout=timeout)
+        client.kv_set("now", b"1")
+        assert client.kv_get("now", timeout=5) == b"1"
+
+
 def test_eight_processes_increment_one_key_8000_times(start_coordinator, coordination_workers):
     coordinator = start_coordinator(num_processes=8)
     workers = [coordination_workers(coordinator.address, i, 8, "increment", "counter", "1000") for i in range(8)]
