@@ -60,10 +60,14 @@ def certs(tmp_path_factory) -> Path:
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
-@pytest.fixture(params=["plain", "token-tls"])
+SECURED = pytest.mark.parametrize("security", ["token-tls"], indirect=True)
+"""A job test that runs with the cluster token and TLS: the agents' and workers' calls all carry both."""
+
+
+@pytest.fixture
 def security(request, certs, tmp_path) -> Security:
-    """The job's tests run on a plain coordinator, and again with the cluster token and TLS."""
-    if request.param == "plain":
+    """A job test's coordinator: plain, or with the cluster token and TLS where the test is marked SECURED."""
+    if getattr(request, "param", "plain") == "plain":
         return Security((), {})
     (tmp_path / "token").write_text(TOKEN)
     return Security(("--token-file", str(tmp_path / "token"), "--tls-cert", str(certs / "server.pem"),
@@ -208,6 +212,7 @@ def test_a_pickle_planted_at_the_state_key_runs_nothing_and_the_agent_names_the_
     assert time.monotonic() - started < 90, "the agent waited out its join_timeout instead of failing at once"
 
 
+@SECURED
 def test_two_agents_of_two_workers_train_a_ddp_step_with_nodes_in_ifrt_host_order(start_coordinator, torchrun,
                                                                                    security, tmp_path):
     coordinator = start_coordinator(*security.flags, num_processes=4)
@@ -221,6 +226,7 @@ def test_two_agents_of_two_workers_train_a_ddp_step_with_nodes_in_ifrt_host_orde
     assert {r["MASTER_ADDR"] for r in reports} == {"127.0.0.9"}  # node rank 0 hosts the workers' store
 
 
+@SECURED
 def test_rendezvous_completes_after_the_leading_replica_is_killed(etcd, torchrun, security, tmp_path):
     replicas = Replicas(etcd, *security.flags)
     try:
