@@ -141,15 +141,18 @@ class Shell:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, _frame: self.events.put(Interrupted(s)))
         self.link.follow(self.events.put)
-        while True:
-            try:
-                event = self.events.get(timeout=TICK_S)
-            except queue.Empty:
-                event = Tick()
-            for action in self.agent.handle(event, time.monotonic()):
-                if isinstance(action, Exit):
-                    return self._exit(action)
-                self._do(action)
+        try:
+            while True:
+                try:
+                    event = self.events.get(timeout=TICK_S)
+                except queue.Empty:
+                    event = Tick()
+                for action in self.agent.handle(event, time.monotonic()):
+                    if isinstance(action, Exit):
+                        return self._exit(action)
+                    self._do(action)
+        finally:  # an exception here (a bug) must not leave the workers running without their agent
+            stop_all(self.workers, self.args.grace_seconds)
 
     def _do(self, action: Say | Start | Stop | AskNextAttempt) -> None:
         if isinstance(action, Say):
