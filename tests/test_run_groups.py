@@ -65,7 +65,7 @@ def test_an_exception_in_the_agents_loop_stops_its_workers(start_coordinator, tm
     for name, value in loopback_env(coordinator.address).items():
         monkeypatch.setenv(name, value)
     file = tmp_path / "child"
-    args = argparse.Namespace(nproc_per_host=1, max_restarts=None, grace_seconds=2.0, no_prefix=True,
+    args = argparse.Namespace(nproc_per_host=1, max_restarts=None, grace_seconds=2.0, no_prefix=True, recover="restart",
                               coordinator=None, token_file=None, host_rank=None, num_hosts=None)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -81,6 +81,6 @@ def test_an_exception_in_the_agents_loop_stops_its_workers(start_coordinator, tm
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    assert [w.process.poll() for w in shell.workers] != [None]
+    assert [w.process.poll() for w in shell.workers.values()] != [None]
     child = child_pid(file)
     poll_until(lambda: not alive(child), timeout=5, what=f"the worker's child {child} ended with the agent's loop")

@@ -99,13 +99,13 @@ class Prefixer:
 
 
 class Worker:
-    """One local worker of one attempt."""
+    """One local worker of one attempt (``incarnation``: 0 for the rank's first, one more for each replacement)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, attempt: int, local_rank: int,
-                 label: Callable[[], str] | None) -> None:
+                 label: Callable[[], str] | None, incarnation: int = 0) -> None:
         """``label`` (None: no prefix, the worker writes to the agent's own stdout and stderr) names the worker
         in front of each of its output lines."""
-        self.attempt, self.local_rank = attempt, local_rank
+        self.attempt, self.local_rank, self.incarnation = attempt, local_rank, incarnation
         piped = subprocess.PIPE if label is not None else None
         # Its own process group (its id is the worker's pid): a terminal's Ctrl-C reaches the agent, which passes it
         # on once, and a stop reaches the worker's own children too (a `bash -c` wrapper's, DataLoader workers).
