@@ -146,7 +146,8 @@ class ClusterState:
         entry = self.attempts.decide(call, self.config.limits, agent, self._registered_from)
         if entry is None:
             return self.attempts.view(), []
-        member = self._admission.member_of(entry.process_id) if entry.replace and self.topology else None
+        replacing = entry.replace and not entry.exhausted and self.topology is not None
+        member = self._admission.member_of(entry.process_id) if replacing else None
         failed = self._fail(member, f"its agent replaces it: {entry.reason}") if member and member.live else []
         self._journal.append(entry)  # after its holder's failure: watches hear of both in this order, as a replay does
         effects = failed + self._end_attempt(entry)
