@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ipaddress
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Unpack
 
@@ -51,6 +50,7 @@ from ifrt.client import Client
 from ifrt.errors import BackendAlreadyInitialized, BarrierFailed, CollectiveFailed, InvalidArgument, KeyValueTimeout
 from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
+from ifrt.interfaces import interface_of
 from ifrt.mesh import Mesh
 from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, env_plugin
 from ifrt.startup import RECHECK_S
@@ -413,40 +413,6 @@ def _set_socket_interfaces(ip: str) -> None:
         return
     for env in SOCKET_IFNAME_ENVS:
         os.environ.setdefault(env, name)
-
-
-def interface_of(ip: str, interfaces: Iterable[tuple[str, str]] | None = None) -> str | None:
-    """The name of the interface that has address ``ip`` (``interfaces``: (name, address) pairs, default this
-    host's), or None."""
-    wanted = ipaddress.ip_address(ip)
-    for name, address in interfaces if interfaces is not None else _host_interfaces():
-        if ipaddress.ip_address(address) == wanted:
-            return name
-    return None
-
-
-def _host_interfaces() -> list[tuple[str, str]]:
-    """(name, address) of every interface address of this host: IPv4 by ioctl, IPv6 from /proc/net/if_inet6."""
-    import fcntl
-    import socket
-    import struct
-
-    found = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue  # no IPv4 address
-            found.append((name, socket.inet_ntoa(raw[20:24])))
-    try:
-        with open("/proc/net/if_inet6") as lines:
-            for line in lines:
-                fields = line.split()
-                found.append((fields[5], str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))))
-    except OSError:
-        pass
-    return found
 
 
 # Device meshes.
