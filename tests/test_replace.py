@@ -49,6 +49,7 @@ from ifrt.run.agent import (
     WorkerExited,
 )
 from tests.helpers import poll_until, published
+from tests.replicas import Replicas
 from tests.run_agents import WAIT_S, agents_started, loopback_env, started_lines
 
 RUN_WORKER = Path(__file__).with_name("run_worker.py")
@@ -225,6 +226,45 @@ def test_replacements_exhausted_end_every_agent_naming_the_failure(start_coordin
         err = "\n".join(agent.err)
         assert "the job's restarts are exhausted (0 allowed)" in err, agent.output()
         assert re.search(r"attempt 0: process 3 on \S+ failed: ", err), agent.output()
+
+
+def test_the_leading_replica_killed_right_after_deciding_a_replacement_still_replaces_once(etcd, agents):
+    with Replicas(etcd, num_processes=4) as replicas:
+        both = two_replacing_agents(agents, replicas.addresses, "--max-restarts", "2")
+        first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+                 for a in both]
+        deciding = replicas.leader
+        os.kill(int(first[1][3].group(3)), signal.SIGKILL)
+        deciding.wait_for_log("process 3 is replaced by its agent", timeout=WAIT_S)  # logged once committed
+        replicas.kill_leader()  # SIGKILL by pid; returns once the standby serves
+        poll_until(lambda: process_lines(both[1], 3), lambda ms: len(ms) == 2, timeout=WAIT_S,
+                   what="process 3 started anew")
+        channel = grpc.insecure_channel(replicas.leader.address)
+        with channel:
+            state = next(JobAgentsStub(channel).WatchJob(pb.WatchJobRequest(host="x", agent_uid="onlooker"),
+                                                         timeout=10)).state
+        assert (state.attempt, state.replacements, state.exhausted) == (0, 1, False)  # decided once, replayed
+        assert "is replaced by its agent" not in replicas.leader.log, replicas.leader.log  # its successor decided none
+    for pid in (0, 1, 2):
+        assert len(process_lines(both[pid // 2], pid)) == 1  # never restarted
+    assert len(process_lines(both[1], 3)) == 2  # replaced once
+    assert "attempt 1" not in "\n".join(both[0].err + both[1].err)
+
+
+def test_a_replacement_that_cannot_start_ends_every_agent_naming_each_failure(start_coordinator, agents, tmp_path):
+    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4, log_level="WARNING")
+    command = tmp_path / "worker.sh"  # the workers' command, which process 3 deletes before it fails
+    command.write_text(f"#!/bin/sh\nexec {sys.executable} {RUN_WORKER} vanish\n")
+    command.chmod(0o755)
+    env = loopback_env(coordinator.address, RUN_WORKER_VANISH=str(command))
+    both = [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",
+                   "--recover", "replace", "--max-restarts", "1", "--", str(command), env=env) for h in range(2)]
+    for agent in both:
+        assert agent.wait() == core.EXIT_JOB_FAILED, agent.output()
+        err = "\n".join(agent.err)
+        assert "the job's restarts are exhausted (1 allowed)" in err, agent.output()
+        assert re.search(r"attempt 0: process 3 on \S+ failed: exit code 3", err), agent.output()
+        assert re.search(r"attempt 0: process 3 on \S+ failed: could not start: \[Errno 2\]", err), agent.output()
 
 
 def test_a_caller_who_is_no_agent_cannot_make_the_job_replace_a_process(start_coordinator, agents):

@@ -180,8 +180,8 @@ class Shell:
             self._start(action.attempt)
         elif isinstance(action, StartWorker):
             self._spawn(action.attempt, action.local_rank, action.incarnation)
-        elif isinstance(action, Kill):
-            self.workers[action.local_rank].signal(signal.SIGKILL)
+        elif isinstance(action, Kill) and (worker := self.workers.get(action.local_rank)) is not None:
+            worker.signal(signal.SIGKILL)
         elif isinstance(action, Stop):
             stop_all(list(self.workers.values()), self.args.grace_seconds, action.signum)
         elif isinstance(action, AskNextAttempt):
@@ -242,7 +242,7 @@ class Shell:
         try:
             view = self.link.next_attempt(action.attempt, action.failure, replace=True)
         except PermissionDenied as e:
-            self.events.put(ReplaceAnswered(action.attempt, action.local_rank, self.agent_view(),
+            self.events.put(ReplaceAnswered(action.attempt, action.local_rank, self._view(),
                                             f"the coordinator refused to replace process {action.failure.process_id}: "
                                             f"{e}"))
             return
@@ -253,7 +253,7 @@ class Shell:
             return
         self.events.put(ReplaceAnswered(action.attempt, action.local_rank, view))
 
-    def agent_view(self) -> JobView:
+    def _view(self) -> JobView:
         """The job as this agent last saw it (for an answer that carries none)."""
         return JobView(self.agent.attempt or 0, self.agent.failures)
 
