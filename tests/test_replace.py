@@ -194,7 +194,7 @@ def process_lines(agent, process_id: int) -> list[re.Match]:
             if (m := re.search(rf"^\[{process_id}\] started process {process_id} attempt (\d+) pid (\d+)", line))]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_killed_or_hung_worker_is_replaced_while_the_others_keep_their_pids(start_coordinator, agents, signum):
     coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4, log_level="WARNING")
     both = two_replacing_agents(agents, coordinator.address, "--max-restarts", "1")

@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers to start on this host (default %(default)s); each gets IFRT_LOCAL_RANK and "
                         "IFRT_LOCAL_WORLD_SIZE")
     p.add_argument("--max-restarts", type=int, default=None, metavar="N",
-                   help="restarts of the whole job the coordinator may decide before every agent gives up: the job's "
+                   help="restarts of the whole job (and, with --recover replace, replacements of one process) the "
+                        "coordinator may decide before every agent gives up: the job's "
                         "budget, the same for every agent (default: the job's, which is the coordinator's "
                         "--max-restarts, else the first agent's, else 0: the first failure ends the job); an agent "
                         "that states another than the job's is refused")
