@@ -165,6 +165,10 @@ def test_replacements_count_against_the_restart_budget():
     assert s.next_attempt(replace_call(request_id="r1"), PROOF)[0].replacements == 1
     view, effects = s.next_attempt(replace_call(request_id="r2"), PROOF)
     assert view.exhausted and [type(e) for e in effects] == [AttemptsExhausted]
+    s.take_journal()
+    for n in range(3, 50):  # asked again and again once exhausted: nothing more is held, nothing journaled
+        assert s.next_attempt(replace_call(request_id=f"r{n}"), PROOF) == (view, [])
+    assert s.take_journal() == [] and len(s.attempts.view().failures) == 2
 
 
 def test_an_agent_cannot_replace_another_hosts_process():
