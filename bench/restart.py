@@ -9,18 +9,23 @@ attempt), 4 workers as 2 hosts of 2 on loopback, the same training loop (example
   TCPStore held by the first agent, and the restarted workers' gloo read the previous round's addresses from it
   (connection refused until the restarts run out; pytorch/pytorch#135712); with it, each round's rank 0 worker
   holds a new store;
+- ifrt-torch-replace: the same agents with ``--recover replace`` and ``--runtime torch-recover``: only process 3
+  is started anew (same id); the survivors keep running, re-form their group in place (``ifrt.torch.recover``) and
+  every process takes the most advanced state from a peer;
 - jax-alone: four processes of ``--runtime jax`` without an agent: no restart; the time until the three survivors
   have exited (ifrt's fail fast).
 
-    .venv/bin/python bench/restart.py [--repeat 3] [--ways ifrt-jax,ifrt-torch,torchrun,jax-alone]
+    .venv/bin/python bench/restart.py [--repeat 3] [--ways ifrt-jax,ifrt-torch,ifrt-torch-replace,torchrun,jax-alone]
 
 Process 3 (on the second host) is killed once every process printed step 5. Every line of the agents and workers is
 stamped when it arrives; the phases of a restart: detection (kill -> the agent's line naming the failure), stopping
 (-> the agent asks for the next attempt; torchrun: every agent has stopped its workers and joins the next
 rendezvous round), agreement (-> the new attempt starts in every agent; torchrun: the round is complete and every
 agent starts its workers), discovery and runtime start (-> the last worker's start line; its imports apart, as the
-worker measured them), first step (-> the last worker's first step). Prints one JSON object per run, then one
-with the medians per way.
+worker measured them), first step (-> the last worker's first step). For ifrt-torch-replace: detection (-> the
+agent's line naming the failure), decision (-> the agent starts the new worker), the newcomer's start (-> its start
+line, its imports apart), the group re-formed (-> the last survivor's ``recovered`` line), first step (-> the last
+worker's first step after it). Prints one JSON object per run, then one with the medians per way.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from coordinator.local import LocalCoordinator  # noqa: E402
 
 TRAIN = ROOT / "examples" / "train_checkpoint.py"
 BIN = Path(sys.executable).parent
-WAYS = ("ifrt-jax", "ifrt-torch", "torchrun", "jax-alone")
+WAYS = ("ifrt-jax", "ifrt-torch", "ifrt-torch-replace", "torchrun", "jax-alone")
 VICTIM, KILL_AT, STEPS = 3, 5, 400
 TIMEOUT = 120.0
 
@@ -100,9 +105,11 @@ def start(way: str, address: str, checkpoints: str) -> list[Lines]:
     env = base_env()
     if way.startswith("ifrt-"):
         env.update(IFRT_COORDINATOR=address)
+        replace = way == "ifrt-torch-replace"
+        runtime = "torch-recover" if replace else way.removeprefix("ifrt-")
         return [Lines([str(BIN / "ifrt"), "run", "--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2",
-                       "--max-restarts", "1", "--grace-seconds", "2", "--", sys.executable,
-                       *train(way.removeprefix("ifrt-"), checkpoints)], env) for h in range(2)]
+                       "--max-restarts", "1", "--grace-seconds", "2", *(["--recover", "replace"] if replace else []),
+                       "--", sys.executable, *train(runtime, checkpoints)], env) for h in range(2)]
     if way == "torchrun":  # as torchrun's docs start a 2-node job: the same command on every node
         env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO")  # INFO: its agents' phase lines
         return [Lines([str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
@@ -175,6 +182,8 @@ def measure(way: str, children: list[Lines]) -> dict:
         exited = max(c.ended for i, c in enumerate(children) if i != VICTIM) - killed
         return {"way": way, "survivors_exited_s": round(exited, 3),
                 "exit_codes": [c.process.returncode for i, c in enumerate(children) if i != VICTIM]}
+    if way == "ifrt-torch-replace":
+        return measure_replace(children, killed)
     old = {find(children, step_pattern(p, KILL_AT, first_attempt))[1].group(1) for p in range(4)}  # type: ignore
     later = r"\S+"  # torchrun's restart count differs between its agents: a new attempt is a new pid
 
@@ -206,6 +215,27 @@ def measure(way: str, children: list[Lines]) -> dict:
                       discovery_and_runtime_start_s=round(started - began - imports, 3),
                       first_step_s=round(killed + computing - started, 3))
     return result
+
+
+def measure_replace(children: list[Lines], killed: float) -> dict:
+    """``--recover replace``: the phases from the kill until every worker computes again, the survivors in the same
+    processes."""
+    def after(pattern: str, since: float, what: str) -> tuple[float, re.Match]:
+        return wait_for(lambda: find(children, pattern, since), what, children)
+
+    detected = after(r"ifrt run: worker \d+ \(process 3\) failed", killed, "detection")[0]
+    decided = after(r"ifrt run: starting a new worker for process 3", killed, "the decision")[0]
+    started, newcomer = after(r"started process 3 attempt \S+ pid (\d+) imports ([\d.]+)s", killed, "the newcomer")
+    imports = float(newcomer.group(2))
+    recovered = [after(rf"recovered process {p} ", killed, f"process {p}'s recovery")[0] for p in range(3)]
+    firsts = [after(rf"step \d+ process {p} attempt \S+ pid ", since, f"process {p}'s first step")[0]
+              for p, since in enumerate([*recovered, started])]
+    computing = max(firsts) - killed
+    reformed = max(recovered)
+    return {"way": "ifrt-torch-replace", "computing_again_s": round(computing, 3), "imports_s": round(imports, 3),
+            "without_imports_s": round(computing - imports, 3), "detection_s": round(detected - killed, 3),
+            "decision_s": round(decided - detected, 3), "newcomer_start_s": round(started - decided - imports, 3),
+            "reformed_s": round(reformed - killed, 3), "first_step_s": round(killed + computing - reformed, 3)}
 
 
 def main() -> int:

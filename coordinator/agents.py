@@ -24,6 +24,7 @@ from coordinator.attempts import (
     AttemptStarted,
     JobView,
     NextAttempt,
+    ProcessReplaced,
 )
 from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.effects import Effect
@@ -144,7 +145,8 @@ class JobAgentsService:
         failure = AttemptFailure(request.ended_attempt, f.process_id if request.HasField("failure") else
                                  UNKNOWN_PROCESS, f.host, f.reason)
         budget = request.max_restarts if request.HasField("max_restarts") else None
-        call = NextAttempt(request.ended_attempt, failure, budget, request.request_id, request.agent_uid)
+        call = NextAttempt(request.ended_attempt, failure, budget, request.request_id, request.agent_uid,
+                           request.replace)
         service, proof = self._service, caller_proof(context)
         view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt} from agent "
                                      f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(call, proof))
@@ -157,6 +159,11 @@ class JobAgentsService:
                     event = pb.JobEvent(process_failed=_failure(failure))
                 case AttemptStarted(view=view):
                     event = pb.JobEvent(attempt_started=_job_state(view))
+                case ProcessReplaced(failure=failure, view=view):
+                    log.warning("process %d is replaced by its agent (replacement %d of this run, restart budget %d): "
+                                "%s", failure.process_id, view.replacements, view.max_restarts, shown(failure.reason),
+                                extra={"event": "process_replaced", "process_id": failure.process_id})
+                    event = pb.JobEvent(replaced=_failure(failure))
                 case AttemptsExhausted(view=view):
                     log.error("the job's restarts are exhausted after attempt %d: no attempt starts", view.attempt,
                               extra={"event": "attempts_exhausted", "attempt": view.attempt})
@@ -187,4 +194,4 @@ def _failure(f: AttemptFailure) -> pb.AttemptFailure:
 
 def _job_state(view: JobView) -> pb.JobState:
     return pb.JobState(attempt=view.attempt, failures=[_failure(f) for f in view.failures], exhausted=view.exhausted,
-                       max_restarts=view.max_restarts, earlier_failures=view.earlier)
+                       max_restarts=view.max_restarts, earlier_failures=view.earlier, replacements=view.replacements)

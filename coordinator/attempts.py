@@ -7,7 +7,9 @@ sub-machines afresh for a new attempt.
     attempt N ──(NextAttempt(N): restarts >= budget)──▶ exhausted ──(a new agent joins)──▶ attempt N+1, a new run
     attempt N ──(every agent gone, a new agent joins)──▶ attempt N+1, a new run
 
-F is the first attempt of the run (the coordinator's ``--attempt``, 0 by default); the restarts made so far are N - F.
+F is the first attempt of the run (the coordinator's ``--attempt``, 0 by default); the restarts made so far are N - F,
+plus the processes replaced in the run (``NextAttempt`` with ``replace``: the attempt goes on, one process id starts
+anew on its own agent, every other process keeps running), which count against the same budget.
 
 Authority: only the job decides about the job.
 
@@ -19,6 +21,9 @@ Authority: only the job decides about the job.
   run: the next attempt, with no failure and the whole budget.
 - The restart budget is the job's: the coordinator's ``--max-restarts``, else the first agent's of the run, else 0.
   An agent stating another is refused (``ClusterMismatch``).
+- Replacing a process needs an agent of the job asking about one of its own workers (registered with its hostname
+  from its address, or not registered at all): an agent cannot replace, nor make the job spend its budget on, another
+  host's process. A replacement is decided once per request (retries answered the same) and bounded by the budget.
 - Ending an attempt needs an agent of the job and a cause it may give: a process the coordinator declared failed in
   the attempt, or one of the agent's own workers (a process registered with its hostname from its address, or one
   it could not name, such as a worker that failed before it registered). A failure of another host's process that
@@ -68,6 +73,7 @@ class JobView:
     exhausted: bool
     max_restarts: int = 0
     earlier: int = 0
+    replacements: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class NextAttempt:
     max_restarts: int | None = None
     request_id: str = ""
     agent_uid: str = ""
+    replace: bool = False
 
 
 # Effects, for the shell: agents' watches hear of each, and a new attempt ends the old one's calls and sessions.
@@ -110,6 +117,14 @@ class AttemptStarted:
 class AttemptsExhausted:
     """Effect: the job's restarts are exhausted; no attempt starts."""
 
+    view: JobView
+
+
+@dataclass(frozen=True)
+class ProcessReplaced:
+    """Effect: ``failure.process_id`` is replaced by its agent in the current attempt; the others keep running."""
+
+    failure: AttemptFailure
     view: JobView
 
 
@@ -135,6 +150,7 @@ class Attempts:
         self._decided_by: dict[str, None] = {}  # request ids of the decisions, oldest first
         self._agents: dict[str, Agent] = {}  # by uid, in the order they joined
         self._declared: dict[int, AttemptFailure] = {}  # processes the coordinator declared failed in this attempt
+        self._replacements = 0  # processes replaced in this run
 
     @property
     def budget(self) -> int:
@@ -143,7 +159,13 @@ class Attempts:
 
     def view(self) -> JobView:
         """The job as agents see it now."""
-        return JobView(self.current, tuple(self._failures), self.exhausted, self.budget, self._earlier)
+        return JobView(self.current, tuple(self._failures), self.exhausted, self.budget, self._earlier,
+                       self._replacements)
+
+    @property
+    def restarts(self) -> int:
+        """The restarts of this run so far: attempts after the first, and processes replaced."""
+        return self.current - self.first + self._replacements
 
     # Agents.
     def join(self, agent: Agent, max_restarts: int | None, num_processes: int, limits: Limits,
@@ -191,7 +213,7 @@ class Attempts:
         if entry.new_run:  # the next attempt, with no failure and the whole budget
             self.current += 1
             self.first, self.exhausted = self.current, False
-            self._failures, self._earlier, self._declared = [], 0, {}
+            self._failures, self._earlier, self._declared, self._replacements = [], 0, {}, 0
             self._agents, self._stated, self._stated_by = {}, None, ""
         for uid in entry.replaced:
             self._agents.pop(uid, None)
@@ -234,12 +256,13 @@ class Attempts:
                                   f"{self.current})")
         if call.request_id in self._decided_by or call.ended_attempt < self.current or self.exhausted:
             return None
-        failure = self._cause(call.failure, agent, where_of)
+        failure = self._own(call.failure, agent, where_of) if call.replace else self._cause(call.failure, agent,
+                                                                                            where_of)
         return journal.AttemptDecided(
             ended=call.ended_attempt, process_id=failure.process_id, host=failure.host, reason=failure.reason,
-            exhausted=self.current - self.first >= self.budget, request_id=call.request_id)
+            exhausted=self.restarts >= self.budget, request_id=call.request_id, replace=call.replace)
 
-    def apply(self, entry: journal.AttemptDecided) -> AttemptStarted | AttemptsExhausted:
+    def apply(self, entry: journal.AttemptDecided) -> AttemptStarted | AttemptsExhausted | ProcessReplaced:
         """Records a decision (made now, or replayed) and returns its effect."""
         self._failures.append(AttemptFailure(entry.ended, entry.process_id, entry.host, entry.reason))
         if len(self._failures) > FAILURES_KEPT:
@@ -252,6 +275,10 @@ class Attempts:
         if entry.exhausted:
             self.exhausted = True
             return AttemptsExhausted(self.view())
+        if entry.replace:
+            self._replacements += 1
+            self._declared.pop(entry.process_id, None)  # a later failure of that id is its new process's
+            return ProcessReplaced(self._failures[-1], self.view())
         self.current = entry.ended + 1
         self._declared = {}
         return AttemptStarted(self.view())
@@ -280,6 +307,20 @@ class Attempts:
             f"process {pid} registered from {shown(where[0])} ({where[1]}), not from this agent's host "
             f"{shown(agent.host)} ({agent.address}), and the coordinator did not declare it failed: an agent may end "
             "an attempt only for its own workers or a failure the coordinator declared")
+
+    def _own(self, reported: AttemptFailure, agent: Agent, where_of: Callable[[int], Host | None]) -> AttemptFailure:
+        """The failure of the agent's own worker that a replacement replaces (the coordinator's word on it, if it
+        declared it failed); PermissionDenied for another host's process, InvalidArgument for no process."""
+        pid = reported.process_id
+        if pid == UNKNOWN_PROCESS:
+            raise InvalidArgument("a replacement names the process to replace: expected failure.process_id >= 0 (an "
+                                  "agent that does not know its worker's id asks for the next attempt instead)")
+        where = where_of(pid)
+        if where is not None and where != agent.where:
+            raise PermissionDenied(
+                f"process {pid} registered from {shown(where[0])} ({where[1]}), not from this agent's host "
+                f"{shown(agent.host)} ({agent.address}): an agent may replace only its own workers")
+        return self._declared.get(pid) or replace(reported, attempt=self.current, host=agent.host)
 
     def _budget_origin(self, new_run: bool) -> tuple[int | None, str]:
         if self._configured is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from coordinator.limits import Limits
 from coordinator.registration import Registration, from_request, to_request
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import ERROR_CLASSES, IfrtError
 from ifrt.ids import MAX_LOCAL_DEVICES
 
 _REPLAYED = Limits(devices_per_process=MAX_LOCAL_DEVICES, attributes_per_device=1 << 30, string_bytes=1 << 30)
@@ -116,6 +117,8 @@ class AttemptDecided:
     reason: str
     exhausted: bool
     request_id: str
+    replace: bool = False
+    """A replacement (``ifrt run --recover replace``): the attempt goes on, only ``process_id`` starts anew."""
 
 
 @dataclass(frozen=True)
@@ -186,3 +189,12 @@ def decode(raw: bytes) -> Entry:
         fields["members"] = tuple(tuple(m) for m in fields["members"])
     return kind(**fields)
 
+
+def error_fields(error: IfrtError | None) -> tuple[str, str]:
+    """How the journal keeps an error: its class name and message ("", "" for none)."""
+    return (type(error).__name__, str(error)) if error else ("", "")
+
+
+def error_of(kind: str, message: str) -> IfrtError | None:
+    """A journaled error back as its typed class (None for no error)."""
+    return ERROR_CLASSES[kind](message) if kind else None

@@ -51,7 +51,7 @@ from coordinator.preemption import Preemption
 from coordinator.registration import Registration
 from coordinator.report import cluster_report
 from coordinator.status import StatusReport
-from ifrt.errors import ERROR_CLASSES, IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
+from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.progress import Progress
 from ifrt.records import TopologyContent
@@ -109,9 +109,9 @@ class ClusterState:
             case journal.KeySet() | journal.KeyIncremented() | journal.KeySwapped() | journal.KeysDeleted():
                 self._kv.replay(entry, agent=self._is_agent(getattr(entry, "client_uid", "")))
             case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message):
-                self._barriers.restore(name, frozenset(participants), _error(kind, message))
+                self._barriers.restore(name, frozenset(participants), journal.error_of(kind, message))
             case journal.LiveSetDecided(callers=callers, members=decided, error_type=kind, error=message):
-                self._live_sets.restore(callers, decided, _error(kind, message))
+                self._live_sets.restore(callers, decided, journal.error_of(kind, message))
             case journal.PreemptionNoticed(process_id=pid):
                 self._preemption = Preemption(pid)
                 self._history.add(PreemptionNotice(pid))
@@ -146,8 +146,11 @@ class ClusterState:
         entry = self.attempts.decide(call, self.config.limits, agent, self._registered_from)
         if entry is None:
             return self.attempts.view(), []
-        self._journal.append(entry)
-        effects = self._end_attempt(entry)
+        replacing = entry.replace and not entry.exhausted and self.topology is not None
+        member = self._admission.member_of(entry.process_id) if replacing else None
+        failed = self._fail(member, f"its agent replaces it: {entry.reason}") if member and member.live else []
+        self._journal.append(entry)  # after its holder's failure: watches hear of both in this order, as a replay does
+        effects = failed + self._end_attempt(entry)
         return self.attempts.view(), effects
 
     def _end_attempt(self, entry: journal.AttemptDecided) -> list[Effect]:
@@ -538,7 +541,8 @@ class ClusterState:
         for e in effects:
             barrier = self._barriers.get(e.name)
             assert barrier is not None
-            self._journal.append(journal.BarrierFinished(e.name, tuple(sorted(barrier.participants)), *_kind(e.error)))
+            self._journal.append(journal.BarrierFinished(e.name, tuple(sorted(barrier.participants)),
+                                                         *journal.error_fields(e.error)))
         return list(effects)
 
     def _notify(self, event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice) -> Notify:
@@ -560,7 +564,8 @@ class ClusterState:
         resolved, left_out = self._live_sets.settle(alive, now, self.describe_process, self._why_left_out)
         effects += left_out
         if resolved is not None:
-            self._journal.append(journal.LiveSetDecided(resolved.callers, resolved.members, *_kind(resolved.error)))
+            self._journal.append(journal.LiveSetDecided(resolved.callers, resolved.members,
+                                                        *journal.error_fields(resolved.error)))
             effects.append(resolved)
         if preemption is not None:
             decided = preemption.settle(alive.keys(), now, self.describe_process)
@@ -590,13 +595,3 @@ class ClusterState:
     def _is_agent(self, client_uid: str) -> bool:
         """Whether the caller is no process (a torchrun agent): only the latest such callers' answers are kept."""
         return client_uid not in self._admission.members
-
-
-def _kind(error: IfrtError | None) -> tuple[str, str]:
-    """How the journal keeps an error: its class name and message ("", "" for none)."""
-    return (type(error).__name__, str(error)) if error else ("", "")
-
-
-def _error(kind: str, message: str) -> IfrtError | None:
-    """A journaled error back as its typed class (None for no error)."""
-    return ERROR_CLASSES[kind](message) if kind else None

@@ -4,7 +4,9 @@
         --checkpoint-dir /tmp/ckpt --steps 50
 
 Each process starts its runtime from ifrt (``--runtime jax``: ``ifrt.jax.initialize()``; ``torch``:
-``ifrt.torch.init_process_group()``; ``torchrun``: plain ``torch.distributed`` under torchrun, for comparison),
+``ifrt.torch.init_process_group()``; ``torch-recover``: the same with ``on_failure="recover"``, for ``ifrt run
+--recover replace``: a survivor re-forms the group in place and every process takes the most advanced state from a
+peer; ``torchrun``: plain ``torch.distributed`` under torchrun, for comparison),
 loads its own checkpoint (``<dir>/process-<id>.json``) if there is one, and then runs steps: a cross-process sum
 (every process's parameter), one update of its parameter, the checkpoint written to a temporary file and renamed
 over the old one (a kill never leaves half a checkpoint). It prints how long its imports and its runtime's start
@@ -65,6 +67,49 @@ def torch_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
     return topology, global_sum
 
 
+class Resync(Exception):
+    """The group was re-formed (``torch-recover``): the processes agree on the state again."""
+
+
+def torch_recover_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
+    import torch
+    import torch.distributed as dist
+
+    import ifrt
+    import ifrt.torch
+
+    topology = ifrt.torch.init_process_group(on_failure="recover", collective_timeout=2.0, timeout=timeout)
+
+    def global_sum(mine: float) -> float:
+        value = torch.tensor([mine], dtype=torch.float64)
+        try:
+            with ifrt.torch.recoverable():
+                dist.all_reduce(value)
+        except ifrt.CollectiveFailed as e:
+            ifrt.torch.recover(timeout)
+            print(f"recovered process {topology.process_id} pid {os.getpid()} from the failure of processes "
+                  f"{list(e.process_ids)} t {time.time():.3f}", flush=True)
+            raise Resync() from e
+        return value.item()
+
+    return topology, global_sum
+
+
+def agree(state: dict) -> dict:
+    """Every process takes the state of the lowest process at the most advanced step (``torch-recover``: a
+    newcomer's from a peer, not from its checkpoint)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([float(state["step"]), state["param"]], dtype=torch.float64)
+    every = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    latest = max(int(t[0]) for t in every)
+    source = min(r for r, t in enumerate(every) if int(t[0]) == latest)
+    dist.broadcast(mine, src=source)
+    return {"step": int(mine[0]), "param": float(mine[1])}
+
+
 def torchrun_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
     """Plain ``torch.distributed`` from torchrun's environment (no ifrt), for comparison with torchrun's restarts.
     Restarted by torchrun (c10d rendezvous) it needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: see bench/restart.py."""
@@ -87,7 +132,7 @@ def torchrun_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
 
 
 RUNTIMES = {"jax": ("ifrt.jax", jax_runtime), "torch": ("ifrt.torch", torch_runtime),
-            "torchrun": ("torch.distributed", torchrun_runtime)}
+            "torch-recover": ("ifrt.torch", torch_recover_runtime), "torchrun": ("torch.distributed", torchrun_runtime)}
 
 
 def load(path: Path) -> dict:
@@ -110,7 +155,8 @@ def save(path: Path, state: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runtime", choices=tuple(RUNTIMES), default="jax",
-                   help="jax, torch (both started by ifrt), or torchrun (plain torch.distributed under torchrun)")
+                   help="jax, torch, torch-recover (started by ifrt; torch-recover re-forms in place under `ifrt run "
+                        "--recover replace`), or torchrun (plain torch.distributed under torchrun)")
     p.add_argument("--checkpoint-dir", required=True, type=Path, help="where each process keeps its checkpoint")
     p.add_argument("--steps", type=int, default=20, help="the step the training ends at")
     p.add_argument("--step-seconds", type=float, default=0.1, help="pause after each step (stands for the work)")
@@ -128,10 +174,16 @@ def main() -> None:
     args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     path = args.checkpoint_dir / f"process-{me}.json"
     state = load(path)
+    if args.runtime == "torch-recover":
+        state = agree(state)
     if state["step"]:
         print(f"resumed process {me} at step {state['step']}", flush=True)
     while state["step"] < args.steps:
-        total = global_sum(state["param"])
+        try:
+            total = global_sum(state["param"])
+        except Resync:
+            state = agree(state)
+            continue
         state = {"step": state["step"] + 1, "param": state["param"] + 0.5 * total / topology.num_processes}
         save(path, state)
         print(f"step {state['step']} process {me} attempt {attempt} pid {os.getpid()} fingerprint "

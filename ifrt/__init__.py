@@ -19,6 +19,7 @@ from ifrt.errors import (
     BarrierTimeout,
     CertificateRejected,
     ClusterMismatch,
+    CollectiveFailed,
     CoordinatorGone,
     CoordinatorUnavailable,
     DiscoveryTimeout,
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BarrierCancelled", "BarrierFailed", "BarrierTimeout", "CertificateRejected", "Client", "ClusterMismatch",
-    "CoordinatorGone", "CoordinatorUnavailable", "Device", "DiscoveryTimeout", "IfrtError", "InvalidArgument",
+    "CollectiveFailed", "CoordinatorGone", "CoordinatorUnavailable", "Device", "DiscoveryTimeout", "IfrtError",
+    "InvalidArgument",
     "JobFailed", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh", "PeerFailed", "PermissionDenied",
     "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError",
     "TransportMismatch", "Unauthenticated", "UnknownClient", "discover", "events", "global_device_id",

@@ -111,10 +111,12 @@ def parser() -> argparse.ArgumentParser:
     from ifrt.run.shell import add_arguments as run_arguments
 
     run_arguments(commands.add_parser(
-        "run", help="start this host's workers and restart the whole job in place when a process fails",
+        "run", help="start this host's workers and restart the whole job in place when a process fails (or, with "
+                    "--recover replace, only the failed process)",
         description="One agent per host: starts N workers (IFRT_LOCAL_RANK, IFRT_LOCAL_WORLD_SIZE, IFRT_ATTEMPT and "
                     "the resolved IFRT_* settings), watches them and the job, and on a failure anywhere stops them "
-                    "and starts the coordinator's next attempt, up to --max-restarts. Exits 0 when every worker "
+                    "and starts the coordinator's next attempt (--recover replace: starts only the failed worker "
+                    "anew, the others keep running), up to --max-restarts. Exits 0 when every worker "
                     "exited 0; 1 when the restarts are exhausted (with every attempt's failure); 2 for bad flags or "
                     "settings; 69 when the coordinator stayed out of reach; the workers' status after SIGTERM or "
                     "SIGINT (see docs/failures.md)."))

@@ -230,6 +230,18 @@ class CoordinatorGone(JobFailed):
     exit_code = EXIT_COORDINATOR_LOST
 
 
+class CollectiveFailed(IfrtError):
+    """A collective of this process failed or was aborted because peers failed (``ifrt.torch`` with
+    ``on_failure="recover"``): ``process_ids`` names them. Call ``ifrt.torch.recover()`` to re-form the groups once
+    they are replaced (``ifrt run --recover replace``), then bring the newcomers up to date."""
+
+    status = "ABORTED"
+
+    def __init__(self, message: str, process_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.process_ids = process_ids
+
+
 def _all_subclasses(cls: type[IfrtError]) -> list[type[IfrtError]]:
     return [c for sub in cls.__subclasses__() for c in (sub, *_all_subclasses(sub))]
 

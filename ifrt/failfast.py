@@ -9,6 +9,9 @@ What happens is the program's choice (``on_failure``):
 - ``"raise"``: the typed error (``PeerFailed``, ``CoordinatorGone``) is raised in the main thread, by the signal
   ``RAISE_SIGNAL``; the process exits with the same code when the program ends, or after ``grace`` seconds anyway.
 - a callable: called with the error in a thread of its own; then the same exit, at the latest after ``grace``.
+- ``"recover"`` (``ifrt.torch`` only, under ``ifrt run --recover replace``): a peer that fails or is replaced is no
+  failure of this process: its collectives fail, and the program re-forms its groups in place
+  (``ifrt.torch.recover()``). This process declared failed, or the coordinator lost, still ends it as ``"exit"``.
 
 A process that leaves on purpose (``ProcessLeft``) is no failure. A process whose main thread ends with an uncaught
 exception waits up to the coordinator's heartbeat timeout + 1 s for the failure that caused it (a peer's death
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ifrt.failfast")
 
-OnFailure = Literal["exit", "raise"] | Callable[[JobFailed], object]
+OnFailure = Literal["exit", "raise", "recover"] | Callable[[JobFailed], object]
 FAILOVER_WINDOW_S = 30.0
 """A coordinator out of reach this long is a failure (a standby takes over after its leader TTL, 5 s by default)."""
 RAISE_GRACE_S = 30.0
@@ -54,29 +57,38 @@ EXIT_UNCAUGHT = 1
 """Exit code after an uncaught exception that no peer's failure explains: a bug in this program."""
 
 
-def check(on_failure: OnFailure) -> None:
-    """InvalidArgument saying what is accepted if ``on_failure`` is not "exit", "raise" or a callable, if "raise"
-    is asked for outside the main thread (only the main thread can install its signal handler), or if
-    IFRT_FAILOVER_WINDOW is not a positive number."""
+def check(on_failure: OnFailure, *, recover: bool = False) -> None:
+    """InvalidArgument saying what is accepted if ``on_failure`` is not "exit", "raise", a callable or (where the
+    runtime can re-form in place, ``recover``) "recover", if "raise" is asked for outside the main thread (only the
+    main thread can install its signal handler), or if IFRT_FAILOVER_WINDOW is not a positive number."""
     failover_window_from_env()
-    if callable(on_failure) or on_failure == "exit":
+    if callable(on_failure) or on_failure == "exit" or (recover and on_failure == "recover"):
         return
+    if on_failure == "recover":
+        raise InvalidArgument("on_failure='recover' re-forms the runtime's groups in place, which this runtime cannot: "
+                              "JAX's distributed runtime cannot be started twice in one process; use 'exit' (or "
+                              "'raise') under `ifrt run`, which restarts the whole job in place")
     if on_failure != "raise":
-        raise InvalidArgument(f"on_failure={on_failure!r}: expected 'exit', 'raise' or a callable taking the error")
+        raise InvalidArgument(f"on_failure={on_failure!r}: expected 'exit', 'raise' or a callable taking the error"
+                              + (", or 'recover'" if recover else ""))
     if threading.current_thread() is not threading.main_thread():
         raise InvalidArgument("on_failure='raise' needs the runtime started from the main thread (the error is "
                               "raised there by a signal handler): start it from the main thread, or use 'exit' "
                               "or a callable")
 
 
-def failure_for(event: events.Event, topology: Topology) -> JobFailed | None:
+def failure_for(event: events.Event, topology: Topology, *, recover: bool = False) -> JobFailed | None:
     """The failure an event means for a job whose runtime started on ``topology``, or None (a process that left on
-    purpose, a topology change, the coordinator back)."""
+    purpose, a topology change, the coordinator back; with ``recover``, a peer that failed or was replaced: the
+    program re-forms its groups)."""
     me = topology.process_id
     if isinstance(event, events.ProcessFailed):
+        if recover and event.process_id != me:
+            return None
         what = "this process was declared failed" if event.process_id == me else "failed"
         return _peer(topology, event.process_id, what, event.reason)
-    if isinstance(event, events.ProcessRestarted):  # the runtime cannot take a process back: its old run is gone
+    # Without recover the runtime cannot take a process back: its old run is gone.
+    if isinstance(event, events.ProcessRestarted) and not recover:
         return _peer(topology, event.process_id, "restarted",
                      f"incarnation {event.incarnation} replaced the one this runtime started with")
     return None
@@ -102,7 +114,7 @@ class Watchdog:
     def __init__(self, client: Client, topology: Topology, on_failure: OnFailure, runtime: str, *,
                  abort: Callable[[], None] | None = None, shutdown: Callable[[], None] | None = None,
                  failover_window: float | None = None, grace: float = RAISE_GRACE_S) -> None:
-        check(on_failure)
+        check(on_failure, recover=True)  # the runtime's own module refuses "recover" where it cannot re-form
         self.client, self.topology, self.on_failure, self.runtime = client, topology, on_failure, runtime
         self._abort, self._shutdown = abort, shutdown
         self.failover_window = failover_window if failover_window is not None else failover_window_from_env()
@@ -143,7 +155,7 @@ class Watchdog:
                 timer, self._lost_timer = self._lost_timer, None
             if timer is not None:
                 timer.cancel()
-        elif (failure := failure_for(event, self.topology)) is not None:
+        elif (failure := failure_for(event, self.topology, recover=self.on_failure == "recover")) is not None:
             self.fail(failure)
 
     def _coordinator_gone(self, reason: str) -> None:
@@ -160,12 +172,12 @@ class Watchdog:
             if self.failure is not None or not self._armed:
                 return
             self.failure = failure
-        action = ("exiting" if self.on_failure == "exit" else
+        action = ("exiting" if self.on_failure in ("exit", "recover") else
                   "raising it in the main thread" if self.on_failure == "raise" else "calling on_failure")
         _say(f"ifrt: {self.runtime} job failed: {failure}; process {self.topology.process_id} is {action} "
              f"(exit code {failure.exit_code})")
         self._failed.set()  # said: _at_exit may end the process from now on
-        if self.on_failure == "exit" or self._exiting:  # the program has ended: nothing left to raise into
+        if self.on_failure in ("exit", "recover") or self._exiting:  # nothing to raise into, or nothing to recover
             _exit(failure.exit_code)
         deadline = threading.Timer(self.grace, self._exit_anyway)
         deadline.daemon = True

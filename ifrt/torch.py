@@ -17,18 +17,25 @@
 The device plugin defaults to ``cuda`` where this torch is built for CUDA and NVML sees a GPU, else ``cpu``.
 
 Every wait names who is missing, and a process that fails during the start ends it in every process, naming it.
+
+In-place recovery (under ``ifrt run --recover replace``, see docs/failures.md): with ``on_failure="recover"`` a peer
+that fails does not end this process. A collective inside ``recoverable()`` that the failure broke raises
+``ifrt.CollectiveFailed``; ``recover()`` then waits until every process is live again (the failed one replaced, with
+its id), aborts the old group and starts a new one with the same ranks on fresh keys (a new start-up exchange: a
+nonce of its own, the old group's keys deleted), and returns the topology. The replacement itself just calls
+``init_process_group`` and joins that new group.
 """
 
 from __future__ import annotations
 
 import atexit
-import ipaddress
+import contextlib
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Unpack
 
@@ -38,11 +45,12 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.torch needs torch: pip install 'ifrt-topology[torch]' ({e})") from e
 
-from ifrt import failfast, startup
+from ifrt import failfast, recovery, startup
 from ifrt.client import Client
-from ifrt.errors import BackendAlreadyInitialized, KeyValueTimeout
+from ifrt.errors import BackendAlreadyInitialized, BarrierFailed, CollectiveFailed, InvalidArgument, KeyValueTimeout
 from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
+from ifrt.interfaces import interface_of
 from ifrt.mesh import Mesh
 from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, env_plugin
 from ifrt.startup import RECHECK_S
@@ -189,8 +197,14 @@ def _bytes(value: bytes | str) -> bytes:
 
 # Start-up.
 class _Started:
-    def __init__(self, client: Client, topology: Topology, store: Store) -> None:
-        self.client, self.topology, self.store = client, topology, store  # the store stays referenced
+    """The process group this process runs now: its client, topology and store (kept referenced), how it was
+    started (for a recovery's next group), and under ``on_failure="recover"`` the job's down processes."""
+
+    def __init__(self, client: Client, topology: Topology, store: Store, backend: str,
+                 timeout: timedelta | None, peers: recovery.Peers | None, watchdog: failfast.Watchdog) -> None:
+        self.client, self.topology, self.store = client, topology, store
+        self.backend, self.timeout, self.peers, self.watchdog = backend, timeout, peers, watchdog
+        self.mark = peers.mark() if peers is not None else 0
 
 
 _started: _Started | None = None
@@ -202,6 +216,7 @@ def init_process_group(
     coordinator: str | Sequence[str] | None = None,
     *,
     on_failure: failfast.OnFailure = "exit",
+    collective_timeout: timedelta | float | None = None,
     **options: Unpack[DiscoverOptions],
 ) -> Topology:
     """Discovers the topology with ifrt, then starts ``torch.distributed`` with ``rank = process_id`` and
@@ -214,38 +229,105 @@ def init_process_group(
     lost coordinator ends this process as ``on_failure`` says (``ifrt.failfast``), aborting the process groups
     first unless it exits at once (NCCL's abort unblocks a collective waiting on a hung peer; torch 2.13's gloo
     abort does not).
+
+    ``on_failure="recover"``: a failed peer is replaced and the group re-formed in place (``recoverable``,
+    ``recover``). ``collective_timeout`` (seconds or a timedelta; default torch's): how long a collective waits for
+    its peers; with gloo it is what returns a collective blocked on a peer that is gone without closing its
+    sockets, so keep it short under recovery.
     """
     global _started
     with _lock:
         if _started is not None:
             return _started.topology
-        failfast.check(on_failure)
+        failfast.check(on_failure, recover=True)
         if dist.is_initialized():
             raise BackendAlreadyInitialized(
                 "a default torch.distributed process group already exists in this process: "
                 "ifrt.torch.init_process_group() starts it itself with the topology's ranks; remove the other "
                 "torch.distributed.init_process_group() call (or destroy that group first)")
         deadline = time.monotonic() + options.get("timeout", DISCOVER_TIMEOUT_S)
+        timeout = timedelta(seconds=collective_timeout) if isinstance(collective_timeout, int | float) \
+            else collective_timeout
         client = Client(coordinator, **{**options, "plugin": options.get("plugin") or env_plugin() or default_plugin()})
         try:
             topology = client.discover()
-            exchange = StartupExchange(client, topology, deadline)
-            prefix = exchange.run()
-            store = Store(client, prefix, timedelta(seconds=max(1.0, deadline - time.monotonic())))
-            store.watch, store.describe_missing = exchange.check_failures, exchange.describe_keys
             chosen = backend or default_backend(topology)
             _set_socket_interfaces(_advertised_ip(client, topology))
-            # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
-            dist.init_process_group(chosen, store=store, rank=topology.process_id, world_size=topology.num_processes,
-                                    device_id=_nccl_device(chosen, topology))
-            store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
+            peers = recovery.Peers(client) if on_failure == "recover" else None
+            store = _start_group(client, topology, deadline, chosen, timeout)
         except BaseException:
             client.close()
             raise
-        _started = _Started(client, topology, store)
-        failfast.arm(client, topology, on_failure, "torch.distributed", abort=_abort_process_groups)
-        log.info("torch.distributed started: rank %d of %d, backend %s, store prefix %s", topology.process_id,
-                 topology.num_processes, chosen, prefix)
+        watchdog = failfast.arm(client, topology, on_failure, "torch.distributed", abort=_abort_process_groups)
+        _started = _Started(client, topology, store, chosen, timeout, peers, watchdog)
+        return topology
+
+
+def _start_group(client: Client, topology: Topology, deadline: float, backend: str,
+                 timeout: timedelta | None) -> Store:
+    """Starts the default process group on a start-up exchange of its own (fresh keys); returns its store."""
+    exchange = StartupExchange(client, topology, deadline)
+    prefix = exchange.run()
+    store = Store(client, prefix, timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    store.watch, store.describe_missing = exchange.check_failures, exchange.describe_keys
+    # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
+    dist.init_process_group(backend, store=store, rank=topology.process_id, world_size=topology.num_processes,
+                            device_id=_nccl_device(backend, topology), **({"timeout": timeout} if timeout else {}))
+    store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
+    log.info("torch.distributed started: rank %d of %d, backend %s, store prefix %s", topology.process_id,
+             topology.num_processes, backend, prefix)
+    return store
+
+
+# In-place recovery.
+@contextlib.contextmanager
+def recoverable() -> Iterator[None]:
+    """Code whose collectives a failed peer may break (``on_failure="recover"``): their error becomes one
+    ``ifrt.CollectiveFailed`` naming the failed processes, once the coordinator has declared one (waiting up to its
+    heartbeat timeout + 1 s); an error that no peer's failure explains passes unchanged."""
+    try:
+        yield
+    except RuntimeError as e:  # c10d's DistBackendError and gloo's errors are RuntimeErrors
+        state = _state()
+        if state.peers is None:
+            raise
+        down = state.peers.wait_failed(state.mark, state.watchdog.heartbeat_timeout + 1.0)
+        if not down:
+            raise
+        names = ", ".join(f"{p} ({why})" for p, why in sorted(down.items()))
+        raise CollectiveFailed(f"a collective of process {state.topology.process_id} failed because processes "
+                               f"failed: {names}; call ifrt.torch.recover() to re-form the group once they are "
+                               f"replaced ({type(e).__name__}: {str(e)[:200]})", tuple(sorted(down))) from e
+
+
+def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
+    """Re-forms the default process group in place after ``CollectiveFailed``: aborts the old group, waits until
+    every process is live again (each failed one replaced), starts a new group with the same ranks on fresh keys,
+    and returns the topology. DiscoveryTimeout after ``timeout`` seconds names the processes not replaced;
+    InvalidArgument without ``init_process_group(on_failure="recover")``."""
+    global _started
+    with _lock:
+        state = _state()
+        if state.peers is None:
+            raise InvalidArgument("ifrt.torch.recover() re-forms a group started with "
+                                  "ifrt.torch.init_process_group(on_failure='recover'); this one was started with "
+                                  f"on_failure={state.watchdog.on_failure!r}")
+        deadline = time.monotonic() + timeout
+        me = f"process {state.topology.process_id}"
+        while True:
+            _leave_group()
+            state.peers.wait_whole(state.mark, deadline, me)
+            topology = state.client.topology or state.topology
+            failures = state.peers.mark()
+            try:
+                store = _start_group(state.client, topology, deadline, state.backend, state.timeout)
+                break
+            except (BarrierFailed, RuntimeError):
+                if state.peers.mark() == failures:
+                    raise  # no other process failed meanwhile: not for a recovery to mend
+                # another process failed during the new group's start: wait for its replacement too, then again
+        _started = _Started(state.client, topology, store, state.backend, state.timeout, state.peers,
+                            state.watchdog)
         return topology
 
 
@@ -333,40 +415,6 @@ def _set_socket_interfaces(ip: str) -> None:
         os.environ.setdefault(env, name)
 
 
-def interface_of(ip: str, interfaces: Iterable[tuple[str, str]] | None = None) -> str | None:
-    """The name of the interface that has address ``ip`` (``interfaces``: (name, address) pairs, default this
-    host's), or None."""
-    wanted = ipaddress.ip_address(ip)
-    for name, address in interfaces if interfaces is not None else _host_interfaces():
-        if ipaddress.ip_address(address) == wanted:
-            return name
-    return None
-
-
-def _host_interfaces() -> list[tuple[str, str]]:
-    """(name, address) of every interface address of this host: IPv4 by ioctl, IPv6 from /proc/net/if_inet6."""
-    import fcntl
-    import socket
-    import struct
-
-    found = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue  # no IPv4 address
-            found.append((name, socket.inet_ntoa(raw[20:24])))
-    try:
-        with open("/proc/net/if_inet6") as lines:
-            for line in lines:
-                fields = line.split()
-                found.append((fields[5], str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))))
-    except OSError:
-        pass
-    return found
-
-
 # Device meshes.
 def device_mesh(ifrt_mesh: Mesh, device_type: str | None = None) -> Any:
     """The ``torch.distributed.device_mesh.DeviceMesh`` with the ifrt mesh's shape, axis names and order: each
@@ -397,6 +445,31 @@ def mesh_ranks(ifrt_mesh: Mesh) -> Any:
             "rank, and ranks are processes; build the mesh from one device per process (e.g. each process's "
             "first device) or run one process per device")
     return ranks.tolist()
+
+
+def _leave_group() -> None:
+    """Aborts the default process group (if any) and lets it go: nothing of it is used again, its connections nor
+    its keys."""
+    if dist.is_initialized():
+        _retire(dist.distributed_c10d._get_default_group())
+    _abort_process_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_retired: list[Any] = []
+"""The process groups that recoveries replaced: kept, never destroyed (see ``_retire``)."""
+
+
+def _retire(group: Any) -> None:
+    """Keeps an aborted group from ever being destroyed: gloo's destructor waits, holding the GIL, for work still
+    queued on a peer that is gone, while that work's completion needs the GIL (a deadlock seen here when the old
+    DDP's group was collected). One reference more than the program will ever drop (a group's sockets and threads,
+    per recovery, bounded by the job's restart budget)."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _retired.append(group)
 
 
 def _abort_process_groups() -> None:

@@ -7,6 +7,8 @@ Scenarios:
   fail    local rank 1 exits 3 right after discovery, in every attempt; the others loop
   finish  three steps, then exit 0
   once    loops in attempt 0 (like loop); in any later attempt, three steps, then exit 0
+  vanish  loops; process 3 deletes the file RUN_WORKER_VANISH names (its own command), then exits 3: its
+          replacement cannot start
 Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent).
 """
 
@@ -35,6 +37,9 @@ def main(scenario: str) -> None:
           f"{topology.fingerprint}", flush=True)
     print(f"a line on stderr from local rank {os.environ['IFRT_LOCAL_RANK']}", file=sys.stderr, flush=True)
     if scenario == "fail" and os.environ["IFRT_LOCAL_RANK"] == "1":
+        os._exit(3)
+    if scenario == "vanish" and topology.process_id == 3:
+        os.remove(os.environ["RUN_WORKER_VANISH"])
         os._exit(3)
     step = 0
     finishes = scenario == "finish" or (scenario == "once" and attempt != "0")

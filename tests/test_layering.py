@@ -99,6 +99,7 @@ STATUS = {
     "CertificateRejected": "UNAVAILABLE",
     "JobFailed": "ABORTED",
     "PeerFailed": "ABORTED",
+    "CollectiveFailed": "ABORTED",
     "CoordinatorGone": "UNAVAILABLE",
     "BackendAlreadyInitialized": "FAILED_PRECONDITION",
     "PreflightFailed": "FAILED_PRECONDITION",

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -47,13 +46,13 @@ from tests.helpers import BIN, poll_until
 from tests.netns import Hosts, skip_without_netns
 from tests.replicas import Replicas
 from tests.requirements import require
+from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env, started_lines
 from tests.tls import make_certs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_WORKER = Path(__file__).with_name("run_worker.py")
 TRAIN = ROOT / "examples" / "train_checkpoint.py"
 HEARTBEAT_S = 1.0
-WAIT_S = 60.0
 
 
 # The decisions.
@@ -194,76 +193,9 @@ def _ignores_sigterm(pid: int) -> bool:
 
 # Whole jobs against a real coordinator.
 
-class RunAgent:
-    """``ifrt run`` in a child process; its output lines (stdout and stderr) are kept as they come."""
-
-    def __init__(self, *args: str, env: dict[str, str], wrapper: list[str] | None = None) -> None:
-        self.process = subprocess.Popen([*(wrapper or []), str(BIN / "ifrt"), "run", *args], env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
-                         for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err))]
-        for reader in self._readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, lines: list[str]) -> None:
-        for line in stream:
-            lines.append(line.rstrip("\n"))
-
-    def wait_line(self, pattern: str, timeout: float = WAIT_S, start: int = 0) -> re.Match:
-        """The first stdout line from index ``start`` on that matches ``pattern``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.out[start:]:
-                if match := re.search(pattern, line):
-                    return match
-            if self.process.poll() is not None and all(not r.is_alive() for r in self._readers):
-                break
-            time.sleep(0.02)
-        raise AssertionError(f"agent {self.process.pid} printed no line matching {pattern!r} within {timeout}s;\n"
-                             f"{self.output()}")
-
-    def wait(self, timeout: float = WAIT_S) -> int:
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"agent {self.process.pid} still runs {timeout}s later;\n{self.output()}") from None
-        for reader in self._readers:
-            reader.join(5)
-        return self.process.returncode
-
-    def output(self) -> str:
-        return "stdout:\n" + "\n".join(self.out[-40:]) + "\nstderr:\n" + "\n".join(self.err[-40:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 @pytest.fixture
 def agents():
-    started: list[RunAgent] = []
-
-    def start(*args: str, **kwargs) -> RunAgent:
-        started.append(RunAgent(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for a in started:
-        a.stop()
-
-
-def loopback_env(address: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "JAX_", "XLA_"))}
-    env.update(IFRT_COORDINATOR=address, IFRT_CPU_DEVICE_COUNT="1", IFRT_FAILOVER_WINDOW="10", **extra)
-    return env
+    yield from agents_started()
 
 
 def two_agents(agents, address: str, scenario: str, *flags: str, env: dict[str, str] | None = None) -> list[RunAgent]:
@@ -271,16 +203,6 @@ def two_agents(agents, address: str, scenario: str, *flags: str, env: dict[str, 
     return [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",
                    *flags, "--", sys.executable, str(RUN_WORKER), scenario, env=env or loopback_env(address))
             for h in range(2)]
-
-
-def started_lines(agent: RunAgent, attempt: int) -> dict[int, re.Match]:
-    """Each local worker's ``started`` line of ``attempt``, by process id."""
-    found = {}
-    for line in agent.out:
-        if (m := re.search(rf"^\[(\d+)\] started process (\d+) attempt {attempt} pid (\d+) fingerprint (\w+)",
-                           line)):
-            found[int(m.group(2))] = m
-    return found
 
 
 def test_a_worker_failing_in_every_attempt_ends_every_agent_naming_it(start_coordinator, agents):

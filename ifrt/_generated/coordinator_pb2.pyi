@@ -65,44 +65,50 @@ class AttemptFailure(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., process_id: _Optional[int] = ..., host: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("attempt", "failures", "exhausted", "max_restarts", "earlier_failures")
+    __slots__ = ("attempt", "failures", "exhausted", "max_restarts", "earlier_failures", "replacements")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     EARLIER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    REPLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     failures: _containers.RepeatedCompositeFieldContainer[AttemptFailure]
     exhausted: bool
     max_restarts: int
     earlier_failures: int
-    def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., earlier_failures: _Optional[int] = ...) -> None: ...
+    replacements: int
+    def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., earlier_failures: _Optional[int] = ..., replacements: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("state", "process_failed", "attempt_started", "exhausted")
+    __slots__ = ("state", "process_failed", "attempt_started", "exhausted", "replaced")
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_STARTED_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     process_failed: AttemptFailure
     attempt_started: JobState
     exhausted: JobState
-    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ...) -> None: ...
+    replaced: AttemptFailure
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ..., replaced: _Optional[_Union[AttemptFailure, _Mapping]] = ...) -> None: ...
 
 class NextAttemptRequest(_message.Message):
-    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid")
+    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid", "replace")
     ENDED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
     ended_attempt: int
     failure: AttemptFailure
     max_restarts: int
     request_id: str
     agent_uid: str
-    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ..., agent_uid: _Optional[str] = ...) -> None: ...
+    replace: bool
+    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ..., agent_uid: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
 
 class NextAttemptResponse(_message.Message):
     __slots__ = ("state",)

@@ -4,6 +4,14 @@
        |                    |  \\--every worker exited 0--> DONE (exit 0)            \\--exhausted--> DONE (exit 1)
        \\--exhausted--> DONE  \\--SIGTERM/SIGINT--> DONE (the workers' status)
 
+With ``Recover.REPLACE`` (``ifrt run --recover replace``) a failed worker is replaced, not the job restarted: its agent
+asks the coordinator (``AskReplace``, decided once and counted against the restart budget), then starts a new worker
+for the same local rank and process id; every other worker keeps running. A worker the coordinator declares failed
+while it still runs (it stopped answering: hung) is killed first, so its peers' sockets close::
+
+    worker RUNNING --exit != 0--> ASKED --the coordinator's `replaced` event--> RUNNING (the next incarnation)
+       \\--declared failed (hung)--> killed --exit--> ASKED
+
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
 its own: the agent stops its workers and waits up to ``CAUSE_WAIT_S`` for the coordinator to name the process that
 did, so the attempt's failure names the cause, not a survivor.
@@ -43,13 +51,14 @@ class Failure:
 @dataclass(frozen=True)
 class JobView:
     """The job as the coordinator decided it: its current attempt, the latest attempts' failures (``earlier`` more
-    not listed), whether it is over, and its restart budget."""
+    not listed), whether it is over, its restart budget, and the processes replaced in this run."""
 
     attempt: int
     failures: tuple[Failure, ...] = ()
     exhausted: bool = False
     max_restarts: int = 0
     earlier: int = 0
+    replacements: int = 0
 
 
 # Events.
@@ -73,6 +82,28 @@ class WorkerExited:
     local_rank: int
     returncode: int
     """As ``Popen.returncode``: negative for a death by signal."""
+    incarnation: int = 0
+    """Which of the rank's workers in this attempt (0: the first; each replacement adds 1)."""
+    reason: str = ""
+    """Why, where the exit code does not say it (a worker that could not start)."""
+
+
+@dataclass(frozen=True)
+class ReplaceAnswered:
+    """The coordinator's answer to ``AskReplace`` (``refused``: why it refused, PERMISSION_DENIED)."""
+
+    attempt: int
+    local_rank: int
+    view: JobView
+    refused: str = ""
+
+
+@dataclass(frozen=True)
+class ReplaceSeen:
+    """The coordinator decided to replace ``failure.process_id`` (the watch's ``replaced``, ordered after the old
+    process's failure)."""
+
+    failure: Failure
 
 
 @dataclass(frozen=True)
@@ -109,7 +140,8 @@ class Tick:
     """Time passes (the shell sends it a few times a second)."""
 
 
-Event = JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
+Event = (JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
+         | ReplaceAnswered | ReplaceSeen)
 
 
 # Actions.
@@ -137,13 +169,59 @@ class AskNextAttempt:
 
 
 @dataclass(frozen=True)
+class StartWorker:
+    """Start a new worker for ``local_rank`` alone (a replacement), with the environment of the attempt's first."""
+
+    attempt: int
+    local_rank: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL one worker's process group (a worker declared failed while it runs: hung)."""
+
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class AskReplace:
+    attempt: int
+    local_rank: int
+    failure: Failure
+
+
+@dataclass(frozen=True)
 class Exit:
     """End the agent with ``code`` (None: the workers' own status, see ``workers_status``)."""
 
     code: int | None
 
 
-Action = Say | Start | Stop | AskNextAttempt | Exit
+Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | Exit
+
+
+class Recover(enum.Enum):
+    """What a failed worker costs (``ifrt run --recover``)."""
+
+    RESTART = "restart"
+    """The whole job restarts in place: every worker stops, the next attempt starts them all."""
+    REPLACE = "replace"
+    """Only the failed worker is started anew, with its process id; the others keep running."""
+
+
+@dataclass
+class WorkerState:
+    """The current worker of one local rank in this attempt."""
+
+    incarnation: int = 0
+    running: bool = True
+    declared: Failure | None = None
+    """The coordinator declared it failed while it ran (hung): it was killed, and this is reported once it exits."""
+    asked: bool = False
+    """Its replacement was asked for and has not started yet."""
+    decided_at: float | None = None
+    """When the coordinator answered that it decided the replacement (the watch's event starts it, or a timeout)."""
 
 
 class Phase(enum.Enum):
@@ -185,6 +263,9 @@ class Agent:
     nproc: int
     host: str
     ids: dict[int, int] = field(default_factory=dict)
+    recover: Recover = Recover.RESTART
+    workers: dict[int, WorkerState] = field(default_factory=dict)
+    """By local rank, in the current attempt."""
     """Process id by local rank, where known (explicit from the host rank, or learned from the coordinator)."""
     phase: Phase = Phase.WAITING
     attempt: int | None = None
@@ -216,9 +297,17 @@ class Agent:
             return [Say(f"{event.message}; waiting for the coordinator to declare the failure")]
         if isinstance(event, LinkFailed):
             return self._end(event.exit_code, [event.message, *(summary(self.failures) if self.failures else ())])
+        if isinstance(event, ReplaceAnswered):
+            return self._replace_answered(event, now)
+        if isinstance(event, ReplaceSeen):
+            return self._replace_seen(event.failure)
         if isinstance(event, Tick) and self._pending is not None and self._cause_deadline is not None \
                 and now >= self._cause_deadline:
             return self._ask(self._pending)
+        if isinstance(event, Tick) and self.phase is Phase.RUNNING:
+            late = [r for r, w in self.workers.items() if w.asked and w.decided_at is not None
+                    and now >= w.decided_at + CAUSE_WAIT_S]
+            return [a for r in late for a in self._start_replacement(r)]
         return []
 
     def process_id(self, local_rank: int) -> int:
@@ -237,11 +326,14 @@ class Agent:
             actions += [Say(f"attempt {view.attempt} started elsewhere; stopping the workers of attempt "
                             f"{self.attempt}"), Stop()]
         self.phase, self.attempt = Phase.RUNNING, view.attempt
+        self.workers = {rank: WorkerState() for rank in range(self.nproc)}
         self._finished.clear()
         self._pending = self._cause_deadline = None
         return [*actions, Start(view.attempt), Say(f"attempt {view.attempt} started with {self.nproc} workers")]
 
     def _process_failed(self, failure: Failure) -> list[Action]:
+        if self.recover is Recover.REPLACE and self.phase is Phase.RUNNING:
+            return self._failed_elsewhere(failure) if failure.attempt == self.attempt else []
         if failure.attempt != self.attempt or self._asked == self.attempt:
             return []
         if self.phase is Phase.RUNNING:
@@ -255,19 +347,75 @@ class Agent:
         if event.attempt != self.attempt or self.phase is not Phase.RUNNING:
             return []  # a worker of an attempt that ended: its end is no news
         rank, code = event.local_rank, event.returncode
+        state = self.workers.get(rank)
+        if state is None or state.incarnation != event.incarnation:
+            return []  # not the rank's current worker
+        state.running = False
         who = f"worker {rank}" if rank not in self.ids else f"worker {rank} (process {self.ids[rank]})"
         if code == 0:
             self._finished.add(rank)
             if len(self._finished) < self.nproc:
                 return [Say(f"{who} finished")]
             return self._end(0, [f"{who} finished; all {self.nproc} workers finished"])
+        why = event.reason or exit_reason(code)
+        if self.recover is Recover.REPLACE and rank in self.ids and code not in (EXIT_PEER_FAILED,
+                                                                                 EXIT_COORDINATOR_LOST):
+            failure = state.declared or Failure(event.attempt, self.ids[rank], self.host, why)
+            state.asked = True
+            return [Say(f"{who} failed: {why}; asking the coordinator to replace it (the other workers keep "
+                        "running)"), AskReplace(event.attempt, rank, failure)]
         self.phase = Phase.RESTARTING
-        reason = exit_reason(code) if rank in self.ids else f"local rank {rank}: {exit_reason(code)}"
+        reason = why if rank in self.ids else f"local rank {rank}: {why}"
         failure = Failure(event.attempt, self.process_id(rank), self.host, reason)
         if code in (EXIT_PEER_FAILED, EXIT_COORDINATOR_LOST):
             self._pending, self._cause_deadline = failure, now + CAUSE_WAIT_S
             return [Say(f"{who} exited with {code} (a failure elsewhere); stopping {self.nproc} workers"), Stop()]
-        return [Say(f"{who} failed: {exit_reason(code)}; stopping {self.nproc} workers"), Stop(), *self._ask(failure)]
+        return [Say(f"{who} failed: {why}; stopping {self.nproc} workers"), Stop(), *self._ask(failure)]
+
+    # Replacements (Recover.REPLACE).
+    def _failed_elsewhere(self, failure: Failure) -> list[Action]:
+        """The coordinator declared a process failed: this host's worker is killed if it still runs (hung), so that
+        it can be replaced; another host's is its own agent's to replace."""
+        rank = next((r for r, pid in self.ids.items() if pid == failure.process_id), None)
+        if rank is None:
+            return [Say(f"{failure.describe()}; its agent replaces it, the workers here keep running")]
+        state = self.workers[rank]
+        if not state.running:
+            return []  # it exited: its replacement is asked for already
+        state.declared = failure
+        return [Say(f"{failure.describe()}; killing its worker (local rank {rank}) so that it can be replaced"),
+                Kill(rank)]
+
+    def _replace_answered(self, event: ReplaceAnswered, now: float) -> list[Action]:
+        state = self.workers.get(event.local_rank)
+        if event.attempt != self.attempt or self.phase is not Phase.RUNNING or state is None or not state.asked:
+            return self._job(event.view)
+        if event.refused:  # the job ends as without --recover replace: the whole job restarts, or its budget ends it
+            assert self.attempt is not None
+            self.phase = Phase.RESTARTING
+            failure = state.declared or Failure(self.attempt, self.process_id(event.local_rank), self.host,
+                                                "its replacement was refused")
+            return [Say(f"{event.refused}; stopping {self.nproc} workers"), Stop(), *self._ask(failure)]
+        if event.view.exhausted or event.view.attempt != self.attempt:
+            return self._job(event.view)
+        state.decided_at = now
+        return []
+
+    def _replace_seen(self, failure: Failure) -> list[Action]:
+        if self.phase is not Phase.RUNNING or failure.attempt != self.attempt:
+            return []
+        rank = next((r for r, pid in self.ids.items() if pid == failure.process_id), None)
+        if rank is None or not self.workers[rank].asked:
+            return [Say(f"process {failure.process_id} is replaced by its agent")]
+        return self._start_replacement(rank)
+
+    def _start_replacement(self, rank: int) -> list[Action]:
+        assert self.attempt is not None
+        state = self.workers[rank]
+        state.incarnation += 1
+        state.running, state.asked, state.declared, state.decided_at = True, False, None, None
+        return [Say(f"starting a new worker for process {self.process_id(rank)} (local rank {rank}); the others keep "
+                    "running"), StartWorker(self.attempt, rank, state.incarnation)]
 
     def _ask(self, failure: Failure) -> list[Action]:
         assert self.attempt is not None

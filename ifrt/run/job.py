@@ -25,6 +25,7 @@ from ifrt.run.agent import (
     JobView,
     LinkFailed,
     ProcessFailedSeen,
+    ReplaceSeen,
 )
 from ifrt.security import new_process_secret
 from ifrt.settings import resolve
@@ -38,7 +39,7 @@ IDS_POLL_S = 0.2
 
 def view_of(state: pb.JobState) -> JobView:
     return JobView(state.attempt, tuple(failure_of(f) for f in state.failures), state.exhausted, state.max_restarts,
-                   state.earlier_failures)
+                   state.earlier_failures, state.replacements)
 
 
 def failure_of(f: pb.AttemptFailure) -> Failure:
@@ -49,6 +50,8 @@ def event_of(message: pb.JobEvent) -> Event | None:
     kind = message.WhichOneof("kind")
     if kind == "process_failed":
         return ProcessFailedSeen(failure_of(message.process_failed))
+    if kind == "replaced":
+        return ReplaceSeen(failure_of(message.replaced))
     if kind in ("state", "attempt_started", "exhausted"):
         return JobUpdate(view_of(getattr(message, kind)))
     return None  # a kind this agent does not know yet
@@ -127,11 +130,12 @@ class JobLink:
             self.connection.rotate(target)
             self._stop.wait(self.connection.backoff.next())
 
-    def next_attempt(self, ended: int, failure: Failure) -> JobView:
+    def next_attempt(self, ended: int, failure: Failure, replace: bool = False) -> JobView:
         """The coordinator's decision on the end of attempt ``ended`` (retried across replicas within the failover
-        window, the same request id each time: decided once), under the job's restart budget."""
+        window, the same request id each time: decided once), under the job's restart budget; with ``replace``, on
+        replacing the failed process (one of this agent's workers) while the attempt goes on."""
         request = pb.NextAttemptRequest(
-            ended_attempt=ended, agent_uid=self.agent_uid, request_id=uuid.uuid4().hex,
+            ended_attempt=ended, agent_uid=self.agent_uid, request_id=uuid.uuid4().hex, replace=replace,
             failure=pb.AttemptFailure(attempt=failure.attempt, process_id=failure.process_id, host=failure.host,
                                       reason=failure.reason))
         answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)

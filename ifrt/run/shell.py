@@ -19,13 +19,19 @@ from ifrt.run.agent import (
     Agent,
     AskNextAttempt,
     AskRefused,
+    AskReplace,
     Event,
     Exit,
     Interrupted,
     JobUpdate,
+    JobView,
+    Kill,
     LinkFailed,
+    Recover,
+    ReplaceAnswered,
     Say,
     Start,
+    StartWorker,
     Stop,
     Tick,
     WorkerExited,
@@ -51,10 +57,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers to start on this host (default %(default)s); each gets IFRT_LOCAL_RANK and "
                         "IFRT_LOCAL_WORLD_SIZE")
     p.add_argument("--max-restarts", type=int, default=None, metavar="N",
-                   help="restarts of the whole job the coordinator may decide before every agent gives up: the job's "
+                   help="restarts of the whole job (and, with --recover replace, replacements of one process) the "
+                        "coordinator may decide before every agent gives up: the job's "
                         "budget, the same for every agent (default: the job's, which is the coordinator's "
                         "--max-restarts, else the first agent's, else 0: the first failure ends the job); an agent "
                         "that states another than the job's is refused")
+    p.add_argument("--recover", choices=[r.value for r in Recover], default=Recover.RESTART.value,
+                   help="what a failed worker costs (default %(default)s). restart: every agent stops its workers and "
+                        "the coordinator starts the job's next attempt, every worker anew. replace: only the failed "
+                        "worker is started anew by its agent, with the same process id and environment, while every "
+                        "other worker keeps running (a worker declared failed while it still runs, hung, is killed "
+                        "first); the program re-forms its groups in place (ifrt.torch.recover, see "
+                        "docs/failures.md). Each replacement counts against --max-restarts; a worker that exits "
+                        "with the fail-fast code of a peer's failure (75) or a lost coordinator (69), as a program "
+                        "that did not opt in does, restarts the job as with restart. Give every agent of the job the "
+                        "same --recover")
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
                         "worker stopped by SIGSTOP gets SIGKILL at once)")
@@ -130,52 +147,75 @@ class Shell:
         self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
         nproc = args.nproc_per_host
         explicit = {} if self.host_rank is None else {r: self.host_rank * nproc + r for r in range(nproc)}
-        self.agent = Agent(nproc, settings.hostname, ids=explicit)
+        self.agent = Agent(nproc, settings.hostname, ids=explicit, recover=Recover(args.recover))
         launcher = clusters.detect(os.environ)
         self.launcher_variables = () if launcher is None else launcher.variables
         self.binds = transfer_binds(local_address_toward(settings.coordinators), nproc)
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self.workers: list[Worker] = []
+        self.workers: dict[int, Worker] = {}
+        """The current worker of each local rank."""
+        self.envs: dict[int, dict[str, str]] = {}
+        """Each local rank's environment in the current attempt (a replacement gets the same)."""
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, _frame: self.events.put(Interrupted(s)))
         self.link.follow(self.events.put)
-        while True:
-            try:
-                event = self.events.get(timeout=TICK_S)
-            except queue.Empty:
-                event = Tick()
-            for action in self.agent.handle(event, time.monotonic()):
-                if isinstance(action, Exit):
-                    return self._exit(action)
-                self._do(action)
+        try:
+            while True:
+                try:
+                    event = self.events.get(timeout=TICK_S)
+                except queue.Empty:
+                    event = Tick()
+                for action in self.agent.handle(event, time.monotonic()):
+                    if isinstance(action, Exit):
+                        return self._exit(action)
+                    self._do(action)
+        finally:  # an exception here (a bug) must not leave the workers running without their agent
+            stop_all(list(self.workers.values()), self.args.grace_seconds)
 
-    def _do(self, action: Say | Start | Stop | AskNextAttempt) -> None:
+    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace) -> None:
         if isinstance(action, Say):
             log.info("%s", action.line)
         elif isinstance(action, Start):
             self._start(action.attempt)
+        elif isinstance(action, StartWorker):
+            self._spawn(action.attempt, action.local_rank, action.incarnation)
+        elif isinstance(action, Kill) and (worker := self.workers.get(action.local_rank)) is not None:
+            worker.signal(signal.SIGKILL)
         elif isinstance(action, Stop):
-            stop_all(self.workers, self.args.grace_seconds, action.signum)
+            stop_all(list(self.workers.values()), self.args.grace_seconds, action.signum)
         elif isinstance(action, AskNextAttempt):
             threading.Thread(target=self._ask, args=(action,), name="ifrt-run-next-attempt", daemon=True).start()
+        elif isinstance(action, AskReplace):
+            threading.Thread(target=self._ask_replace, args=(action,), name="ifrt-run-replace", daemon=True).start()
 
     def _start(self, attempt: int) -> None:
         nproc = self.args.nproc_per_host
-        self.workers = []
+        self.workers = {}
+        self.envs = {rank: worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=nproc,
+                                      host_rank=self.host_rank, num_hosts=self.num_hosts,
+                                      token_file=self.args.token_file, launcher_variables=self.launcher_variables,
+                                      transfer_bind=self.binds[rank])
+                     for rank in range(nproc)}
         for rank in range(nproc):
-            env = worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=nproc,
-                             host_rank=self.host_rank, num_hosts=self.num_hosts, token_file=self.args.token_file,
-                             launcher_variables=self.launcher_variables, transfer_bind=self.binds[rank])
-            label = None if self.args.no_prefix else self._label(rank)
-            worker = Worker(self.command, env, attempt=attempt, local_rank=rank, label=label)
-            self.workers.append(worker)
-            threading.Thread(target=self._await, args=(worker,), name="ifrt-run-wait", daemon=True).start()
+            self._spawn(attempt, rank, 0)
         if len(self.agent.ids) < nproc:
             threading.Thread(target=self.link.learn_ids, name="ifrt-run-ids", daemon=True, kwargs=dict(
                 local_ranks=nproc, attempt=attempt, emit=self.events.put, timeout=IDS_TIMEOUT_S,
                 until=lambda: self.agent.attempt != attempt or len(self.agent.ids) == nproc)).start()
+
+    def _spawn(self, attempt: int, rank: int, incarnation: int) -> None:
+        """Starts local rank ``rank``'s worker; one that cannot start is reported as a worker that failed (127)."""
+        label = None if self.args.no_prefix else self._label(rank)
+        try:
+            worker = Worker(self.command, self.envs[rank], attempt=attempt, local_rank=rank, label=label,
+                            incarnation=incarnation)
+        except OSError as e:
+            self.events.put(WorkerExited(attempt, rank, 127, incarnation, f"could not start: {e}"))
+            return
+        self.workers[rank] = worker
+        threading.Thread(target=self._await, args=(worker,), name="ifrt-run-wait", daemon=True).start()
 
     def _label(self, rank: int):
         def label() -> str:
@@ -184,7 +224,7 @@ class Shell:
         return label
 
     def _await(self, worker: Worker) -> None:
-        self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait()))
+        self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait(), worker.incarnation))
 
     def _ask(self, action: AskNextAttempt) -> None:
         try:
@@ -199,8 +239,28 @@ class Shell:
             return
         self.events.put(JobUpdate(view))
 
+    def _ask_replace(self, action: AskReplace) -> None:
+        try:
+            view = self.link.next_attempt(action.attempt, action.failure, replace=True)
+        except PermissionDenied as e:
+            self.events.put(ReplaceAnswered(action.attempt, action.local_rank, self._view(),
+                                            f"the coordinator refused to replace process {action.failure.process_id}: "
+                                            f"{e}"))
+            return
+        except IfrtError as e:
+            code = EXIT_COORDINATOR_LOST if e.retryable else EXIT_USAGE
+            self.events.put(LinkFailed(f"the coordinator did not decide the replacement of process "
+                                       f"{action.failure.process_id}: {type(e).__name__}: {e}", code))
+            return
+        self.events.put(ReplaceAnswered(action.attempt, action.local_rank, view))
+
+    def _view(self) -> JobView:
+        """The job as this agent last saw it (for an answer that carries none)."""
+        return JobView(self.agent.attempt or 0, self.agent.failures)
+
     def _exit(self, action: Exit) -> int:
-        codes = stop_all(self.workers, self.args.grace_seconds)  # every worker has ended already, or ends now
+        # every worker has ended already, or ends now
+        codes = stop_all(list(self.workers.values()), self.args.grace_seconds)
         code = workers_status(codes) if action.code is None else action.code
         log.info("exiting with %d", code)
         return code

@@ -99,15 +99,16 @@ class Prefixer:
 
 
 class Worker:
-    """One local worker of one attempt."""
+    """One local worker of one attempt (``incarnation``: 0 for the rank's first, one more for each replacement)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, attempt: int, local_rank: int,
-                 label: Callable[[], str] | None) -> None:
+                 label: Callable[[], str] | None, incarnation: int = 0) -> None:
         """``label`` (None: no prefix, the worker writes to the agent's own stdout and stderr) names the worker
         in front of each of its output lines."""
-        self.attempt, self.local_rank = attempt, local_rank
+        self.attempt, self.local_rank, self.incarnation = attempt, local_rank, incarnation
         piped = subprocess.PIPE if label is not None else None
-        # Its own process group: a terminal's Ctrl-C reaches the agent, which passes it on once.
+        # Its own process group (its id is the worker's pid): a terminal's Ctrl-C reaches the agent, which passes it
+        # on once, and a stop reaches the worker's own children too (a `bash -c` wrapper's, DataLoader workers).
         self.process = subprocess.Popen(list(argv), env=dict(env), stdout=piped, stderr=piped,
                                         stdin=subprocess.DEVNULL, process_group=0)
         self.prefixer: Prefixer | None = None
@@ -137,20 +138,39 @@ class Worker:
             return False
 
     def signal(self, signum: int) -> None:
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signum)
+        """Sends ``signum`` to the worker's process group: the worker and every child it started that stayed in it.
+        Once the worker itself was reaped its id may be reused, so its group is signalled only while members of it
+        remain (the kernel does not hand out an id that still names a process group)."""
+        if self.process.poll() is not None and not _group_members(self.pid):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signum)
+
+
+def _group_members(pgid: int) -> bool:
+    """Whether any process is in process group ``pgid`` (read from /proc)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid):
+            return True
+    return False
 
 
 def stop_all(workers: Sequence[Worker], grace_s: float, signum: int = signal.SIGTERM) -> list[int]:
-    """Sends ``signum`` to every worker still running (SIGKILL to a stopped one), waits up to ``grace_s``, then
-    SIGKILLs the rest; returns every worker's return code."""
+    """Sends ``signum`` to every worker's process group (SIGKILL to a stopped worker's), waits up to ``grace_s`` for
+    the workers, then SIGKILLs the rest, and whatever their groups still hold (children that outlived the worker);
+    returns every worker's return code."""
     for worker in workers:
         worker.signal(signal.SIGKILL if worker.stopped() else signum)
     deadline = time.monotonic() + grace_s
     for worker in workers:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             worker.process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            worker.signal(signal.SIGKILL)
+        worker.signal(signal.SIGKILL)  # the worker if it outlived the grace period, and its group's leftovers
     return [worker.wait() for worker in workers]

@@ -1,0 +1,95 @@
+"""In-place recovery for PyTorch (``ifrt run --recover replace`` with ``ifrt.torch``'s ``on_failure="recover"``): a
+failed process is replaced, the survivors keep their PIDs and re-form their group with it, and the newcomer takes
+its state from a peer. The example run whole (real coordinator, agents and gloo workers), and the pieces it rests on:
+fail fast that lets a replaced peer back in, and a recovery wait that names who is missing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ifrt
+from ifrt import events, failfast
+from ifrt.errors import DiscoveryTimeout, InvalidArgument, PeerFailed
+from ifrt.recovery import Peers
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_recover.py"
+EXAMPLE_TIMEOUT_S = 120
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, str(EXAMPLE), "--processes", "4", *args], capture_output=True, text=True,
+                          timeout=EXAMPLE_TIMEOUT_S, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_the_example_replaces_a_killed_or_hung_process_and_matches_its_reference(sig):
+    done = run_example("--signal", sig)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    assert "recover: outputs match reference (max |difference|" in done.stdout
+    assert f"after process 2 got SIG{sig} at step 5: the survivors kept their PIDs" in done.stdout
+    assert "no checkpoint was read" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_second_failure_during_the_recovery_is_replaced_too():
+    done = run_example("--second-failure")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    assert "and process 3 was SIGKILLed during the recovery: the survivors kept their PIDs" in done.stdout
+    assert "recover: outputs match reference (max |difference|" in done.stdout
+
+
+@pytest.mark.slow
+def test_without_restarts_left_a_killed_process_ends_every_agent_naming_it():
+    done = run_example("--max-restarts", "0")
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-6000:]
+    assert "recover: agent exit codes [1, 1]" in done.stderr
+    assert done.stderr.count("the job's restarts are exhausted (0 allowed); failures:") == 2, done.stderr[-6000:]
+    assert len(re.findall(r"ifrt run: attempt 0: process 2 on \S+ failed: killed by SIGKILL\n", done.stderr)) == 2, \
+        done.stderr[-6000:]
+    assert "recover: outputs match reference" not in done.stdout
+
+
+def test_recover_is_refused_where_the_runtime_cannot_start_twice():
+    with pytest.raises(InvalidArgument, match="JAX's distributed runtime cannot be started twice in one process"):
+        failfast.check("recover")  # what ifrt.jax asks
+    failfast.check("recover", recover=True)  # what ifrt.torch asks
+
+
+def test_a_replaced_peer_is_no_failure_under_recover_and_a_long_recovery_names_it(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    env.update(IFRT_COORDINATOR=coordinator.address, IFRT_PROCESS_ID="1", IFRT_NUM_PROCESSES="2",
+               IFRT_CPU_DEVICE_COUNT="1", PYTHONPATH=str(ROOT))
+    peer = subprocess.Popen([sys.executable, "-c", "import os, ifrt; ifrt.Client(transfer=False).discover(); "
+                             "print('up', flush=True); os._exit(3)"], env=env, stdout=subprocess.PIPE, text=True)
+    client = ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer=False)
+    try:
+        topology = client.discover()
+        assert failfast.failure_for(events.ProcessFailed(1, "lost"), topology, recover=True) is None
+        assert failfast.failure_for(events.ProcessRestarted(1, 1), topology, recover=True) is None
+        assert isinstance(failfast.failure_for(events.ProcessFailed(0, "x"), topology, recover=True), PeerFailed)
+        assert isinstance(failfast.failure_for(events.ProcessRestarted(1, 1), topology), PeerFailed)
+        peers = Peers(client)
+        mark = peers.mark()
+        peer.wait(30)
+        assert list(peers.wait_failed(mark, 10)) == [1]  # its exit, declared by the coordinator
+        began = time.monotonic()
+        with pytest.raises(DiscoveryTimeout, match=r"recovery of process 0 timed out after 1s: processes not "
+                                                   r"replaced yet: 1 \(failed: "):
+            peers.wait_whole(mark, time.monotonic() + 1.0, "process 0")
+        assert time.monotonic() - began < 5
+    finally:
+        client.close()
+        if peer.poll() is None:
+            peer.kill()
