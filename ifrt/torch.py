@@ -308,9 +308,11 @@ def store() -> Store:
 def default_plugin() -> str:
     """``cuda`` where this torch is built for CUDA and NVML sees a GPU, else ``cpu``. Asked of NVML, not of CUDA,
     whose runtime must not start before the plugin has given each local rank its GPUs (CUDA_VISIBLE_DEVICES)."""
+    if torch.version.cuda is None:
+        return "cpu"  # without importing the cuda plugin
     from plugins.cuda import CudaPlugin
 
-    return "cuda" if torch.version.cuda is not None and CudaPlugin().gpu_count() > 0 else "cpu"
+    return "cuda" if CudaPlugin().gpu_count() > 0 else "cpu"
 
 
 def _nccl_device(backend: str, topology: Topology) -> Any:
