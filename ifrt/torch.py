@@ -178,7 +178,7 @@ class Store(dist.Store):
             if remaining <= 0:
                 raise dist.DistStoreError(self._timeout_message([keys[i] for i in pending], timeout_s))
             if len(pending) > 1:
-                found = self.client.kv_multi_get([full[i] for i in pending])
+                found = self.client.kv_multi_get([full[i] for i in pending], timeout=min(RECHECK_S, remaining))
                 for i, value in zip(pending, found, strict=True):
                     values[i] = value
                 pending = [i for i in pending if values[i] is None]
