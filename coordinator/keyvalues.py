@@ -3,7 +3,7 @@ replay them. No I/O; who may call is the router's check (``ClusterState``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from coordinator import journal
 from coordinator.effects import Effect, KeyChanged
@@ -28,6 +28,11 @@ class KeyValues:
             return []
         self._record(journal.KeySet(key, value))
         return [KeyChanged(key, value)]
+
+    def set_many(self, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool) -> list[Effect]:
+        """Stores every value in order, all or (when one is refused, changing nothing) none; returns the changes."""
+        self.store.check_many(entries, allow_overwrite)
+        return [effect for key, value in entries for effect in self.set(key, value, allow_overwrite=True)]
 
     def increment(self, client_uid: str, key: str, amount: int, request_id: str, *,
                   agent: bool = False) -> tuple[int, list[Effect]]:
@@ -105,6 +110,10 @@ class KeyValues:
 
     def get(self, key: str) -> bytes | None:
         return self.store.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each key's value (None while unset), in order; ResourceExhausted past ``--max-reply-bytes``."""
+        return self.store.get_many(keys, self.limits.reply_bytes)
 
     def dir(self, prefix: str) -> list[tuple[str, bytes]]:
         """Every (key, value) under ``prefix``, sorted by key; ResourceExhausted past ``--max-reply-bytes``."""

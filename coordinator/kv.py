@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from coordinator.limits import DEFAULT_LIMITS, FLAGS, KEY_OVERHEAD_BYTES, Limits, exhausted, shown
 from ifrt.errors import InvalidArgument, KeyExists
@@ -33,23 +34,7 @@ class KeyValueStore:
 
     def check(self, key: str, value: bytes, allow_overwrite: bool) -> None:
         """Raises what ``set`` would raise, without changing anything."""
-        limits = self.limits
-        self._check_sizes(key, value)
-        old = self._values.get(key)
-        if old is None and len(self._values) >= limits.kv_keys:
-            raise InvalidArgument(f"key {shown(key)} would be key number {len(self._values) + 1} of the store: "
-                                  f"expected at most {limits.kv_keys} keys (the coordinator's {FLAGS['kv_keys']})")
-        if old is not None and old != value and not allow_overwrite:
-            raise KeyExists(f"key {shown(key)} already holds another value ({len(old)} bytes): pass "
-                            "allow_overwrite=True to replace it")
-        self._check_room(key, value, old)
-
-    def _check_room(self, key: str, value: bytes, old: bytes | None) -> None:
-        """ResourceExhausted if storing ``value`` in place of ``old`` would pass ``--kv-max-bytes``."""
-        after = self.held + cost(key, value) - (0 if old is None else cost(key, old))
-        if after > self.limits.kv_bytes and after > self.held:
-            raise exhausted(f"storing {len(value)} bytes at key {shown(key)}", self.limits.kv_bytes, "kv_bytes",
-                            "delete keys that are no longer needed, or raise the flag", self.held)
+        self.check_many([(key, value)], allow_overwrite)
 
     def check_key(self, key: str) -> None:
         """InvalidArgument unless ``key`` is 1 to ``kv_key_bytes`` bytes long (what a get may wait on, too)."""
@@ -63,6 +48,26 @@ class KeyValueStore:
         if len(value) > limits.kv_value_bytes:
             raise InvalidArgument(f"value for key {shown(key)} is {len(value)} bytes: expected at most "
                                   f"{limits.kv_value_bytes} (the coordinator's {FLAGS['kv_value_bytes']})")
+
+    def check_many(self, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool) -> None:
+        """Raises what setting every entry in order would raise, without changing anything: each entry is checked
+        against the store as the entries before it would leave it (a key given twice holds its last value)."""
+        staged: dict[str, bytes] = {}
+        held, count = self.held, len(self._values)
+        for key, value in entries:
+            self._check_sizes(key, value)
+            old = staged[key] if key in staged else self._values.get(key)
+            if old is None and count >= self.limits.kv_keys:
+                raise InvalidArgument(f"key {shown(key)} would be key number {count + 1} of the store: expected at "
+                                      f"most {self.limits.kv_keys} keys (the coordinator's {FLAGS['kv_keys']})")
+            if old is not None and old != value and not allow_overwrite:
+                raise KeyExists(f"key {shown(key)} already holds another value ({len(old)} bytes): pass "
+                                "allow_overwrite=True to replace it")
+            after = held + cost(key, value) - (0 if old is None else cost(key, old))
+            if after > self.limits.kv_bytes and after > held:
+                raise exhausted(f"storing {len(value)} bytes at key {shown(key)}", self.limits.kv_bytes, "kv_bytes",
+                                "delete keys that are no longer needed, or raise the flag", held)
+            held, count, staged[key] = after, count + (old is None), value
 
     def set(self, key: str, value: bytes, allow_overwrite: bool = False) -> bool:
         """Stores ``value``; returns whether anything changed."""
@@ -114,6 +119,18 @@ class KeyValueStore:
         """The value of ``key`` (None while unset); InvalidArgument for a key no set could have stored."""
         self.check_key(key)
         return self._values.get(key)
+
+    def get_many(self, keys: Sequence[str], most_bytes: int | None = None) -> list[bytes | None]:
+        """Each key's value (None while unset), in order; InvalidArgument for a key no set could have stored, and
+        ResourceExhausted, before any answer is built, when the values (and ``ENTRY_FRAMING`` bytes each) pass
+        ``most_bytes``."""
+        values = [self.get(key) for key in keys]
+        if most_bytes is not None:
+            size = sum(len(v or b"") + ENTRY_FRAMING for v in values)
+            if size > most_bytes:
+                raise exhausted(f"the values of {len(keys)} keys ({size} bytes)", most_bytes, "reply_bytes",
+                                "ask for fewer keys at once, or raise the flag")
+        return values
 
     def dir(self, prefix: str, most_bytes: int | None = None) -> list[tuple[str, bytes]]:
         """Every (key, value) whose key starts with ``prefix``, sorted by key. ResourceExhausted, before any answer

@@ -5,7 +5,7 @@ answer. A new RPC is a row and pure functions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +96,11 @@ def _kv_get(s: ClusterState, q: pb.KeyValueGetRequest | pb.KeyValueTryGetRequest
     return s.kv_get(q.client_uid, q.key, proof=c.proof)
 
 
+def _first(keys: Sequence[str]) -> str:
+    """The first of several keys, for messages."""
+    return f" from {keys[0]!r}" if keys else ""
+
+
 def _barrier_result(outcome: BarrierResolved | None) -> IfrtError | bool | None:
     return None if outcome is None else outcome.error or DONE
 
@@ -153,6 +158,16 @@ RPCS: dict[str, Rpc] = {
         lambda found: pb.KeyValueDirResponse(entries=[pb.KeyValueEntry(key=k, value=v)
                                                       for k, v in found]).SerializeToString(),
         query=lambda s, q, c: s.kv_dir(q.client_uid, q.prefix, proof=c.proof)),
+    "KeyValueMultiGet": Rpc(
+        pb.KeyValueMultiGetRequest, lambda q: f"key-value multi-get of {len(q.keys)} keys{_first(q.keys)}",
+        lambda values: pb.KeyValueMultiGetResponse(values=[
+            pb.KeyValueTryGetResponse(found=v is not None, value=v or b"") for v in values]).SerializeToString(),
+        query=lambda s, q, c: s.kv_get_many(q.client_uid, list(q.keys), proof=c.proof)),
+    "KeyValueMultiSet": Rpc(
+        pb.KeyValueMultiSetRequest, lambda q: f"key-value multi-set of {len(q.entries)} keys"
+                                              f"{_first([e.key for e in q.entries])}", _empty,
+        command=lambda s, q, c: _no_result(s.kv_set_many(q.client_uid, [(e.key, e.value) for e in q.entries],
+                                                         q.allow_overwrite, proof=c.proof))),
     "KeyValueIncrement": Rpc(
         pb.KeyValueIncrementRequest, lambda q: f"key-value increment of {q.key!r}",
         lambda total: pb.KeyValueIncrementResponse(value=total).SerializeToString(),

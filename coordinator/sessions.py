@@ -27,6 +27,8 @@ _END = object()
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 """A Heartbeat message: it decides nothing (the connection's keepalive pings carry liveness), but a session that sends
 none for a while shows its process as slow."""
+UINT32_MAX = (1 << 32) - 1
+"""The most an Attached field in milliseconds can say (a heartbeat timeout of 49 days or more is said as that)."""
 
 
 class _Number:
@@ -107,7 +109,9 @@ class Sessions:
             generation = service.current_generation()
             await context.write(pb.SessionEvent(attached=pb.Attached(
                 heartbeat_interval_ms=round(state.config.heartbeat_interval_s * 1000),
-                generation=generation.generation)).SerializeToString())
+                generation=generation.generation,
+                heartbeat_timeout_ms=min(round(state.config.heartbeat_timeout_s * 1000), UINT32_MAX),
+            )).SerializeToString())
             sent = 0  # the number of the last job event this session has
             if opening.open.since_event:
                 sent = await self._catch_up(context, state, process_id, opening.open)

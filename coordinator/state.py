@@ -44,6 +44,7 @@ from coordinator.effects import (
 from coordinator.history import CatchUp, GenerationPublished, History
 from coordinator.keyvalues import KeyValues
 from coordinator.kv import AGENT_KEY_PREFIX
+from coordinator.kv_calls import KeyValueCalls
 from coordinator.limits import check_call_id
 from coordinator.liveness import Liveness
 from coordinator.members import Member, Status
@@ -57,7 +58,7 @@ from ifrt.progress import Progress
 from ifrt.records import TopologyContent
 
 
-class ClusterState:
+class ClusterState(KeyValueCalls):
     """All processes of one cluster, their liveness, the published generation, barriers and key-values."""
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -405,42 +406,6 @@ class ClusterState:
         return catch_up(self._history, self._admission, self.published_at, self._incarnated_at,
                         notice[0] if notice else None, process_id, since, generation)
 
-    # Key-values (coordinator.keyvalues): for a live process, or any caller under AGENT_KEY_PREFIX.
-    def kv_set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, *,
-               proof: str = "") -> list[Effect]:
-        """Stores a value; returns the change (empty when the key held that value already)."""
-        self._check_kv_caller(client_uid, key, proof)
-        return self._kv.set(key, value, allow_overwrite)
-
-    def kv_increment(self, client_uid: str, key: str, amount: int, request_id: str = "", *,
-                     proof: str = "") -> tuple[int, list[Effect]]:
-        """Adds ``amount`` to the integer ``key`` holds (0 when unset); returns the sum (a retry: the sum it made)."""
-        self._check_kv_caller(client_uid, key, proof)
-        return self._kv.increment(client_uid, key, amount, request_id, agent=self._is_agent(client_uid))
-
-    def kv_compare_set(self, client_uid: str, key: str, expected: bytes, desired: bytes, request_id: str = "", *,
-                       proof: str = "") -> tuple[bytes | None, list[Effect]]:
-        """TCPStore's compare-and-set: ``key`` becomes ``desired`` when it holds ``expected`` (or is unset and
-        ``expected`` is empty). Returns what the key holds now (None: unset); a retry is answered as the swap was."""
-        self._check_kv_caller(client_uid, key, proof)
-        return self._kv.compare_set(client_uid, key, expected, desired, request_id,
-                                    agent=self._is_agent(client_uid))
-
-    def kv_delete(self, client_uid: str, key: str, prefix: bool, *, proof: str = "") -> tuple[int, list[Effect]]:
-        """Deletes ``key`` (or every key starting with it); returns how many keys went."""
-        self._check_kv_caller(client_uid, key, proof)
-        return self._kv.delete(key, prefix)
-
-    def kv_get(self, client_uid: str, key: str, *, proof: str = "") -> bytes | None:
-        """The value of ``key``, None while it is unset."""
-        self._check_kv_caller(client_uid, key, proof)
-        return self._kv.get(key)
-
-    def kv_dir(self, client_uid: str, prefix: str, *, proof: str = "") -> list[tuple[str, bytes]]:
-        """Every (key, value) under ``prefix``, sorted by key."""
-        self._check_kv_caller(client_uid, prefix, proof)
-        return self._kv.dir(prefix)
-
     # Questions about processes.
     def process_id_of(self, client_uid: str, *, proof: str = "") -> int:
         """The process id of a live, published client that proves it owns the registration (``proof``: the hash
@@ -586,12 +551,3 @@ class ClusterState:
             return e
         return ProcessDeclaredFailed(f"this process ({member.registration.describe()}) no longer holds its id")
 
-    def _check_kv_caller(self, client_uid: str, key: str, proof: str) -> None:
-        """A live process of the topology may use any key; any caller (past the token) those under
-        AGENT_KEY_PREFIX. UnknownClient, PermissionDenied or ProcessDeclaredFailed otherwise."""
-        if not key.startswith(AGENT_KEY_PREFIX):
-            self.process_id_of(client_uid, proof=proof)
-
-    def _is_agent(self, client_uid: str) -> bool:
-        """Whether the caller is no process (a torchrun agent): only the latest such callers' answers are kept."""
-        return client_uid not in self._admission.members

@@ -144,6 +144,12 @@ class Client:
         return self._session is not None and self._session.attached.wait(timeout)
 
     @property
+    def heartbeat_timeout_s(self) -> float | None:
+        """The coordinator's ``--heartbeat-timeout`` in seconds, as the live session's first answer says it (no call
+        of its own); None until the session has attached."""
+        return None if self._session is None else self._session.heartbeat_timeout_s
+
+    @property
     def process_id(self) -> int:
         if self.topology is None:
             raise RuntimeError("this client has not discovered its topology yet: call discover() first")
@@ -336,6 +342,25 @@ class Client:
         response = self._unary("KeyValueTryGet", lambda _: pb.KeyValueTryGetRequest(
             client_uid=self.client_uid, key=key), time.monotonic() + timeout)
         return response.value if response.found else None
+
+    def kv_multi_get(self, keys: Sequence[str], timeout: float = 60.0) -> list[bytes | None]:
+        """Each key's value now (None: unset), in the order given, in one call (no waiting).
+        ``ifrt.errors.ResourceExhausted`` when the values together pass the coordinator's ``--max-reply-bytes``."""
+        if not keys:
+            return []
+        response = self._unary("KeyValueMultiGet", lambda _: pb.KeyValueMultiGetRequest(
+            client_uid=self.client_uid, keys=keys), time.monotonic() + timeout)
+        return [v.value if v.found else None for v in response.values]
+
+    def kv_multi_set(self, items: Sequence[tuple[str, bytes]], *, allow_overwrite: bool = False,
+                     timeout: float = 60.0) -> None:
+        """Stores each ``(key, value)`` in order, in one call: all of them, or (when one is refused: KeyExists,
+        InvalidArgument, ResourceExhausted, naming the key) none."""
+        if not items:
+            return
+        request = pb.KeyValueMultiSetRequest(client_uid=self.client_uid, allow_overwrite=allow_overwrite, entries=[
+            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items])
+        self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout)
 
     def kv_increment(self, key: str, amount: int = 1, timeout: float = 60.0) -> int:
         """Adds ``amount`` to the integer ``key`` holds (an unset key holds 0), atomically; returns the sum.

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 from ifrt import events
-from ifrt.errors import CoordinatorGone, IfrtError, InvalidArgument, JobFailed, PeerFailed
+from ifrt.errors import CoordinatorGone, InvalidArgument, JobFailed, PeerFailed
 from ifrt.safe_text import safe
 from ifrt.settings import failover_window
 
@@ -50,7 +50,7 @@ RAISE_GRACE_S = 30.0
 RAISE_SIGNAL = signal.SIGUSR2
 """The signal that interrupts the main thread to raise the error (``"raise"``)."""
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
-"""The coordinator's default, used when its status cannot be read."""
+"""The coordinator's default, assumed until its session's first answer says its own."""
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C (an uncaught KeyboardInterrupt), as a shell reports it."""
 EXIT_UNCAUGHT = 1
@@ -125,7 +125,6 @@ class Watchdog:
         self._armed = False
         self._exiting = False
         self._lost_timer: threading.Timer | None = None
-        self.heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def arm(self) -> None:
         """Starts acting on the client's events; from now on this process ends on the job's first failure."""
@@ -134,7 +133,12 @@ class Watchdog:
         atexit.register(self._at_exit)  # runs before the runtime's own exit hooks, registered earlier
         self._armed = True
         self._subscribe()
-        self.heartbeat_timeout = _heartbeat_timeout(self.client)
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """The coordinator's heartbeat timeout (how long its decision on a silent process may take): what its
+        session's first answer said, DEFAULT_HEARTBEAT_TIMEOUT_S before one came."""
+        return self.client.heartbeat_timeout_s or DEFAULT_HEARTBEAT_TIMEOUT_S
 
     def _subscribe(self) -> None:
         """The one place events come in: every job event since the topology, so a failure between discovery and
@@ -245,19 +249,6 @@ def failover_window_from_env(env: Mapping[str, str] | None = None) -> float:
     """IFRT_FAILOVER_WINDOW in seconds, else FAILOVER_WINDOW_S; InvalidArgument naming the value if it is not a
     positive number."""
     return failover_window(FAILOVER_WINDOW_S, env)
-
-
-def _heartbeat_timeout(client: Client) -> float:
-    """The coordinator's heartbeat timeout (how long its decision on a silent process may take)."""
-    from ifrt import status
-
-    try:
-        return float(status.query(client.settings, timeout=5.0).get("heartbeat_timeout_s") or
-                     DEFAULT_HEARTBEAT_TIMEOUT_S)
-    except IfrtError as e:
-        log.info("coordinator status unavailable (%s): assuming a heartbeat timeout of %g s", e,
-                 DEFAULT_HEARTBEAT_TIMEOUT_S)
-        return DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
 def _say(line: str) -> None:

@@ -79,6 +79,8 @@ class Session:
         self._acks: dict[str, threading.Event] = {}  # prefix -> set once the coordinator watches it for us
         self._outbox: queue.Queue | None = None  # messages for the current stream (key watches)
         self._heartbeat_s: float | None = None  # how often the coordinator asks for a Heartbeat (None: never)
+        self.heartbeat_timeout_s: float | None = None
+        """The coordinator's heartbeat timeout, as its last ``attached`` answer said (None before one)."""
         self.position = owner.topology_position
         """The number of the last job event received (at first, that of the held topology's publication)."""
         self._gate = session_gate()
@@ -167,6 +169,7 @@ class Session:
         if kind == "attached":
             interval_ms = event.attached.heartbeat_interval_ms
             self._heartbeat_s = interval_ms / 1000 if 0 < interval_ms < NO_HEARTBEATS_MS else None
+            self.heartbeat_timeout_s = event.attached.heartbeat_timeout_ms / 1000 or None
             with self._watch_lock:  # the request stream waits without a timeout until now: wake it
                 if self._outbox is not None and self._heartbeat_s is not None:
                     self._outbox.put(HEARTBEAT)

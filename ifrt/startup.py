@@ -78,14 +78,31 @@ class StartupExchange:
             self.client.kv_delete(f"{self.prefix}/{json.loads(previous)['nonce']}/", prefix=True)
         self._set(f"{self.prefix}/start", {**record, "nonce": self.nonce})
         answers, nonces = {0: answer}, {0: self.nonce}
-        for p in range(1, self.topology.num_processes):
-            joined = self._wait(f"{self.prefix}/{self.nonce}/join/{p}", self._missing_joins)
+        for p, joined in self._joins().items():
             nonces[p] = joined.pop("nonce")
             answers[p] = joined
         self._set(f"{self.prefix}/{self.nonce}/ready", {**record, "nonces": {str(p): n for p, n in nonces.items()},
                                                         "answers": {str(p): a for p, a in answers.items()}})
         self.answers, self.leader_nonce = answers, self.nonce
         return record
+
+    def _joins(self) -> dict[int, dict[str, Any]]:
+        """Every other process's answer to this start: those already there read in one call, then a wait for the
+        first one missing, and so on (a failed peer or the deadline ends it, as every wait)."""
+        key = f"{self.prefix}/{self.nonce}/join/{{}}".format
+        joins: dict[int, dict[str, Any]] = {}
+        pending = list(range(1, self.topology.num_processes))
+        while pending:
+            if len(pending) > 1:
+                self.check_failures()
+                found = self.client.kv_multi_get([key(p) for p in pending], timeout=max(1.0, self._remaining()))
+                joins.update({p: json.loads(v) for p, v in zip(pending, found, strict=True) if v is not None})
+                pending = [p for p in pending if p not in joins]
+                if not pending:
+                    break
+            joins[pending[0]] = self._wait(key(pending[0]), self._missing_joins)
+            pending.pop(0)
+        return joins
 
     def _follow(self, answer: dict[str, Any]) -> dict[str, Any]:
         me = str(self.topology.process_id)

@@ -11,18 +11,18 @@ another plugin or the listing.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from importlib import metadata
 
 from ifrt.errors import PluginError
 from plugins.base import DevicePlugin
-from plugins.cpu import CpuPlugin
-from plugins.cuda import CudaPlugin
-from plugins.jax_plugin import JaxPlugin
-from plugins.sim import SimPlugin
 
 ENTRY_POINT_GROUP = "ifrt.plugins"
-BUILTIN: dict[str, type[DevicePlugin]] = {p.name: p for p in (CpuPlugin, SimPlugin, CudaPlugin, JaxPlugin)}
+BUILTIN: dict[str, str] = {"cpu": "plugins.cpu:CpuPlugin", "sim": "plugins.sim:SimPlugin",
+                           "cuda": "plugins.cuda:CudaPlugin", "jax": "plugins.jax_plugin:JaxPlugin"}
+"""The built-in plugins by name, as ``module:class``: a process imports only the one it uses (the cuda plugin's
+module alone costs several milliseconds of every process's start)."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,15 @@ def _load(ep: metadata.EntryPoint) -> DevicePlugin:
     return plugin
 
 
+def _builtin(name: str) -> type[DevicePlugin]:
+    module, cls = BUILTIN[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def get_plugin(name: str) -> DevicePlugin:
     """The plugin called ``name``; PluginError if it is unknown (listing the known ones) or broken."""
     if name in BUILTIN:
-        return BUILTIN[name]()
+        return _builtin(name)()
     entry_points = _entry_points()
     if name not in entry_points:
         raise PluginError(f"unknown device plugin {name!r}: known plugins are {sorted({*BUILTIN, *entry_points})}")
@@ -77,7 +82,7 @@ def get_plugin(name: str) -> DevicePlugin:
 
 def all_plugins() -> list[PluginInfo]:
     """Every plugin found, built-in first, each loaded on its own so one broken plugin hides nothing else."""
-    infos = [PluginInfo(name, "built-in", cls()) for name, cls in BUILTIN.items()]
+    infos = [PluginInfo(name, "built-in", _builtin(name)()) for name in BUILTIN]
     for name, ep in sorted(_entry_points().items()):
         source = f"entry point {ep.value}" + (f" from {ep.dist.name}" if ep.dist else "")
         if name in BUILTIN:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -341,6 +342,21 @@ def metrics_port(coordinator: LocalCoordinator) -> int:
     found = METRICS_LINE.search(coordinator.log)
     assert found, coordinator.log
     return int(found.group(1))
+
+
+def rpc_calls(coordinator: LocalCoordinator) -> dict[str, float]:
+    """How many calls of each Coordinator method a coordinator started with ``--metrics-port 0`` has answered (any
+    status), read off its /metrics; a call is counted before its answer leaves."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(coordinator)}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    calls: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "ifrt_rpcs_total" and sample.labels.get("service") == "ifrt.topology.v1.Coordinator":
+                calls[sample.labels["method"]] = calls.get(sample.labels["method"], 0.0) + sample.value
+    return calls
 
 
 # Values the tests of several layers share.

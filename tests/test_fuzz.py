@@ -49,6 +49,8 @@ DOCUMENTED = {
     "KeyValueGet": MEMBERS | {C.DEADLINE_EXCEEDED},
     "KeyValueTryGet": MEMBERS,
     "KeyValueDir": MEMBERS,
+    "KeyValueMultiGet": MEMBERS,
+    "KeyValueMultiSet": MEMBERS | {C.ALREADY_EXISTS},
     "KeyValueIncrement": MEMBERS,
     "KeyValueCompareSet": MEMBERS,
     "KeyValueDelete": MEMBERS,

@@ -177,6 +177,17 @@ def test_unknown_plugin_lists_the_known_ones(third_party):
         get_plugin("tpu")
 
 
+def test_a_process_imports_only_the_built_in_plugin_it_uses():
+    script = ("import sys\nfrom plugins import get_plugin\nfrom plugins.registry import BUILTIN\n"
+              "assert get_plugin('cpu').name == 'cpu'\n"
+              "print(sorted(m for m in sys.modules if m.startswith('plugins.')))\n"
+              "print([get_plugin(n).name for n in BUILTIN] == list(BUILTIN))\n")
+    out = subprocess.run([sys.executable, "-c", script], env={"PYTHONPATH": CHILD_PATH, "PATH": "/usr/bin"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['plugins.base', 'plugins.cpu', 'plugins.registry']", "True"]
+
+
 def test_ifrt_plugins_lists_everything_and_exits_zero():
     env = {"PYTHONPATH": CHILD_PATH, "PATH": "/usr/bin"}
     out = subprocess.run([str(Path(sys.executable).parent / "ifrt"), "plugins", "--json"], env=env,

@@ -160,6 +160,16 @@ def test_a_start_up_that_times_out_names_the_processes_that_did_not_answer(start
         ifrt.torch.StartupExchange(first, first.topology, time.monotonic() + 1.5).run()
 
 
+def test_a_leader_that_waits_for_several_answers_names_only_the_processes_that_did_not_answer(start_coordinator):
+    coordinator = start_coordinator(num_processes=3, log_level="WARNING")
+    leader, silent, answering = clients(coordinator.address, 3)
+    with leader, silent, answering:
+        _, failed = together([answering, leader], lambda c: ifrt.torch.StartupExchange(
+            c, c.topology, time.monotonic() + 1.5).run())  # process 2 answers at once, process 1 never
+        assert isinstance(failed, ifrt.DiscoveryTimeout), failed
+        assert "processes did not answer: 1 (" in str(failed) and "2 (" not in str(failed), failed
+
+
 # Device meshes and interfaces, on plain values.
 
 def two_processes_of(devices: int) -> Topology:

@@ -6,6 +6,7 @@ import importlib.util
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -19,17 +20,24 @@ import torch.distributed as dist
 
 import ifrt
 import ifrt.torch
+from coordinator.limits import DEFAULT_LIMITS
 from coordinator.local import LocalCoordinator
-from tests.helpers import COMPARE_SET_TABLE
+from tests.helpers import COMPARE_SET_TABLE, rpc_calls
 
 SHORT = 0.5
 
 
 @pytest.fixture(scope="module")
-def client():
-    """One process of a one-process cluster, shared by this module's tests (each uses its own prefix)."""
-    with LocalCoordinator(num_processes=1, log_level="WARNING") as coordinator, \
-            ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer=False, timeout=30) as made:
+def coordinator():
+    """A one-process cluster's coordinator, shared by this module's tests; it counts its calls (/metrics)."""
+    with LocalCoordinator("--metrics-port", "0", num_processes=1) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def client(coordinator):
+    """One process of that cluster, shared by this module's tests (each uses its own prefix)."""
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer=False, timeout=30) as made:
         made.discover()
         yield made
 
@@ -68,6 +76,66 @@ def test_multi_get_multi_set_and_append(store):
     assert store.get("log") == b"xyz"
     with pytest.raises(ValueError, match="multi_set got 2 keys and 1 values"):
         store.multi_set(["a", "b"], [b"1"])
+
+
+def calls_of(coordinator: LocalCoordinator, action: Callable[[], object]) -> dict[str, float]:
+    """The calls the coordinator answered while ``action`` ran, by method."""
+    before = rpc_calls(coordinator)
+    action()
+    return {m: n - before.get(m, 0.0) for m, n in rpc_calls(coordinator).items() if n != before.get(m, 0.0)}
+
+
+def test_multi_set_multi_get_wait_and_check_of_many_keys_are_one_call_each(store, coordinator):
+    keys = [f"k{i}" for i in range(8)]
+    assert calls_of(coordinator, lambda: store.multi_set(keys, [str(i) for i in range(8)])) == {"KeyValueMultiSet": 1}
+    got: list[bytes] = []
+    assert calls_of(coordinator, lambda: got.extend(store.multi_get(keys[::-1]))) == {"KeyValueMultiGet": 1}
+    assert got == [str(i).encode() for i in reversed(range(8))]  # in the order asked
+    assert calls_of(coordinator, lambda: store.wait(keys)) == {"KeyValueMultiGet": 1}
+    assert calls_of(coordinator, lambda: got.append(store.check([*keys, "absent"]))) == {"KeyValueMultiGet": 1}
+    assert got[-1] is False and store.check(keys)
+
+
+def test_multi_set_stores_every_value_or_none_naming_the_refused_key(store):
+    too_big = b"x" * (DEFAULT_LIMITS.kv_value_bytes + 1)
+    with pytest.raises(ifrt.InvalidArgument, match=r"value for key '.*/big' is \d+ bytes: expected at most"):
+        store.multi_set(["fine", "big"], [b"1", too_big])
+    assert not store.check(["fine"])  # the first value was not stored either
+    store.multi_set(["twice", "other", "twice"], [b"1", b"o", b"2"])  # in order: a key given twice keeps its last
+    assert store.multi_get(["twice", "other"]) == [b"2", b"o"]
+
+
+def test_multi_get_waits_for_the_keys_still_unset(client):
+    store = ifrt.torch.Store(client, f"test/{uuid.uuid4().hex[:8]}/", timeout=30)
+    store.set("early", b"e")
+    threading.Timer(0.3, store.multi_set, (["late", "later"], [b"l", b"m"])).start()
+    assert store.multi_get(["early", "late", "later"]) == [b"e", b"l", b"m"]
+
+
+def test_a_get_right_after_a_wait_for_its_key_is_answered_by_the_wait_and_any_call_between_asks_again(
+        store, coordinator):
+    store.set("k", b"1")
+
+    def wait_then_get() -> None:
+        store.wait(["k"])
+        assert store.get("k") == b"1"
+
+    assert calls_of(coordinator, wait_then_get) == {"KeyValueGet": 1}  # gloo's start: a wait, then a get, per rank
+    store.wait(["k"])
+    store.set("k", b"2")  # a call between: the get reads the coordinator again
+    assert store.get("k") == b"2"
+    store.wait(["k"])
+    store.clone().set("k", b"3")  # also through a clone
+    assert store.get("k") == b"3"
+    store.wait(["k"])
+    seen: list[bytes] = []
+
+    def get_in_another_thread() -> None:  # the wait was this thread's: another thread's get asks the coordinator
+        other = threading.Thread(target=lambda: seen.append(store.get("k")))
+        other.start()
+        other.join()
+
+    assert calls_of(coordinator, get_in_another_thread) == {"KeyValueGet": 1} and seen == [b"3"]
 
 
 @pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), COMPARE_SET_TABLE)

@@ -360,12 +360,14 @@ class KeyValueChange(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "generation")
+    __slots__ = ("heartbeat_interval_ms", "generation", "heartbeat_timeout_ms")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     generation: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    heartbeat_timeout_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class ProcessEvent(_message.Message):
     __slots__ = ("process_id", "reason", "incarnation")
@@ -588,6 +590,34 @@ class KeyValueDirResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[KeyValueEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[KeyValueEntry, _Mapping]]] = ...) -> None: ...
+
+class KeyValueMultiGetRequest(_message.Message):
+    __slots__ = ("client_uid", "keys")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_uid: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KeyValueMultiGetResponse(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[KeyValueTryGetResponse]
+    def __init__(self, values: _Optional[_Iterable[_Union[KeyValueTryGetResponse, _Mapping]]] = ...) -> None: ...
+
+class KeyValueMultiSetRequest(_message.Message):
+    __slots__ = ("client_uid", "entries", "allow_overwrite")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    entries: _containers.RepeatedCompositeFieldContainer[KeyValueEntry]
+    allow_overwrite: bool
+    def __init__(self, client_uid: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KeyValueEntry, _Mapping]]] = ..., allow_overwrite: _Optional[bool] = ...) -> None: ...
+
+class KeyValueMultiSetResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -116,6 +116,16 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
                 _registered_method=True)
+        self.KeyValueMultiGet = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueMultiGet',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiGetRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiGetResponse.FromString,
+                _registered_method=True)
+        self.KeyValueMultiSet = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/KeyValueMultiSet',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiSetRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiSetResponse.FromString,
+                _registered_method=True)
         self.KeyValueIncrement = channel.unary_unary(
                 '/ifrt.topology.v1.Coordinator/KeyValueIncrement',
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueIncrementRequest.SerializeToString,
@@ -306,6 +316,27 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeyValueMultiGet(self, request, context):
+        """Several keys' values at once, without waiting: one answer per key, in
+        the order asked (found is false while a key is unset).
+        INVALID_ARGUMENT     a key is empty or over its size limit.
+        RESOURCE_EXHAUSTED   the values together pass --max-reply-bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeyValueMultiSet(self, request, context):
+        """Several keys set at once, in order (a key given twice holds its last
+        value): all of them or, when one is refused, none.
+        ALREADY_EXISTS       a key holds another value and overwrite was not asked.
+        INVALID_ARGUMENT     a key or value is over its size limit, or the new
+        keys would pass --kv-max-keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KeyValueIncrement(self, request, context):
         """Adds amount to the decimal integer the key holds (a missing key holds 0),
         atomically, and answers the sum (stored as its decimal text).
@@ -415,6 +446,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.KeyValueDir,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.SerializeToString,
+            ),
+            'KeyValueMultiGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueMultiGet,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiGetRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiGetResponse.SerializeToString,
+            ),
+            'KeyValueMultiSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeyValueMultiSet,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiSetRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiSetResponse.SerializeToString,
             ),
             'KeyValueIncrement': grpc.unary_unary_rpc_method_handler(
                     servicer.KeyValueIncrement,
@@ -783,6 +824,60 @@ class Coordinator:
             '/ifrt.topology.v1.Coordinator/KeyValueDir',
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirRequest.SerializeToString,
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueMultiGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueMultiGet',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiGetRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeyValueMultiSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/KeyValueMultiSet',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiSetRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.KeyValueMultiSetResponse.FromString,
             options,
             channel_credentials,
             insecure,
