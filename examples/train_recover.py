@@ -38,12 +38,17 @@ TOLERANCE = 1e-9
 """Largest allowed |difference| between a parameter and the single-process reference's (float64)."""
 HEARTBEAT_S = 1.0
 """The coordinator's heartbeat timeout: how soon a hung (STOPped) process is declared failed."""
-COLLECTIVE_TIMEOUT_S = 3.0
-"""gloo's collective timeout: what returns a survivor blocked on a peer whose sockets stay open."""
+COLLECTIVE_TIMEOUT_S = 8.0
+"""gloo's collective timeout: what returns a survivor blocked on a peer whose sockets stay open (long enough that a
+loaded machine's slow peer is not taken for a failed one)."""
 JOB_TIMEOUT_S = 120.0
 """How long the job may take before the driver stops it (and prints what the agents said)."""
 MARK_ENV = "TRAIN_RECOVER_DIR"
 """A directory the driver gives the workers: the failing process leaves a mark there, so its newcomer does not fail."""
+
+
+RETIRED: list = []
+"""The DDP modules of groups that recoveries replaced: kept to the end, never torn down."""
 
 
 def model_and_batch():
@@ -112,6 +117,7 @@ def run_process() -> dict:
     step, source = bring_up_to_date(model, optimizer, 0)
     say({"event": "joined", "process_id": me, "pid": os.getpid(), "step": step, "source": source})
     ddp = DistributedDataParallel(model)
+    retired = RETIRED
     recoveries = 0
     while step < STEPS:
         if me == FAILED and step == FAIL_STEP:
@@ -132,6 +138,7 @@ def run_process() -> dict:
                     os.kill(os.getpid(), signal.SIGKILL)
             ifrt.torch.recover()
             step, source = bring_up_to_date(model, optimizer, step)
+            retired.append(ddp)  # built on the aborted group: never destroyed (see main)
             ddp = DistributedDataParallel(model)  # on the new group
             recoveries += 1
             say({"event": "recovered", "process_id": me, "pid": os.getpid(), "step": step, "source": source,
@@ -189,7 +196,9 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         say(run_process())
-        return 0
+        # torch 2.13: a DDP built on an aborted gloo group can block in its destructor holding the GIL, so a
+        # process that recovered leaves without running destructors (its group is destroyed, its output flushed)
+        os._exit(0)
     if args.processes < 4 or args.processes % 2 or BATCH % args.processes:
         p.error(f"--processes must be even, at least 4 and divide the batch of {BATCH}")
 

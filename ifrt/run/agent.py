@@ -263,10 +263,10 @@ class Agent:
     nproc: int
     host: str
     ids: dict[int, int] = field(default_factory=dict)
+    """Process id by local rank, where known (explicit from the host rank, or learned from the coordinator)."""
     recover: Recover = Recover.RESTART
     workers: dict[int, WorkerState] = field(default_factory=dict)
     """By local rank, in the current attempt."""
-    """Process id by local rank, where known (explicit from the host rank, or learned from the coordinator)."""
     phase: Phase = Phase.WAITING
     attempt: int | None = None
     failures: tuple[Failure, ...] = ()
