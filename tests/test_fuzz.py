@@ -315,21 +315,21 @@ def test_junk_on_every_rpc_and_the_port_changes_nothing(start_coordinator):
         assert before[2:5] == (2, PROCESSES, [2, 3])
         for name in DOCUMENTED:
             if name == "Session":
-                fuzz(50, st.lists(st.binary(max_size=300), max_size=4), lambda b: fuzzer.call("Session", b))
-                fuzz(90, st.lists(messages(pb.SessionRequest.DESCRIPTOR).map(serialize),
+                fuzz(30, st.lists(st.binary(max_size=300), max_size=4), lambda b: fuzzer.call("Session", b))
+                fuzz(50, st.lists(messages(pb.SessionRequest.DESCRIPTOR).map(serialize),
                                    max_size=4), lambda b: fuzzer.call("Session", b))
                 continue
             request_type = METHODS[name].input_type
-            fuzz(70, st.one_of(st.binary(max_size=300), st.integers(0, 70_000).map(lambda n: b"\x0a" * n)),
+            fuzz(40, st.one_of(st.binary(max_size=300), st.integers(0, 70_000).map(lambda n: b"\x0a" * n)),
                  lambda b, name=name: fuzzer.call(name, b))
-            fuzz(150 if name == "Register" else 90, messages(request_type).map(serialize),
+            fuzz(100 if name == "Register" else 50, messages(request_type).map(serialize),
                  lambda b, name=name: fuzzer.call(name, b))
             if name == "Register":
-                fuzz(150, messages(request_type).map(plausible).map(serialize), lambda b: fuzzer.call("Register", b))
+                fuzz(100, messages(request_type).map(plausible).map(serialize), lambda b: fuzzer.call("Register", b))
         for name, inputs in WRITTEN_OUT.items():
             for payload in inputs:
                 fuzzer.call(name, payload)
-        fuzz(180, TCP_JUNK, fuzzer.junk)
+        fuzz(100, TCP_JUNK, fuzzer.junk)
         fuzzer.call("Register", b"\xff")  # still answering after the junk connections
         after = fuzzer.state()
         print(f"\nfuzzed the coordinator with {sum(fuzzer.tried.values())} inputs: {dict(fuzzer.tried)}; answers: "
