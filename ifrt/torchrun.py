@@ -42,7 +42,7 @@ from ifrt.clusters.base import DEFAULT_PORT
 from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.network import check_path, natural_key, path_key
 from ifrt.settings import COORDINATOR_ENV, network_position, own_variables, parse_coordinators
-from ifrt.torch import Store
+from ifrt.torch_store import Store
 from ifrt.torchrun_state import check_state
 from ifrt.transfer import local_address_toward
 
