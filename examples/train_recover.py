@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 BATCH, FEATURES, HIDDEN, STEPS, LR, MOMENTUM, SEED = 64, 8, 16, 10, 0.05, 0.9, 7
 FAIL_STEP, FAILED, SECOND = 5, 2, 3
@@ -47,8 +48,8 @@ MARK_ENV = "TRAIN_RECOVER_DIR"
 """A directory the driver gives the workers: the failing process leaves a mark there, so its newcomer does not fail."""
 
 
-RETIRED: list = []
-"""The DDP modules of groups that recoveries replaced: kept to the end, never torn down."""
+KEPT: list = []
+"""Every DDP module this process built (those of groups that recoveries replaced, and the last): never torn down."""
 
 
 def model_and_batch():
@@ -98,9 +99,9 @@ def bring_up_to_date(model, optimizer, step: int) -> tuple[int, int]:
     return latest, source
 
 
-def run_process() -> dict:
+def run_process() -> NoReturn:
     """One process: train with DDP on its shard, re-forming in place when a peer fails; compare with the
-    reference."""
+    reference, say the result and leave."""
     import ifrt
     import ifrt.torch
 
@@ -117,7 +118,6 @@ def run_process() -> dict:
     step, source = bring_up_to_date(model, optimizer, 0)
     say({"event": "joined", "process_id": me, "pid": os.getpid(), "step": step, "source": source})
     ddp = DistributedDataParallel(model)
-    retired = RETIRED
     recoveries = 0
     while step < STEPS:
         if me == FAILED and step == FAIL_STEP:
@@ -138,7 +138,7 @@ def run_process() -> dict:
                     os.kill(os.getpid(), signal.SIGKILL)
             ifrt.torch.recover()
             step, source = bring_up_to_date(model, optimizer, step)
-            retired.append(ddp)  # built on the aborted group: never destroyed (see main)
+            KEPT.append(ddp)  # built on the aborted group: never torn down (see the end)
             ddp = DistributedDataParallel(model)  # on the new group
             recoveries += 1
             say({"event": "recovered", "process_id": me, "pid": os.getpid(), "step": step, "source": source,
@@ -155,8 +155,11 @@ def run_process() -> dict:
     same = all(torch.equal(g, flat) for g in gathered)
     dist.barrier()  # every rank done with the group before any tears it down
     dist.destroy_process_group()
-    return {"event": "done", "process_id": me, "pid": os.getpid(), "max_difference": difference,
-            "same_in_every_process": same, "recoveries": recoveries}
+    say({"event": "done", "process_id": me, "pid": os.getpid(), "max_difference": difference,
+         "same_in_every_process": same, "recoveries": recoveries})
+    # torch 2.13: a DDP built on an aborted gloo group can block in its destructor holding the GIL, so a process
+    # leaves here, before this frame's objects are torn down (its group is destroyed, its output flushed)
+    os._exit(0)
 
 
 def say(record: dict) -> None:
@@ -195,10 +198,7 @@ def main() -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        say(run_process())
-        # torch 2.13: a DDP built on an aborted gloo group can block in its destructor holding the GIL, so a
-        # process that recovered leaves without running destructors (its group is destroyed, its output flushed)
-        os._exit(0)
+        run_process()  # does not return
     if args.processes < 4 or args.processes % 2 or BATCH % args.processes:
         p.error(f"--processes must be even, at least 4 and divide the batch of {BATCH}")
 
