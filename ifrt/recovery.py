@@ -54,10 +54,10 @@ class Peers:
             self._changed.wait_for(lambda: len(self._failures) > since, timeout)
             return dict(self._failures[since:])
 
-    def wait_whole(self, since: int, deadline: float, who: str) -> None:
-        """Waits until a process failed since the mark ``since`` and none is down; DiscoveryTimeout at ``deadline``
-        naming the processes still down (or that none failed), said every few seconds meanwhile (``who``: this
-        process, for the lines)."""
+    def wait_whole(self, since: int, deadline: float, who: str) -> int:
+        """Waits until a process failed since the mark ``since`` and none is down; returns the mark then.
+        DiscoveryTimeout at ``deadline`` naming the processes still down (or that none failed), said every few seconds
+        meanwhile (``who``: this process, for the lines)."""
         config = self.client.config
         pacer = Pacer(config.first_report_s, config.poll_s)
         with self._changed:
@@ -72,6 +72,7 @@ class Peers:
                                 "recovery of %s waiting (%.0fs so far, %.0fs left): %s", who, waited, remaining,
                                 self._missing())
                 self._changed.wait(min(remaining, config.poll_s))
+            return len(self._failures)
 
     def _missing(self) -> str:
         if self._down:

@@ -61,7 +61,8 @@ log = logging.getLogger("ifrt.torch")
 
 SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 CUDA_PLATFORMS = frozenset({"cuda", "gpu"})
-
+PEER_FAILURE_NEWS_S = 1.0
+"""How long a broken start waits for the coordinator's news of the peer failure that broke it (recovery)."""
 
 
 # Start-up.
@@ -123,13 +124,30 @@ def init_process_group(
             chosen = backend or default_backend(topology)
             _set_socket_interfaces(_advertised_ip(client, topology))
             peers = recovery.Peers(client) if on_failure == "recover" else None
-            store = _start_group(client, topology, deadline, chosen, timeout)
+            topology, store = _start_mending(client, peers, topology, deadline, chosen, timeout)
         except BaseException:
             client.close()
             raise
         watchdog = failfast.arm(client, topology, on_failure, "torch.distributed", abort=_abort_process_groups)
         _started = _Started(client, topology, store, chosen, timeout, peers, watchdog)
         return topology
+
+
+def _start_mending(client: Client, peers: recovery.Peers | None, topology: Topology, deadline: float, backend: str,
+                   timeout: timedelta | None, mark: int = 0) -> tuple[Topology, Store]:
+    """Starts the default process group; under recovery (``peers``), a start that a process's failure since the mark
+    ``mark`` broke (a newcomer's start, or a recovery's) waits for that process's replacement and starts again, until
+    ``deadline``."""
+    while True:
+        try:
+            return topology, _start_group(client, topology, deadline, backend, timeout)
+        except (BarrierFailed, RuntimeError):
+            # the failure may reach the start's check before it reaches the events: give it a moment
+            if peers is None or not peers.wait_failed(mark, PEER_FAILURE_NEWS_S):
+                raise  # no process failed: not for a recovery to mend
+        _leave_group()
+        mark = peers.wait_whole(mark, deadline, f"process {topology.process_id}")
+        topology = client.topology or topology
 
 
 def _start_group(client: Client, topology: Topology, deadline: float, backend: str,
@@ -182,19 +200,10 @@ def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
                                   "ifrt.torch.init_process_group(on_failure='recover'); this one was started with "
                                   f"on_failure={state.watchdog.on_failure!r}")
         deadline = time.monotonic() + timeout
-        me = f"process {state.topology.process_id}"
-        while True:
-            _leave_group()
-            state.peers.wait_whole(state.mark, deadline, me)
-            topology = state.client.topology or state.topology
-            failures = state.peers.mark()
-            try:
-                store = _start_group(state.client, topology, deadline, state.backend, state.timeout)
-                break
-            except (BarrierFailed, RuntimeError):
-                if state.peers.mark() == failures:
-                    raise  # no other process failed meanwhile: not for a recovery to mend
-                # another process failed during the new group's start: wait for its replacement too, then again
+        _leave_group()
+        whole = state.peers.wait_whole(state.mark, deadline, f"process {state.topology.process_id}")
+        topology, store = _start_mending(state.client, state.peers, state.client.topology or state.topology, deadline,
+                                         state.backend, state.timeout, whole)
         _started = _Started(state.client, topology, store, state.backend, state.timeout, state.peers,
                             state.watchdog)
         return topology

@@ -81,3 +81,40 @@ def test_a_replaced_peer_is_no_failure_under_recover_and_a_long_recovery_names_i
         client.close()
         if peer.poll() is None:
             peer.kill()
+
+
+STARTS_IN_PLACE = ("import os, ifrt.torch, torch.distributed as dist; "
+                   "t = ifrt.torch.init_process_group(on_failure='recover', timeout=60); "
+                   "print('started', dist.get_rank(), dist.get_world_size(), flush=True); os._exit(0)")
+
+
+def test_a_start_that_a_peers_failure_broke_waits_for_its_replacement_under_recover(start_coordinator):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+    env.update(IFRT_COORDINATOR=coordinator.address, IFRT_NUM_PROCESSES="2", IFRT_CPU_DEVICE_COUNT="1",
+               PYTHONPATH=str(ROOT))
+
+    def start(process_id: int, code: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", code], env={**env, "IFRT_PROCESS_ID": str(process_id)},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    survivor = start(0, STARTS_IN_PLACE)
+    dying = start(1, "import os, ifrt; ifrt.Client(transfer=False).discover(); os._exit(3)")  # gone before its start
+    newcomer = None
+    try:
+        assert dying.wait(60) == 3
+        said = []
+        for line in survivor.stderr:  # ends (and fails below) if the survivor exits instead of waiting
+            said.append(line)
+            if "recovery of process 0 waiting" in line and "processes not replaced yet: 1 (failed:" in line:
+                break
+        assert survivor.poll() is None, "".join(said)[-3000:]
+        newcomer = start(1, STARTS_IN_PLACE)
+        out, err = survivor.communicate(timeout=60)
+        assert survivor.returncode == 0, err[-3000:]
+        assert "started 0 2" in out
+        assert "started 1 2" in newcomer.communicate(timeout=60)[0]
+    finally:
+        for process in (survivor, dying, newcomer):
+            if process is not None and process.poll() is None:
+                process.kill()
