@@ -230,6 +230,7 @@ def test_a_killed_or_hung_worker_is_replaced_while_the_others_keep_their_pids(st
     for pid in (0, 1, 2):
         assert [int(m.group(2)) for m in process_lines(both[pid // 2], pid)] == [pids[pid]]  # never restarted
         assert os.path.exists(f"/proc/{pids[pid]}")
+        both[pid // 2].wait_line(rf"^\[{pid}\] job whole at generation 1: process 3 incarnation 1$")  # JobWhole
     err = "\n".join(both[1].err)
     assert "asking the coordinator to replace it" in err, both[1].output()
     if signum == signal.SIGSTOP:
