@@ -5,6 +5,7 @@ not only shown slow. The pure state machine, and a real process that holds the G
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -83,8 +84,9 @@ def test_a_process_deadlocked_holding_the_gil_is_declared_failed_with_its_connec
         assert hung.stdout.readline().strip() == "holding the GIL"  # type: ignore[union-attr]
         began = time.monotonic()
         _, failed = next_event(received, events.ProcessFailed, timeout=30, process_id=1)
-        assert "while its connection stayed up" in failed.reason, failed.reason  # not a dropped connection
-        assert 2.5 < time.monotonic() - began < 3 + 5  # 3 heartbeat timeouts, and a loaded machine's slack
+        quiet = re.search(r"no heartbeat for ([\d.]+)s while its connection stayed up", failed.reason)
+        assert quiet and float(quiet.group(1)) >= 3.0, failed.reason  # hung 3 timeouts, its connection never dropped
+        assert time.monotonic() - began < 3 + 5  # and a loaded machine's slack
         assert hung.poll() is None  # it still holds the GIL: its agent (ifrt run) kills it
     finally:
         client.close()
