@@ -23,8 +23,9 @@ is slow to answer (a host busy with a registration storm) keeps its session."""
 
 
 HEARTBEAT_SHARE = 1 / 5
-"""How often a session sends a Heartbeat, as a share of the heartbeat timeout. Heartbeats decide nothing (the
-keepalive pings do): they show a process that stopped answering as slow before its connection is dropped."""
+"""How often a session sends a Heartbeat, as a share of the heartbeat timeout. The keepalive pings decide liveness:
+heartbeats show a process that stopped answering as slow before its connection is dropped, and fail one whose
+connection stays up without them for ``hung_timeouts`` (a deadlock holding Python's GIL)."""
 
 
 class FailurePolicy(enum.StrEnum):
@@ -50,6 +51,10 @@ class ClusterConfig:
     """Heartbeats a second the sessions of the whole job may send: each costs the coordinator about 0.1-0.3 ms of
     CPU, so past ``max_heartbeat_rate * heartbeat_timeout_s * HEARTBEAT_SHARE`` processes (1,024 at the defaults)
     they are spaced further apart, and a process that stops answering shows as slow later."""
+    hung_timeouts: float = 3.0
+    """A process whose session stays connected but sends no Heartbeat for this many heartbeat timeouts (or as many
+    heartbeat intervals, where they are spaced further) is failed: it hung with its connection answered (a deadlock
+    holding Python's GIL leaves gRPC's keepalive running). 0: never, such a process is only shown slow."""
     min_processes: int = 1
     """With the elastic policy: fewest processes a new generation may have."""
     limits: Limits = DEFAULT_LIMITS
@@ -83,6 +88,9 @@ class ClusterConfig:
             raise InvalidArgument(f"--max-restarts {self.max_restarts} is out of range: expected an integer >= 0")
         if not self.heartbeat_timeout_s > 0:
             raise InvalidArgument(f"heartbeat timeout {self.heartbeat_timeout_s} is not positive: expected seconds > 0")
+        if not self.hung_timeouts >= 0:
+            raise InvalidArgument(f"--hung-timeouts {self.hung_timeouts} is negative: expected a number of heartbeat "
+                                  "timeouts >= 0 (0: never)")
         if not self.max_heartbeat_rate > 0:
             raise InvalidArgument(f"--max-heartbeat-rate {self.max_heartbeat_rate} is not positive: expected "
                                   "heartbeats a second > 0")
@@ -104,6 +112,11 @@ class ClusterConfig:
         """A session quiet this long (no Heartbeat) shows its process as slow: SLOW_SHARE of the timeout, or
         ``unanswered_after_s`` where heartbeats are spaced further."""
         return max(self.heartbeat_timeout_s * SLOW_SHARE, self.unanswered_after_s)
+
+    @property
+    def hung_after_s(self) -> float:
+        """A connected session that sent no Heartbeat for this long is failed (0: never); see ``hung_timeouts``."""
+        return self.hung_timeouts * max(self.heartbeat_timeout_s, self.heartbeat_interval_s)
 
     @property
     def reconnect_grace_s(self) -> float:

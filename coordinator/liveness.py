@@ -2,7 +2,9 @@
 
 A process is alive while it holds a session (its connection's keepalive vouches for it: a silent peer's connection
 is dropped, which ends the session) or waits in a Register call; otherwise it is on the clock, and is failed
-(forgotten, before publication) once silent beyond its grace:
+(forgotten, before publication) once silent beyond its grace. A session that sends Heartbeats and stops for
+``hung_after_s`` while its connection stays up (keepalive is answered by gRPC's own threads: a process deadlocked
+holding Python's GIL) fails its process too:
 
     attended (call or session) ──(last one ends)──▶ on the clock ──(silent beyond its grace)──▶ overdue
             ▲                                            │
@@ -28,9 +30,14 @@ class Overdue:
     grace_s: float
     stopped_answering: bool = False
     """Its session had sent no Heartbeat for a while when its connection was dropped: it hung, not its network."""
+    hung: bool = False
+    """Its session is still connected but sent no Heartbeat for ``silent_s`` (beyond ``grace_s``)."""
 
     @property
     def why(self) -> str:
+        if self.hung:
+            return (f"stopped answering: no heartbeat for {self.silent_s:.1f}s while its connection stayed up (more "
+                    f"than {self.grace_s:g}s, --hung-timeouts): hung, e.g. deadlocked holding Python's GIL")
         if self.member.status is Status.JOINING:
             return f"went silent for {self.silent_s:.1f}s before the topology was published"
         if self.stopped_answering:
@@ -49,6 +56,7 @@ class Liveness:
         # at (keepalive vouches for the others), so an idle cluster's tick costs nothing per process.
         self._unattended: dict[str, None] = {}
         self._last_arrival = -math.inf  # when the latest Register call or session arrived
+        self._heard: dict[str, None] = {}  # processes whose sessions send Heartbeats, least recently heard first
 
     def track(self, member: Member) -> None:
         """A new registration or incarnation: on the clock until a call or a session vouches for it."""
@@ -73,11 +81,12 @@ class Liveness:
         member.heard_at, member.quiet_s = None, 0.0
         self._vouched(member, now)
 
-    @staticmethod
-    def heard(member: Member, now: float) -> None:
-        """A session's Heartbeat: the process answers. It decides nothing (a quiet session is shown slow, not
-        failed); a session that never sent one is judged by its connection's keepalive alone."""
+    def heard(self, member: Member, now: float) -> None:
+        """A session's Heartbeat: the process answers. A quiet session is shown slow, and failed only after
+        ``hung_after_s``; a session that never sent one is judged by its connection's keepalive alone."""
         member.heard_at = now
+        self._heard.pop(member.uid, None)  # re-added last: the dict stays ordered by when each was last heard
+        self._heard[member.uid] = None
 
     def detached(self, member: Member, now: float) -> None:
         """A session ended: unless another session or a call vouches for it, the reconnect grace starts."""
@@ -97,7 +106,7 @@ class Liveness:
 
     def reset(self, members: Iterable[Member], now: float) -> None:
         """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
-        self._unattended = {}
+        self._unattended, self._heard = {}, {}
         for member in members:
             member.calls = member.sessions = 0
             member.last_seen, member.grace_s = now, None
@@ -124,6 +133,22 @@ class Liveness:
                 continue
             del self._unattended[uid]
             found.append(Overdue(member, silent, grace, member.quiet_s > config.unanswered_after_s))
+        return found + self._hung(now, members, catching_up)
+
+    def _hung(self, now: float, members: Mapping[str, Member], catching_up: bool) -> list[Overdue]:
+        """The connected processes whose Heartbeats stopped ``hung_after_s`` ago, oldest first: the scan stops at
+        the first one heard since, so a tick costs nothing per healthy process."""
+        limit, found = self.config.hung_after_s, []
+        for uid in list(self._heard) if limit > 0 else ():
+            member = members.get(uid)
+            if member is None or not member.live or not member.sessions or member.heard_at is None:
+                del self._heard[uid]  # gone, failed, detached or attached again since: heard afresh, if at all
+                continue
+            silent = now - member.heard_at
+            if silent <= limit or (catching_up and silent <= self.config.catching_up_limit_s):
+                break
+            del self._heard[uid]
+            found.append(Overdue(member, silent, limit, hung=True))
         return found
 
     def fail(self, member: Member, process_id: int, why: str) -> bool:

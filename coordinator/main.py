@@ -71,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
                         "rate allows, so that a process that stops answering shows as slow (after a third of the "
                         "timeout, later when spaced) before it is declared failed; each heartbeat costs the "
                         "coordinator about 0.1-0.3 ms of CPU")
+    p.add_argument("--hung-timeouts", type=float, default=DEFAULTS.cluster.hung_timeouts, metavar="N",
+                   help="a process whose session stays connected but sends no heartbeat for N heartbeat timeouts "
+                        "(a deadlock holding Python's GIL leaves its connection answered) is declared failed "
+                        "(default %(default)g; 0: never, it is only shown slow)")
     p.add_argument("--on-failure", choices=[p.value for p in FailurePolicy], default=FailurePolicy.PROPAGATE.value,
                    help="propagate: report a failed process to all others and keep the topology (default); "
                         "elastic: drop it and publish a new generation over the survivors (see --min-processes)")
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = ClusterConfig(num_processes=args.num_processes, cluster_id=args.cluster_id,
                                 max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES,
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
-                                max_heartbeat_rate=args.max_heartbeat_rate,
+                                max_heartbeat_rate=args.max_heartbeat_rate, hung_timeouts=args.hung_timeouts,
                                 min_processes=args.min_processes or 1,
                                 limits=Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
                                 allow_mixed_platforms=args.allow_mixed_platforms, attempt=args.attempt,

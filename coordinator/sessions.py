@@ -25,8 +25,8 @@ log = logging.getLogger("ifrt.coordinator")
 
 _END = object()
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
-"""A Heartbeat message: it decides nothing (the connection's keepalive pings carry liveness), but a session that sends
-none for a while shows its process as slow."""
+"""A Heartbeat message: the connection's keepalive pings carry liveness, but a session that sends none for a while
+shows its process as slow, and one that stops for ``--hung-timeouts`` with its connection up fails it (hung)."""
 UINT32_MAX = (1 << 32) - 1
 """The most an Attached field in milliseconds can say (a heartbeat timeout of 49 days or more is said as that)."""
 

@@ -438,13 +438,13 @@ class ClusterState(KeyValueCalls):
         admission = self._admission
         pid, member = admission.take_over(r, holder, now)
         self._liveness.restarted(member, pid)
-        effects: list[Effect] = [*self._journal_barriers(self._barriers.fail_including(pid, "restarted")),
-                                 self._notify(ProcessRestarted(pid, member.incarnation))]
+        effects: list[Effect] = self._journal_barriers(self._barriers.fail_including(pid, "restarted"))
+        admission.pending.add(member.uid)
+        effects += self._publish_if_whole()  # numbered first: a peer holds the generation when it hears the restart
+        effects.append(self._notify(ProcessRestarted(pid, member.incarnation)))
         if holder.sessions:  # it stopped answering, its session still open: the restart ends it
             effects.append(Evict(holder.uid, f"replaced by a restarted process from {r.describe()}"))
         self._incarnated_at[pid] = self._history.head
-        admission.pending.add(member.uid)
-        effects += self._publish_if_whole()
         return admission.answer(r), effects
 
     def _publish_if_whole(self) -> list[Effect]:

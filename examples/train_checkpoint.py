@@ -195,6 +195,11 @@ def main() -> None:
         dist.barrier()  # gloo aborts a process whose peer closes a connection it still uses
         dist.destroy_process_group()
     print(f"finished process {me} at step {state['step']}", flush=True)
+    if args.runtime == "torch-recover":
+        # torch 2.13: an object of a gloo group that was aborted (recover() keeps them alive) can block in its
+        # destructor holding the GIL, so a process leaves here, before its objects are torn down (its group is
+        # destroyed, its output flushed), as examples/train_recover.py does
+        os._exit(0)
 
 
 if __name__ == "__main__":

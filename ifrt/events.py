@@ -40,6 +40,21 @@ class TopologyChanged:
 
 
 @dataclass(frozen=True)
+class JobWhole:
+    """Every process of ``topology`` is live again after processes of it failed or left and came back with their
+    ids (``ifrt run --recover replace``, or a process restarted in place): the moment to re-form communicators.
+    ``replaced``: each process that came back since the job was last whole, with its new incarnation. A new
+    generation that the newcomers made (other devices or addresses) is delivered first, as TopologyChanged."""
+
+    topology: Topology
+    replaced: tuple[ProcessRestarted, ...]
+
+    @property
+    def generation(self) -> int:
+        return self.topology.generation
+
+
+@dataclass(frozen=True)
 class CoordinatorLost:
     """The session with the coordinator broke or the coordinator shut down; the client keeps reconnecting."""
 
@@ -61,5 +76,5 @@ class PreemptionNotice:
     process_id: int
 
 
-Event = (ProcessFailed | ProcessRestarted | ProcessLeft | TopologyChanged | CoordinatorLost | CoordinatorRestored
-         | PreemptionNotice)
+Event = (ProcessFailed | ProcessRestarted | ProcessLeft | TopologyChanged | JobWhole | CoordinatorLost
+         | CoordinatorRestored | PreemptionNotice)

@@ -11,11 +11,19 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ifrt.events import Event, PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted, TopologyChanged
+from ifrt.events import (
+    Event,
+    JobWhole,
+    PreemptionNotice,
+    ProcessFailed,
+    ProcessLeft,
+    ProcessRestarted,
+    TopologyChanged,
+)
 
 log = logging.getLogger("ifrt.client")
 
-JOB_EVENTS = (ProcessFailed, ProcessLeft, ProcessRestarted, PreemptionNotice, TopologyChanged)
+JOB_EVENTS = (ProcessFailed, ProcessLeft, ProcessRestarted, PreemptionNotice, TopologyChanged, JobWhole)
 """What ``since_topology`` keeps: a TopologyChanged begins a new list."""
 CLOSED = object()
 """Put in a queue handed out by ``watch`` (or a key watch) when the client closes: the iterator ends."""

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import grpc
 
-from ifrt import wire
+from ifrt import wholeness, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import IfrtError, ProcessDeclaredFailed, UnknownClient, from_rpc_error
@@ -68,7 +68,7 @@ class Session:
     def __init__(self, owner: SessionOwner, connection: Connection, emit: Callable[[Event], None]) -> None:
         self._owner = owner
         self._connection = connection
-        self._emit = emit
+        self._emit = wholeness.assembling(emit, lambda: owner.topology)  # JobWhole after a replacement
         self._closed = threading.Event()
         self._call: grpc.Future | None = None
         self._lost = False

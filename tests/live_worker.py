@@ -30,6 +30,9 @@ def describe(event) -> dict:
     fields = {"event": type(event).__name__}
     if isinstance(event, events.TopologyChanged):
         fields.update(generation=event.topology.generation, fingerprint=event.topology.fingerprint)
+    elif isinstance(event, events.JobWhole):
+        fields.update(generation=event.generation, fingerprint=event.topology.fingerprint,
+                      replaced={str(r.process_id): r.incarnation for r in event.replaced})
     else:
         fields.update(vars(event))
     return fields

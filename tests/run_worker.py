@@ -9,7 +9,9 @@ Scenarios:
   once    loops in attempt 0 (like loop); in any later attempt, three steps, then exit 0
   vanish  loops; process 3 deletes the file RUN_WORKER_VANISH names (its own command), then exits 3: its
           replacement cannot start
-Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent).
+Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent); each
+JobWhole it receives (peers replaced under ``--recover replace``) prints ``job whole at generation G: process P
+incarnation N[, ...]``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main(scenario: str) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     client = ifrt.Client(transfer=False)
     topology = client.discover()
+    client.on_event(say_whole)
     attempt = os.environ.get("IFRT_ATTEMPT")
     print(f"started process {topology.process_id} attempt {attempt} pid {os.getpid()} fingerprint "
           f"{topology.fingerprint}", flush=True)
@@ -48,6 +51,12 @@ def main(scenario: str) -> None:
         print(f"step {step}", flush=True)
         time.sleep(STEP_S)
     client.close()
+
+
+def say_whole(event: ifrt.events.Event) -> None:
+    if isinstance(event, ifrt.events.JobWhole):
+        back = ", ".join(f"process {r.process_id} incarnation {r.incarnation}" for r in event.replaced)
+        print(f"job whole at generation {event.generation}: {back}", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ from ifrt.run.agent import (
     AskReplace,
     Exit,
     Failure,
+    IdsKnown,
     JobUpdate,
     JobView,
     Kill,
+    LearnIds,
     ProcessFailedSeen,
     Recover,
     ReplaceAnswered,
@@ -87,6 +89,22 @@ def test_a_hung_worker_is_killed_then_replaced_under_the_coordinators_reason():
     hung = Failure(0, 2, "node-a", "stopped answering: no heartbeat for 1.0s")
     assert agent.handle(ProcessFailedSeen(hung), 1.0)[-1] == Kill(0)
     assert agent.handle(WorkerExited(0, 0, -signal.SIGKILL), 1.1)[-1] == AskReplace(0, 0, hung)
+
+
+def test_a_worker_that_hangs_before_its_id_is_known_is_found_by_learning_the_ids_and_killed():
+    agent = replacing(ids={})  # ids assigned by the coordinator, not learned yet
+    hung = Failure(0, 3, "node-a", "stopped answering: no heartbeat for 1.0s")
+    actions = agent.handle(ProcessFailedSeen(hung), 1.0)
+    assert kinds(actions) == [LearnIds] and actions[-1] == LearnIds(0)
+    assert agent.handle(IdsKnown({0: 2, 1: 3}), 1.2)[-1] == Kill(1)
+    assert agent.handle(WorkerExited(0, 1, -signal.SIGKILL), 1.3)[-1] == AskReplace(0, 1, hung)
+
+
+def test_a_failure_on_this_hostname_that_is_no_worker_here_kills_nothing_once_the_ids_are_known():
+    agent = replacing(ids={})  # another agent on the same hostname (another address) runs process 5
+    assert kinds(agent.handle(ProcessFailedSeen(Failure(0, 5, "node-a", "lost")), 1.0)) == [LearnIds]
+    assert kinds(agent.handle(IdsKnown({0: 2, 1: 3}), 1.2)) == []
+    assert kinds(agent.handle(ProcessFailedSeen(Failure(0, 6, "node-b", "lost")), 1.3)) == []  # another host
 
 
 def test_a_failure_on_another_host_leaves_this_hosts_workers_running():
@@ -212,6 +230,7 @@ def test_a_killed_or_hung_worker_is_replaced_while_the_others_keep_their_pids(st
     for pid in (0, 1, 2):
         assert [int(m.group(2)) for m in process_lines(both[pid // 2], pid)] == [pids[pid]]  # never restarted
         assert os.path.exists(f"/proc/{pids[pid]}")
+        both[pid // 2].wait_line(rf"^\[{pid}\] job whole at generation 1: process 3 incarnation 1$")  # JobWhole
     err = "\n".join(both[1].err)
     assert "asking the coordinator to replace it" in err, both[1].output()
     if signum == signal.SIGSTOP:

@@ -23,6 +23,7 @@ import ifrt.torch
 from coordinator.limits import DEFAULT_LIMITS
 from coordinator.local import LocalCoordinator
 from tests.helpers import COMPARE_SET_TABLE, rpc_calls
+from tests.tls import make_certs
 
 SHORT = 0.5
 
@@ -221,3 +222,27 @@ def test_a_process_group_starts_on_the_store_alone(store):
     finally:
         dist.destroy_process_group()
     assert store.num_keys() > 0  # c10d's keys went to ifrt, under the prefix
+
+
+def test_the_stores_multi_key_calls_run_behind_the_token_and_tls(tmp_path):
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    make_certs(certs)
+    token = tmp_path / "token"
+    token.write_text("the store's token\n")
+    env = {"IFRT_TOKEN_FILE": str(token), "IFRT_TLS_CA": str(certs / "ca.pem")}
+    with LocalCoordinator("--token-file", str(token), "--tls-cert", str(certs / "server.pem"), "--tls-key",
+                          str(certs / "server-key.pem"), num_processes=1) as secured, \
+            ifrt.Client(secured.address, process_id=0, num_processes=1, transfer=False, timeout=30,
+                        environ=env) as client:
+        client.discover()
+        store = ifrt.torch.Store(client, "secured/", timeout=SHORT)
+        store.multi_set(["a", "b"], [b"1", "2"])  # KeyValueMultiSet
+        assert store.multi_get(["b", "a"]) == [b"2", b"1"]  # KeyValueMultiGet
+        assert store.check(["a", "b"]) and not store.check(["a", "absent"])
+        store.wait(["a", "b"])
+        prefixed = dist.PrefixStore("pg/", store)  # from c10d's C++ side
+        prefixed.multi_set(["c"], [b"3"])
+        assert prefixed.multi_get(["c"]) == [b"3"]
+        with pytest.raises(dist.DistStoreError, match=r"key 'absent' not set"):
+            store.wait(["a", "absent"], timedelta(seconds=0.2))

@@ -192,13 +192,20 @@ class AskReplace:
 
 
 @dataclass(frozen=True)
+class LearnIds:
+    """Ask the coordinator again for this host's workers' process ids (``IdsKnown`` once it knows them all)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Exit:
     """End the agent with ``code`` (None: the workers' own status, see ``workers_status``)."""
 
     code: int | None
 
 
-Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | Exit
+Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds | Exit
 
 
 class Recover(enum.Enum):
@@ -274,6 +281,7 @@ class Agent:
     _asked: int | None = None  # the attempt whose end this agent asked the coordinator for
     _pending: Failure | None = None  # a survivor's exit, reported if the coordinator names no cause in time
     _cause_deadline: float | None = None
+    _unplaced: dict[int, Failure] = field(default_factory=dict)  # failures of this host's processes, ids unknown
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for, in order; ``now`` is a monotonic time in seconds."""
@@ -287,7 +295,9 @@ class Agent:
             return self._worker_exited(event, now)
         if isinstance(event, IdsKnown):
             self.ids.update(event.ids)
-            return []
+            unplaced, self._unplaced = self._unplaced, {}
+            return [a for f in unplaced.values() if f.attempt == self.attempt and self.phase is Phase.RUNNING
+                    for a in self._failed_elsewhere(f)]
         if isinstance(event, Interrupted):
             return self._interrupted(event.signum)
         if isinstance(event, AskRefused):
@@ -329,6 +339,7 @@ class Agent:
         self.workers = {rank: WorkerState() for rank in range(self.nproc)}
         self._finished.clear()
         self._pending = self._cause_deadline = None
+        self._unplaced.clear()
         return [*actions, Start(view.attempt), Say(f"attempt {view.attempt} started with {self.nproc} workers")]
 
     def _process_failed(self, failure: Failure) -> list[Action]:
@@ -375,8 +386,14 @@ class Agent:
     # Replacements (Recover.REPLACE).
     def _failed_elsewhere(self, failure: Failure) -> list[Action]:
         """The coordinator declared a process failed: this host's worker is killed if it still runs (hung), so that
-        it can be replaced; another host's is its own agent's to replace."""
+        it can be replaced; another host's is its own agent's to replace. A process of this hostname whose id this
+        agent does not know yet (it hung before the ids were learned) waits for the ids, asked for again."""
         rank = next((r for r, pid in self.ids.items() if pid == failure.process_id), None)
+        if rank is None and failure.host == self.host and len(self.ids) < self.nproc:
+            assert self.attempt is not None
+            self._unplaced[failure.process_id] = failure
+            return [Say(f"{failure.describe()}; learning this host's process ids to find out whether it is one of "
+                        "its workers"), LearnIds(self.attempt)]
         if rank is None:
             return [Say(f"{failure.describe()}; its agent replaces it, the workers here keep running")]
         state = self.workers[rank]

@@ -26,6 +26,7 @@ from ifrt.run.agent import (
     JobUpdate,
     JobView,
     Kill,
+    LearnIds,
     LinkFailed,
     Recover,
     ReplaceAnswered,
@@ -156,6 +157,7 @@ class Shell:
         """The current worker of each local rank."""
         self.envs: dict[int, dict[str, str]] = {}
         """Each local rank's environment in the current attempt (a replacement gets the same)."""
+        self._learner: threading.Thread | None = None
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -174,7 +176,7 @@ class Shell:
         finally:  # an exception here (a bug) must not leave the workers running without their agent
             stop_all(list(self.workers.values()), self.args.grace_seconds)
 
-    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace) -> None:
+    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds) -> None:
         if isinstance(action, Say):
             log.info("%s", action.line)
         elif isinstance(action, Start):
@@ -189,6 +191,8 @@ class Shell:
             threading.Thread(target=self._ask, args=(action,), name="ifrt-run-next-attempt", daemon=True).start()
         elif isinstance(action, AskReplace):
             threading.Thread(target=self._ask_replace, args=(action,), name="ifrt-run-replace", daemon=True).start()
+        elif isinstance(action, LearnIds):
+            self._learn_ids(action.attempt)
 
     def _start(self, attempt: int) -> None:
         nproc = self.args.nproc_per_host
@@ -201,9 +205,19 @@ class Shell:
         for rank in range(nproc):
             self._spawn(attempt, rank, 0)
         if len(self.agent.ids) < nproc:
-            threading.Thread(target=self.link.learn_ids, name="ifrt-run-ids", daemon=True, kwargs=dict(
-                local_ranks=nproc, attempt=attempt, emit=self.events.put, timeout=IDS_TIMEOUT_S,
-                until=lambda: self.agent.attempt != attempt or len(self.agent.ids) == nproc)).start()
+            self._learn_ids(attempt)
+
+    def _learn_ids(self, attempt: int) -> None:
+        """Asks for this host's workers' ids in a thread (one per attempt at a time): IdsKnown once the coordinator
+        knows them all."""
+        if self._learner is not None and self._learner.name == f"ifrt-run-ids-{attempt}" and self._learner.is_alive():
+            return
+        nproc = self.args.nproc_per_host
+        self._learner = threading.Thread(
+            target=self.link.learn_ids, name=f"ifrt-run-ids-{attempt}", daemon=True,
+            kwargs=dict(local_ranks=nproc, attempt=attempt, emit=self.events.put, timeout=IDS_TIMEOUT_S,
+                        until=lambda: self.agent.attempt != attempt or len(self.agent.ids) == nproc))
+        self._learner.start()
 
     def _spawn(self, attempt: int, rank: int, incarnation: int) -> None:
         """Starts local rank ``rank``'s worker; one that cannot start is reported as a worker that failed (127)."""
