@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coordinator import journal, runs
+from coordinator import journal, runs, takeover
 from coordinator.admission import FIRST_GENERATION, Admission, Joined, NextRun, Retry, Takeover, check_usable
 from coordinator.agreement import LiveSets, Members
-from coordinator.attempts import Agent, Attempts, AttemptStarted, Host, JobView, NextAttempt
+from coordinator.attempts import Agent, Attempts, AttemptStarted, Host, HostTakenOver, JobView, NextAttempt
 from coordinator.barriers import BarrierResolved, Barriers
 from coordinator.catchup import catch_up
 from coordinator.cluster import ClusterConfig, FailurePolicy
@@ -125,14 +125,17 @@ class ClusterState(KeyValueCalls):
                 self._agent_joined(entry)
             case journal.RunStarted():
                 self._start_run(entry)
+            case journal.HostTakenOver():
+                self._taken_over(entry)
         self._journal.clear()
 
     # Job attempts (coordinator.attempts).
-    def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset()) -> list[Effect]:
+    def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset(),
+                   recover: str = "") -> list[Effect]:
         """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already); ``absent``: the agents the
         shell has not seen watching for a while. A new run of the job (see coordinator.attempts) starts a new attempt
         with every sub-machine empty."""
-        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent)
+        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent, recover)
         if entry is None:
             return []
         self._journal.append(entry)
@@ -162,9 +165,31 @@ class ClusterState(KeyValueCalls):
 
     def _agent_joined(self, entry: journal.AgentJoined) -> list[Effect]:
         effect = self.attempts.apply_joined(entry)
-        if effect is None:
+        if isinstance(effect, AttemptStarted):
+            self._start_afresh()
+        return [] if effect is None else [effect]
+
+    def lost_hosts(self, absent: frozenset[str]) -> list[takeover.LostHost]:
+        """The job's hosts lost in this attempt (``absent``: agents not seen watching for the heartbeat timeout)."""
+        if self.topology is None or self.attempts.exhausted:
             return []
-        self._start_afresh()
+        return takeover.lost_hosts(self.attempts.listed(), absent, self.attempts.declared, self._admission.ids_from)
+
+    def take_over_host(self, absent: frozenset[str]) -> list[Effect]:
+        """The coordinator's own decision: a spare host takes over a lost host's ids (journaled, once; see
+        coordinator.takeover); nothing when no host is lost or no spare host can."""
+        entry = takeover.decide(self.lost_hosts(absent), self.attempts.listed(), absent, attempt=self.attempts.current,
+                                exhausted_now=self.attempts.restarts >= self.attempts.budget)
+        if entry is None:
+            return []
+        self._journal.append(entry)
+        return self._taken_over(entry)
+
+    def _taken_over(self, entry: journal.HostTakenOver) -> list[Effect]:
+        effect = self.attempts.apply_taken_over(entry)
+        if isinstance(effect, HostTakenOver):
+            spare = next(a for a in self.attempts.listed() if a.uid == entry.spare_uid)
+            self._admission.grant(entry.process_ids, spare.where)
         return [effect]
 
     def _start_afresh(self) -> None:

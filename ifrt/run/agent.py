@@ -12,6 +12,17 @@ while it still runs (it stopped answering: hung) is killed first, so its peers' 
     worker RUNNING --exit != 0--> ASKED --the coordinator's `replaced` event--> RUNNING (the next incarnation)
        \\--declared failed (hung)--> killed --exit--> ASKED
 
+A lost host (its agent gone with its workers) is taken over by a spare host (``spare``: ``ifrt run --spare-host``),
+which runs no worker until the coordinator hands it every process id of the lost host (``HostTakenOverSeen``), then
+starts one worker per id and is an ordinary agent of the job from then on. Meanwhile the survivors' agents wait for
+the failed processes of another host to be replaced, taken over, or their agent to come back, saying every
+``WAIT_SAID_S`` which host they wait for, for up to ``replace_timeout`` seconds; then the job ends as without
+replace (the next attempt, or the restarts exhausted)::
+
+    survivor: process_failed (another host) --replaced / taken over / its agent back--> RUNNING
+                                      \\--replace_timeout--> RESTARTING (AskNextAttempt)
+    spare host: WAITING --taken_over (its uid)--> RUNNING (one worker per id taken over)
+
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
 its own: the agent stops its workers and waits up to ``CAUSE_WAIT_S`` for the coordinator to name the process that
 did, so the attempt's failure names the cause, not a survivor.
@@ -32,6 +43,10 @@ EXIT_USAGE = 2
 CAUSE_WAIT_S = 5.0
 """How long a worker's exit with 75/69 waits for the coordinator's report of the process that failed first."""
 UNKNOWN_PROCESS = -1
+DEFAULT_REPLACE_TIMEOUT_S = 60.0
+"""How long the survivors wait for another host's failed processes to be replaced or taken over."""
+WAIT_SAID_S = 2.0
+"""How often an agent says which host it waits for."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,17 @@ class ReplaceSeen:
 
 
 @dataclass(frozen=True)
+class HostTakenOverSeen:
+    """Every process id of a lost host (``failure.host``) goes to the agent on ``host`` (``mine``: this agent), or,
+    with no ids, the lost host's own agent came back."""
+
+    failure: Failure
+    host: str
+    process_ids: tuple[int, ...]
+    mine: bool
+
+
+@dataclass(frozen=True)
 class IdsKnown:
     """The process ids the coordinator gave this host's workers, by local rank."""
 
@@ -141,7 +167,7 @@ class Tick:
 
 
 Event = (JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
-         | ReplaceAnswered | ReplaceSeen)
+         | ReplaceAnswered | ReplaceSeen | HostTakenOverSeen)
 
 
 # Actions.
@@ -192,13 +218,21 @@ class AskReplace:
 
 
 @dataclass(frozen=True)
+class StartIds:
+    """Start one worker per process id, by local rank (a spare host taking over a lost host's ids)."""
+
+    attempt: int
+    ids: dict[int, int]
+
+
+@dataclass(frozen=True)
 class Exit:
     """End the agent with ``code`` (None: the workers' own status, see ``workers_status``)."""
 
     code: int | None
 
 
-Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | Exit
+Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | StartIds | Exit
 
 
 class Recover(enum.Enum):
@@ -274,15 +308,24 @@ class Agent:
     _asked: int | None = None  # the attempt whose end this agent asked the coordinator for
     _pending: Failure | None = None  # a survivor's exit, reported if the coordinator names no cause in time
     _cause_deadline: float | None = None
+    spare: bool = False
+    """A spare host (``ifrt run --spare-host``) that has taken over nothing yet: it runs no worker."""
+    replace_timeout: float = DEFAULT_REPLACE_TIMEOUT_S
+    _waits: dict[int, tuple[Failure, float]] = field(default_factory=dict)  # another host's failed process -> since
+    _said_at: float = 0.0
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for, in order; ``now`` is a monotonic time in seconds."""
         if self.phase is Phase.DONE:
             return []
+        if self.spare and not isinstance(event, Interrupted | LinkFailed):
+            return self._as_spare(event)
         if isinstance(event, JobUpdate):
             return self._job(event.view)
         if isinstance(event, ProcessFailedSeen):
-            return self._process_failed(event.failure)
+            return self._process_failed(event.failure) + self._await_host(event.failure, now)
+        if isinstance(event, HostTakenOverSeen):
+            return self._host_back(event)
         if isinstance(event, WorkerExited):
             return self._worker_exited(event, now)
         if isinstance(event, IdsKnown):
@@ -305,9 +348,12 @@ class Agent:
                 and now >= self._cause_deadline:
             return self._ask(self._pending)
         if isinstance(event, Tick) and self.phase is Phase.RUNNING:
+            waited = self._waited(now)
+            if self.phase is not Phase.RUNNING:  # it gave up waiting: the job ends as without replace
+                return waited
             late = [r for r, w in self.workers.items() if w.asked and w.decided_at is not None
                     and now >= w.decided_at + CAUSE_WAIT_S]
-            return [a for r in late for a in self._start_replacement(r)]
+            return waited + [a for r in late for a in self._start_replacement(r)]
         return []
 
     def process_id(self, local_rank: int) -> int:
@@ -402,6 +448,7 @@ class Agent:
         return []
 
     def _replace_seen(self, failure: Failure) -> list[Action]:
+        self._waits.pop(failure.process_id, None)
         if self.phase is not Phase.RUNNING or failure.attempt != self.attempt:
             return []
         rank = next((r for r, pid in self.ids.items() if pid == failure.process_id), None)
@@ -416,6 +463,63 @@ class Agent:
         state.running, state.asked, state.declared, state.decided_at = True, False, None, None
         return [Say(f"starting a new worker for process {self.process_id(rank)} (local rank {rank}); the others keep "
                     "running"), StartWorker(self.attempt, rank, state.incarnation)]
+
+    # Lost hosts.
+    def _as_spare(self, event: Event) -> list[Action]:
+        """A spare host: it follows the job's attempts and starts workers only for the ids handed to it."""
+        if isinstance(event, JobUpdate):
+            if event.view.exhausted:
+                return self._job(event.view)
+            said = [] if self.attempt is not None else [Say(f"spare host: running no worker until a lost host's "
+                                                            f"processes are handed to it (up to {self.nproc})")]
+            self.attempt = event.view.attempt if self.attempt is None else max(self.attempt, event.view.attempt)
+            return said
+        if not isinstance(event, HostTakenOverSeen) or not event.mine or not event.process_ids:
+            return []
+        ids = dict(enumerate(event.process_ids))
+        self.spare, self.nproc, self.ids, self.attempt = False, len(ids), ids, event.failure.attempt
+        self.phase, self.workers = Phase.RUNNING, {rank: WorkerState() for rank in ids}
+        self._finished.clear()
+        return [Say(f"taking over processes {', '.join(map(str, event.process_ids))} of the lost host "
+                    f"{event.failure.host}: {event.failure.reason}"), StartIds(self.attempt, ids)]
+
+    def _await_host(self, failure: Failure, now: float) -> list[Action]:
+        """Another host's process failed (with replace): its replacement, a spare host or its agent's return is
+        awaited for up to ``replace_timeout``."""
+        if (self.recover is Recover.REPLACE and self.phase is Phase.RUNNING and failure.attempt == self.attempt
+                and failure.process_id != UNKNOWN_PROCESS and failure.process_id not in self.ids.values()):
+            self._waits.setdefault(failure.process_id, (failure, now))
+        return []
+
+    def _host_back(self, event: HostTakenOverSeen) -> list[Action]:
+        gone = set(event.process_ids) or {pid for pid, (f, _) in self._waits.items() if f.host == event.failure.host}
+        for pid in gone:
+            self._waits.pop(pid, None)
+        if event.process_ids:
+            return [Say(f"{event.failure.reason}; the workers here keep running")]
+        return [Say(f"the agent on {event.failure.host} came back; the workers here keep running")] if gone else []
+
+    def _waited(self, now: float) -> list[Action]:
+        """Says every ``WAIT_SAID_S`` which hosts the agent waits for; past ``replace_timeout``, gives up."""
+        self._waits = {pid: w for pid, w in self._waits.items() if w[0].attempt == self.attempt}
+        if not self._waits:
+            return []
+        first, since = min(self._waits.values(), key=lambda w: w[1])
+        hosts: dict[str, list[int]] = {}
+        for pid, (f, _) in sorted(self._waits.items()):
+            hosts.setdefault(f.host or "an unknown host", []).append(pid)
+        waited = ", ".join(f"host {host} (processes {', '.join(map(str, pids))})" for host, pids in hosts.items())
+        if now - since >= self.replace_timeout:
+            self._waits.clear()
+            self.phase = Phase.RESTARTING
+            return [Say(f"waited {self.replace_timeout:g}s for {waited}: no replacement, no spare host, its agent "
+                        f"did not come back (--replace-timeout); stopping {self.nproc} workers"), Stop(),
+                    *self._ask(first)]
+        if now - since < WAIT_SAID_S or now - self._said_at < WAIT_SAID_S:
+            return []
+        self._said_at = now
+        return [Say(f"waiting for {waited}: its replacement, a spare host (ifrt run --spare-host) or its agent's "
+                    f"return, for {self.replace_timeout - (now - since):.0f}s more (--replace-timeout)")]
 
     def _ask(self, failure: Failure) -> list[Action]:
         assert self.attempt is not None
