@@ -24,6 +24,9 @@ Authority: only the job decides about the job.
 - Replacing a process needs an agent of the job asking about one of its own workers (registered with its hostname
   from its address, or not registered at all): an agent cannot replace, nor make the job spend its budget on, another
   host's process. A replacement is decided once per request (retries answered the same) and bounded by the budget.
+- The job's ``--recover`` mode is its first agent's (of the run); an agent stating another is refused
+  (``ClusterMismatch``). A spare host (``ifrt run --spare-host``) joins as an agent that runs nothing and covers no
+  process; only the coordinator hands it a lost host's ids (``coordinator.takeover``), counted as one replacement.
 - Ending an attempt needs an agent of the job and a cause it may give: a process the coordinator declared failed in
   the attempt, or one of the agent's own workers (a process registered with its hostname from its address, or one
   it could not name, such as a worker that failed before it registered). A failure of another host's process that

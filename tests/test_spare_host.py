@@ -24,6 +24,7 @@ from coordinator.state import ClusterState
 from ifrt.errors import ClusterMismatch, PermissionDenied, ResourceExhausted
 from ifrt.protocol import proof_of
 from ifrt.run import agent as core
+from ifrt.run import waits
 from ifrt.run.agent import (
     Agent,
     AskNextAttempt,
@@ -201,7 +202,7 @@ def test_a_survivor_names_the_host_it_waits_for_then_ends_the_job_as_without_rep
     agent.handle(ProcessFailedSeen(lost), 1.0)
     agent.handle(ProcessFailedSeen(replace(lost, process_id=3)), 1.1)
     assert agent.handle(Tick(), 1.5) == []
-    said = agent.handle(Tick(), 1.0 + core.WAIT_SAID_S)
+    said = agent.handle(Tick(), 1.0 + waits.WAIT_SAID_S)
     assert [a.line for a in said if isinstance(a, Say)] == [
         "waiting for host hb (processes 2, 3): its replacement, a spare host (ifrt run --spare-host) or its agent's "
         "return, for 3s more (--replace-timeout)"]

@@ -12,16 +12,10 @@ while it still runs (it stopped answering: hung) is killed first, so its peers' 
     worker RUNNING --exit != 0--> ASKED --the coordinator's `replaced` event--> RUNNING (the next incarnation)
        \\--declared failed (hung)--> killed --exit--> ASKED
 
-A lost host (its agent gone with its workers) is taken over by a spare host (``spare``: ``ifrt run --spare-host``),
-which runs no worker until the coordinator hands it every process id of the lost host (``HostTakenOverSeen``), then
-starts one worker per id and is an ordinary agent of the job from then on. Meanwhile the survivors' agents wait for
-the failed processes of another host to be replaced, taken over, or their agent to come back, saying every
-``WAIT_SAID_S`` which host they wait for, for up to ``replace_timeout`` seconds; then the job ends as without
-replace (the next attempt, or the restarts exhausted)::
-
-    survivor: process_failed (another host) --replaced / taken over / its agent back--> RUNNING
-                                      \\--replace_timeout--> RESTARTING (AskNextAttempt)
-    spare host: WAITING --taken_over (its uid)--> RUNNING (one worker per id taken over)
+A lost host (its agent and workers gone) is taken over by a spare host (``spare``: ``ifrt run --spare-host``), which
+runs no worker until the coordinator hands it the lost host's ids (``HostTakenOverSeen``), then one worker per id.
+Survivors wait for another host's failed processes (``ifrt.run.waits``) up to ``replace_timeout``, then ask for the
+next attempt as without replace.
 
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
 its own: the agent stops its workers and waits up to ``CAUSE_WAIT_S`` for the coordinator to name the process that
@@ -35,6 +29,7 @@ import signal
 from dataclasses import dataclass, field
 
 from ifrt.errors import EXIT_COORDINATOR_LOST, EXIT_PEER_FAILED
+from ifrt.run.waits import HostWaits
 
 EXIT_JOB_FAILED = 1
 """The agent's exit code when the job's restarts are exhausted (``--max-restarts``)."""
@@ -45,8 +40,6 @@ CAUSE_WAIT_S = 5.0
 UNKNOWN_PROCESS = -1
 DEFAULT_REPLACE_TIMEOUT_S = 60.0
 """How long the survivors wait for another host's failed processes to be replaced or taken over."""
-WAIT_SAID_S = 2.0
-"""How often an agent says which host it waits for."""
 
 
 @dataclass(frozen=True)
@@ -311,8 +304,10 @@ class Agent:
     spare: bool = False
     """A spare host (``ifrt run --spare-host``) that has taken over nothing yet: it runs no worker."""
     replace_timeout: float = DEFAULT_REPLACE_TIMEOUT_S
-    _waits: dict[int, tuple[Failure, float]] = field(default_factory=dict)  # another host's failed process -> since
-    _said_at: float = 0.0
+    _waits: HostWaits[Failure] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._waits = HostWaits(self.replace_timeout)
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for, in order; ``now`` is a monotonic time in seconds."""
@@ -448,7 +443,7 @@ class Agent:
         return []
 
     def _replace_seen(self, failure: Failure) -> list[Action]:
-        self._waits.pop(failure.process_id, None)
+        self._waits.done({failure.process_id})
         if self.phase is not Phase.RUNNING or failure.attempt != self.attempt:
             return []
         rank = next((r for r, pid in self.ids.items() if pid == failure.process_id), None)
@@ -488,38 +483,23 @@ class Agent:
         awaited for up to ``replace_timeout``."""
         if (self.recover is Recover.REPLACE and self.phase is Phase.RUNNING and failure.attempt == self.attempt
                 and failure.process_id != UNKNOWN_PROCESS and failure.process_id not in self.ids.values()):
-            self._waits.setdefault(failure.process_id, (failure, now))
+            self._waits.add(failure, now)
         return []
 
     def _host_back(self, event: HostTakenOverSeen) -> list[Action]:
-        gone = set(event.process_ids) or {pid for pid, (f, _) in self._waits.items() if f.host == event.failure.host}
-        for pid in gone:
-            self._waits.pop(pid, None)
         if event.process_ids:
+            self._waits.done(set(event.process_ids))
             return [Say(f"{event.failure.reason}; the workers here keep running")]
-        return [Say(f"the agent on {event.failure.host} came back; the workers here keep running")] if gone else []
+        if self._waits.back(event.failure.host):
+            return [Say(f"the agent on {event.failure.host} came back; the workers here keep running")]
+        return []
 
     def _waited(self, now: float) -> list[Action]:
-        """Says every ``WAIT_SAID_S`` which hosts the agent waits for; past ``replace_timeout``, gives up."""
-        self._waits = {pid: w for pid, w in self._waits.items() if w[0].attempt == self.attempt}
-        if not self._waits:
-            return []
-        first, since = min(self._waits.values(), key=lambda w: w[1])
-        hosts: dict[str, list[int]] = {}
-        for pid, (f, _) in sorted(self._waits.items()):
-            hosts.setdefault(f.host or "an unknown host", []).append(pid)
-        waited = ", ".join(f"host {host} (processes {', '.join(map(str, pids))})" for host, pids in hosts.items())
-        if now - since >= self.replace_timeout:
-            self._waits.clear()
-            self.phase = Phase.RESTARTING
-            return [Say(f"waited {self.replace_timeout:g}s for {waited}: no replacement, no spare host, its agent "
-                        f"did not come back (--replace-timeout); stopping {self.nproc} workers"), Stop(),
-                    *self._ask(first)]
-        if now - since < WAIT_SAID_S or now - self._said_at < WAIT_SAID_S:
-            return []
-        self._said_at = now
-        return [Say(f"waiting for {waited}: its replacement, a spare host (ifrt run --spare-host) or its agent's "
-                    f"return, for {self.replace_timeout - (now - since):.0f}s more (--replace-timeout)")]
+        line, given_up = self._waits.check(self.attempt, now)
+        if given_up is None:
+            return [] if line is None else [Say(line)]
+        self.phase = Phase.RESTARTING
+        return [Say(f"{line}; stopping {self.nproc} workers"), Stop(), *self._ask(given_up)]
 
     def _ask(self, failure: Failure) -> list[Action]:
         assert self.attempt is not None
