@@ -169,6 +169,11 @@ class Admission:
                 if old in held:
                     held[pid] = held.pop(old)  # type: ignore[index]
 
+    @property
+    def names_ids(self) -> bool:
+        """Whether the job's processes name their ids (explicit), rather than having them assigned."""
+        return bool(self._explicit)
+
     def ids_from(self, where: tuple[str, str]) -> tuple[int, ...]:
         """The process ids of the current generation whose process registered from ``where`` (hostname, address)."""
         return tuple(pid for pid in sorted(self.in_topology) if (m := self.member_of(pid)) is not None

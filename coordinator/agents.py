@@ -188,13 +188,14 @@ class JobAgentsService:
                                 "%s", failure.process_id, view.replacements, view.max_restarts, shown(failure.reason),
                                 extra={"event": "process_replaced", "process_id": failure.process_id})
                     event = pb.JobEvent(replaced=_failure(failure))
-                case HostTakenOver(failure=failure, agent_uid=uid, host=host, process_ids=ids):
+                case HostTakenOver(failure=failure, agent_uid=uid, host=host, process_ids=ids, explicit_ids=named):
                     if ids:
                         log.warning("%s (replacement %d of this run)", shown(failure.reason),
                                     self._service.state.attempts.view().replacements,
                                     extra={"event": "host_taken_over", "host": failure.host})
                     event = pb.JobEvent(taken_over=pb.HostTakeover(
-                        attempt=failure.attempt, failure=_failure(failure), agent_uid=uid, host=host, process_ids=ids))
+                        attempt=failure.attempt, failure=_failure(failure), agent_uid=uid, host=host, process_ids=ids,
+                        explicit_ids=named))
                 case AttemptsExhausted(view=view):
                     log.error("the job's restarts are exhausted after attempt %d: no attempt starts", view.attempt,
                               extra={"event": "attempts_exhausted", "attempt": view.attempt})

@@ -143,6 +143,8 @@ class HostTakenOver:
     host: str
     process_ids: tuple[int, ...]
     view: JobView
+    explicit_ids: bool = False
+    """The job names its process ids: the agent names these for its workers in later attempts too."""
 
 
 @dataclass(frozen=True)

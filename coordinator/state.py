@@ -1,6 +1,6 @@
 """The coordinator's decisions as a deterministic state machine with no I/O: a router (``ClusterState``) that hands
 each event to the sub-machine whose job it is (admission, liveness, barriers, key-values, agreement, preemption,
-attempts) and journals what they decide.
+attempts, lost hosts) and journals what they decide.
 
     JOINING ──(the N-th process registers: generation 1 published)──▶ ALIVE ──(leave)──▶ LEFT
        │                                                                │
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coordinator import journal, runs, takeover
+from coordinator import journal, runs
 from coordinator.admission import FIRST_GENERATION, Admission, Joined, NextRun, Retry, Takeover, check_usable
 from coordinator.agreement import LiveSets, Members
-from coordinator.attempts import Agent, Attempts, AttemptStarted, Host, HostTakenOver, JobView, NextAttempt
+from coordinator.attempts import Agent, Attempts, AttemptStarted, Host, JobView, NextAttempt
 from coordinator.barriers import BarrierResolved, Barriers
 from coordinator.catchup import catch_up
 from coordinator.cluster import ClusterConfig, FailurePolicy
@@ -52,13 +52,14 @@ from coordinator.preemption import Preemption
 from coordinator.registration import Registration
 from coordinator.report import cluster_report
 from coordinator.status import StatusReport
+from coordinator.takeover import HostTakeovers
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.progress import Progress
 from ifrt.records import TopologyContent
 
 
-class ClusterState(KeyValueCalls):
+class ClusterState(KeyValueCalls, HostTakeovers):
     """All processes of one cluster, their liveness, the published generation, barriers and key-values."""
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -168,29 +169,6 @@ class ClusterState(KeyValueCalls):
         if isinstance(effect, AttemptStarted):
             self._start_afresh()
         return [] if effect is None else [effect]
-
-    def lost_hosts(self, absent: frozenset[str]) -> list[takeover.LostHost]:
-        """The job's hosts lost in this attempt (``absent``: agents not seen watching for the heartbeat timeout)."""
-        if self.topology is None or self.attempts.exhausted:
-            return []
-        return takeover.lost_hosts(self.attempts.listed(), absent, self.attempts.declared, self._admission.ids_from)
-
-    def take_over_host(self, absent: frozenset[str]) -> list[Effect]:
-        """The coordinator's own decision: a spare host takes over a lost host's ids (journaled, once; see
-        coordinator.takeover); nothing when no host is lost or no spare host can."""
-        entry = takeover.decide(self.lost_hosts(absent), self.attempts.listed(), absent, attempt=self.attempts.current,
-                                exhausted_now=self.attempts.restarts >= self.attempts.budget)
-        if entry is None:
-            return []
-        self._journal.append(entry)
-        return self._taken_over(entry)
-
-    def _taken_over(self, entry: journal.HostTakenOver) -> list[Effect]:
-        effect = self.attempts.apply_taken_over(entry)
-        if isinstance(effect, HostTakenOver):
-            spare = next(a for a in self.attempts.listed() if a.uid == entry.spare_uid)
-            self._admission.grant(entry.process_ids, spare.where)
-        return [effect]
 
     def _start_afresh(self) -> None:
         """A new attempt: everything but the attempts, the run number (and the journal) starts empty."""

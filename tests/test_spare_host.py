@@ -57,14 +57,14 @@ C = JobAgent("agent-c", "hc", "10.0.0.3", proof_of("c"), 2, spare=True)
 D = JobAgent("agent-d", "hd", "10.0.0.4", proof_of("d"), 2, spare=True)
 
 
-def job(max_restarts: int = 2, spares: tuple[JobAgent, ...] = (C,)) -> ClusterState:
+def job(max_restarts: int = 2, spares: tuple[JobAgent, ...] = (C,), explicit: bool = False) -> ClusterState:
     s = ClusterState(ClusterConfig(num_processes=4, heartbeat_timeout_s=TIMEOUT))
     for agent in (A, B, *spares):
         s.join_agent(agent, max_restarts, recover="replace")
     workers = (("a0", "ha", "10.0.0.1", 0), ("a1", "ha", "10.0.0.1", 1), ("b0", "hb", "10.0.0.2", 0),
                ("b1", "hb", "10.0.0.2", 1))
-    for uid, host, ip, rank in workers:
-        s.register(reg(uid, host=host, ip=ip, rank=rank), 0.0)
+    for pid, (uid, host, ip, rank) in enumerate(workers):
+        s.register(reg(uid, pid if explicit else None, host=host, ip=ip, rank=rank), 0.0)
     for uid, *_ in workers:
         s.attach(uid, 0.0)
     assert s.topology is not None and [p.hostname for p in s.topology.processes] == ["ha", "ha", "hb", "hb"]
@@ -110,6 +110,16 @@ def test_a_lost_hosts_ids_go_to_a_spare_host_once_and_only_its_workers_take_them
         replayed.replay(entry)
     assert replayed.attempts.view() == s.attempts.view() and replayed.attempts.declared == {}
     assert replayed.take_over_host(frozenset({B.uid})) == []  # a failover decides nothing twice
+
+
+def test_in_a_job_that_names_its_ids_the_spare_hosts_workers_name_them_in_later_attempts_too():
+    s = job(explicit=True)
+    lose_host_b(s)
+    [taken] = s.take_over_host(frozenset({B.uid}))
+    assert (taken.process_ids, taken.explicit_ids) == ((2, 3), True)
+    with pytest.raises(PermissionDenied, match="handed to the spare host hc"):  # not even from the lost host
+        s.register(reg("b0-again", 2, host="hb", ip="10.0.0.2"), 1.0)
+    s.register(reg("c0", 2, host="hc", ip="10.0.0.3", rank=0), 1.0)
 
 
 def test_nothing_is_taken_over_but_a_lost_host_and_only_by_a_spare_host():
@@ -188,6 +198,16 @@ def test_a_spare_host_runs_nothing_until_a_lost_hosts_ids_are_handed_to_it():
     idle = Agent(2, "hc", recover=Recover.REPLACE, spare=True)
     idle.handle(JobUpdate(JobView(0)), 0.0)
     assert idle.handle(Interrupted(signal.SIGTERM), 1.0)[-1] == Exit(128 + signal.SIGTERM)
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["named ids", "assigned ids"])
+def test_a_spare_host_that_took_over_keeps_its_ids_in_a_new_attempt_where_the_job_names_them(explicit):
+    agent = Agent(3, "hc", recover=Recover.REPLACE, spare=True)
+    agent.handle(JobUpdate(JobView(0)), 0.0)
+    agent.handle(HostTakenOverSeen(Failure(0, 2, "hb", "lost"), "hc", (2, 3), mine=True, explicit=explicit), 0.1)
+    actions = agent.handle(JobUpdate(JobView(1, (Failure(0, 0, "ha", "exit code 3"),))), 1.0)
+    assert Start(1) in actions and agent.nproc == 2  # the whole job restarts: as many workers as it took over
+    assert (agent.named_ids, agent.ids) == (({0: 2, 1: 3},) * 2 if explicit else ({}, {}))
 
 
 def survivor() -> Agent:

@@ -101,18 +101,20 @@ class JobEvent(_message.Message):
     def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ..., replaced: _Optional[_Union[AttemptFailure, _Mapping]] = ..., taken_over: _Optional[_Union[HostTakeover, _Mapping]] = ...) -> None: ...
 
 class HostTakeover(_message.Message):
-    __slots__ = ("attempt", "failure", "agent_uid", "host", "process_ids")
+    __slots__ = ("attempt", "failure", "agent_uid", "host", "process_ids", "explicit_ids")
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPLICIT_IDS_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     failure: AttemptFailure
     agent_uid: str
     host: str
     process_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., agent_uid: _Optional[str] = ..., host: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    explicit_ids: bool
+    def __init__(self, attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., agent_uid: _Optional[str] = ..., host: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., explicit_ids: _Optional[bool] = ...) -> None: ...
 
 class NextAttemptRequest(_message.Message):
     __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid", "replace")

@@ -123,6 +123,8 @@ class HostTakenOverSeen:
     host: str
     process_ids: tuple[int, ...]
     mine: bool
+    explicit: bool = False
+    """The job names its process ids: these stay this agent's in later attempts too."""
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,9 @@ class Agent:
     spare: bool = False
     """A spare host (``ifrt run --spare-host``) that has taken over nothing yet: it runs no worker."""
     replace_timeout: float = DEFAULT_REPLACE_TIMEOUT_S
+    named_ids: dict[int, int] = field(default_factory=dict)
+    """The ids this agent names for its workers by local rank (a spare host that took over explicit ids)."""
+    _took_over: bool = False
     _waits: HostWaits[Failure] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -316,6 +321,8 @@ class Agent:
         if self.spare and not isinstance(event, Interrupted | LinkFailed):
             return self._as_spare(event)
         if isinstance(event, JobUpdate):
+            if self._took_over and not self.named_ids and event.view.attempt > (self.attempt or 0):
+                self.ids = {}  # ids assigned by host: this host's are learned again in the new attempt
             return self._job(event.view)
         if isinstance(event, ProcessFailedSeen):
             return self._process_failed(event.failure) + self._await_host(event.failure, now)
@@ -473,6 +480,7 @@ class Agent:
             return []
         ids = dict(enumerate(event.process_ids))
         self.spare, self.nproc, self.ids, self.attempt = False, len(ids), ids, event.failure.attempt
+        self._took_over, self.named_ids = True, dict(ids) if event.explicit else {}
         self.phase, self.workers = Phase.RUNNING, {rank: WorkerState() for rank in ids}
         self._finished.clear()
         return [Say(f"taking over processes {', '.join(map(str, event.process_ids))} of the lost host "

@@ -53,7 +53,7 @@ def event_of(message: pb.JobEvent, agent_uid: str = "") -> Event | None:
     if kind == "taken_over":
         t = message.taken_over
         return HostTakenOverSeen(failure_of(t.failure), t.host, tuple(t.process_ids),
-                                 bool(agent_uid) and t.agent_uid == agent_uid)
+                                 bool(agent_uid) and t.agent_uid == agent_uid, t.explicit_ids)
     if kind == "process_failed":
         return ProcessFailedSeen(failure_of(message.process_failed))
     if kind == "replaced":

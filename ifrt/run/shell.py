@@ -212,13 +212,15 @@ class Shell:
             threading.Thread(target=self._ask_replace, args=(action,), name="ifrt-run-replace", daemon=True).start()
 
     def _start(self, attempt: int) -> None:
-        nproc = self.args.nproc_per_host
+        nproc = self.agent.nproc  # --nproc-per-host, or the ids a spare host took over
         self.workers = {}
         self.envs = {rank: worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=nproc,
                                       host_rank=self.host_rank, num_hosts=self.num_hosts,
                                       token_file=self.args.token_file, launcher_variables=self.launcher_variables,
                                       transfer_bind=self.binds[rank])
                      for rank in range(nproc)}
+        for rank, process_id in self.agent.named_ids.items():
+            self.envs[rank][PROCESS_ID_ENV] = str(process_id)
         for rank in range(nproc):
             self._spawn(attempt, rank, 0)
         if len(self.agent.ids) < nproc:
