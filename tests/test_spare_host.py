@@ -240,12 +240,32 @@ def test_a_survivor_stops_waiting_once_the_host_is_taken_over_or_its_agent_is_ba
     assert agent.handle(Tick(), 10.0) == []
 
 
-# Real agents, workers and a coordinator, in network namespaces as hosts.
+# Real agents on loopback.
 
 @pytest.fixture
 def agents():
     yield from agents_started()
 
+
+def test_an_agent_started_with_another_recover_mode_is_refused_naming_both(start_coordinator, agents):
+    coordinator = start_coordinator(num_processes=1, log_level="WARNING")
+    env = loopback_env(coordinator.address)
+    first = agents("--recover", "replace", "--", sys.executable, str(RUN_WORKER), "loop", env=env)
+    first.wait_line(r"started process 0 attempt 0")
+    other = agents("--recover", "restart", "--", sys.executable, str(RUN_WORKER), "loop", env=env)
+    assert other.wait() == core.EXIT_USAGE, other.output()
+    assert re.search(r"this agent runs with --recover restart, but the job's agents run with --recover replace "
+                     r"\(stated by the agent on '[^']+'\)", "\n".join(other.err)), other.output()
+    assert other.out == [] and first.process.poll() is None, other.output()  # nothing started, nothing changed
+
+
+def test_a_spare_host_without_replace_mode_is_refused_by_its_own_flags(agents):
+    spare = agents("--spare-host", "--", sys.executable, str(RUN_WORKER), "loop", env=loopback_env("127.0.0.1:1"))
+    assert spare.wait() == core.EXIT_USAGE
+    assert "--spare-host needs --recover replace" in "\n".join(spare.err), spare.output()
+
+
+# Real agents, workers and a coordinator, in network namespaces as hosts.
 
 def as_host(hosts: Hosts, index: int, name: str) -> list[str]:
     """Runs a command inside host ``index`` with its own hostname ``name`` (a UTS namespace of its own)."""
