@@ -186,7 +186,7 @@ def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
         while True:
             _leave_group()
             state.peers.wait_whole(state.mark, deadline, me)
-            topology = state.client.topology or state.topology
+            topology = _current_topology(state.client)
             failures = state.peers.mark()
             try:
                 store = _start_group(state.client, topology, deadline, state.backend, state.timeout)
@@ -198,6 +198,15 @@ def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
         _started = _Started(state.client, topology, store, state.backend, state.timeout, state.peers,
                             state.watchdog)
         return topology
+
+
+def _current_topology(client: Client) -> Topology:
+    """The job's generation now, asked of the coordinator: a process taken over by another host publishes a new
+    generation right after the restarts that made the job whole, and the session may not have delivered it yet
+    (every process must start its group on the same generation's keys)."""
+    topology = client.register_again()  # a retry of this process's registration: answered the current generation
+    client.adopt(topology)
+    return client.topology or topology
 
 
 def is_initialized() -> bool:

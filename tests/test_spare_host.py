@@ -5,6 +5,7 @@ ends as without replace. The decisions (pure), then real agents in network names
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -44,9 +45,11 @@ from ifrt.run.agent import (
 )
 from tests.helpers import TIMEOUT, reg
 from tests.netns import Hosts, skip_without_netns
+from tests.requirements import require
 from tests.run_agents import WAIT_S, agents_started, loopback_env
 
 RUN_WORKER = Path(__file__).with_name("run_worker.py")
+TAKEOVER_WORKER = Path(__file__).with_name("takeover_worker.py")
 HEARTBEAT_S = 1.0
 
 # The coordinator's decisions: hosts ha (processes 0, 1) and hb (2, 3), ids assigned; a spare host hc.
@@ -272,16 +275,16 @@ def as_host(hosts: Hosts, index: int, name: str) -> list[str]:
     return hosts.command(index, ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name])
 
 
-def start_job(hosts: Hosts, agents, *flags: str, spare: bool) -> tuple[object, list]:
-    coordinator = LocalCoordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=4,
+def start_job(hosts: Hosts, agents, *flags: str, spare: bool, nproc: int = 2,
+              worker: tuple[str, ...] = (str(RUN_WORKER), "host")) -> tuple[LocalCoordinator, list]:
+    coordinator = LocalCoordinator("--heartbeat-timeout", str(HEARTBEAT_S), num_processes=2 * nproc,
                                    bind=f"{hosts.address(1)}:8476", wrapper=hosts.command(1, []), log_level="WARNING")
-    env = loopback_env(coordinator.address)
-    command = ("--recover", "replace", "--grace-seconds", "1", *flags, "--", sys.executable, str(RUN_WORKER), "host")
-    started = [agents("--nproc-per-host", "2", *command, env=env, wrapper=as_host(hosts, h, f"host-{name}"))
-               for h, name in ((1, "a"), (2, "b"))]
+    env = loopback_env(coordinator.address, OMP_NUM_THREADS="1")
+    command = ("--nproc-per-host", str(nproc), "--recover", "replace", "--grace-seconds", "1", *flags, "--",
+               sys.executable, *worker)
+    started = [agents(*command, env=env, wrapper=as_host(hosts, h, f"host-{name}")) for h, name in ((1, "a"), (2, "b"))]
     if spare:
-        started.append(agents("--nproc-per-host", "2", "--spare-host", *command, env=env,
-                              wrapper=as_host(hosts, 3, "host-c")))
+        started.append(agents("--spare-host", *command, env=env, wrapper=as_host(hosts, 3, "host-c")))
     return coordinator, started
 
 
@@ -335,3 +338,26 @@ def test_without_a_spare_host_the_agents_name_the_lost_host_then_the_job_ends_as
     assert re.search(r"waited 3s for host host-b", err), a.output()
     assert "the job's restarts are exhausted (0 allowed)" in err, a.output()
     assert re.search(r"waiting for host 'host-b' \(\S+, processes \d+, \d+\)", log), log
+
+
+def test_the_survivors_torch_group_re_forms_in_place_with_the_spare_hosts_process(agents):
+    if importlib.util.find_spec("torch") is None:
+        require("torch", "pip install 'ifrt-topology[torch]' (scripts/test.sh installs a CPU build)")
+    skip_without_netns()
+    with Hosts(3) as hosts:
+        coordinator, (a, b, c) = start_job(hosts, agents, "--max-restarts", "1", spare=True, nproc=1,
+                                           worker=(str(TAKEOVER_WORKER),))
+        try:
+            survivor = a.wait_line(r"joined process 0 pid (\d+) step 0 generation 1 hosts host-a,host-b")
+            victim = b.wait_line(r"joined process 1 pid (\d+) step 0")
+            for pid in (b.process.pid, int(victim.group(1))):
+                os.kill(pid, signal.SIGKILL)
+            for agent in (a, c):
+                assert agent.wait(timeout=WAIT_S) == 0, agent.output()
+        finally:
+            coordinator.close()
+    pid = survivor.group(1)  # the survivor kept its process: recovered in place onto the new generation
+    assert a.wait_line(rf"recovered process 0 pid {pid} step \d+ generation 2 hosts host-a,host-c", timeout=1)
+    assert a.wait_line(rf"done process 0 pid {pid} step 40", timeout=1)
+    assert c.wait_line(r"joined process 1 pid \d+ step [1-9]\d* generation 2 hosts host-a,host-c", timeout=1)
+    assert c.wait_line(r"done process 1 pid \d+ step 40", timeout=1)
