@@ -148,8 +148,12 @@ class JobAgentsService:
             await asyncio.sleep(interval_s)
             if not service.replica.serving:
                 continue
-            await service.decide(functools.partial(service.state.take_over_host, self._absent()))
-            lost = service.state.lost_hosts(self._absent()) if service.replica.serving else []
+            try:
+                await service.decide(functools.partial(service.state.take_over_host, self._absent()))
+                lost = service.state.lost_hosts(self._absent()) if service.replica.serving else []
+            except Exception:  # a bug here must not end the loop: the next round decides again
+                log.exception("deciding about lost hosts failed")
+                continue
             if lost and time.monotonic() - logged >= WAIT_LOGGED_S:
                 logged = time.monotonic()
                 log.warning("waiting for %s: its agent is gone and no spare host (ifrt run --spare-host) can take "

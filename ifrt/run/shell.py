@@ -165,8 +165,10 @@ class Shell:
         self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
         nproc = args.nproc_per_host
         explicit = {} if self.host_rank is None else {r: self.host_rank * nproc + r for r in range(nproc)}
-        self.agent = Agent(nproc, settings.hostname, ids={} if args.spare_host else explicit,
-                           recover=Recover(args.recover), spare=args.spare_host, replace_timeout=args.replace_timeout)
+        spare = getattr(args, "spare_host", False)  # flags built by hand (tests) may predate these two
+        timeout = getattr(args, "replace_timeout", DEFAULT_REPLACE_TIMEOUT_S)
+        self.agent = Agent(nproc, settings.hostname, ids={} if spare else explicit, recover=Recover(args.recover),
+                           spare=spare, replace_timeout=timeout)
         launcher = clusters.detect(os.environ)
         self.launcher_variables = () if launcher is None else launcher.variables
         self.binds = transfer_binds(local_address_toward(settings.coordinators), nproc)
