@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import sys
 from dataclasses import replace
@@ -270,6 +271,14 @@ def test_a_spare_host_without_replace_mode_is_refused_by_its_own_flags(agents):
 
 # Real agents, workers and a coordinator, in network namespaces as hosts.
 
+def skip_without_hosts() -> None:
+    """Network namespaces, and ``unshare`` (util-linux) for a hostname per host."""
+    skip_without_netns()
+    if shutil.which("unshare") is None:
+        require("unshare", "util-linux's `unshare` gives each test host its own hostname: apt-get install -y "
+                           "util-linux")
+
+
 def as_host(hosts: Hosts, index: int, name: str) -> list[str]:
     """Runs a command inside host ``index`` with its own hostname ``name`` (a UTS namespace of its own)."""
     return hosts.command(index, ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name])
@@ -296,7 +305,7 @@ def worker_pids(agent) -> list[int]:
 
 
 def test_a_spare_host_takes_over_a_killed_hosts_ids_and_the_job_completes(agents):
-    skip_without_netns()
+    skip_without_hosts()
     with Hosts(3) as hosts:
         coordinator, (a, b, c) = start_job(hosts, agents, "--max-restarts", "1", spare=True)
         try:
@@ -321,7 +330,7 @@ def test_a_spare_host_takes_over_a_killed_hosts_ids_and_the_job_completes(agents
 
 
 def test_without_a_spare_host_the_agents_name_the_lost_host_then_the_job_ends_as_today(agents):
-    skip_without_netns()
+    skip_without_hosts()
     with Hosts(2) as hosts:
         coordinator, (a, b) = start_job(hosts, agents, "--max-restarts", "0", "--replace-timeout", "3", spare=False)
         try:
@@ -343,7 +352,7 @@ def test_without_a_spare_host_the_agents_name_the_lost_host_then_the_job_ends_as
 def test_the_survivors_torch_group_re_forms_in_place_with_the_spare_hosts_process(agents):
     if importlib.util.find_spec("torch") is None:
         require("torch", "pip install 'ifrt-topology[torch]' (scripts/test.sh installs a CPU build)")
-    skip_without_netns()
+    skip_without_hosts()
     with Hosts(3) as hosts:
         coordinator, (a, b, c) = start_job(hosts, agents, "--max-restarts", "1", spare=True, nproc=1,
                                            worker=(str(TAKEOVER_WORKER),))
