@@ -85,6 +85,7 @@ class Admission:
         self.held_since: dict[object, float] = {}  # claim -> when its current incarnation registered
         self.pending: set[str] = set()  # restarted processes not answered yet: an id of the run is held by a gone one
         self.left: set[int] = set()  # process ids whose process left on purpose: they do not come back into this run
+        self.granted: dict[int, tuple[str, str]] = {}  # process id -> the (hostname, address) that alone may take it
 
     @property
     def registered(self) -> int:
@@ -153,6 +154,30 @@ class Admission:
         pid = self.process_ids[claim]
         self.in_topology.add(pid)
         return pid, member
+
+    def grant(self, process_ids: tuple[int, ...], where: tuple[str, str]) -> None:
+        """From now on only processes registered from ``where`` (hostname, address: a spare host's workers, see
+        coordinator.takeover) may take these ids, naming them explicitly: with assigned ids, each id's claim becomes
+        the id itself (its past incarnations keep their old claim, which still names the id)."""
+        for pid in process_ids:
+            self.granted[pid] = where
+            old = self.claims[pid]
+            if old == pid:
+                continue
+            self.claims[pid] = self.process_ids[pid] = pid
+            for held in (self.holder, self.held_since, self._replaced):
+                if old in held:
+                    held[pid] = held.pop(old)  # type: ignore[index]
+
+    @property
+    def names_ids(self) -> bool:
+        """Whether the job's processes name their ids (explicit), rather than having them assigned."""
+        return bool(self._explicit)
+
+    def ids_from(self, where: tuple[str, str]) -> tuple[int, ...]:
+        """The process ids of the current generation whose process registered from ``where`` (hostname, address)."""
+        return tuple(pid for pid in sorted(self.in_topology) if (m := self.member_of(pid)) is not None
+                     and (m.registration.hostname, m.registration.host_address) == where)
 
     def forget(self, member: Member) -> None:
         """Drops a registration made before publication."""
@@ -316,7 +341,11 @@ class Admission:
                                       f"{first.plugin!r} with platforms {sorted(_platform(first)[1])}: start the "
                                       "coordinator with --allow-mixed-platforms to allow mixed clusters")
         explicit = r.process_id is not None
-        if self._explicit is not None and explicit != self._explicit:
+        if (where := self.granted.get(r.process_id)) is not None and (r.hostname, r.host_address) != where:  # type: ignore[arg-type]
+            raise PermissionDenied(f"process id {r.process_id} was handed to the spare host {where[0]} ({where[1]}) "
+                                   f"when its host was lost: {r.describe()} may not take it (only that host's "
+                                   "workers may)")
+        if self._explicit is not None and explicit != self._explicit and not (explicit and where is not None):
             if self._explicit:
                 raise ClusterMismatch(f"{r.describe()} sent no process id, but this cluster uses explicit process "
                                       "ids: give every process an id, or none")

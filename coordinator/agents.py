@@ -10,7 +10,10 @@ unread bytes (``--max-session-backlog-bytes``), like sessions.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import math
 import time
 
 import grpc
@@ -22,6 +25,7 @@ from coordinator.attempts import (
     AttemptProcessFailed,
     AttemptsExhausted,
     AttemptStarted,
+    HostTakenOver,
     JobView,
     NextAttempt,
     ProcessReplaced,
@@ -37,6 +41,9 @@ from ifrt.errors import CoordinatorUnavailable, IfrtError, InvalidArgument, Reso
 log = logging.getLogger("ifrt.coordinator")
 
 AGENTS_SERVICE = pb.DESCRIPTOR.services_by_name["JobAgents"].full_name
+WAIT_LOGGED_S = 5.0
+"""How often the log says which lost host the job waits for."""
+RECOVER_MODES = ("", "restart", "replace")
 
 
 class _Closed:
@@ -87,10 +94,11 @@ class JobAgentsService:
         self._watching[uid] = self._watching.get(uid, 0) + 1  # present from now: no newcomer takes its place
         try:
             if request.workers:  # an agent of the job: it joins (journaled) before it is told anything
-                agent = Agent(uid, request.host, peer_host(context.peer()), caller_proof(context), request.workers)
+                agent = Agent(uid, request.host, peer_host(context.peer()), caller_proof(context), request.workers,
+                              request.spare_host)
                 budget = request.max_restarts if request.HasField("max_restarts") else None
                 await service.command(context, what, lambda: (None, service.state.join_agent(
-                    agent, budget, self._absent())))
+                    agent, budget, self._absent(), request.recover)))
             await service.commit(context, what)  # only durable state is sent
             if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until counted
                 await abort(context, refused, what)
@@ -132,6 +140,26 @@ class JobAgentsService:
         return frozenset(uid for uid in agents
                          if uid not in self._watching and now - self._gone_since.get(uid, self._since) > grace)
 
+    async def watch_hosts_every(self, interval_s: float) -> None:
+        """Hands a lost host's process ids to a spare host once (coordinator.takeover); without one, says every
+        ``WAIT_LOGGED_S`` which host the job waits for."""
+        logged, service = -math.inf, self._service
+        while True:
+            await asyncio.sleep(interval_s)
+            if not service.replica.serving:
+                continue
+            try:
+                await service.decide(functools.partial(service.state.take_over_host, self._absent()))
+                lost = service.state.lost_hosts(self._absent()) if service.replica.serving else []
+            except Exception:  # a bug here must not end the loop: the next round decides again
+                log.exception("deciding about lost hosts failed")
+                continue
+            if lost and time.monotonic() - logged >= WAIT_LOGGED_S:
+                logged = time.monotonic()
+                log.warning("waiting for %s: its agent is gone and no spare host (ifrt run --spare-host) can take "
+                            "over; the agents give up after their --replace-timeout",
+                            "; ".join(host.describe() for host in lost), extra={"event": "host_lost"})
+
     def _check_room(self, watching: int) -> ResourceExhausted | None:
         if watching < self._limits.agents:
             return None
@@ -164,6 +192,14 @@ class JobAgentsService:
                                 "%s", failure.process_id, view.replacements, view.max_restarts, shown(failure.reason),
                                 extra={"event": "process_replaced", "process_id": failure.process_id})
                     event = pb.JobEvent(replaced=_failure(failure))
+                case HostTakenOver(failure=failure, agent_uid=uid, host=host, process_ids=ids, explicit_ids=named):
+                    if ids:
+                        log.warning("%s (replacement %d of this run)", shown(failure.reason),
+                                    self._service.state.attempts.view().replacements,
+                                    extra={"event": "host_taken_over", "host": failure.host})
+                    event = pb.JobEvent(taken_over=pb.HostTakeover(
+                        attempt=failure.attempt, failure=_failure(failure), agent_uid=uid, host=host, process_ids=ids,
+                        explicit_ids=named))
                 case AttemptsExhausted(view=view):
                     log.error("the job's restarts are exhausted after attempt %d: no attempt starts", view.attempt,
                               extra={"event": "attempts_exhausted", "attempt": view.attempt})
@@ -181,6 +217,11 @@ class JobAgentsService:
 
 
 def _check_watch(request: pb.WatchJobRequest, limits: Limits) -> None:
+    if request.recover not in RECOVER_MODES:
+        raise InvalidArgument(f"recover {shown(request.recover)} is not a mode: expected restart or replace (or "
+                              "nothing)")
+    if request.spare_host and not request.workers:
+        raise InvalidArgument("a spare host states the workers it can run: expected workers >= 1")
     for what, text in (("host", request.host), ("agent_uid", request.agent_uid)):
         size = len(text.encode())
         if not size or size > limits.string_bytes:

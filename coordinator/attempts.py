@@ -24,6 +24,9 @@ Authority: only the job decides about the job.
 - Replacing a process needs an agent of the job asking about one of its own workers (registered with its hostname
   from its address, or not registered at all): an agent cannot replace, nor make the job spend its budget on, another
   host's process. A replacement is decided once per request (retries answered the same) and bounded by the budget.
+- The job's ``--recover`` mode is its first agent's (of the run); an agent stating another is refused
+  (``ClusterMismatch``). A spare host (``ifrt run --spare-host``) joins as an agent that runs nothing and covers no
+  process; only the coordinator hands it a lost host's ids (``coordinator.takeover``), counted as one replacement.
 - Ending an attempt needs an agent of the job and a cause it may give: a process the coordinator declared failed in
   the attempt, or one of the agent's own workers (a process registered with its hostname from its address, or one
   it could not name, such as a worker that failed before it registered). A failure of another host's process that
@@ -33,13 +36,13 @@ Authority: only the job decides about the job.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from coordinator import journal
 from coordinator.limits import FLAGS, Limits, check_call_id, shown
 from coordinator.registration import Registration
-from ifrt.errors import ClusterMismatch, InvalidArgument, PermissionDenied
+from ifrt.errors import ClusterMismatch, InvalidArgument, PermissionDenied, ResourceExhausted
 
 FAILURES_KEPT = 32
 """Ended attempts whose failure a JobState lists (the latest ones; the others are only counted): each is at most two
@@ -85,6 +88,8 @@ class Agent:
     address: str
     secret_hash: str
     workers: int
+    spare: bool = False
+    """A spare host (``ifrt run --spare-host``): it runs no worker until it takes over a lost host's ids."""
 
     @property
     def where(self) -> Host:
@@ -129,6 +134,20 @@ class ProcessReplaced:
 
 
 @dataclass(frozen=True)
+class HostTakenOver:
+    """Effect: the agent ``agent_uid`` on ``host`` runs ``process_ids`` from now on: a spare host took over a lost
+    host's ids (``failure`` names the lost host), or, with no ids, the lost host's own agent came back."""
+
+    failure: AttemptFailure
+    agent_uid: str
+    host: str
+    process_ids: tuple[int, ...]
+    view: JobView
+    explicit_ids: bool = False
+    """The job names its process ids: the agent names these for its workers in later attempts too."""
+
+
+@dataclass(frozen=True)
 class AttemptProcessFailed:
     """Effect: a process of the current attempt failed (liveness decided it); agents answer with NextAttempt."""
 
@@ -151,6 +170,8 @@ class Attempts:
         self._agents: dict[str, Agent] = {}  # by uid, in the order they joined
         self._declared: dict[int, AttemptFailure] = {}  # processes the coordinator declared failed in this attempt
         self._replacements = 0  # processes replaced in this run
+        self._mode = ""  # the job's --recover mode, as its first agent of the run stated it ("": none stated)
+        self._mode_by = ""
 
     @property
     def budget(self) -> int:
@@ -169,59 +190,79 @@ class Attempts:
 
     # Agents.
     def join(self, agent: Agent, max_restarts: int | None, num_processes: int, limits: Limits,
-             absent: frozenset[str] = frozenset()) -> journal.AgentJoined | None:
+             absent: frozenset[str] = frozenset(), recover: str = "") -> journal.AgentJoined | None:
         """The entry that makes ``agent`` one of the job's (to journal and ``apply_joined``); None when it is one
         already, as it is. ``absent``: the agents that have not watched the job for a while (gone, as far as the
         coordinator can tell). A new agent starts a new run of the job when the restarts are exhausted or every agent
         of the job is absent; it takes the place of absent agents, then of agents on its own host (a restart), when
-        the job's agents would otherwise run more than ``num_processes`` workers. PermissionDenied, ClusterMismatch
-        or InvalidArgument, changing nothing, when it may not join."""
+        the job's agents would otherwise run more than ``num_processes`` workers. ``recover``: the ``--recover`` mode
+        it states ("": none), which must be the job's. A spare host (``agent.spare``) runs no worker: it counts
+        against no process, starts no run, and takes the place of absent spare hosts (at most ``--max-agents`` of
+        them). PermissionDenied, ClusterMismatch, InvalidArgument or ResourceExhausted, changing nothing, when it may
+        not join."""
         _check_agent(agent, limits)
         known = self._agents.get(agent.uid)
         if known is not None:
             _check_secret(known, agent.secret_hash)
-        new_run = known is None and (self.exhausted or (bool(self._agents) and self._agents.keys() <= absent))
+        new_run = known is None and not agent.spare and (
+            self.exhausted or (bool(self._agents) and self._agents.keys() <= absent))
+        if recover and self._mode and not new_run and recover != self._mode:
+            raise ClusterMismatch(f"this agent runs with --recover {recover}, but the job's agents run with "
+                                  f"--recover {self._mode} (stated by the agent on {shown(self._mode_by)}): "
+                                  "start every agent of the job with the same --recover")
         if max_restarts is not None:
             budget, origin = self._budget_origin(new_run)
             if budget is not None and budget != max_restarts:
                 raise ClusterMismatch(f"this agent expects --max-restarts {max_restarts}, but the job's restart budget "
                                       f"is {budget} ({origin}): start every agent with the same --max-restarts, or "
                                       "without it to take the job's")
-        if known == agent:
-            return None
+        if known == agent or (known is not None and agent.spare and not known.spare):
+            return None  # one of the job's already (a spare host that took over a lost host's ids watches again)
         replaced: list[str] = []
-        if known is None and not new_run:
-            running = sum(a.workers for a in self._agents.values())
-            places = [*(a for a in self._agents.values() if a.uid in absent),
-                      *(a for a in self._agents.values() if a.where == agent.where and a.uid not in absent)]
+        if known is None and agent.spare:
+            replaced = spare_places(self._agents.values(), absent, limits.agents)
+        elif known is None and not new_run:
+            running_agents = [a for a in self._agents.values() if not a.spare]  # a spare host runs nothing yet
+            running = sum(a.workers for a in running_agents)
+            places = [*(a for a in running_agents if a.uid in absent),
+                      *(a for a in running_agents if a.where == agent.where and a.uid not in absent)]
             for old in places:
                 if running + agent.workers <= num_processes:
                     break
                 replaced.append(old.uid)
                 running -= old.workers
             if running + agent.workers > num_processes:
-                hosts = sorted({f"{shown(a.host)} ({a.address})" for a in self._agents.values()})
+                hosts = sorted({f"{shown(a.host)} ({a.address})" for a in running_agents})
                 raise ClusterMismatch(f"the job's agents on {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''} "
                                       f"run {running} workers; this agent's {agent.workers} would exceed the job's "
                                       f"{num_processes} processes: it is no agent of this job (an agent restarted on "
                                       "its host, or one that comes once an agent is gone, takes its place)")
         return journal.AgentJoined(agent.uid, agent.host, agent.address, agent.secret_hash, agent.workers,
-                                   max_restarts, new_run, tuple(replaced))
+                                   max_restarts, new_run, tuple(replaced), recover, agent.spare)
 
-    def apply_joined(self, entry: journal.AgentJoined) -> AttemptStarted | None:
-        """Records an agent (joined now, or replayed); returns AttemptStarted when it started a new run of the job."""
+    def apply_joined(self, entry: journal.AgentJoined) -> AttemptStarted | HostTakenOver | None:
+        """Records an agent (joined now, or replayed); returns AttemptStarted when it started a new run of the job,
+        HostTakenOver when it took the place of an agent on its own host (a lost host's agent came back)."""
         if entry.new_run:  # the next attempt, with no failure and the whole budget
             self.current += 1
             self.first, self.exhausted = self.current, False
             self._failures, self._earlier, self._declared, self._replacements = [], 0, {}, 0
-            self._agents, self._stated, self._stated_by = {}, None, ""
+            self._agents, self._stated, self._stated_by, self._mode, self._mode_by = {}, None, "", "", ""
+        back = any(a.host == entry.host for uid in entry.replaced if (a := self._agents.get(uid)) is not None)
         for uid in entry.replaced:
             self._agents.pop(uid, None)
         self._agents[entry.agent_uid] = Agent(entry.agent_uid, entry.host, entry.host_address, entry.secret_hash,
-                                              entry.workers)
+                                              entry.workers, entry.spare)
         if entry.max_restarts is not None and self._stated is None:
             self._stated, self._stated_by = entry.max_restarts, entry.host
-        return AttemptStarted(self.view()) if entry.new_run else None
+        if entry.recover and not self._mode:
+            self._mode, self._mode_by = entry.recover, entry.host
+        if entry.new_run:
+            return AttemptStarted(self.view())
+        if back and not entry.spare:  # its workers take their ids back as restarts: nobody waits for that host
+            came = AttemptFailure(self.current, UNKNOWN_PROCESS, entry.host, "its agent came back")
+            return HostTakenOver(came, entry.agent_uid, entry.host, (), self.view())
+        return None
 
     @property
     def agents(self) -> frozenset[str]:
@@ -264,10 +305,7 @@ class Attempts:
 
     def apply(self, entry: journal.AttemptDecided) -> AttemptStarted | AttemptsExhausted | ProcessReplaced:
         """Records a decision (made now, or replayed) and returns its effect."""
-        self._failures.append(AttemptFailure(entry.ended, entry.process_id, entry.host, entry.reason))
-        if len(self._failures) > FAILURES_KEPT:
-            self._earlier += len(self._failures) - FAILURES_KEPT
-            del self._failures[:-FAILURES_KEPT]
+        self._record(AttemptFailure(entry.ended, entry.process_id, entry.host, entry.reason))
         if entry.request_id:
             self._decided_by[entry.request_id] = None
             if len(self._decided_by) > REQUESTS_REMEMBERED:
@@ -282,6 +320,37 @@ class Attempts:
         self.current = entry.ended + 1
         self._declared = {}
         return AttemptStarted(self.view())
+
+    def apply_taken_over(self, entry: journal.HostTakenOver) -> HostTakenOver | AttemptsExhausted:
+        """Records a lost host taken over by a spare host (decided now, or replayed; see coordinator.takeover): the
+        spare host becomes an ordinary agent of the job running those ids, in the lost agent's place."""
+        failure = AttemptFailure(entry.attempt, entry.process_ids[0], entry.host, entry.reason)
+        self._record(failure)
+        if entry.exhausted:
+            self.exhausted = True
+            return AttemptsExhausted(self.view())
+        self._replacements += 1
+        for pid in entry.process_ids:
+            self._declared.pop(pid, None)
+        self._agents.pop(entry.lost_uid, None)
+        spare = self._agents[entry.spare_uid]
+        self._agents[spare.uid] = replace(spare, spare=False, workers=len(entry.process_ids))
+        return HostTakenOver(failure, spare.uid, spare.host, entry.process_ids, self.view())
+
+    @property
+    def declared(self) -> dict[int, AttemptFailure]:
+        """The processes the coordinator declared failed in this attempt, none replaced since (read only)."""
+        return dict(self._declared)
+
+    def listed(self) -> list[Agent]:
+        """The job's agents, in the order they joined."""
+        return list(self._agents.values())
+
+    def _record(self, failure: AttemptFailure) -> None:
+        self._failures.append(failure)
+        if len(self._failures) > FAILURES_KEPT:
+            self._earlier += len(self._failures) - FAILURES_KEPT
+            del self._failures[:-FAILURES_KEPT]
 
     def process_failed(self, process_id: int, host: str, reason: str, limits: Limits) -> AttemptProcessFailed:
         """Records that the coordinator declared ``process_id`` of the current attempt failed (replayed likewise);
@@ -328,6 +397,16 @@ class Attempts:
         if self._stated is not None and not new_run:
             return self._stated, f"stated by the job's first agent, on {shown(self._stated_by)}"
         return None, "none stated: 0"
+
+
+def spare_places(agents: Iterable[Agent], absent: frozenset[str], most: int) -> list[str]:
+    """The spare hosts a new spare host replaces: those absent (gone); ResourceExhausted when ``most`` others watch
+    still."""
+    spares = [a for a in agents if a.spare]
+    if len(spares) - sum(a.uid in absent for a in spares) >= most:
+        raise ResourceExhausted(f"{len(spares)} spare hosts watch the job: expected at most {most} (the "
+                                f"coordinator's {FLAGS['agents']})")
+    return [a.uid for a in spares if a.uid in absent]
 
 
 def _check_secret(known: Agent, proof: str) -> None:

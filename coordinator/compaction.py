@@ -59,8 +59,8 @@ def _current_attempt_start(entries: Sequence[journal.Entry]) -> int:
     """Where the current job attempt's entries begin: after the decision that started it (0: the first attempt)."""
     for i in range(len(entries) - 1, -1, -1):
         entry = entries[i]
-        if isinstance(entry, journal.AttemptDecided) and not entry.exhausted:
-            return i + 1
+        if isinstance(entry, journal.AttemptDecided) and not entry.exhausted and not entry.replace:
+            return i + 1  # (a replacement goes on in the same attempt)
     return 0
 
 

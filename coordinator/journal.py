@@ -2,8 +2,9 @@
 
 Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
 registrations, key-values and their deletions, finished barriers, live-set agreements, a preemption notice
-and its sync step, each decision of the job's next attempt, the job's agents, and the start of each run of the
-job. Liveness (heartbeats, open calls) is not: after a replay, every process gets a grace period to re-attach.
+and its sync step, each decision of the job's next attempt, the job's agents, a lost host taken over by a spare
+one, and the start of each run of the job. Liveness (heartbeats, open calls) is not: after a replay, every process
+gets a grace period to re-attach.
 """
 
 from __future__ import annotations
@@ -135,7 +136,25 @@ class AgentJoined:
     max_restarts: int | None
     new_run: bool = False
     replaced: tuple[str, ...] = ()
+    recover: str = ""
+    """The ``ifrt run --recover`` mode it stated ("": none)."""
+    spare: bool = False
+    """A spare host (``ifrt run --spare-host``): no worker until it takes over a lost host's ids."""
 
+
+@dataclass(frozen=True)
+class HostTakenOver:
+    """The coordinator's own decision (``coordinator.takeover``): the agent ``lost_uid`` is gone with its host, and the
+    spare host ``spare_uid`` takes over every process id it ran (``process_ids``) in attempt ``attempt``, counted
+    against the restart budget, unless the restarts were ``exhausted``."""
+
+    attempt: int
+    lost_uid: str
+    spare_uid: str
+    process_ids: tuple[int, ...]
+    host: str
+    reason: str
+    exhausted: bool
 
 
 @dataclass(frozen=True)
@@ -147,11 +166,12 @@ class RunStarted:
 
 
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
-         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined | RunStarted)
+         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined | RunStarted
+         | HostTakenOver)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
                                                          KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
                                                          PreemptionNoticed, PreemptionSyncDecided, AttemptDecided,
-                                                         AgentJoined, RunStarted)}
+                                                         AgentJoined, RunStarted, HostTakenOver)}
 
 
 def encode(entry: Entry) -> bytes:
@@ -184,6 +204,8 @@ def decode(raw: bytes) -> Entry:
         fields["participants"] = tuple(fields["participants"])
     if kind is AgentJoined:
         fields["replaced"] = tuple(fields["replaced"])
+    if kind is HostTakenOver:
+        fields["process_ids"] = tuple(fields["process_ids"])
     if kind is LiveSetDecided:
         fields["callers"] = tuple(tuple(c) for c in fields["callers"])
         fields["members"] = tuple(tuple(m) for m in fields["members"])

@@ -97,6 +97,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     background = [asyncio.create_task(service.replica.run()),
                   asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
                   asyncio.create_task(service.tick_every(config.tick_s)),
+                  asyncio.create_task(agents.watch_hosts_every(config.tick_s)),
                   asyncio.create_task(noise.flush_every()),
                   asyncio.create_task(_collect_young_garbage_every(config.gc_interval_s))]
     try:

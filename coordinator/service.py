@@ -386,6 +386,21 @@ class CoordinatorService:
                 continue
             self._apply(effects)
 
+    async def decide(self, decision: Callable[[], list[Effect]]) -> None:
+        """Runs a decision of the coordinator's own (no caller waits on it) while this replica serves: its journal
+        entries made durable, then its effects carried out."""
+        if not self.replica.serving:
+            return
+        with wire.gc_paused():
+            effects = decision()
+        if not effects:
+            return
+        try:
+            await self.replica.commit()
+        except NotServing:
+            return
+        self._apply(effects)
+
     def _apply(self, effects: list[Effect]) -> None:
         """Carries out durable effects: logs, session events, and the answers of waiting calls."""
         for effect in effects:

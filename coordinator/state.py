@@ -1,6 +1,6 @@
 """The coordinator's decisions as a deterministic state machine with no I/O: a router (``ClusterState``) that hands
 each event to the sub-machine whose job it is (admission, liveness, barriers, key-values, agreement, preemption,
-attempts) and journals what they decide.
+attempts, lost hosts) and journals what they decide.
 
     JOINING ──(the N-th process registers: generation 1 published)──▶ ALIVE ──(leave)──▶ LEFT
        │                                                                │
@@ -52,13 +52,14 @@ from coordinator.preemption import Preemption
 from coordinator.registration import Registration
 from coordinator.report import cluster_report
 from coordinator.status import StatusReport
+from coordinator.takeover import HostTakeovers
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.progress import Progress
 from ifrt.records import TopologyContent
 
 
-class ClusterState(KeyValueCalls):
+class ClusterState(KeyValueCalls, HostTakeovers):
     """All processes of one cluster, their liveness, the published generation, barriers and key-values."""
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -125,14 +126,17 @@ class ClusterState(KeyValueCalls):
                 self._agent_joined(entry)
             case journal.RunStarted():
                 self._start_run(entry)
+            case journal.HostTakenOver():
+                self._taken_over(entry)
         self._journal.clear()
 
     # Job attempts (coordinator.attempts).
-    def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset()) -> list[Effect]:
+    def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset(),
+                   recover: str = "") -> list[Effect]:
         """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already); ``absent``: the agents the
         shell has not seen watching for a while. A new run of the job (see coordinator.attempts) starts a new attempt
         with every sub-machine empty."""
-        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent)
+        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent, recover)
         if entry is None:
             return []
         self._journal.append(entry)
@@ -162,10 +166,9 @@ class ClusterState(KeyValueCalls):
 
     def _agent_joined(self, entry: journal.AgentJoined) -> list[Effect]:
         effect = self.attempts.apply_joined(entry)
-        if effect is None:
-            return []
-        self._start_afresh()
-        return [effect]
+        if isinstance(effect, AttemptStarted):
+            self._start_afresh()
+        return [] if effect is None else [effect]
 
     def _start_afresh(self) -> None:
         """A new attempt: everything but the attempts, the run number (and the journal) starts empty."""

@@ -7,6 +7,8 @@ Scenarios:
   fail    local rank 1 exits 3 right after discovery, in every attempt; the others loop
   finish  three steps, then exit 0
   once    loops in attempt 0 (like loop); in any later attempt, three steps, then exit 0
+  host    loops until a generation after the first is published (its own, for a newcomer), prints
+          ``generation G process P on HOST`` for each of its processes, then exits 0
   vanish  loops; process 3 deletes the file RUN_WORKER_VANISH names (its own command), then exits 3: its
           replacement cannot start
 Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent); each
@@ -44,6 +46,13 @@ def main(scenario: str) -> None:
     if scenario == "vanish" and topology.process_id == 3:
         os.remove(os.environ["RUN_WORKER_VANISH"])
         os._exit(3)
+    if scenario == "host":
+        while client.topology is None or client.topology.generation == 1:
+            time.sleep(STEP_S)
+        for p in client.topology.processes:
+            print(f"generation {client.topology.generation} process {p.process_id} on {p.hostname}", flush=True)
+        client.close()
+        return
     step = 0
     finishes = scenario == "finish" or (scenario == "once" and attempt != "0")
     while not finishes or step < 3:

@@ -137,6 +137,13 @@ def test_overwrites_of_a_key_keep_only_the_last():
     assert kept(kv_entries(s)) == [journal.KeySet("k", b"999")]
 
 
+def test_a_replaced_process_or_a_lost_host_taken_over_keeps_the_attempts_key_values():
+    entries = [journal.KeySet("k", b"v"),
+               journal.AttemptDecided(0, 1, "h1", "exit code 3", False, "r1", replace=True),
+               journal.HostTakenOver(0, "agent-b", "agent-c", (2, 3), "hb", "host hb lost", False)]
+    assert kept(entries) == entries  # the attempt goes on: its key-values too
+
+
 def test_deleted_keys_leave_nothing():
     s = published(n=2)
     for key in ("job/a", "job/b", "other"):

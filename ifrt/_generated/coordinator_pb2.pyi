@@ -41,16 +41,20 @@ PROCESS_PHASE_FAILED: ProcessPhase
 PROCESS_PHASE_LEFT: ProcessPhase
 
 class WatchJobRequest(_message.Message):
-    __slots__ = ("host", "agent_uid", "workers", "max_restarts")
+    __slots__ = ("host", "agent_uid", "workers", "max_restarts", "recover", "spare_host")
     HOST_FIELD_NUMBER: _ClassVar[int]
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_FIELD_NUMBER: _ClassVar[int]
+    SPARE_HOST_FIELD_NUMBER: _ClassVar[int]
     host: str
     agent_uid: str
     workers: int
     max_restarts: int
-    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ..., workers: _Optional[int] = ..., max_restarts: _Optional[int] = ...) -> None: ...
+    recover: str
+    spare_host: bool
+    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ..., workers: _Optional[int] = ..., max_restarts: _Optional[int] = ..., recover: _Optional[str] = ..., spare_host: _Optional[bool] = ...) -> None: ...
 
 class AttemptFailure(_message.Message):
     __slots__ = ("attempt", "process_id", "host", "reason")
@@ -81,18 +85,36 @@ class JobState(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., earlier_failures: _Optional[int] = ..., replacements: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("state", "process_failed", "attempt_started", "exhausted", "replaced")
+    __slots__ = ("state", "process_failed", "attempt_started", "exhausted", "replaced", "taken_over")
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_STARTED_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     process_failed: AttemptFailure
     attempt_started: JobState
     exhausted: JobState
     replaced: AttemptFailure
-    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ..., replaced: _Optional[_Union[AttemptFailure, _Mapping]] = ...) -> None: ...
+    taken_over: HostTakeover
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ..., replaced: _Optional[_Union[AttemptFailure, _Mapping]] = ..., taken_over: _Optional[_Union[HostTakeover, _Mapping]] = ...) -> None: ...
+
+class HostTakeover(_message.Message):
+    __slots__ = ("attempt", "failure", "agent_uid", "host", "process_ids", "explicit_ids")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_UID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPLICIT_IDS_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    failure: AttemptFailure
+    agent_uid: str
+    host: str
+    process_ids: _containers.RepeatedScalarFieldContainer[int]
+    explicit_ids: bool
+    def __init__(self, attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., agent_uid: _Optional[str] = ..., host: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., explicit_ids: _Optional[bool] = ...) -> None: ...
 
 class NextAttemptRequest(_message.Message):
     __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid", "replace")

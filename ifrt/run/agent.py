@@ -12,6 +12,11 @@ while it still runs (it stopped answering: hung) is killed first, so its peers' 
     worker RUNNING --exit != 0--> ASKED --the coordinator's `replaced` event--> RUNNING (the next incarnation)
        \\--declared failed (hung)--> killed --exit--> ASKED
 
+A lost host (its agent and workers gone) is taken over by a spare host (``spare``: ``ifrt run --spare-host``), which
+runs no worker until the coordinator hands it the lost host's ids (``HostTakenOverSeen``), then one worker per id.
+Survivors wait for another host's failed processes (``ifrt.run.waits``) up to ``replace_timeout``, then ask for the
+next attempt as without replace.
+
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
 its own: the agent stops its workers and waits up to ``CAUSE_WAIT_S`` for the coordinator to name the process that
 did, so the attempt's failure names the cause, not a survivor.
@@ -24,6 +29,7 @@ import signal
 from dataclasses import dataclass, field
 
 from ifrt.errors import EXIT_COORDINATOR_LOST, EXIT_PEER_FAILED
+from ifrt.run.waits import HostWaits
 
 EXIT_JOB_FAILED = 1
 """The agent's exit code when the job's restarts are exhausted (``--max-restarts``)."""
@@ -32,6 +38,8 @@ EXIT_USAGE = 2
 CAUSE_WAIT_S = 5.0
 """How long a worker's exit with 75/69 waits for the coordinator's report of the process that failed first."""
 UNKNOWN_PROCESS = -1
+DEFAULT_REPLACE_TIMEOUT_S = 60.0
+"""How long the survivors wait for another host's failed processes to be replaced or taken over."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,19 @@ class ReplaceSeen:
 
 
 @dataclass(frozen=True)
+class HostTakenOverSeen:
+    """Every process id of a lost host (``failure.host``) goes to the agent on ``host`` (``mine``: this agent), or,
+    with no ids, the lost host's own agent came back."""
+
+    failure: Failure
+    host: str
+    process_ids: tuple[int, ...]
+    mine: bool
+    explicit: bool = False
+    """The job names its process ids: these stay this agent's in later attempts too."""
+
+
+@dataclass(frozen=True)
 class IdsKnown:
     """The process ids the coordinator gave this host's workers, by local rank."""
 
@@ -141,7 +162,7 @@ class Tick:
 
 
 Event = (JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
-         | ReplaceAnswered | ReplaceSeen)
+         | ReplaceAnswered | ReplaceSeen | HostTakenOverSeen)
 
 
 # Actions.
@@ -199,13 +220,21 @@ class LearnIds:
 
 
 @dataclass(frozen=True)
+class StartIds:
+    """Start one worker per process id, by local rank (a spare host taking over a lost host's ids)."""
+
+    attempt: int
+    ids: dict[int, int]
+
+
+@dataclass(frozen=True)
 class Exit:
     """End the agent with ``code`` (None: the workers' own status, see ``workers_status``)."""
 
     code: int | None
 
 
-Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds | Exit
+Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds | StartIds | Exit
 
 
 class Recover(enum.Enum):
@@ -282,15 +311,31 @@ class Agent:
     _pending: Failure | None = None  # a survivor's exit, reported if the coordinator names no cause in time
     _cause_deadline: float | None = None
     _unplaced: dict[int, Failure] = field(default_factory=dict)  # failures of this host's processes, ids unknown
+    spare: bool = False
+    """A spare host (``ifrt run --spare-host``) that has taken over nothing yet: it runs no worker."""
+    replace_timeout: float = DEFAULT_REPLACE_TIMEOUT_S
+    named_ids: dict[int, int] = field(default_factory=dict)
+    """The ids this agent names for its workers by local rank (a spare host that took over explicit ids)."""
+    _took_over: bool = False
+    _waits: HostWaits[Failure] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._waits = HostWaits(self.replace_timeout)
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for, in order; ``now`` is a monotonic time in seconds."""
         if self.phase is Phase.DONE:
             return []
+        if self.spare and not isinstance(event, Interrupted | LinkFailed):
+            return self._as_spare(event)
         if isinstance(event, JobUpdate):
+            if self._took_over and not self.named_ids and event.view.attempt > (self.attempt or 0):
+                self.ids = {}  # ids assigned by host: this host's are learned again in the new attempt
             return self._job(event.view)
         if isinstance(event, ProcessFailedSeen):
-            return self._process_failed(event.failure)
+            return self._process_failed(event.failure) + self._await_host(event.failure, now)
+        if isinstance(event, HostTakenOverSeen):
+            return self._host_back(event)
         if isinstance(event, WorkerExited):
             return self._worker_exited(event, now)
         if isinstance(event, IdsKnown):
@@ -315,9 +360,12 @@ class Agent:
                 and now >= self._cause_deadline:
             return self._ask(self._pending)
         if isinstance(event, Tick) and self.phase is Phase.RUNNING:
+            waited = self._waited(now)
+            if self.phase is not Phase.RUNNING:  # it gave up waiting: the job ends as without replace
+                return waited
             late = [r for r, w in self.workers.items() if w.asked and w.decided_at is not None
                     and now >= w.decided_at + CAUSE_WAIT_S]
-            return [a for r in late for a in self._start_replacement(r)]
+            return waited + [a for r in late for a in self._start_replacement(r)]
         return []
 
     def process_id(self, local_rank: int) -> int:
@@ -419,6 +467,7 @@ class Agent:
         return []
 
     def _replace_seen(self, failure: Failure) -> list[Action]:
+        self._waits.done({failure.process_id})
         if self.phase is not Phase.RUNNING or failure.attempt != self.attempt:
             return []
         rank = next((r for r, pid in self.ids.items() if pid == failure.process_id), None)
@@ -433,6 +482,49 @@ class Agent:
         state.running, state.asked, state.declared, state.decided_at = True, False, None, None
         return [Say(f"starting a new worker for process {self.process_id(rank)} (local rank {rank}); the others keep "
                     "running"), StartWorker(self.attempt, rank, state.incarnation)]
+
+    # Lost hosts.
+    def _as_spare(self, event: Event) -> list[Action]:
+        """A spare host: it follows the job's attempts and starts workers only for the ids handed to it."""
+        if isinstance(event, JobUpdate):
+            if event.view.exhausted:
+                return self._job(event.view)
+            said = [] if self.attempt is not None else [Say(f"spare host: running no worker until a lost host's "
+                                                            f"processes are handed to it (up to {self.nproc})")]
+            self.attempt = event.view.attempt if self.attempt is None else max(self.attempt, event.view.attempt)
+            return said
+        if not isinstance(event, HostTakenOverSeen) or not event.mine or not event.process_ids:
+            return []
+        ids = dict(enumerate(event.process_ids))
+        self.spare, self.nproc, self.ids, self.attempt = False, len(ids), ids, event.failure.attempt
+        self._took_over, self.named_ids = True, dict(ids) if event.explicit else {}
+        self.phase, self.workers = Phase.RUNNING, {rank: WorkerState() for rank in ids}
+        self._finished.clear()
+        return [Say(f"taking over processes {', '.join(map(str, event.process_ids))} of the lost host "
+                    f"{event.failure.host}: {event.failure.reason}"), StartIds(self.attempt, ids)]
+
+    def _await_host(self, failure: Failure, now: float) -> list[Action]:
+        """Another host's process failed (with replace): its replacement, a spare host or its agent's return is
+        awaited for up to ``replace_timeout``."""
+        if (self.recover is Recover.REPLACE and self.phase is Phase.RUNNING and failure.attempt == self.attempt
+                and failure.process_id != UNKNOWN_PROCESS and failure.process_id not in self.ids.values()):
+            self._waits.add(failure, now)
+        return []
+
+    def _host_back(self, event: HostTakenOverSeen) -> list[Action]:
+        if event.process_ids:
+            self._waits.done(set(event.process_ids))
+            return [Say(f"{event.failure.reason}; the workers here keep running")]
+        if self._waits.back(event.failure.host):
+            return [Say(f"the agent on {event.failure.host} came back; the workers here keep running")]
+        return []
+
+    def _waited(self, now: float) -> list[Action]:
+        line, given_up = self._waits.check(self.attempt, now)
+        if given_up is None:
+            return [] if line is None else [Say(line)]
+        self.phase = Phase.RESTARTING
+        return [Say(f"{line}; stopping {self.nproc} workers"), Stop(), *self._ask(given_up)]
 
     def _ask(self, failure: Failure) -> list[Action]:
         assert self.attempt is not None

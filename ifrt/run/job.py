@@ -20,6 +20,7 @@ from ifrt.run.agent import (
     EXIT_USAGE,
     Event,
     Failure,
+    HostTakenOverSeen,
     IdsKnown,
     JobUpdate,
     JobView,
@@ -46,8 +47,13 @@ def failure_of(f: pb.AttemptFailure) -> Failure:
     return Failure(f.attempt, f.process_id, f.host, f.reason)
 
 
-def event_of(message: pb.JobEvent) -> Event | None:
+def event_of(message: pb.JobEvent, agent_uid: str = "") -> Event | None:
+    """The agent's event for a watch's message (``agent_uid``: this agent's, to know what is handed to it)."""
     kind = message.WhichOneof("kind")
+    if kind == "taken_over":
+        t = message.taken_over
+        return HostTakenOverSeen(failure_of(t.failure), t.host, tuple(t.process_ids),
+                                 bool(agent_uid) and t.agent_uid == agent_uid, t.explicit_ids)
     if kind == "process_failed":
         return ProcessFailedSeen(failure_of(message.process_failed))
     if kind == "replaced":
@@ -75,11 +81,13 @@ class JobLink:
     job's)."""
 
     def __init__(self, coordinator: str | None, failover_window_s: float, *, workers: int,
-                 max_restarts: int | None = None, **kwargs: Any) -> None:
+                 max_restarts: int | None = None, recover: str = "", spare_host: bool = False,
+                 **kwargs: Any) -> None:
         self.settings = resolve(coordinator, **kwargs)
         self.connection = _AgentConnection(self.settings, new_process_secret())
         self.agent_uid = uuid.uuid4().hex
         self.workers, self.max_restarts = workers, max_restarts
+        self.recover, self.spare_host = recover, spare_host
         self.failover_window_s = failover_window_s
         self._stop = threading.Event()
 
@@ -92,7 +100,8 @@ class JobLink:
 
     def _follow(self, emit: Callable[[Event], None]) -> None:
         request = pb.WatchJobRequest(host=self.settings.hostname, agent_uid=self.agent_uid, workers=self.workers,
-                                     max_restarts=self.max_restarts)
+                                     max_restarts=self.max_restarts, recover=self.recover,
+                                     spare_host=self.spare_host)
         lost_since: float | None = None
         watched = False
         while not self._stop.is_set():
@@ -103,7 +112,7 @@ class JobLink:
                         log.warning("watching the job again through %s", target)
                     lost_since, watched = None, True
                     self.connection.answered(target)
-                    if (event := event_of(message)) is not None:
+                    if (event := event_of(message, self.agent_uid)) is not None:
                         emit(event)
                 error: IfrtError = from_rpc_error(_Ended(), target)
             except grpc.RpcError as e:

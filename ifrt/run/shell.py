@@ -15,6 +15,7 @@ import time
 from ifrt import clusters, failfast
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
 from ifrt.run.agent import (
+    DEFAULT_REPLACE_TIMEOUT_S,
     EXIT_USAGE,
     Agent,
     AskNextAttempt,
@@ -32,6 +33,7 @@ from ifrt.run.agent import (
     ReplaceAnswered,
     Say,
     Start,
+    StartIds,
     StartWorker,
     Stop,
     Tick,
@@ -73,6 +75,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with the fail-fast code of a peer's failure (75) or a lost coordinator (69), as a program "
                         "that did not opt in does, restarts the job as with restart. Give every agent of the job the "
                         "same --recover")
+    p.add_argument("--spare-host", action="store_true",
+                   help="a spare host (with --recover replace): it joins the job but runs no worker until the "
+                        "coordinator hands it every process id of a lost host (one whose agent and worker are gone "
+                        "longer than the heartbeat timeout), then runs one worker per id, with that id, and is an "
+                        "ordinary agent of the job; --nproc-per-host is how many workers it can run. It does not "
+                        "count against the job's processes (see docs/failures.md, \"A lost host\")")
+    p.add_argument("--replace-timeout", type=float, default=DEFAULT_REPLACE_TIMEOUT_S, metavar="SECONDS",
+                   help="with --recover replace: how long the agents wait for another host's failed worker to be "
+                        "replaced, taken over by a spare host, or its agent to come back, saying every few seconds "
+                        "which host they wait for; then the job ends as without replace: the next attempt of the "
+                        "whole job, or the restarts exhausted (default %(default)s)")
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
                         "worker stopped by SIGSTOP gets SIGKILL at once)")
@@ -111,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         link = JobLink(args.coordinator, failfast.failover_window_from_env(), workers=args.nproc_per_host,
-                       max_restarts=args.max_restarts, token_file=args.token_file)
+                       max_restarts=args.max_restarts, token_file=args.token_file, recover=args.recover,
+                       spare_host=args.spare_host)
     except IfrtError as e:
         print(f"ifrt run: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -130,6 +144,10 @@ def _check(args: argparse.Namespace, command: list[str]) -> str | None:
                                  ("--host-rank", args.host_rank, 0), ("--num-hosts", args.num_hosts, 1)):
         if value is not None and value < minimum:
             return f"{flag} {value} is out of range: expected an integer >= {minimum}"
+    if args.spare_host and args.recover != Recover.REPLACE.value:
+        return "--spare-host needs --recover replace: a spare host takes over a lost host's processes in place"
+    if not args.replace_timeout > 0:
+        return f"--replace-timeout {args.replace_timeout} is out of range: expected seconds > 0"
     if not args.grace_seconds >= 0:
         return f"--grace-seconds {args.grace_seconds} is out of range: expected seconds >= 0"
     if args.host_rank is not None and args.num_hosts is not None and args.host_rank >= args.num_hosts:
@@ -148,7 +166,10 @@ class Shell:
         self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
         nproc = args.nproc_per_host
         explicit = {} if self.host_rank is None else {r: self.host_rank * nproc + r for r in range(nproc)}
-        self.agent = Agent(nproc, settings.hostname, ids=explicit, recover=Recover(args.recover))
+        spare = getattr(args, "spare_host", False)  # flags built by hand (tests) may predate these two
+        timeout = getattr(args, "replace_timeout", DEFAULT_REPLACE_TIMEOUT_S)
+        self.agent = Agent(nproc, settings.hostname, ids={} if spare else explicit, recover=Recover(args.recover),
+                           spare=spare, replace_timeout=timeout)
         launcher = clusters.detect(os.environ)
         self.launcher_variables = () if launcher is None else launcher.variables
         self.binds = transfer_binds(local_address_toward(settings.coordinators), nproc)
@@ -176,9 +197,12 @@ class Shell:
         finally:  # an exception here (a bug) must not leave the workers running without their agent
             stop_all(list(self.workers.values()), self.args.grace_seconds)
 
-    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds) -> None:
+    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds
+            | StartIds) -> None:
         if isinstance(action, Say):
             log.info("%s", action.line)
+        elif isinstance(action, StartIds):
+            self._start_ids(action.attempt, action.ids)
         elif isinstance(action, Start):
             self._start(action.attempt)
         elif isinstance(action, StartWorker):
@@ -195,13 +219,15 @@ class Shell:
             self._learn_ids(action.attempt)
 
     def _start(self, attempt: int) -> None:
-        nproc = self.args.nproc_per_host
+        nproc = self.agent.nproc  # --nproc-per-host, or the ids a spare host took over
         self.workers = {}
         self.envs = {rank: worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=nproc,
                                       host_rank=self.host_rank, num_hosts=self.num_hosts,
                                       token_file=self.args.token_file, launcher_variables=self.launcher_variables,
                                       transfer_bind=self.binds[rank])
                      for rank in range(nproc)}
+        for rank, process_id in self.agent.named_ids.items():
+            self.envs[rank][PROCESS_ID_ENV] = str(process_id)
         for rank in range(nproc):
             self._spawn(attempt, rank, 0)
         if len(self.agent.ids) < nproc:
@@ -218,6 +244,16 @@ class Shell:
             kwargs=dict(local_ranks=nproc, attempt=attempt, emit=self.events.put, timeout=IDS_TIMEOUT_S,
                         until=lambda: self.agent.attempt != attempt or len(self.agent.ids) == nproc))
         self._learner.start()
+
+    def _start_ids(self, attempt: int, ids: dict[int, int]) -> None:
+        """A spare host's workers for the ids it took over: each named explicitly, as the coordinator expects."""
+        self.workers = {}
+        for rank, process_id in ids.items():
+            env = worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=len(ids),
+                             host_rank=None, num_hosts=None, token_file=self.args.token_file,
+                             launcher_variables=self.launcher_variables, transfer_bind=self.binds[rank])
+            self.envs[rank] = {**env, PROCESS_ID_ENV: str(process_id)}
+            self._spawn(attempt, rank, 0)
 
     def _spawn(self, attempt: int, rank: int, incarnation: int) -> None:
         """Starts local rank ``rank``'s worker; one that cannot start is reported as a worker that failed (127)."""
