@@ -151,6 +151,9 @@ class Attempts:
         self._agents: dict[str, Agent] = {}  # by uid, in the order they joined
         self._declared: dict[int, AttemptFailure] = {}  # processes the coordinator declared failed in this attempt
         self._replacements = 0  # processes replaced in this run
+        self.replacing: set[int] = set()
+        """Process ids whose replacement was decided in this attempt and has not registered yet: its registration
+        must bring the replaced process's devices (``coordinator.replacements``)."""
 
     @property
     def budget(self) -> int:
@@ -214,6 +217,7 @@ class Attempts:
             self.current += 1
             self.first, self.exhausted = self.current, False
             self._failures, self._earlier, self._declared, self._replacements = [], 0, {}, 0
+            self.replacing = set()
             self._agents, self._stated, self._stated_by = {}, None, ""
         for uid in entry.replaced:
             self._agents.pop(uid, None)
@@ -278,9 +282,10 @@ class Attempts:
         if entry.replace:
             self._replacements += 1
             self._declared.pop(entry.process_id, None)  # a later failure of that id is its new process's
+            self.replacing.add(entry.process_id)
             return ProcessReplaced(self._failures[-1], self.view())
         self.current = entry.ended + 1
-        self._declared = {}
+        self._declared, self.replacing = {}, set()
         return AttemptStarted(self.view())
 
     def process_failed(self, process_id: int, host: str, reason: str, limits: Limits) -> AttemptProcessFailed:

@@ -50,6 +50,7 @@ from coordinator.liveness import Liveness
 from coordinator.members import Member, Status
 from coordinator.preemption import Preemption
 from coordinator.registration import Registration
+from coordinator.replacements import check_devices
 from coordinator.report import cluster_report
 from coordinator.status import StatusReport
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
@@ -209,6 +210,9 @@ class ClusterState(KeyValueCalls):
             return admission.answer(r), started
         if isinstance(decision, NextRun):
             return runs.waiting(admission, self.run), started
+        if isinstance(decision, Takeover) and (pid := admission.process_id(decision.holder)) in self.attempts.replacing:
+            check_devices(r, decision.holder.registration, pid)  # a decided replacement: refused, nothing changed
+            self.attempts.replacing.discard(pid)
         self._journal.append(journal.Registered(r, now))
         if isinstance(decision, Takeover):
             outcome, effects = self._restart(r, decision.holder, now)

@@ -9,6 +9,8 @@ Scenarios:
   once    loops in attempt 0 (like loop); in any later attempt, three steps, then exit 0
   vanish  loops; process 3 deletes the file RUN_WORKER_VANISH names (its own command), then exits 3: its
           replacement cannot start
+  odd-spare  loops; a warm spare (IFRT_SPARE set at its start) has 2 cpu devices instead of the agent's count,
+          as a spare on other hardware would
 Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent).
 """
 
@@ -30,6 +32,8 @@ def main(scenario: str) -> None:
         os._exit(7)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if scenario == "odd-spare" and os.environ.get("IFRT_SPARE"):
+        os.environ["IFRT_CPU_DEVICE_COUNT"] = "2"
     client = ifrt.Client(transfer=False)
     topology = client.discover()
     attempt = os.environ.get("IFRT_ATTEMPT")

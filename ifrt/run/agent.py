@@ -12,6 +12,8 @@ while it still runs (it stopped answering: hung) is killed first, so its peers' 
     worker RUNNING --exit != 0--> ASKED --the coordinator's `replaced` event--> RUNNING (the next incarnation)
        \\--declared failed (hung)--> killed --exit--> ASKED
 
+With ``spares`` (``ifrt run --spare N``, ``ifrt.run.spares``) a decided replacement goes to an idle warm spare.
+
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
 its own: the agent stops its workers and waits up to ``CAUSE_WAIT_S`` for the coordinator to name the process that
 did, so the attempt's failure names the cause, not a survivor.
@@ -24,6 +26,7 @@ import signal
 from dataclasses import dataclass, field
 
 from ifrt.errors import EXIT_COORDINATOR_LOST, EXIT_PEER_FAILED
+from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
 
 EXIT_JOB_FAILED = 1
 """The agent's exit code when the job's restarts are exhausted (``--max-restarts``)."""
@@ -141,7 +144,7 @@ class Tick:
 
 
 Event = (JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
-         | ReplaceAnswered | ReplaceSeen)
+         | ReplaceAnswered | ReplaceSeen | SpareExited | HandOffFailed)
 
 
 # Actions.
@@ -198,7 +201,7 @@ class Exit:
     code: int | None
 
 
-Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | Exit
+Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | Exit | StartSpare | HandOff
 
 
 class Recover(enum.Enum):
@@ -274,13 +277,18 @@ class Agent:
     _asked: int | None = None  # the attempt whose end this agent asked the coordinator for
     _pending: Failure | None = None  # a survivor's exit, reported if the coordinator names no cause in time
     _cause_deadline: float | None = None
+    spares: SparePool = field(default_factory=SparePool)
+    """The warm spares (``--spare N``; only with ``Recover.REPLACE``)."""
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for, in order; ``now`` is a monotonic time in seconds."""
         if self.phase is Phase.DONE:
             return []
         if isinstance(event, JobUpdate):
-            return self._job(event.view)
+            actions = self._job(event.view)
+            return [*actions, *self.spares.first(now)] if any(isinstance(a, Start) for a in actions) else actions
+        if isinstance(event, SpareExited | HandOffFailed) or (isinstance(event, Tick) and self.spares.ready(now)):
+            return self._spare_event(event, now)
         if isinstance(event, ProcessFailedSeen):
             return self._process_failed(event.failure)
         if isinstance(event, WorkerExited):
@@ -414,8 +422,26 @@ class Agent:
         state = self.workers[rank]
         state.incarnation += 1
         state.running, state.asked, state.declared, state.decided_at = True, False, None, None
+        if (serial := self.spares.take()) is not None:
+            return [Say(f"handing process {self.process_id(rank)} (local rank {rank}) to spare {serial}; the others "
+                        "keep running"), HandOff(serial, self.attempt, rank, state.incarnation)]
         return [Say(f"starting a new worker for process {self.process_id(rank)} (local rank {rank}); the others keep "
                     "running"), StartWorker(self.attempt, rank, state.incarnation)]
+
+    def _spare_event(self, event: SpareExited | HandOffFailed | Tick, now: float) -> list[Action]:
+        """A spare's exit, a hand-off that found its spare gone (the replacement starts cold), or spares due."""
+        if isinstance(event, SpareExited):
+            line = self.spares.exited(event.serial, exit_reason(event.returncode), now)
+            return [] if line is None else [Say(line)]
+        if isinstance(event, HandOffFailed):
+            state = self.workers.get(event.local_rank)
+            if event.attempt != self.attempt or self.phase is not Phase.RUNNING or state is None \
+                    or state.incarnation != event.incarnation:
+                return []
+            return [Say(f"spare {event.serial} could not take process {self.process_id(event.local_rank)} "
+                        f"({event.reason}); starting a new worker instead"),
+                    StartWorker(event.attempt, event.local_rank, event.incarnation)]
+        return list(self.spares.due(now))
 
     def _ask(self, failure: Failure) -> list[Action]:
         assert self.attempt is not None

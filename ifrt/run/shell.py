@@ -38,9 +38,11 @@ from ifrt.run.agent import (
     workers_status,
 )
 from ifrt.run.job import JobLink
+from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
 from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
 from ifrt.safe_text import SafeFormatter, safe
 from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from ifrt.spare import HANDED, SPARE_ENV, hand_off_line
 from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.run")
@@ -72,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with the fail-fast code of a peer's failure (75) or a lost coordinator (69), as a program "
                         "that did not opt in does, restarts the job as with restart. Give every agent of the job the "
                         "same --recover")
+    p.add_argument("--spare", type=int, default=0, metavar="N",
+                   help="with --recover replace: keep N warm spares on this host (default %(default)s), started "
+                        "after the workers with the same command and environment less the rank's variables; each "
+                        "imports the program and waits inside ifrt (init_process_group, discover) holding no session "
+                        "until a replacement is decided here, then takes the failed worker's process id at once (no "
+                        "process start, no import). A spare is not one of the job's workers; it must have the failed "
+                        "process's devices (count, platform, kind), else the coordinator refuses it and the "
+                        "replacement counts as failed. Each spare costs the memory of an imported program")
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
                         "worker stopped by SIGSTOP gets SIGKILL at once)")
@@ -129,6 +139,11 @@ def _check(args: argparse.Namespace, command: list[str]) -> str | None:
                                  ("--host-rank", args.host_rank, 0), ("--num-hosts", args.num_hosts, 1)):
         if value is not None and value < minimum:
             return f"{flag} {value} is out of range: expected an integer >= {minimum}"
+    if args.spare < 0:
+        return f"--spare {args.spare} is out of range: expected an integer >= 0"
+    if args.spare and args.recover != Recover.REPLACE.value:
+        return (f"--spare {args.spare} needs --recover replace: a spare takes a failed worker's place while the others "
+                f"keep running, and --recover {args.recover} restarts every worker instead")
     if not args.grace_seconds >= 0:
         return f"--grace-seconds {args.grace_seconds} is out of range: expected seconds >= 0"
     if args.host_rank is not None and args.num_hosts is not None and args.host_rank >= args.num_hosts:
@@ -147,7 +162,8 @@ class Shell:
         self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
         nproc = args.nproc_per_host
         explicit = {} if self.host_rank is None else {r: self.host_rank * nproc + r for r in range(nproc)}
-        self.agent = Agent(nproc, settings.hostname, ids=explicit, recover=Recover(args.recover))
+        self.agent = Agent(nproc, settings.hostname, ids=explicit, recover=Recover(args.recover),
+                           spares=SparePool(args.spare))
         launcher = clusters.detect(os.environ)
         self.launcher_variables = () if launcher is None else launcher.variables
         self.binds = transfer_binds(local_address_toward(settings.coordinators), nproc)
@@ -156,6 +172,8 @@ class Shell:
         """The current worker of each local rank."""
         self.envs: dict[int, dict[str, str]] = {}
         """Each local rank's environment in the current attempt (a replacement gets the same)."""
+        self.spares: dict[int, Worker] = {}
+        """The idle warm spares, by serial."""
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -172,10 +190,13 @@ class Shell:
                         return self._exit(action)
                     self._do(action)
         finally:  # an exception here (a bug) must not leave the workers running without their agent
-            stop_all(list(self.workers.values()), self.args.grace_seconds)
+            stop_all([*self.workers.values(), *self.spares.values()], self.args.grace_seconds)
 
-    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace) -> None:
-        if isinstance(action, Say):
+    def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | StartSpare
+            | HandOff) -> None:
+        if isinstance(action, StartSpare | HandOff):
+            self._spare(action)
+        elif isinstance(action, Say):
             log.info("%s", action.line)
         elif isinstance(action, Start):
             self._start(action.attempt)
@@ -216,6 +237,45 @@ class Shell:
             return
         self.workers[rank] = worker
         threading.Thread(target=self._await, args=(worker,), name="ifrt-run-wait", daemon=True).start()
+
+    def _spare(self, action: StartSpare | HandOff) -> None:
+        """Starts a warm spare, or hands one the replacement of a local rank (``ifrt.spare``)."""
+        if isinstance(action, HandOff):
+            spare = self.spares.pop(action.serial)
+            variables = {k: self.envs[action.local_rank][k] for k in HANDED if k in self.envs[action.local_rank]}
+            why = spare.hand_off(hand_off_line(variables), attempt=action.attempt, local_rank=action.local_rank,
+                                 incarnation=action.incarnation)
+            if why is None:
+                self.workers[action.local_rank] = spare
+            else:
+                self.events.put(HandOffFailed(action.serial, action.attempt, action.local_rank, action.incarnation,
+                                              why))
+            return
+        env = {k: v for k, v in self.envs[0].items() if k not in HANDED}
+        env[SPARE_ENV] = "1"
+        serial, cell = action.serial, []
+
+        def label() -> str:
+            return f"spare {serial}" if not cell or cell[0].local_rank < 0 else self._label(cell[0].local_rank)()
+
+        try:
+            spare = Worker(self.command, env, attempt=-1, local_rank=-1, spare=True,
+                           label=None if self.args.no_prefix else label)
+        except OSError as e:
+            self.events.put(SpareExited(serial, 127))
+            log.info("spare %d could not start: %s", serial, e)
+            return
+        cell.append(spare)
+        self.spares[serial] = spare
+        log.info("spare %d started (pid %d)", serial, spare.pid)
+        threading.Thread(target=self._await_spare, args=(serial, spare), name="ifrt-run-wait", daemon=True).start()
+
+    def _await_spare(self, serial: int, spare: Worker) -> None:
+        code = spare.wait()
+        with spare.lock:  # handed a process (its exit is that worker's), or not
+            handed = spare.local_rank >= 0
+        self.events.put(WorkerExited(spare.attempt, spare.local_rank, code, spare.incarnation) if handed
+                        else SpareExited(serial, code))
 
     def _label(self, rank: int):
         def label() -> str:
@@ -259,8 +319,9 @@ class Shell:
         return JobView(self.agent.attempt or 0, self.agent.failures)
 
     def _exit(self, action: Exit) -> int:
-        # every worker has ended already, or ends now
-        codes = stop_all(list(self.workers.values()), self.args.grace_seconds)
+        # every worker has ended already, or ends now; the idle spares with them (their codes are no worker's)
+        workers = list(self.workers.values())
+        codes = stop_all([*workers, *self.spares.values()], self.args.grace_seconds)[:len(workers)]
         code = workers_status(codes) if action.code is None else action.code
         log.info("exiting with %d", code)
         return code
