@@ -241,6 +241,7 @@ class ClusterState(KeyValueCalls):
         self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
         self.attempts, self._journal, self.run = attempts, entries, entry.run
         self._admission.held = held
+        attempts.replacing.clear()  # a replacement decided in the ended run takes no id of this one over
         self._kv.carry(kv, AGENT_KEY_PREFIX)
         return [RunStarted(ended, entry.run)]
 
