@@ -192,9 +192,16 @@ def test_a_killed_worker_is_replaced_by_the_warm_spare_with_no_start(start_coord
     assert "handing process 3 (local rank 1) to spare 0" in err, both[1].output()
     following = spare_pid(both[1], 1)  # the next spare, started after the hand-off
     assert following != spare and all(a.process.poll() is None for a in both)
+    failures = [sum("failed" in line for line in a.err) for a in both]
+    os.kill(following, signal.SIGKILL)  # a spare that dies idle is started again, and fails nothing
+    poll_until(lambda: [line for line in both[1].err if "spare 1 exited while idle (killed by SIGKILL)" in line], bool,
+               timeout=WAIT_S, what="the idle spare's death noticed")
+    third = spare_pid(both[1], 2)
+    assert all(a.process.poll() is None for a in both)
+    assert [sum("failed" in line for line in a.err) for a in both] == failures, both[1].output()
     for a in both:
         a.stop()
-    assert not os.path.exists(f"/proc/{following}")  # stopped (and reaped) with the workers
+    assert not os.path.exists(f"/proc/{third}")  # stopped (and reaped) with the workers
 
 
 def test_a_spare_with_other_devices_is_refused_naming_both_and_the_replacement_counts_as_failed(start_coordinator,

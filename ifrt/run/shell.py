@@ -241,11 +241,12 @@ class Shell:
     def _spare(self, action: StartSpare | HandOff) -> None:
         """Starts a warm spare, or hands one the replacement of a local rank (``ifrt.spare``)."""
         if isinstance(action, HandOff):
-            spare = self.spares.pop(action.serial)
+            spare = self.spares.pop(action.serial, None)
             variables = {k: self.envs[action.local_rank][k] for k in HANDED if k in self.envs[action.local_rank]}
-            why = spare.hand_off(hand_off_line(variables), attempt=action.attempt, local_rank=action.local_rank,
-                                 incarnation=action.incarnation)
-            if why is None:
+            why = "it did not start" if spare is None else spare.hand_off(
+                hand_off_line(variables), attempt=action.attempt, local_rank=action.local_rank,
+                incarnation=action.incarnation)
+            if why is None and spare is not None:
                 self.workers[action.local_rank] = spare
             else:
                 self.events.put(HandOffFailed(action.serial, action.attempt, action.local_rank, action.incarnation,
