@@ -194,14 +194,10 @@ def test_a_killed_worker_is_replaced_by_the_warm_spare_with_no_start(start_coord
     assert following != spare and all(a.process.poll() is None for a in both)
     failures = [sum("failed" in line for line in a.err) for a in both]
     os.kill(following, signal.SIGKILL)  # a spare that dies idle is started again, and fails nothing
-    poll_until(lambda: [line for line in both[1].err if "spare 1 exited while idle (killed by SIGKILL)" in line], bool,
-               timeout=WAIT_S, what="the idle spare's death noticed")
-    third = spare_pid(both[1], 2)
+    poll_until(lambda: [line for line in both[1].err if "spare 1 exited while idle (killed by SIGKILL); another "
+                        "starts in" in line], bool, timeout=WAIT_S, what="the idle spare's death noticed")
     assert all(a.process.poll() is None for a in both)
     assert [sum("failed" in line for line in a.err) for a in both] == failures, both[1].output()
-    for a in both:
-        a.stop()
-    assert not os.path.exists(f"/proc/{third}")  # stopped (and reaped) with the workers
 
 
 def test_a_spare_with_other_devices_is_refused_naming_both_and_the_replacement_counts_as_failed(start_coordinator,
@@ -211,9 +207,11 @@ def test_a_spare_with_other_devices_is_refused_naming_both_and_the_replacement_c
     first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
              for a in both]
     spare_pid(both[1], 0)
+    idle = spare_pid(both[0], 0)  # never used
     os.kill(int(first[1][3].group(3)), signal.SIGKILL)
     for agent in both:
         assert agent.wait() == core.EXIT_JOB_FAILED, agent.output()
+    assert not os.path.exists(f"/proc/{idle}")  # stopped (and reaped) with the workers
     err = "\n".join(both[1].err)
     assert re.search(r"the replacement of process 3 from .* has other devices than the process it replaces: "
                      r"2 devices: 2 x 'cpu'/'cpu', expected 1 device: 1 x 'cpu'/'cpu'", err), both[1].output()
