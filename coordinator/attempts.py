@@ -172,6 +172,9 @@ class Attempts:
         self._replacements = 0  # processes replaced in this run
         self._mode = ""  # the job's --recover mode, as its first agent of the run stated it ("": none stated)
         self._mode_by = ""
+        self.replacing: set[int] = set()
+        """Process ids whose replacement was decided in this attempt and has not registered yet: its registration
+        must bring the replaced process's devices (``coordinator.replacements``)."""
 
     @property
     def budget(self) -> int:
@@ -247,6 +250,7 @@ class Attempts:
             self.current += 1
             self.first, self.exhausted = self.current, False
             self._failures, self._earlier, self._declared, self._replacements = [], 0, {}, 0
+            self.replacing = set()
             self._agents, self._stated, self._stated_by, self._mode, self._mode_by = {}, None, "", "", ""
         back = any(a.host == entry.host for uid in entry.replaced if (a := self._agents.get(uid)) is not None)
         for uid in entry.replaced:
@@ -316,9 +320,10 @@ class Attempts:
         if entry.replace:
             self._replacements += 1
             self._declared.pop(entry.process_id, None)  # a later failure of that id is its new process's
+            self.replacing.add(entry.process_id)
             return ProcessReplaced(self._failures[-1], self.view())
         self.current = entry.ended + 1
-        self._declared = {}
+        self._declared, self.replacing = {}, set()
         return AttemptStarted(self.view())
 
     def apply_taken_over(self, entry: journal.HostTakenOver) -> HostTakenOver | AttemptsExhausted:
@@ -332,6 +337,7 @@ class Attempts:
         self._replacements += 1
         for pid in entry.process_ids:
             self._declared.pop(pid, None)
+        self.replacing.update(entry.process_ids)  # the spare host's workers must bring the lost processes' devices
         self._agents.pop(entry.lost_uid, None)
         spare = self._agents[entry.spare_uid]
         self._agents[spare.uid] = replace(spare, spare=False, workers=len(entry.process_ids))

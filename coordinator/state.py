@@ -50,6 +50,7 @@ from coordinator.liveness import Liveness
 from coordinator.members import Member, Status
 from coordinator.preemption import Preemption
 from coordinator.registration import Registration
+from coordinator.replacements import check_devices
 from coordinator.report import cluster_report
 from coordinator.status import StatusReport
 from coordinator.takeover import HostTakeovers
@@ -212,6 +213,9 @@ class ClusterState(KeyValueCalls, HostTakeovers):
             return admission.answer(r), started
         if isinstance(decision, NextRun):
             return runs.waiting(admission, self.run), started
+        if isinstance(decision, Takeover) and (pid := admission.process_id(decision.holder)) in self.attempts.replacing:
+            check_devices(r, decision.holder.registration, pid)  # a decided replacement: refused, nothing changed
+            self.attempts.replacing.discard(pid)
         self._journal.append(journal.Registered(r, now))
         if isinstance(decision, Takeover):
             outcome, effects = self._restart(r, decision.holder, now)
@@ -240,6 +244,7 @@ class ClusterState(KeyValueCalls, HostTakeovers):
         self.__init__(replace(self.config, attempt=attempts.current))  # type: ignore[misc]
         self.attempts, self._journal, self.run = attempts, entries, entry.run
         self._admission.held = held
+        attempts.replacing.clear()  # a replacement decided in the ended run takes no id of this one over
         self._kv.carry(kv, AGENT_KEY_PREFIX)
         return [RunStarted(ended, entry.run)]
 

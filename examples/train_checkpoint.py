@@ -71,14 +71,15 @@ class Resync(Exception):
     """The group was re-formed (``torch-recover``): the processes agree on the state again."""
 
 
-def torch_recover_runtime(timeout: float) -> tuple[object, Callable[[float], float]]:
+def torch_recover_runtime(timeout: float, collective_timeout: float = 2.0) -> tuple[object, Callable[[float], float]]:
     import torch
     import torch.distributed as dist
 
     import ifrt
     import ifrt.torch
 
-    topology = ifrt.torch.init_process_group(on_failure="recover", collective_timeout=2.0, timeout=timeout)
+    topology = ifrt.torch.init_process_group(on_failure="recover", collective_timeout=collective_timeout,
+                                             timeout=timeout)
 
     def global_sum(mine: float) -> float:
         value = torch.tensor([mine], dtype=torch.float64)
@@ -161,12 +162,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="the step the training ends at")
     p.add_argument("--step-seconds", type=float, default=0.1, help="pause after each step (stands for the work)")
     p.add_argument("--timeout", type=float, default=120.0, help="discovery timeout")
+    p.add_argument("--collective-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="torch-recover: how long a collective waits for its peers (default %(default)s); with gloo it "
+                        "is what returns a survivor whose collective waits on a peer other than the one that died")
     args = p.parse_args()
     began = time.time()
     module, runtime = RUNTIMES[args.runtime]
     importlib.import_module(module)
     imported = time.time()
-    topology, global_sum = runtime(args.timeout)
+    topology, global_sum = runtime(args.timeout, *([args.collective_timeout] if args.runtime == "torch-recover"
+                                                   else []))
     attempt = os.environ.get("IFRT_ATTEMPT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "-"))
     me = topology.process_id
     print(f"started process {me} attempt {attempt} pid {os.getpid()} imports {imported - began:.3f}s start "

@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import Message
 
 from ifrt import preflight as _preflight
-from ifrt import variables, waiting, wire
+from ifrt import spare, variables, waiting, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.connection import Connection
@@ -55,6 +55,8 @@ class Client:
 
     def __init__(self, coordinator: str | Sequence[str] | None = None, *, session: bool = True,
                  transfer: bool = True, config: ClientConfig = DEFAULTS, **options: Unpack[ProcessOptions]) -> None:
+        if options.get("environ") is None:  # a warm spare (`ifrt run --spare`) waits here until handed a process
+            spare.await_hand_off()
         self.settings: Settings = resolve(coordinator, **options)
         variables.warn_unknown(os.environ if options.get("environ") is None else options["environ"])
         self.config = config

@@ -32,6 +32,10 @@ from ifrt.waiting import Pacer
 
 RECHECK_S = 1.0
 """How often a waiting process reads the records again and checks for failed peers."""
+READY_FIRST_S = 0.05
+"""The first wait of a follower for a process 0's confirmation, doubling to RECHECK_S: the process 0 it joined may
+be one whose start is over (a recovery's new start deletes its keys and then writes its own record), and the new
+record is read again only when a wait ends."""
 _FIELDS = ("nonces", "answers")
 
 
@@ -108,6 +112,7 @@ class StartupExchange:
         me = str(self.topology.process_id)
         stale: set[str] = set()  # process 0 nonces of earlier starts, whose records are still in the store
         pause = Backoff(0.01, 0.2)
+        joined: dict[str, Backoff] = {}  # process 0 nonces answered, each with its waits for the confirmation
 
         def no_start() -> str:
             return "process 0 has not begun this start-up" + (
@@ -119,9 +124,11 @@ class StartupExchange:
                 self._check_deadline(no_start)
                 time.sleep(min(pause.next(), max(0.0, self._remaining())))
                 continue
-            self._set(f"{self.prefix}/{leader}/join/{me}", {**answer, "nonce": self.nonce})
+            if leader not in joined:
+                self._set(f"{self.prefix}/{leader}/join/{me}", {**answer, "nonce": self.nonce})
+                joined[leader] = Backoff(READY_FIRST_S, RECHECK_S)
             try:
-                ready = self._get(f"{self.prefix}/{leader}/ready", min(RECHECK_S, self._remaining()))
+                ready = self._get(f"{self.prefix}/{leader}/ready", min(joined[leader].next(), self._remaining()))
             except KeyValueTimeout:
                 self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
                                      f"{self._missing_joins(leader)}")

@@ -45,7 +45,7 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.torch needs torch: pip install 'ifrt-topology[torch]' ({e})") from e
 
-from ifrt import failfast, recovery, startup
+from ifrt import failfast, recovery, spare, startup
 from ifrt.client import Client
 from ifrt.errors import BackendAlreadyInitialized, BarrierFailed, CollectiveFailed, InvalidArgument
 from ifrt.hostport import split_host_port
@@ -110,6 +110,7 @@ def init_process_group(
         if _started is not None:
             return _started.topology
         failfast.check(on_failure, recover=True)
+        spare.await_hand_off()  # a warm spare waits here, before its deadline starts, until it is handed a process
         if dist.is_initialized():
             raise BackendAlreadyInitialized(
                 "a default torch.distributed process group already exists in this process: "

@@ -11,6 +11,8 @@ Scenarios:
           ``generation G process P on HOST`` for each of its processes, then exits 0
   vanish  loops; process 3 deletes the file RUN_WORKER_VANISH names (its own command), then exits 3: its
           replacement cannot start
+  odd-spare  loops; a warm spare (IFRT_SPARE set at its start) has 2 cpu devices instead of the agent's count,
+          as a spare on other hardware would
 Its first line is ``started process P attempt A pid X fingerprint F`` (IFRT_* settings from the agent); each
 JobWhole it receives (peers replaced under ``--recover replace``) prints ``job whole at generation G: process P
 incarnation N[, ...]``.
@@ -34,6 +36,8 @@ def main(scenario: str) -> None:
         os._exit(7)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if scenario == "odd-spare" and os.environ.get("IFRT_SPARE"):
+        os.environ["IFRT_CPU_DEVICE_COUNT"] = "2"
     client = ifrt.Client(transfer=False)
     topology = client.discover()
     client.on_event(say_whole)

@@ -66,7 +66,7 @@ def test_an_exception_in_the_agents_loop_stops_its_workers(start_coordinator, tm
         monkeypatch.setenv(name, value)
     file = tmp_path / "child"
     args = argparse.Namespace(nproc_per_host=1, max_restarts=None, grace_seconds=2.0, no_prefix=True, recover="restart",
-                              coordinator=None, token_file=None, host_rank=None, num_hosts=None)
+                              coordinator=None, token_file=None, host_rank=None, num_hosts=None, spare=0)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with JobLink(None, 10.0, workers=1) as link:

@@ -4,10 +4,12 @@ coordinator; the start-up exchange and device meshes on their own."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -168,6 +170,28 @@ def test_a_leader_that_waits_for_several_answers_names_only_the_processes_that_d
             c, c.topology, time.monotonic() + 1.5).run())  # process 2 answers at once, process 1 never
         assert isinstance(failed, ifrt.DiscoveryTimeout), failed
         assert "processes did not answer: 1 (" in str(failed) and "2 (" not in str(failed), failed
+
+
+def test_a_follower_that_joined_an_ended_start_takes_the_next_one_at_once(start_coordinator):
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    leader, follower = clients(coordinator.address, 2)
+    with leader, follower:
+        old, _ = exchange([leader, follower])
+        prefix = f"ifrt/torch/g{leader.topology.generation}"
+        old_nonce = json.loads(leader.kv_try_get(f"{prefix}/start"))["nonce"]
+        leader.kv_delete(f"{prefix}/{old_nonce}/", prefix=True)  # as a new start's process 0 does first
+        result: list = []
+        thread = threading.Thread(target=lambda: result.append(ifrt.torch.StartupExchange(
+            follower, follower.topology, time.monotonic() + 30).run()))
+        thread.start()  # it reads the ended start's record and answers it: a confirmation that never comes
+        helpers.poll_until(lambda: leader.kv_try_get(f"{prefix}/{old_nonce}/join/1"), bool, timeout=30,
+                           what="the follower's answer to the ended start")
+        began = time.monotonic()
+        new = ifrt.torch.StartupExchange(leader, leader.topology, time.monotonic() + 30).run()
+        thread.join(30)
+        assert result == [new] and new != old
+        took = time.monotonic() - began
+        assert took < 0.6, took  # not a whole recheck (1 s) on the ended start's confirmation
 
 
 # Device meshes and interfaces, on plain values.

@@ -17,6 +17,8 @@ runs no worker until the coordinator hands it the lost host's ids (``HostTakenOv
 Survivors wait for another host's failed processes (``ifrt.run.waits``) up to ``replace_timeout``, then ask for the
 next attempt as without replace.
 
+With ``spares`` (``ifrt run --spare N``, ``ifrt.run.spares``) a decided replacement goes to an idle warm spare.
+
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
 its own: the agent stops its workers and waits up to ``CAUSE_WAIT_S`` for the coordinator to name the process that
 did, so the attempt's failure names the cause, not a survivor.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from ifrt.errors import EXIT_COORDINATOR_LOST, EXIT_PEER_FAILED
 from ifrt.run.waits import HostWaits
+from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
 
 EXIT_JOB_FAILED = 1
 """The agent's exit code when the job's restarts are exhausted (``--max-restarts``)."""
@@ -162,7 +165,7 @@ class Tick:
 
 
 Event = (JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
-         | ReplaceAnswered | ReplaceSeen | HostTakenOverSeen)
+         | ReplaceAnswered | ReplaceSeen | HostTakenOverSeen | SpareExited | HandOffFailed)
 
 
 # Actions.
@@ -234,7 +237,8 @@ class Exit:
     code: int | None
 
 
-Action = Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds | StartIds | Exit
+Action = (Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds | StartIds | StartSpare
+          | HandOff | Exit)
 
 
 class Recover(enum.Enum):
@@ -321,6 +325,8 @@ class Agent:
 
     def __post_init__(self) -> None:
         self._waits = HostWaits(self.replace_timeout)
+    spares: SparePool = field(default_factory=SparePool)
+    """The warm spares (``--spare N``; only with ``Recover.REPLACE``)."""
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """The actions ``event`` calls for, in order; ``now`` is a monotonic time in seconds."""
@@ -331,7 +337,10 @@ class Agent:
         if isinstance(event, JobUpdate):
             if self._took_over and not self.named_ids and event.view.attempt > (self.attempt or 0):
                 self.ids = {}  # ids assigned by host: this host's are learned again in the new attempt
-            return self._job(event.view)
+            actions = self._job(event.view)
+            return [*actions, *self.spares.first(now)] if any(isinstance(a, Start) for a in actions) else actions
+        if isinstance(event, SpareExited | HandOffFailed) or (isinstance(event, Tick) and self.spares.ready(now)):
+            return self._spare_event(event, now)
         if isinstance(event, ProcessFailedSeen):
             return self._process_failed(event.failure) + self._await_host(event.failure, now)
         if isinstance(event, HostTakenOverSeen):
@@ -480,6 +489,9 @@ class Agent:
         state = self.workers[rank]
         state.incarnation += 1
         state.running, state.asked, state.declared, state.decided_at = True, False, None, None
+        if (serial := self.spares.take()) is not None:
+            return [Say(f"handing process {self.process_id(rank)} (local rank {rank}) to spare {serial}; the others "
+                        "keep running"), HandOff(serial, self.attempt, rank, state.incarnation)]
         return [Say(f"starting a new worker for process {self.process_id(rank)} (local rank {rank}); the others keep "
                     "running"), StartWorker(self.attempt, rank, state.incarnation)]
 
@@ -525,6 +537,21 @@ class Agent:
             return [] if line is None else [Say(line)]
         self.phase = Phase.RESTARTING
         return [Say(f"{line}; stopping {self.nproc} workers"), Stop(), *self._ask(given_up)]
+
+    def _spare_event(self, event: SpareExited | HandOffFailed | Tick, now: float) -> list[Action]:
+        """A spare's exit, a hand-off that found its spare gone (the replacement starts cold), or spares due."""
+        if isinstance(event, SpareExited):
+            line = self.spares.exited(event.serial, exit_reason(event.returncode), now)
+            return [] if line is None else [Say(line)]
+        if isinstance(event, HandOffFailed):
+            state = self.workers.get(event.local_rank)
+            if event.attempt != self.attempt or self.phase is not Phase.RUNNING or state is None \
+                    or state.incarnation != event.incarnation:
+                return []
+            return [Say(f"spare {event.serial} could not take process {self.process_id(event.local_rank)} "
+                        f"({event.reason}); starting a new worker instead"),
+                    StartWorker(event.attempt, event.local_rank, event.incarnation)]
+        return list(self.spares.due(now))
 
     def _ask(self, failure: Failure) -> list[Action]:
         assert self.attempt is not None

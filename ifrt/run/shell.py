@@ -41,9 +41,11 @@ from ifrt.run.agent import (
     workers_status,
 )
 from ifrt.run.job import JobLink
+from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
 from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
 from ifrt.safe_text import SafeFormatter, safe
 from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from ifrt.spare import HANDED, SPARE_ENV, hand_off_line
 from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.run")
@@ -86,6 +88,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replaced, taken over by a spare host, or its agent to come back, saying every few seconds "
                         "which host they wait for; then the job ends as without replace: the next attempt of the "
                         "whole job, or the restarts exhausted (default %(default)s)")
+    p.add_argument("--spare", type=int, default=0, metavar="N",
+                   help="with --recover replace: keep N warm spares on this host (default %(default)s), started "
+                        "after the workers with the same command and environment less the rank's variables; each "
+                        "imports the program and waits inside ifrt (init_process_group, discover) holding no session "
+                        "until a replacement is decided here, then takes the failed worker's process id at once (no "
+                        "process start, no import). A spare is not one of the job's workers; it must have the failed "
+                        "process's devices (count, platform, kind), else the coordinator refuses it and the "
+                        "replacement counts as failed. Each spare costs the memory of an imported program")
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
                         "worker stopped by SIGSTOP gets SIGKILL at once)")
@@ -148,6 +158,11 @@ def _check(args: argparse.Namespace, command: list[str]) -> str | None:
         return "--spare-host needs --recover replace: a spare host takes over a lost host's processes in place"
     if not args.replace_timeout > 0:
         return f"--replace-timeout {args.replace_timeout} is out of range: expected seconds > 0"
+    if args.spare < 0:
+        return f"--spare {args.spare} is out of range: expected an integer >= 0"
+    if args.spare and args.recover != Recover.REPLACE.value:
+        return (f"--spare {args.spare} needs --recover replace: a spare takes a failed worker's place while the others "
+                f"keep running, and --recover {args.recover} restarts every worker instead")
     if not args.grace_seconds >= 0:
         return f"--grace-seconds {args.grace_seconds} is out of range: expected seconds >= 0"
     if args.host_rank is not None and args.num_hosts is not None and args.host_rank >= args.num_hosts:
@@ -166,10 +181,10 @@ class Shell:
         self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
         nproc = args.nproc_per_host
         explicit = {} if self.host_rank is None else {r: self.host_rank * nproc + r for r in range(nproc)}
-        spare = getattr(args, "spare_host", False)  # flags built by hand (tests) may predate these two
+        spare = getattr(args, "spare_host", False)  # flags built by hand (tests) may predate these
         timeout = getattr(args, "replace_timeout", DEFAULT_REPLACE_TIMEOUT_S)
         self.agent = Agent(nproc, settings.hostname, ids={} if spare else explicit, recover=Recover(args.recover),
-                           spare=spare, replace_timeout=timeout)
+                           spare=spare, replace_timeout=timeout, spares=SparePool(getattr(args, "spare", 0)))
         launcher = clusters.detect(os.environ)
         self.launcher_variables = () if launcher is None else launcher.variables
         self.binds = transfer_binds(local_address_toward(settings.coordinators), nproc)
@@ -179,6 +194,8 @@ class Shell:
         self.envs: dict[int, dict[str, str]] = {}
         """Each local rank's environment in the current attempt (a replacement gets the same)."""
         self._learner: threading.Thread | None = None
+        self.spares: dict[int, Worker] = {}
+        """The idle warm spares, by serial."""
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -195,11 +212,13 @@ class Shell:
                         return self._exit(action)
                     self._do(action)
         finally:  # an exception here (a bug) must not leave the workers running without their agent
-            stop_all(list(self.workers.values()), self.args.grace_seconds)
+            stop_all([*self.workers.values(), *self.spares.values()], self.args.grace_seconds)
 
     def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds
-            | StartIds) -> None:
-        if isinstance(action, Say):
+            | StartIds | StartSpare | HandOff) -> None:
+        if isinstance(action, StartSpare | HandOff):
+            self._spare(action)
+        elif isinstance(action, Say):
             log.info("%s", action.line)
         elif isinstance(action, StartIds):
             self._start_ids(action.attempt, action.ids)
@@ -267,6 +286,46 @@ class Shell:
         self.workers[rank] = worker
         threading.Thread(target=self._await, args=(worker,), name="ifrt-run-wait", daemon=True).start()
 
+    def _spare(self, action: StartSpare | HandOff) -> None:
+        """Starts a warm spare, or hands one the replacement of a local rank (``ifrt.spare``)."""
+        if isinstance(action, HandOff):
+            spare = self.spares.pop(action.serial, None)
+            variables = {k: self.envs[action.local_rank][k] for k in HANDED if k in self.envs[action.local_rank]}
+            why = "it did not start" if spare is None else spare.hand_off(
+                hand_off_line(variables), attempt=action.attempt, local_rank=action.local_rank,
+                incarnation=action.incarnation)
+            if why is None and spare is not None:
+                self.workers[action.local_rank] = spare
+            else:
+                self.events.put(HandOffFailed(action.serial, action.attempt, action.local_rank, action.incarnation,
+                                              why))
+            return
+        env = {k: v for k, v in self.envs[0].items() if k not in HANDED}
+        env[SPARE_ENV] = "1"
+        serial, cell = action.serial, []
+
+        def label() -> str:
+            return f"spare {serial}" if not cell or cell[0].local_rank < 0 else self._label(cell[0].local_rank)()
+
+        try:
+            spare = Worker(self.command, env, attempt=-1, local_rank=-1, spare=True,
+                           label=None if self.args.no_prefix else label)
+        except OSError as e:
+            self.events.put(SpareExited(serial, 127))
+            log.info("spare %d could not start: %s", serial, e)
+            return
+        cell.append(spare)
+        self.spares[serial] = spare
+        log.info("spare %d started (pid %d)", serial, spare.pid)
+        threading.Thread(target=self._await_spare, args=(serial, spare), name="ifrt-run-wait", daemon=True).start()
+
+    def _await_spare(self, serial: int, spare: Worker) -> None:
+        code = spare.wait()
+        with spare.lock:  # handed a process (its exit is that worker's), or not
+            handed = spare.local_rank >= 0
+        self.events.put(WorkerExited(spare.attempt, spare.local_rank, code, spare.incarnation) if handed
+                        else SpareExited(serial, code))
+
     def _label(self, rank: int):
         def label() -> str:
             process_id = self.agent.ids.get(rank)
@@ -309,8 +368,9 @@ class Shell:
         return JobView(self.agent.attempt or 0, self.agent.failures)
 
     def _exit(self, action: Exit) -> int:
-        # every worker has ended already, or ends now
-        codes = stop_all(list(self.workers.values()), self.args.grace_seconds)
+        # every worker has ended already, or ends now; the idle spares with them (their codes are no worker's)
+        workers = list(self.workers.values())
+        codes = stop_all([*workers, *self.spares.values()], self.args.grace_seconds)[:len(workers)]
         code = workers_status(codes) if action.code is None else action.code
         log.info("exiting with %d", code)
         return code

@@ -102,15 +102,18 @@ class Worker:
     """One local worker of one attempt (``incarnation``: 0 for the rank's first, one more for each replacement)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, attempt: int, local_rank: int,
-                 label: Callable[[], str] | None, incarnation: int = 0) -> None:
+                 label: Callable[[], str] | None, incarnation: int = 0, spare: bool = False) -> None:
         """``label`` (None: no prefix, the worker writes to the agent's own stdout and stderr) names the worker
-        in front of each of its output lines."""
+        in front of each of its output lines. A ``spare`` (``local_rank`` -1 until ``hand_off``) reads its stdin
+        from the agent."""
         self.attempt, self.local_rank, self.incarnation = attempt, local_rank, incarnation
+        self.lock = threading.Lock()
+        """Held while a spare is handed a process, so that its exit is reported as the role it had."""
         piped = subprocess.PIPE if label is not None else None
         # Its own process group (its id is the worker's pid): a terminal's Ctrl-C reaches the agent, which passes it
         # on once, and a stop reaches the worker's own children too (a `bash -c` wrapper's, DataLoader workers).
         self.process = subprocess.Popen(list(argv), env=dict(env), stdout=piped, stderr=piped,
-                                        stdin=subprocess.DEVNULL, process_group=0)
+                                        stdin=subprocess.PIPE if spare else subprocess.DEVNULL, process_group=0)
         self.prefixer: Prefixer | None = None
         if label is not None:
             self.prefixer = Prefixer(label)
@@ -120,6 +123,22 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def hand_off(self, line: bytes, *, attempt: int, local_rank: int, incarnation: int) -> str | None:
+        """Makes this spare the worker of ``local_rank``: writes ``line`` (``ifrt.spare.hand_off_line``) on its stdin,
+        then closes it, as a worker's. Returns why it could not (it exited), or None."""
+        with self.lock:
+            if (code := self.process.poll()) is not None:
+                return f"it exited with {code}"
+            stdin = self.process.stdin
+            assert stdin is not None
+            try:
+                stdin.write(line)
+                stdin.close()
+            except OSError as e:  # BrokenPipeError: it exited meanwhile
+                return f"its stdin failed: {e}"
+            self.attempt, self.local_rank, self.incarnation = attempt, local_rank, incarnation
+            return None
 
     def wait(self) -> int:
         """Waits until the worker exits and its output is copied; its return code."""
