@@ -28,8 +28,8 @@ from ifrt.errors import PermissionDenied
 from ifrt.events import ProcessFailed
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run import agent as core
-from ifrt.run.agent import (
-    Agent,
+from ifrt.run.agent import Agent, Recover
+from ifrt.run.messages import (
     AskNextAttempt,
     AskReplace,
     Exit,
@@ -40,7 +40,6 @@ from ifrt.run.agent import (
     Kill,
     LearnIds,
     ProcessFailedSeen,
-    Recover,
     ReplaceAnswered,
     ReplaceSeen,
     Say,

@@ -26,8 +26,8 @@ from ifrt._generated.coordinator_pb2_grpc import JobAgentsStub
 from ifrt.errors import EXIT_COORDINATOR_LOST
 from ifrt.protocol import SECRET_METADATA
 from ifrt.run import agent as core
-from ifrt.run.agent import (
-    Agent,
+from ifrt.run.agent import Agent
+from ifrt.run.messages import (
     AskNextAttempt,
     Exit,
     Failure,

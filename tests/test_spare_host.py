@@ -27,8 +27,8 @@ from ifrt.errors import ClusterMismatch, PermissionDenied, ResourceExhausted
 from ifrt.protocol import proof_of
 from ifrt.run import agent as core
 from ifrt.run import waits
-from ifrt.run.agent import (
-    Agent,
+from ifrt.run.agent import Agent, Recover
+from ifrt.run.messages import (
     AskNextAttempt,
     Exit,
     Failure,
@@ -37,7 +37,6 @@ from ifrt.run.agent import (
     JobUpdate,
     JobView,
     ProcessFailedSeen,
-    Recover,
     Say,
     Start,
     StartIds,

@@ -18,13 +18,12 @@ import pytest
 from coordinator.registration import Registration
 from ifrt.errors import ClusterMismatch, InvalidArgument
 from ifrt.run import agent as core
-from ifrt.run.agent import (
-    Agent,
+from ifrt.run.agent import Agent, Recover
+from ifrt.run.messages import (
     AskReplace,
     Failure,
     JobUpdate,
     JobView,
-    Recover,
     ReplaceAnswered,
     ReplaceSeen,
     Say,

@@ -16,8 +16,8 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.connection import Connection
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, from_rpc_error
-from ifrt.run.agent import (
-    EXIT_USAGE,
+from ifrt.run.agent import EXIT_USAGE
+from ifrt.run.messages import (
     Event,
     Failure,
     HostTakenOverSeen,

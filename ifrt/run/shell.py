@@ -14,10 +14,9 @@ import time
 
 from ifrt import clusters, failfast
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
-from ifrt.run.agent import (
-    DEFAULT_REPLACE_TIMEOUT_S,
-    EXIT_USAGE,
-    Agent,
+from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, workers_status
+from ifrt.run.job import JobLink
+from ifrt.run.messages import (
     AskNextAttempt,
     AskRefused,
     AskReplace,
@@ -29,7 +28,6 @@ from ifrt.run.agent import (
     Kill,
     LearnIds,
     LinkFailed,
-    Recover,
     ReplaceAnswered,
     Say,
     Start,
@@ -38,9 +36,7 @@ from ifrt.run.agent import (
     Stop,
     Tick,
     WorkerExited,
-    workers_status,
 )
-from ifrt.run.job import JobLink
 from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
 from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
 from ifrt.safe_text import SafeFormatter, safe
