@@ -221,6 +221,20 @@ def watcher(client: ifrt.Client) -> queue.Queue:
     return received
 
 
+def watched_cluster(start_coordinator, workers, n: int = 3, *flags: str, heartbeat_timeout: float,
+                    worker_args: Sequence[str] = ()):
+    """A coordinator, process 0 in the test (a Client whose events a ``watcher`` queue receives), processes 1..n-1 as
+    worker processes (the ``workers`` fixture), all holding one topology; (coordinator, client, received, workers)."""
+    coordinator = start_coordinator("--heartbeat-timeout", str(heartbeat_timeout), *flags, num_processes=n)
+    procs = [workers(coordinator.address, i, n, *worker_args) for i in range(1, n)]
+    client = ifrt.Client(coordinator.address, process_id=0, num_processes=n, timeout=60)
+    received = watcher(client)
+    topology = client.discover()
+    for w in procs:
+        assert w.expect("topology")["topology"] == topology.fingerprint
+    return coordinator, client, received, procs
+
+
 def next_event(received: queue.Queue, kind: type, timeout: float = 30, **match) -> tuple[float, object]:
     """The next (arrival time, event) from a ``watcher`` queue that is a ``kind`` with the ``match`` values, skipping
     others; fails after ``timeout`` seconds."""

@@ -9,8 +9,19 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+from ifrt.run.messages import Action, Say
 from tests.helpers import BIN
+
+RUN_WORKER = Path(__file__).with_name("run_worker.py")
+"""The worker program the ``ifrt run`` tests run (its scenarios: its docstring)."""
+
+
+def kinds(actions: list[Action]) -> list[type]:
+    """The kinds of an agent's actions, less what it says."""
+    return [type(a) for a in actions if not isinstance(a, Say)]
+
 
 WAIT_S = 60.0
 

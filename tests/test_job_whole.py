@@ -10,21 +10,13 @@ import queue
 import ifrt
 from ifrt import events, wire
 from ifrt.wholeness import Wholeness
-from tests.helpers import content, next_event, watcher
+from tests.helpers import content, next_event, watched_cluster
 
 HEARTBEAT_TIMEOUT = 1.0
 
 
 def cluster(start_coordinator, workers, n=3):
-    """A coordinator, process 0 in this test (a Client), processes 1..n-1 as worker processes."""
-    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), num_processes=n)
-    procs = [workers(coordinator.address, i, n) for i in range(1, n)]
-    client = ifrt.Client(coordinator.address, process_id=0, num_processes=n, timeout=60)
-    received = watcher(client)
-    topology = client.discover()
-    for w in procs:
-        assert w.expect("topology")["topology"] == topology.fingerprint
-    return coordinator, client, received, procs
+    return watched_cluster(start_coordinator, workers, n, heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
 
 def events_until(received: queue.Queue, kind: type, timeout: float = 30) -> list:

@@ -24,6 +24,7 @@ from tests.helpers import (
     metrics_port,
     next_event,
     wait_status,
+    watched_cluster,
     watcher,
 )
 
@@ -32,15 +33,8 @@ SLACK = 5.0  # scheduling on a loaded 2-core machine; detection itself is within
 
 
 def cluster(start_coordinator, workers, n=3, *flags: str, worker_args=()):
-    """A coordinator, process 0 in this test (a Client), processes 1..n-1 as worker processes."""
-    coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), *flags, num_processes=n)
-    procs = [workers(coordinator.address, i, n, *worker_args) for i in range(1, n)]
-    client = ifrt.Client(coordinator.address, process_id=0, num_processes=n, timeout=60)
-    received = watcher(client)
-    topology = client.discover()
-    for w in procs:
-        assert w.expect("topology")["topology"] == topology.fingerprint
-    return coordinator, client, received, procs
+    return watched_cluster(start_coordinator, workers, n, *flags, heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                           worker_args=worker_args)
 
 
 def test_kill_9_is_reported_to_every_other_process_and_fails_its_barriers(start_coordinator, workers):

@@ -12,7 +12,6 @@ import signal
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 import pytest
@@ -51,14 +50,9 @@ from ifrt.run.messages import (
 )
 from tests.helpers import poll_until, published
 from tests.replicas import Replicas
-from tests.run_agents import WAIT_S, agents_started, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, kinds, loopback_env, started_lines
 
-RUN_WORKER = Path(__file__).with_name("run_worker.py")
 HEARTBEAT_S = 1.0
-
-
-def kinds(actions: list) -> list[type]:
-    return [type(a) for a in actions if not isinstance(a, Say)]
 
 
 # The agent's decisions.

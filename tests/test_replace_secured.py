@@ -20,10 +20,9 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from ifrt.security import _WithMetadata
 from tests.helpers import clients, poll_until
-from tests.run_agents import WAIT_S, agents_started, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env, started_lines
 from tests.tls import make_certs
 
-RUN_WORKER = Path(__file__).with_name("run_worker.py")
 TOKEN = "the replaced job's token"
 HEARTBEAT_S = 1.0
 

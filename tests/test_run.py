@@ -46,11 +46,10 @@ from tests.helpers import BIN, poll_until
 from tests.netns import Hosts, skip_without_netns
 from tests.replicas import Replicas
 from tests.requirements import require
-from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, RunAgent, agents_started, kinds, loopback_env, started_lines
 from tests.tls import make_certs
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN_WORKER = Path(__file__).with_name("run_worker.py")
 TRAIN = ROOT / "examples" / "train_checkpoint.py"
 HEARTBEAT_S = 1.0
 
@@ -61,10 +60,6 @@ def started(nproc: int = 2, attempt: int = 0, ids: dict[int, int] | None = None)
     agent = Agent(nproc, "node-a", ids=dict(ids or {}))
     assert agent.handle(JobUpdate(JobView(attempt)), 0.0)[0] == Start(attempt)
     return agent
-
-
-def kinds(actions: list) -> list[type]:
-    return [type(a) for a in actions if not isinstance(a, Say)]
 
 
 def test_a_worker_killed_stops_the_others_and_asks_for_the_next_attempt_naming_it():

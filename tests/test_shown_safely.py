@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import grpc
 import pytest
@@ -23,10 +22,10 @@ from ifrt.records import Device, Process, TopologyContent
 from ifrt.safe_text import SafeFormatter, safe, safe_lines
 from ifrt.topology import Topology
 from tests.helpers import BIN, register_request, wait_status
+from tests.run_agents import RUN_WORKER
 
 EVIL_HOST = "evil\n\x1b[31mFAKE LOG LINE"
 SHOWN_HOST = "evil\\n\\x1b[31mFAKE LOG LINE"
-RUN_WORKER = Path(__file__).with_name("run_worker.py")
 COORDINATOR_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ")
 GRPC_CORE = re.compile(r"[EWID]\d{4} ")
 """gRPC's C core writes its own (rare) errors to stderr in its own format, past Python's logging."""

@@ -46,9 +46,8 @@ from ifrt.run.messages import (
 from tests.helpers import TIMEOUT, reg
 from tests.netns import Hosts, skip_without_netns
 from tests.requirements import require
-from tests.run_agents import WAIT_S, agents_started, loopback_env
+from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env
 
-RUN_WORKER = Path(__file__).with_name("run_worker.py")
 TAKEOVER_WORKER = Path(__file__).with_name("takeover_worker.py")
 HEARTBEAT_S = 1.0
 

@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +25,6 @@ from ifrt.run.messages import (
     JobView,
     ReplaceAnswered,
     ReplaceSeen,
-    Say,
     Start,
     StartWorker,
     Tick,
@@ -43,14 +41,9 @@ from ifrt.run.spares import (
 )
 from ifrt.spare import HANDED, SPARE_ENV, await_hand_off, hand_off_line
 from tests.helpers import BIN, lose_session, poll_until, published, reg
-from tests.run_agents import WAIT_S, agents_started, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, kinds, loopback_env, started_lines
 
-RUN_WORKER = Path(__file__).with_name("run_worker.py")
 HEARTBEAT_S = 1.0
-
-
-def kinds(actions: list) -> list[type]:
-    return [type(a) for a in actions if not isinstance(a, Say)]
 
 
 # The agent's decisions.
