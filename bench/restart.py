@@ -158,6 +158,7 @@ def one_run(way: str) -> dict:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 address = f"127.0.0.1:{s.getsockname()[1]}"
+            log = no_log  # no coordinator: its phases come from the agents' lines
         else:
             coordinator = stack.enter_context(LocalCoordinator(
                 "--heartbeat-timeout", "1", num_processes=WORKERS, log_level="INFO" if way in REPLACING else "WARNING"))
@@ -188,7 +189,11 @@ def wait_for(probe, what: str, children: list[Lines]):
     return found
 
 
-def measure(way: str, children: list[Lines], log=lambda: "") -> dict:
+def no_log() -> str:
+    return ""
+
+
+def measure(way: str, children: list[Lines], log=no_log) -> dict:
     first_attempt = "0" if way != "jax-alone" else "-"
     for p in range(WORKERS):
         wait_for(lambda p=p: find(children, step_pattern(p, KILL_AT, first_attempt)),
