@@ -269,9 +269,10 @@ class Admission:
         """Whether dropping ``process_id`` from the topology leaves at least ``min_processes`` in it."""
         return process_id in self.in_topology and len(self.in_topology) - 1 >= self.config.min_processes
 
-    def drop(self, process_id: int) -> TopologyContent | None:
-        """Drops ``process_id`` from the topology (the elastic policy); returns the next generation if it changed."""
-        self.in_topology.discard(process_id)
+    def drop(self, *process_ids: int) -> TopologyContent | None:
+        """Drops ``process_ids`` from the topology (the elastic policy, a shrink); returns the next generation if it
+        changed."""
+        self.in_topology.difference_update(process_ids)
         return self.republish_if_changed()
 
     def republish_if_changed(self) -> TopologyContent | None:

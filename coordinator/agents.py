@@ -26,6 +26,7 @@ from coordinator.attempts import (
     AttemptsExhausted,
     AttemptStarted,
     HostTakenOver,
+    JobShrunk,
     JobView,
     NextAttempt,
     ProcessReplaced,
@@ -174,8 +175,14 @@ class JobAgentsService:
                                  UNKNOWN_PROCESS, f.host, f.reason)
         budget = request.max_restarts if request.HasField("max_restarts") else None
         call = NextAttempt(request.ended_attempt, failure, budget, request.request_id, request.agent_uid,
-                           request.replace)
+                           request.replace, tuple(request.shrink))
         service, proof = self._service, caller_proof(context)
+        if call.shrink:
+            answer = await service.command(context, f"NextAttempt (shrink) in attempt {request.ended_attempt} from "
+                                           f"agent {shown(request.agent_uid)}",
+                                           lambda: service.state.shrink(call, proof))
+            return pb.NextAttemptResponse(state=_job_state(answer.view),
+                                          shrink_refused=answer.refused).SerializeToString()
         view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt} from agent "
                                      f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(call, proof))
         return pb.NextAttemptResponse(state=_job_state(view)).SerializeToString()
@@ -200,6 +207,11 @@ class JobAgentsService:
                     event = pb.JobEvent(taken_over=pb.HostTakeover(
                         attempt=failure.attempt, failure=_failure(failure), agent_uid=uid, host=host, process_ids=ids,
                         explicit_ids=named))
+                case JobShrunk(process_ids=ids):
+                    log.warning("the job shrinks to its survivors: processes %s dropped (neither replaced nor taken "
+                                "over within the agents' --replace-timeout)", ", ".join(map(str, ids)),
+                                extra={"event": "job_shrunk"})
+                    continue
                 case AttemptsExhausted(view=view):
                     log.error("the job's restarts are exhausted after attempt %d: no attempt starts", view.attempt,
                               extra={"event": "attempts_exhausted", "attempt": view.attempt})

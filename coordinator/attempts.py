@@ -107,6 +107,8 @@ class NextAttempt:
     request_id: str = ""
     agent_uid: str = ""
     replace: bool = False
+    shrink: tuple[int, ...] = ()
+    """Drop these failed processes instead (``coordinator.shrink``): the attempt goes on without them."""
 
 
 # Effects, for the shell: agents' watches hear of each, and a new attempt ends the old one's calls and sessions.
@@ -148,6 +150,14 @@ class HostTakenOver:
 
 
 @dataclass(frozen=True)
+class JobShrunk:
+    """Effect: ``process_ids`` are dropped from the job (``coordinator.shrink``); the survivors go on."""
+
+    process_ids: tuple[int, ...]
+    view: JobView
+
+
+@dataclass(frozen=True)
 class AttemptProcessFailed:
     """Effect: a process of the current attempt failed (liveness decided it); agents answer with NextAttempt."""
 
@@ -172,6 +182,8 @@ class Attempts:
         self._replacements = 0  # processes replaced in this run
         self._mode = ""  # the job's --recover mode, as its first agent of the run stated it ("": none stated)
         self._mode_by = ""
+        self.shrunk: set[int] = set()
+        """Process ids a shrink dropped in this attempt (``coordinator.shrink``)."""
         self.replacing: set[int] = set()
         """Process ids whose replacement was decided in this attempt and has not registered yet: its registration
         must bring the replaced process's devices (``coordinator.replacements``)."""
@@ -250,7 +262,7 @@ class Attempts:
             self.current += 1
             self.first, self.exhausted = self.current, False
             self._failures, self._earlier, self._declared, self._replacements = [], 0, {}, 0
-            self.replacing = set()
+            self.replacing, self.shrunk = set(), set()
             self._agents, self._stated, self._stated_by, self._mode, self._mode_by = {}, None, "", "", ""
         back = any(a.host == entry.host for uid in entry.replaced if (a := self._agents.get(uid)) is not None)
         for uid in entry.replaced:
@@ -290,7 +302,7 @@ class Attempts:
         InvalidArgument, ClusterMismatch or PermissionDenied, changing nothing, for an attempt ahead of the current
         one, strings over the limits, another budget, or a cause the agent may not give. ``where_of``: where the process
         holding an id in the current attempt registered from (None: no process holds it)."""
-        _check(call, limits)
+        check_call(call, limits)
         if call.max_restarts is not None and call.max_restarts != self.budget:
             _, origin = self._budget_origin(False)
             raise ClusterMismatch(f"max_restarts {call.max_restarts} differs from the job's restart budget "
@@ -310,10 +322,7 @@ class Attempts:
     def apply(self, entry: journal.AttemptDecided) -> AttemptStarted | AttemptsExhausted | ProcessReplaced:
         """Records a decision (made now, or replayed) and returns its effect."""
         self._record(AttemptFailure(entry.ended, entry.process_id, entry.host, entry.reason))
-        if entry.request_id:
-            self._decided_by[entry.request_id] = None
-            if len(self._decided_by) > REQUESTS_REMEMBERED:
-                del self._decided_by[next(iter(self._decided_by))]
+        self._remember(entry.request_id)
         if entry.exhausted:
             self.exhausted = True
             return AttemptsExhausted(self.view())
@@ -323,7 +332,7 @@ class Attempts:
             self.replacing.add(entry.process_id)
             return ProcessReplaced(self._failures[-1], self.view())
         self.current = entry.ended + 1
-        self._declared, self.replacing = {}, set()
+        self._declared, self.replacing, self.shrunk = {}, set(), set()
         return AttemptStarted(self.view())
 
     def apply_taken_over(self, entry: journal.HostTakenOver) -> HostTakenOver | AttemptsExhausted:
@@ -343,6 +352,19 @@ class Attempts:
         self._agents[spare.uid] = replace(spare, spare=False, workers=len(entry.process_ids))
         return HostTakenOver(failure, spare.uid, spare.host, entry.process_ids, self.view())
 
+    def decided(self, request_id: str) -> bool:
+        """Whether the call ``request_id`` decided already (its retry is answered the same)."""
+        return request_id in self._decided_by
+
+    def apply_shrunk(self, entry: journal.Shrunk) -> JobShrunk:
+        """Records a shrink (decided now, or replayed; see coordinator.shrink): its processes are no longer awaited,
+        neither replaced nor taken over; the restart budget is not spent."""
+        self._remember(entry.request_id)
+        for pid in entry.process_ids:
+            self._declared.pop(pid, None)
+        self.shrunk.update(entry.process_ids)
+        return JobShrunk(entry.process_ids, self.view())
+
     @property
     def declared(self) -> dict[int, AttemptFailure]:
         """The processes the coordinator declared failed in this attempt, none replaced since (read only)."""
@@ -351,6 +373,12 @@ class Attempts:
     def listed(self) -> list[Agent]:
         """The job's agents, in the order they joined."""
         return list(self._agents.values())
+
+    def _remember(self, request_id: str) -> None:
+        if request_id:
+            self._decided_by[request_id] = None
+            if len(self._decided_by) > REQUESTS_REMEMBERED:
+                del self._decided_by[next(iter(self._decided_by))]
 
     def _record(self, failure: AttemptFailure) -> None:
         self._failures.append(failure)
@@ -455,7 +483,9 @@ def check_attempt(r: Registration, current: int, cluster_id: str) -> None:
                           "the new leader replays the decision)")
 
 
-def _check(call: NextAttempt, limits: Limits) -> None:
+def check_call(call: NextAttempt, limits: Limits) -> None:
+    """InvalidArgument, naming the field, for a request id, host or reason over the limits or a process id out of
+    range."""
     check_call_id("request_id", call.request_id, limits)
     failure = call.failure
     for what, text in (("failure.host", failure.host), ("failure.reason", failure.reason)):

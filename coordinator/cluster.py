@@ -56,7 +56,9 @@ class ClusterConfig:
     heartbeat intervals, where they are spaced further) is failed: it hung with its connection answered (a deadlock
     holding Python's GIL leaves gRPC's keepalive running). 0: never, such a process is only shown slow."""
     min_processes: int = 1
-    """With the elastic policy: fewest processes a new generation may have."""
+    """With the elastic policy, or a shrink: fewest processes a new generation may have."""
+    shrink: bool = False
+    """A replace-mode job may shrink to its survivors (``coordinator.shrink``; the operator gave --min-processes)."""
     limits: Limits = DEFAULT_LIMITS
     """What callers may send: sizes and counts of requests, registrations, key-values and barrier names."""
     allow_mixed_platforms: bool = False

@@ -158,6 +158,16 @@ class HostTakenOver:
 
 
 @dataclass(frozen=True)
+class Shrunk:
+    """A shrink (``coordinator.shrink``): attempt ``attempt`` goes on without ``process_ids``, each declared failed
+    and neither replaced nor taken over; ``request_id``: the agent's call that decided it (for its retries)."""
+
+    attempt: int
+    process_ids: tuple[int, ...]
+    request_id: str
+
+
+@dataclass(frozen=True)
 class RunStarted:
     """Every process of the job's run before left or failed, and a registration started run ``run``: every
     sub-machine but the attempts starts empty (``coordinator.runs``)."""
@@ -167,11 +177,11 @@ class RunStarted:
 
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
          | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined | RunStarted
-         | HostTakenOver)
+         | HostTakenOver | Shrunk)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
                                                          KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
                                                          PreemptionNoticed, PreemptionSyncDecided, AttemptDecided,
-                                                         AgentJoined, RunStarted, HostTakenOver)}
+                                                         AgentJoined, RunStarted, HostTakenOver, Shrunk)}
 
 
 def encode(entry: Entry) -> bytes:
@@ -204,7 +214,7 @@ def decode(raw: bytes) -> Entry:
         fields["participants"] = tuple(fields["participants"])
     if kind is AgentJoined:
         fields["replaced"] = tuple(fields["replaced"])
-    if kind is HostTakenOver:
+    if kind is HostTakenOver or kind is Shrunk:
         fields["process_ids"] = tuple(fields["process_ids"])
     if kind is LiveSetDecided:
         fields["callers"] = tuple(tuple(c) for c in fields["callers"])

@@ -80,7 +80,10 @@ def parser() -> argparse.ArgumentParser:
                         "elastic: drop it and publish a new generation over the survivors (see --min-processes)")
     p.add_argument("--min-processes", type=int, metavar="M",
                    help="with --on-failure elastic: the fewest processes a new generation may have; below it the "
-                        "failure is reported as fatal (default 1)")
+                        "failure is reported as fatal (default 1). Without it, for jobs of `ifrt run --recover "
+                        "replace`: a failed process neither replaced nor taken over within the agents' "
+                        "--replace-timeout is dropped, and the survivors go on in a new generation, while at least "
+                        "M processes remain (a shrink; else the whole job restarts)")
     p.add_argument("--allow-mixed-platforms", action="store_true",
                    help="let processes with different device plugins or platforms form one cluster (by default "
                         "the first process's plugin and platform are required of all)")
@@ -266,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.attempt < 0:
             raise InvalidArgument(f"--attempt {args.attempt} is out of range: expected an integer >= 0")
-        if args.min_processes is not None and args.on_failure != FailurePolicy.ELASTIC:
-            raise InvalidArgument("--min-processes applies only with --on-failure elastic")
         token = read_secret_file(args.token_file, "--token-file") if args.token_file else None
         if bool(args.tls_cert) != bool(args.tls_key):
             raise InvalidArgument("--tls-cert and --tls-key go together: give both, or neither for plaintext")
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                                 max_processes=MAX_PROCESSES_INT64 if args.int64_ids else MAX_PROCESSES,
                                 heartbeat_timeout_s=args.heartbeat_timeout, on_failure=FailurePolicy(args.on_failure),
                                 max_heartbeat_rate=args.max_heartbeat_rate, hung_timeouts=args.hung_timeouts,
-                                min_processes=args.min_processes or 1,
+                                min_processes=args.min_processes or 1, shrink=args.min_processes is not None,
                                 limits=Limits(**{name: getattr(args, name) for name in LIMIT_FLAGS}),
                                 allow_mixed_platforms=args.allow_mixed_platforms, attempt=args.attempt,
                                 max_restarts=args.max_restarts)

@@ -52,6 +52,7 @@ from coordinator.preemption import Preemption
 from coordinator.registration import Registration
 from coordinator.replacements import check_devices
 from coordinator.report import cluster_report
+from coordinator.shrink import JobShrinks
 from coordinator.status import StatusReport
 from coordinator.takeover import HostTakeovers
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
@@ -60,7 +61,7 @@ from ifrt.progress import Progress
 from ifrt.records import TopologyContent
 
 
-class ClusterState(KeyValueCalls, HostTakeovers):
+class ClusterState(KeyValueCalls, HostTakeovers, JobShrinks):
     """All processes of one cluster, their liveness, the published generation, barriers and key-values."""
 
     def __init__(self, config: ClusterConfig) -> None:
@@ -129,6 +130,8 @@ class ClusterState(KeyValueCalls, HostTakeovers):
                 self._start_run(entry)
             case journal.HostTakenOver():
                 self._taken_over(entry)
+            case journal.Shrunk():
+                self._shrunk(entry)
         self._journal.clear()
 
     # Job attempts (coordinator.attempts).

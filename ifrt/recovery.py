@@ -3,7 +3,7 @@ yet, from the client's events, and the wait until every process of the job is li
 
 A runtime that re-forms its groups in place (``ifrt.torch.recover``) marks where its group began (``mark``); a
 recovery then waits until at least one process failed since that mark and no process is down (each failed one
-replaced). Every wait is
+replaced, or dropped by a new generation: the job shrank to its survivors). Every wait is
 bounded and says every few seconds, then in its timeout error, which processes it waits for.
 """
 
@@ -20,8 +20,8 @@ from ifrt.waiting import Pacer
 
 
 class Peers:
-    """The processes of ``client``'s job that are down now (failed or left, not replaced since), and every failure
-    seen, in order; fed by the client's events from its topology on."""
+    """The processes of ``client``'s job that are down now (failed or left, neither replaced nor dropped by a new
+    generation since), and every failure seen, in order; fed by the client's events from its topology on."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -38,6 +38,9 @@ class Peers:
                 self._failures.append((event.process_id, why))
             elif isinstance(event, events.ProcessRestarted):
                 self._down.pop(event.process_id, None)
+            elif isinstance(event, events.TopologyChanged):  # a process it drops (a shrink) is no longer awaited
+                ids = {p.process_id for p in event.topology.processes}
+                self._down = {pid: why for pid, why in self._down.items() if pid in ids}
             else:
                 return
             self._changed.notify_all()

@@ -1,8 +1,9 @@
 """A runtime's start-up exchange in ifrt's key-value store, scoped to one start of the job.
 
-Before a runtime starts from the topology (``ifrt.jax``, ``ifrt.torch``), every process answers process 0's fresh
-start: process 0 publishes a nonce (and whatever its runtime needs, e.g. JAX's coordinator address), each process
-answers under that nonce with a nonce of its own, and process 0 publishes everyone's answer. A process accepts only
+Before a runtime starts from the topology (``ifrt.jax``, ``ifrt.torch``), every process answers the leader's fresh
+start: the leader (process 0; the lowest process id of the topology, should a shrink have dropped process 0)
+publishes a nonce (and whatever its runtime needs, e.g. JAX's coordinator address), each process answers under that
+nonce with a nonce of its own, and the leader publishes everyone's answer. A process accepts only
 a record that carries its own fresh nonce, so a job restarted against a durable journal never reads a previous
 start's records. Keys, for runtime R, topology generation G and process 0's nonce N0::
 
@@ -60,13 +61,24 @@ class StartupExchange:
     def exchange(self, answer: dict[str, Any], record: Callable[[], dict[str, Any]] = dict) -> dict[str, Any]:
         """Takes part in this start with ``answer``; returns process 0's record (``record()``, called in process 0
         only) once every process has answered."""
-        if self.topology.process_id == 0:
+        if self.topology.process_id == self.leader:
             return self._lead(answer, record())
         return self._follow(answer)
 
+    @property
+    def leader(self) -> int:
+        """The process that leads this start: the lowest process id of the topology (0 unless a shrink dropped it)."""
+        return self.topology.processes[0].process_id
+
+    @property
+    def followers(self) -> list[int]:
+        """Every other process of the topology, by id."""
+        return [p.process_id for p in self.topology.processes[1:]]
+
     def check_failures(self) -> None:
-        """BarrierFailed naming the lowest failed process, if a process failed since the start began."""
-        failed = dict(self._failed)  # the session thread adds to it
+        """BarrierFailed naming the lowest failed process of the topology, if one failed since the start began."""
+        ids = {p.process_id for p in self.topology.processes}
+        failed = {p: why for p, why in dict(self._failed).items() if p in ids}  # the session thread adds to it
         if failed:
             p, why = min(failed.items())
             raise BarrierFailed(f"{self.what} cannot complete: process {p} ({self.host(p)}) {why}")
@@ -81,7 +93,7 @@ class StartupExchange:
         if previous is not None:  # an earlier start's keys: nobody reads them again
             self.client.kv_delete(f"{self.prefix}/{json.loads(previous)['nonce']}/", prefix=True)
         self._set(f"{self.prefix}/start", {**record, "nonce": self.nonce})
-        answers, nonces = {0: answer}, {0: self.nonce}
+        answers, nonces = {self.leader: answer}, {self.leader: self.nonce}
         for p, joined in self._joins().items():
             nonces[p] = joined.pop("nonce")
             answers[p] = joined
@@ -95,7 +107,7 @@ class StartupExchange:
         first one missing, and so on (a failed peer or the deadline ends it, as every wait)."""
         key = f"{self.prefix}/{self.nonce}/join/{{}}".format
         joins: dict[int, dict[str, Any]] = {}
-        pending = list(range(1, self.topology.num_processes))
+        pending = self.followers
         while pending:
             if len(pending) > 1:
                 self.check_failures()
@@ -115,12 +127,12 @@ class StartupExchange:
         joined: dict[str, Backoff] = {}  # process 0 nonces answered, each with its waits for the confirmation
 
         def no_start() -> str:
-            return "process 0 has not begun this start-up" + (
+            return f"process {self.leader} has not begun this start-up" + (
                 " (the store holds only a previous start's record)" if stale else "")
 
         while True:
             leader = self._wait(f"{self.prefix}/start", no_start)["nonce"]
-            if leader in stale:  # process 0 of this start has not overwritten the record yet
+            if leader in stale:  # the leader of this start has not overwritten the record yet
                 self._check_deadline(no_start)
                 time.sleep(min(pause.next(), max(0.0, self._remaining())))
                 continue
@@ -130,9 +142,9 @@ class StartupExchange:
             try:
                 ready = self._get(f"{self.prefix}/{leader}/ready", min(joined[leader].next(), self._remaining()))
             except KeyValueTimeout:
-                self._check_deadline(lambda leader=leader: "process 0 did not confirm the start-up: "
+                self._check_deadline(lambda leader=leader: f"process {self.leader} did not confirm the start-up: "
                                      f"{self._missing_joins(leader)}")
-                continue  # process 0 may have been restarted meanwhile: read its record again
+                continue  # the leader may have been restarted meanwhile: read its record again
             if ready["nonces"].get(me) != self.nonce:
                 stale.add(leader)
                 continue
@@ -170,7 +182,7 @@ class StartupExchange:
 
     def _missing_joins(self, leader: str | None = None) -> str:
         joined = {int(k.rsplit("/", 1)[1]) for k in self.client.kv_dir(f"{self.prefix}/{leader or self.nonce}/join/")}
-        missing = sorted(set(range(1, self.topology.num_processes)) - joined)
+        missing = sorted(set(self.followers) - joined)
         if not missing:
             return "every process answered"
         return "processes did not answer: " + ", ".join(f"{p} ({self.host(p)})" for p in missing)

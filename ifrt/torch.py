@@ -10,9 +10,9 @@
    nonce of process 0: process 0 publishes its nonce, each process answers with its own, and process 0 confirms
    everyone's answer. A process accepts only a confirmation that carries its own fresh nonce, so a job restarted
    against a durable journal never reads the previous attempt's c10d keys (which are the same on every start).
-3. ``torch.distributed.init_process_group`` with ``rank = process_id``, ``world_size = num_processes`` and a
-   ``Store`` on ifrt's key-value store under that start's prefix; gloo on CPU, nccl on CUDA devices (each process
-   on its first GPU, given as ``device_id`` so NCCL's communicator is made at once).
+3. ``torch.distributed.init_process_group`` with ``rank = process_id``, ``world_size = num_processes`` (until a
+   shrink: see below) and a ``Store`` on ifrt's key-value store under that start's prefix; gloo on CPU, nccl on
+   CUDA devices (each process on its first GPU, given as ``device_id`` so NCCL's communicator is made at once).
 
 The device plugin defaults to ``cuda`` where this torch is built for CUDA and NVML sees a GPU, else ``cpu``.
 
@@ -24,6 +24,11 @@ that fails does not end this process. A collective inside ``recoverable()`` that
 its id), aborts the old group and starts a new one with the same ranks on fresh keys (a new start-up exchange: a
 nonce of its own, the old group's keys deleted), and returns the topology. The replacement itself just calls
 ``init_process_group`` and joins that new group.
+
+A job that shrank to its survivors (the coordinator's ``--min-processes``; docs/failures.md, "Shrink") publishes a
+generation without the failed processes: ``recover()`` then re-forms the group over the survivors alone. Ranks are
+the processes' places in the topology, by process id (``rank``), and the world size its process count: equal to the
+process ids until a shrink, fewer and renumbered after one (process ids do not change).
 """
 
 from __future__ import annotations
@@ -159,12 +164,24 @@ def _start_group(client: Client, topology: Topology, deadline: float, backend: s
     store = Store(client, prefix, timedelta(seconds=max(1.0, deadline - time.monotonic())))
     store.watch, store.describe_missing = exchange.check_failures, exchange.describe_keys
     # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
-    dist.init_process_group(backend, store=store, rank=topology.process_id, world_size=topology.num_processes,
-                            device_id=_nccl_device(backend, topology), **({"timeout": timeout} if timeout else {}))
+    me, world = rank(topology), len(topology.processes)
+    dist.init_process_group(backend, store=store, rank=me, world_size=world, device_id=_nccl_device(backend, topology),
+                            **({"timeout": timeout} if timeout else {}))
     store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
-    log.info("torch.distributed started: rank %d of %d, backend %s, store prefix %s", topology.process_id,
-             topology.num_processes, backend, prefix)
+    log.info("torch.distributed started: process %d as rank %d of %d, backend %s, store prefix %s",
+             topology.process_id, me, world, backend, prefix)
     return store
+
+
+def ranks(topology: Topology) -> dict[int, int]:
+    """Process id -> torch rank in a group over ``topology``: its place among the topology's processes by id (the
+    process id itself, until a shrink drops processes)."""
+    return {p.process_id: i for i, p in enumerate(topology.processes)}
+
+
+def rank(topology: Topology, process_id: int | None = None) -> int:
+    """The torch rank of ``process_id`` (default: this process) in a group over ``topology``."""
+    return ranks(topology)[topology.process_id if process_id is None else process_id]
 
 
 # In-place recovery.
@@ -190,9 +207,10 @@ def recoverable() -> Iterator[None]:
 
 def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
     """Re-forms the default process group in place after ``CollectiveFailed``: aborts the old group, waits until
-    every process is live again (each failed one replaced), starts a new group with the same ranks on fresh keys,
-    and returns the topology. DiscoveryTimeout after ``timeout`` seconds names the processes not replaced;
-    InvalidArgument without ``init_process_group(on_failure="recover")``."""
+    every process is live again (each failed one replaced, or dropped by a shrink), starts a new group on fresh keys
+    (the same ranks; after a shrink, the survivors' ranks renumbered by process id and a smaller world), and
+    returns the topology (after a shrink, the new generation). DiscoveryTimeout after ``timeout`` seconds names the
+    processes not replaced; InvalidArgument without ``init_process_group(on_failure="recover")``."""
     global _started
     with _lock:
         state = _state()
@@ -269,12 +287,13 @@ class StartupExchange(startup.StartupExchange):
         return f"{self.prefix}/{self.leader_nonce}/c10d/"
 
     def describe_keys(self, keys: Sequence[str]) -> str:
-        """Who should set c10d's ``keys``: those ending in a rank (``.../<rank>``) name that process."""
-        ranks = sorted({int(m.group(1)) for k in keys if (m := re.search(r"(?:/|_)(\d+)$", k))
-                        and int(m.group(1)) < self.topology.num_processes})
-        if not ranks:
+        """Who should set c10d's ``keys``: those ending in a rank (``.../<rank>``) name that rank's process."""
+        by_rank = [p.process_id for p in self.topology.processes]
+        named = sorted({by_rank[int(m.group(1))] for k in keys if (m := re.search(r"(?:/|_)(\d+)$", k))
+                        and int(m.group(1)) < len(by_rank)})
+        if not named:
             return ""
-        return "expected from " + ", ".join(f"process {p} ({self.host(p)})" for p in ranks)
+        return "expected from " + ", ".join(f"process {p} ({self.host(p)})" for p in named)
 
 
 # The network interface gloo and NCCL use.
@@ -299,7 +318,8 @@ def _set_socket_interfaces(ip: str) -> None:
 # Device meshes.
 def device_mesh(ifrt_mesh: Mesh, device_type: str | None = None) -> Any:
     """The ``torch.distributed.device_mesh.DeviceMesh`` with the ifrt mesh's shape, axis names and order: each
-    device becomes the rank of its process. ValueError if the mesh does not hold exactly one device per process."""
+    device becomes the rank of its process. ValueError if the mesh does not hold exactly one device per process, or
+    holds a process the running group does not (a mesh of the generation before a shrink)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = mesh_ranks(ifrt_mesh)
@@ -309,14 +329,15 @@ def device_mesh(ifrt_mesh: Mesh, device_type: str | None = None) -> Any:
 
 
 def mesh_ranks(ifrt_mesh: Mesh) -> Any:
-    """The ranks (process ids) of an ifrt mesh's devices, in its shape; ValueError saying why if a process holds
-    more than one of its devices (a DeviceMesh has one entry per rank)."""
+    """The torch ranks of an ifrt mesh's devices' processes, in its shape (``ranks``: over the running group's
+    topology, else the mesh's own; the process ids until a shrink); ValueError saying why if a process holds more
+    than one of its devices (a DeviceMesh has one entry per rank), or is not in the running group."""
     import numpy as np
 
-    ranks = np.asarray(ifrt_mesh.devices) >> LOCAL_ID_BITS
+    process_ids = np.asarray(ifrt_mesh.devices) >> LOCAL_ID_BITS
     held: dict[int, list[int]] = {}
-    for global_id, rank in zip(ifrt_mesh.devices.flat, ranks.flat, strict=True):
-        held.setdefault(int(rank), []).append(int(global_id))
+    for global_id, pid in zip(ifrt_mesh.devices.flat, process_ids.flat, strict=True):
+        held.setdefault(int(pid), []).append(int(global_id))
     shared = {rank: ids for rank, ids in held.items() if len(ids) > 1}
     if shared:
         rank, ids = min(shared.items())
@@ -325,7 +346,17 @@ def mesh_ranks(ifrt_mesh: Mesh) -> Any:
             f"{ids[:8]}) and {len(shared) - 1} more processes hold several: a torch DeviceMesh has one entry per "
             "rank, and ranks are processes; build the mesh from one device per process (e.g. each process's "
             "first device) or run one process per device")
-    return ranks.tolist()
+    group = _started.topology if _started is not None else ifrt_mesh.topology
+    if not isinstance(group, Topology):
+        return process_ids.tolist()  # over device ids alone: ranks are process ids
+    by_id = ranks(group)
+    outside = sorted(held.keys() - by_id.keys())
+    if outside:
+        raise ValueError(
+            f"the mesh holds processes {outside[:8]}, which the process group (topology generation "
+            f"{group.generation}, {len(by_id)} processes) does not: the job shrank to its survivors; build the mesh "
+            "from the topology ifrt.torch.recover() returned")
+    return np.array([by_id[int(p)] for p in process_ids.flat]).reshape(process_ids.shape).tolist()
 
 
 def _leave_group() -> None:

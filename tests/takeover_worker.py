@@ -3,7 +3,7 @@
 Joins with ``ifrt.torch.init_process_group(on_failure="recover")``, agrees with the others on the most advanced step,
 then all-reduces once a step until step ``STEPS``; a collective that a peer's failure broke re-forms the group in
 place (``ifrt.torch.recover()``). Prints ``joined``, ``recovered`` and ``done`` lines naming its process id, PID,
-step, generation and the hosts of the topology.
+step, generation and the hosts of the topology, then (but for ``done``) its torch rank and world size.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def agree(step: int) -> int:
 
 def say(what: str, topology: ifrt.Topology, step: int) -> None:
     hosts = ",".join(p.hostname for p in topology.processes)
+    group = f" rank {dist.get_rank()} of {dist.get_world_size()}" if dist.is_initialized() else ""
     print(f"{what} process {topology.process_id} pid {os.getpid()} step {step} generation {topology.generation} "
-          f"hosts {hosts}", flush=True)
+          f"hosts {hosts}{group}", flush=True)
 
 
 def main() -> None:

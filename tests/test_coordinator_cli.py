@@ -38,7 +38,7 @@ def test_ifrt_cli_help_explains_every_flag():
     ((), "--num-processes"),
     (("--num-processes", "0"), "num_processes 0 is out of range"),
     (("--num-processes", "20000"), "expected 1 <= num_processes <= 16384"),
-    (("--num-processes", "2", "--min-processes", "1"), "--min-processes applies only with --on-failure elastic"),
+    (("--num-processes", "2", "--min-processes", "3"), "min_processes 3 is out of range"),  # a shrink's floor too
     (("--num-processes", "2", "--on-failure", "elastic", "--min-processes", "3"), "min_processes 3 is out of range"),
     (("--num-processes", "2", "--store", "redis://db:6379"), "expected memory or etcd://HOST:PORT"),
 ])

@@ -30,6 +30,7 @@ from ifrt.run import waits
 from ifrt.run.agent import Agent, Recover
 from ifrt.run.messages import (
     AskNextAttempt,
+    AskShrink,
     Exit,
     Failure,
     HostTakenOverSeen,
@@ -38,6 +39,7 @@ from ifrt.run.messages import (
     JobView,
     ProcessFailedSeen,
     Say,
+    ShrinkAnswered,
     Start,
     StartIds,
     Stop,
@@ -229,8 +231,11 @@ def test_a_survivor_names_the_host_it_waits_for_then_ends_the_job_as_without_rep
         "waiting for host hb (processes 2, 3): its replacement, a spare host (ifrt run --spare-host) or its agent's "
         "return, for 3s more (--replace-timeout)"]
     actions = agent.handle(Tick(), 6.0)
-    assert [type(a) for a in actions if not isinstance(a, Say)] == [Stop, AskNextAttempt]
-    assert actions[-1] == AskNextAttempt(0, lost) and "waited 5s for host hb (processes 2, 3)" in actions[0].line
+    assert [a for a in actions if not isinstance(a, Say)] == [AskShrink(0, lost, (2, 3))]  # first: go on without
+    assert "waited 5s for host hb (processes 2, 3)" in actions[0].line
+    actions = agent.handle(ShrinkAnswered(0, JobView(0), "the coordinator runs without --min-processes"), 6.1)
+    assert [type(a) for a in actions if not isinstance(a, Say)] == [Stop, AskNextAttempt]  # refused: as today
+    assert actions[-1] == AskNextAttempt(0, lost) and "without --min-processes" in actions[0].line
 
 
 @pytest.mark.parametrize("ids", [(2,), ()], ids=["taken over", "its agent back"])

@@ -117,26 +117,30 @@ class HostTakeover(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., agent_uid: _Optional[str] = ..., host: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., explicit_ids: _Optional[bool] = ...) -> None: ...
 
 class NextAttemptRequest(_message.Message):
-    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid", "replace")
+    __slots__ = ("ended_attempt", "failure", "max_restarts", "request_id", "agent_uid", "replace", "shrink")
     ENDED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
     REPLACE_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_FIELD_NUMBER: _ClassVar[int]
     ended_attempt: int
     failure: AttemptFailure
     max_restarts: int
     request_id: str
     agent_uid: str
     replace: bool
-    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ..., agent_uid: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+    shrink: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ..., agent_uid: _Optional[str] = ..., replace: _Optional[bool] = ..., shrink: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NextAttemptResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "shrink_refused")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_REFUSED_FIELD_NUMBER: _ClassVar[int]
     state: JobState
-    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ...) -> None: ...
+    shrink_refused: str
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., shrink_refused: _Optional[str] = ...) -> None: ...
 
 class LocalDevice(_message.Message):
     __slots__ = ("local_id", "platform", "kind", "slice_key", "attributes", "coordinates")

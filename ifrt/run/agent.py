@@ -14,8 +14,12 @@ while it still runs (it stopped answering: hung) is killed first, so its peers' 
 
 A lost host (its agent and workers gone) is taken over by a spare host (``spare``: ``ifrt run --spare-host``), which
 runs no worker until the coordinator hands it the lost host's ids (``HostTakenOverSeen``), then one worker per id.
-Survivors wait for another host's failed processes (``ifrt.run.waits``) up to ``replace_timeout``, then ask for the
-next attempt as without replace.
+Survivors wait for another host's failed processes (``ifrt.run.waits``) up to ``replace_timeout``, then ask the
+coordinator to shrink the job to them (``AskShrink``: it drops those processes where it runs with --min-processes,
+see coordinator.shrink), and where it refuses, ask for the next attempt as without replace::
+
+    RUNNING --replace-timeout--> asked to shrink --shrunk--> RUNNING (the workers go on, fewer processes)
+                                                 \\--refused--> RESTARTING (stop, ask for the next attempt)
 
 With ``spares`` (``ifrt run --spare N``, ``ifrt.run.spares``) a decided replacement goes to an idle warm spare.
 
@@ -37,6 +41,7 @@ from ifrt.run.messages import (
     AskNextAttempt,
     AskRefused,
     AskReplace,
+    AskShrink,
     Event,
     Exit,
     Failure,
@@ -52,6 +57,7 @@ from ifrt.run.messages import (
     ReplaceAnswered,
     ReplaceSeen,
     Say,
+    ShrinkAnswered,
     Start,
     StartIds,
     StartWorker,
@@ -152,6 +158,7 @@ class Agent:
     named_ids: dict[int, int] = field(default_factory=dict)
     """The ids this agent names for its workers by local rank (a spare host that took over explicit ids)."""
     _took_over: bool = False
+    _shrinking: Failure | None = None  # the failure a refused shrink ends the attempt with
     _waits: HostWaits[Failure] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +203,8 @@ class Agent:
             return self._replace_answered(event, now)
         if isinstance(event, ReplaceSeen):
             return self._replace_seen(event.failure)
+        if isinstance(event, ShrinkAnswered):
+            return self._shrink_answered(event)
         if isinstance(event, Tick) and self._pending is not None and self._cause_deadline is not None \
                 and now >= self._cause_deadline:
             return self._ask(self._pending)
@@ -224,6 +233,7 @@ class Agent:
             actions += [Say(f"attempt {view.attempt} started elsewhere; stopping the workers of attempt "
                             f"{self.attempt}"), Stop()]
         self.phase, self.attempt = Phase.RUNNING, view.attempt
+        self._shrinking = None
         self.workers = {rank: WorkerState() for rank in range(self.nproc)}
         self._finished.clear()
         self._pending = self._cause_deadline = None
@@ -364,10 +374,26 @@ class Agent:
 
     def _waited(self, now: float) -> list[Action]:
         line, given_up = self._waits.check(self.attempt, now)
-        if given_up is None:
+        if not given_up:
             return [] if line is None else [Say(line)]
-        self.phase = Phase.RESTARTING
-        return [Say(f"{line}; stopping {self.nproc} workers"), Stop(), *self._ask(given_up)]
+        assert self.attempt is not None
+        self._shrinking = given_up[0]
+        ids = tuple(f.process_id for f in given_up)
+        return [Say(f"{line}; asking the coordinator to go on without processes {', '.join(map(str, ids))} (a "
+                    "shrink, where it runs with --min-processes)"), AskShrink(self.attempt, given_up[0], ids)]
+
+    def _shrink_answered(self, event: ShrinkAnswered) -> list[Action]:
+        failure = self._shrinking
+        if event.attempt != self.attempt or self.phase is not Phase.RUNNING or failure is None:
+            return self._job(event.view)
+        self._shrinking = None
+        if event.refused:  # the job ends as without a shrink: the whole job restarts, or its budget ends it
+            self.phase = Phase.RESTARTING
+            return [Say(f"the coordinator did not shrink the job: {event.refused}; stopping {self.nproc} workers"),
+                    Stop(), *self._ask(failure)]
+        if event.view.exhausted or event.view.attempt != self.attempt:
+            return self._job(event.view)
+        return [Say("the job shrank to its survivors: the workers here go on without the failed processes")]
 
     def _spare_event(self, event: SpareExited | HandOffFailed | Tick, now: float) -> list[Action]:
         """A spare's exit, a hand-off that found its spare gone (the replacement starts cold), or spares due."""

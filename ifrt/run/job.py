@@ -150,6 +150,17 @@ class JobLink:
         answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)
         return view_of(answer.state)
 
+    def shrink(self, attempt: int, failure: Failure, process_ids: tuple[int, ...]) -> tuple[JobView, str]:
+        """The coordinator's decision on dropping ``process_ids`` (failed, neither replaced nor taken over) while
+        attempt ``attempt`` goes on (decided once, retried as ``next_attempt``): the job's state, and why it refused
+        ("": shrunk)."""
+        request = pb.NextAttemptRequest(
+            ended_attempt=attempt, agent_uid=self.agent_uid, request_id=uuid.uuid4().hex, shrink=process_ids,
+            failure=pb.AttemptFailure(attempt=failure.attempt, process_id=failure.process_id, host=failure.host,
+                                      reason=failure.reason))
+        answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)
+        return view_of(answer.state), answer.shrink_refused
+
     def learn_ids(self, local_ranks: int, attempt: int, emit: Callable[[Event], None],
                   until: Callable[[], bool], timeout: float) -> None:
         """Asks the coordinator, until it knows them (or ``until()``), the ids of this host's ``local_ranks``

@@ -77,6 +77,15 @@ class ReplaceAnswered:
 
 
 @dataclass(frozen=True)
+class ShrinkAnswered:
+    """The coordinator's answer to ``AskShrink`` in ``attempt`` (``refused``: why it did not shrink the job)."""
+
+    attempt: int
+    view: JobView
+    refused: str = ""
+
+
+@dataclass(frozen=True)
 class ReplaceSeen:
     """The coordinator decided to replace ``failure.process_id`` (the watch's ``replaced``, ordered after the old
     process's failure)."""
@@ -132,7 +141,7 @@ class Tick:
 
 
 Event = (JobUpdate | ProcessFailedSeen | WorkerExited | IdsKnown | Interrupted | LinkFailed | AskRefused | Tick
-         | ReplaceAnswered | ReplaceSeen | HostTakenOverSeen | SpareExited | HandOffFailed)
+         | ReplaceAnswered | ReplaceSeen | HostTakenOverSeen | SpareExited | HandOffFailed | ShrinkAnswered)
 
 
 # Actions.
@@ -183,6 +192,16 @@ class AskReplace:
 
 
 @dataclass(frozen=True)
+class AskShrink:
+    """Ask the coordinator to drop ``process_ids`` (other hosts' failed processes, neither replaced nor taken over
+    within ``--replace-timeout``) and let the survivors go on; ``failure``: the first of them."""
+
+    attempt: int
+    failure: Failure
+    process_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LearnIds:
     """Ask the coordinator again for this host's workers' process ids (``IdsKnown`` once it knows them all)."""
 
@@ -205,4 +224,4 @@ class Exit:
 
 
 Action = (Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds | StartIds | StartSpare
-          | HandOff | Exit)
+          | HandOff | AskShrink | Exit)

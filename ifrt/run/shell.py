@@ -20,6 +20,7 @@ from ifrt.run.messages import (
     AskNextAttempt,
     AskRefused,
     AskReplace,
+    AskShrink,
     Event,
     Exit,
     Interrupted,
@@ -30,6 +31,7 @@ from ifrt.run.messages import (
     LinkFailed,
     ReplaceAnswered,
     Say,
+    ShrinkAnswered,
     Start,
     StartIds,
     StartWorker,
@@ -82,8 +84,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replace-timeout", type=float, default=DEFAULT_REPLACE_TIMEOUT_S, metavar="SECONDS",
                    help="with --recover replace: how long the agents wait for another host's failed worker to be "
                         "replaced, taken over by a spare host, or its agent to come back, saying every few seconds "
-                        "which host they wait for; then the job ends as without replace: the next attempt of the "
-                        "whole job, or the restarts exhausted (default %(default)s)")
+                        "which host they wait for; then they ask the coordinator to go on without those processes "
+                        "(a shrink: a new generation over the survivors, where the coordinator runs with "
+                        "--min-processes and at least that many remain), else the job ends as without replace: the "
+                        "next attempt of the whole job, or the restarts exhausted (default %(default)s)")
     p.add_argument("--spare", type=int, default=0, metavar="N",
                    help="with --recover replace: keep N warm spares on this host (default %(default)s), started "
                         "after the workers with the same command and environment less the rank's variables; each "
@@ -211,7 +215,7 @@ class Shell:
             stop_all([*self.workers.values(), *self.spares.values()], self.args.grace_seconds)
 
     def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds
-            | StartIds | StartSpare | HandOff) -> None:
+            | StartIds | StartSpare | HandOff | AskShrink) -> None:
         if isinstance(action, StartSpare | HandOff):
             self._spare(action)
         elif isinstance(action, Say):
@@ -230,6 +234,8 @@ class Shell:
             threading.Thread(target=self._ask, args=(action,), name="ifrt-run-next-attempt", daemon=True).start()
         elif isinstance(action, AskReplace):
             threading.Thread(target=self._ask_replace, args=(action,), name="ifrt-run-replace", daemon=True).start()
+        elif isinstance(action, AskShrink):
+            threading.Thread(target=self._ask_shrink, args=(action,), name="ifrt-run-shrink", daemon=True).start()
         elif isinstance(action, LearnIds):
             self._learn_ids(action.attempt)
 
@@ -358,6 +364,17 @@ class Shell:
                                        f"{action.failure.process_id}: {type(e).__name__}: {e}", code))
             return
         self.events.put(ReplaceAnswered(action.attempt, action.local_rank, view))
+
+    def _ask_shrink(self, action: AskShrink) -> None:
+        try:
+            view, refused = self.link.shrink(action.attempt, action.failure, action.process_ids)
+        except PermissionDenied as e:
+            view, refused = self._view(), f"it refused: {e}"
+        except IfrtError as e:
+            code = EXIT_COORDINATOR_LOST if e.retryable else EXIT_USAGE
+            self.events.put(LinkFailed(f"the coordinator did not decide the shrink: {type(e).__name__}: {e}", code))
+            return
+        self.events.put(ShrinkAnswered(action.attempt, view, refused))
 
     def _view(self) -> JobView:
         """The job as this agent last saw it (for an answer that carries none)."""

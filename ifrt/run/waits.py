@@ -1,7 +1,7 @@
 """What a survivor's agent waits for with ``--recover replace``: the failed processes of other hosts, until they are
 replaced, taken over by a spare host, or their agent comes back; it says every ``WAIT_SAID_S`` which hosts it waits
-for, and gives up after ``--replace-timeout`` (the job then ends as without replace). No clock here: ``now`` comes
-in."""
+for, and gives up after ``--replace-timeout`` (the agent then asks the coordinator to shrink the job to its
+survivors, and where it refuses, the job ends as without replace). No clock here: ``now`` comes in."""
 
 from __future__ import annotations
 
@@ -46,22 +46,24 @@ class HostWaits(Generic[Failure]):
         self.done(gone)
         return bool(gone)
 
-    def check(self, attempt: int | None, now: float) -> tuple[str | None, Failure | None]:
-        """What to say now (None: nothing), and the failure to end the job with once the timeout passed."""
+    def check(self, attempt: int | None, now: float) -> tuple[str | None, list[Failure]]:
+        """What to say now (None: nothing), and once the timeout passed the failures given up on, the first one
+        first (empty: none)."""
         self._waits = {pid: w for pid, w in self._waits.items() if w[0].attempt == attempt}
         if not self._waits:
-            return None, None
+            return None, []
         first, since = min(self._waits.values(), key=lambda w: w[1])
         hosts: dict[str, list[int]] = {}
         for pid, (f, _) in sorted(self._waits.items()):
             hosts.setdefault(f.host or "an unknown host", []).append(pid)
         waited = ", ".join(f"host {host} (processes {', '.join(map(str, pids))})" for host, pids in hosts.items())
         if now - since >= self.timeout:
+            given_up = [first, *(f for pid, (f, _) in sorted(self._waits.items()) if f is not first)]
             self._waits.clear()
             return (f"waited {self.timeout:g}s for {waited}: no replacement, no spare host, its agent did not come "
-                    "back (--replace-timeout)"), first
+                    "back (--replace-timeout)"), given_up
         if now - since < WAIT_SAID_S or now - self._said_at < WAIT_SAID_S:
-            return None, None
+            return None, []
         self._said_at = now
         return (f"waiting for {waited}: its replacement, a spare host (ifrt run --spare-host) or its agent's return, "
-                f"for {self.timeout - (now - since):.0f}s more (--replace-timeout)"), None
+                f"for {self.timeout - (now - since):.0f}s more (--replace-timeout)"), []
