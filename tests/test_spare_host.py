@@ -348,6 +348,7 @@ def test_without_a_spare_host_the_agents_name_the_lost_host_then_the_job_ends_as
     err = "\n".join(a.err)
     assert re.search(r"waiting for host host-b \(processes \d+, \d+\)", err), a.output()
     assert re.search(r"waited 3s for host host-b", err), a.output()
+    assert "the coordinator did not shrink the job: the coordinator runs without --min-processes" in err, a.output()
     assert "the job's restarts are exhausted (0 allowed)" in err, a.output()
     assert re.search(r"waiting for host 'host-b' \(\S+, processes \d+, \d+\)", log), log
 
