@@ -150,12 +150,16 @@ class JobAgentsService:
             if not service.replica.serving:
                 continue
             try:
-                await service.decide(functools.partial(service.state.take_over_host, self._absent()))
-                lost = service.state.lost_hosts(self._absent()) if service.replica.serving else []
+                absent = self._absent()
+                if not absent:
+                    continue  # every agent watches: no host is lost, nothing to decide or to say
+                await service.decide(functools.partial(service.state.take_over_host, absent))
+                due = time.monotonic() - logged >= WAIT_LOGGED_S
+                lost = service.state.lost_hosts(absent) if due and service.replica.serving else []
             except Exception:  # a bug here must not end the loop: the next round decides again
                 log.exception("deciding about lost hosts failed")
                 continue
-            if lost and time.monotonic() - logged >= WAIT_LOGGED_S:
+            if lost:
                 logged = time.monotonic()
                 log.warning("waiting for %s: its agent is gone and no spare host (ifrt run --spare-host) can take "
                             "over; the agents give up after their --replace-timeout",
