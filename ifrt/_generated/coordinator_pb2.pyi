@@ -297,6 +297,98 @@ class IntColumn(_message.Message):
     runs: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, deltas: _Optional[_Iterable[int]] = ..., runs: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class HostProcess(_message.Message):
+    __slots__ = ("request", "proof")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    request: RegisterRequest
+    proof: str
+    def __init__(self, request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., proof: _Optional[str] = ...) -> None: ...
+
+class RegisterHostRequest(_message.Message):
+    __slots__ = ("agent_uid", "processes", "wait_ms")
+    AGENT_UID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    agent_uid: str
+    processes: _containers.RepeatedCompositeFieldContainer[HostProcess]
+    wait_ms: int
+    def __init__(self, agent_uid: _Optional[str] = ..., processes: _Optional[_Iterable[_Union[HostProcess, _Mapping]]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class HostRegistration(_message.Message):
+    __slots__ = ("process_id", "code", "error", "message")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    process_id: int
+    code: int
+    error: str
+    message: str
+    def __init__(self, process_id: _Optional[int] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class RegisterHostResponse(_message.Message):
+    __slots__ = ("processes", "answer")
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[HostRegistration]
+    answer: bytes
+    def __init__(self, processes: _Optional[_Iterable[_Union[HostRegistration, _Mapping]]] = ..., answer: _Optional[bytes] = ...) -> None: ...
+
+class HostSessionRequest(_message.Message):
+    __slots__ = ("open", "attach", "detach", "exited", "watch")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    EXITED_FIELD_NUMBER: _ClassVar[int]
+    WATCH_FIELD_NUMBER: _ClassVar[int]
+    open: HostSessionOpen
+    attach: WorkerSession
+    detach: WorkerSession
+    exited: WorkerExit
+    watch: WatchKeys
+    def __init__(self, open: _Optional[_Union[HostSessionOpen, _Mapping]] = ..., attach: _Optional[_Union[WorkerSession, _Mapping]] = ..., detach: _Optional[_Union[WorkerSession, _Mapping]] = ..., exited: _Optional[_Union[WorkerExit, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
+
+class HostSessionOpen(_message.Message):
+    __slots__ = ("agent_uid", "generation", "since_event")
+    AGENT_UID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    agent_uid: str
+    generation: int
+    since_event: int
+    def __init__(self, agent_uid: _Optional[str] = ..., generation: _Optional[int] = ..., since_event: _Optional[int] = ...) -> None: ...
+
+class WorkerSession(_message.Message):
+    __slots__ = ("client_uid", "proof")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    proof: str
+    def __init__(self, client_uid: _Optional[str] = ..., proof: _Optional[str] = ...) -> None: ...
+
+class WorkerExit(_message.Message):
+    __slots__ = ("client_uid", "proof", "reason")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    proof: str
+    reason: str
+    def __init__(self, client_uid: _Optional[str] = ..., proof: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WorkerSessionEnded(_message.Message):
+    __slots__ = ("client_uid", "code", "error", "message")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    code: int
+    error: str
+    message: str
+    def __init__(self, client_uid: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
     __slots__ = ("open", "heartbeat", "watch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
@@ -338,7 +430,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching", "snapshot", "event_number")
+    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching", "snapshot", "worker_ended", "event_number")
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
@@ -349,6 +441,7 @@ class SessionEvent(_message.Message):
     PREEMPTION_NOTICE_FIELD_NUMBER: _ClassVar[int]
     WATCHING_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ENDED_FIELD_NUMBER: _ClassVar[int]
     EVENT_NUMBER_FIELD_NUMBER: _ClassVar[int]
     attached: Attached
     process_failed: ProcessEvent
@@ -360,8 +453,9 @@ class SessionEvent(_message.Message):
     preemption_notice: ProcessEvent
     watching: WatchKeys
     snapshot: EventSnapshot
+    worker_ended: WorkerSessionEnded
     event_number: int
-    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ..., snapshot: _Optional[_Union[EventSnapshot, _Mapping]] = ..., event_number: _Optional[int] = ...) -> None: ...
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ..., snapshot: _Optional[_Union[EventSnapshot, _Mapping]] = ..., worker_ended: _Optional[_Union[WorkerSessionEnded, _Mapping]] = ..., event_number: _Optional[int] = ...) -> None: ...
 
 class EventSnapshot(_message.Message):
     __slots__ = ("failed", "left", "restarted", "preemption_notice")
@@ -386,14 +480,20 @@ class KeyValueChange(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "generation", "heartbeat_timeout_ms")
+    __slots__ = ("heartbeat_interval_ms", "generation", "heartbeat_timeout_ms", "client_uid", "process_id", "hung_after_ms")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    HUNG_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     generation: int
     heartbeat_timeout_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
+    client_uid: str
+    process_id: int
+    hung_after_ms: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., client_uid: _Optional[str] = ..., process_id: _Optional[int] = ..., hung_after_ms: _Optional[int] = ...) -> None: ...
 
 class ProcessEvent(_message.Message):
     __slots__ = ("process_id", "reason", "incarnation")

@@ -66,6 +66,16 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
                 _registered_method=True)
+        self.RegisterHost = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/RegisterHost',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterHostRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterHostResponse.FromString,
+                _registered_method=True)
+        self.HostSession = channel.stream_stream(
+                '/ifrt.topology.v1.Coordinator/HostSession',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.HostSessionRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/ifrt.topology.v1.Coordinator/Leave',
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
@@ -205,6 +215,39 @@ class CoordinatorServicer:
         NOT_FOUND            the coordinator does not know this client (it
         restarted without a store): register again.
         FAILED_PRECONDITION  this process was declared failed: restart it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterHost(self, request, context):
+        """Registers one host's processes at once, for the host's agent (`ifrt run`),
+        whose workers register with it over a local socket: one call and one
+        journal commit per host instead of one per process. The caller is a
+        joined agent of the job (agent_uid and its secret in
+        "ifrt-process-secret"); each entry is checked, admitted and later
+        answered exactly as its worker's own Register would be (limits, ids,
+        ownership by the worker's secret), and must name the agent's host. A
+        refused entry changes nothing and is answered in its own result; the
+        others are admitted. Waits up to wait_ms for the complete topology, as
+        Register does.
+        PERMISSION_DENIED    the caller is no agent of the job.
+        INVALID_ARGUMENT     more processes than the agent runs (its workers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HostSession(self, request_iterator, context):
+        """The live session of one host's agent, carrying its workers' sessions:
+        HostSessionOpen first; the coordinator answers `attached` (the host's),
+        then streams the cluster events every session gets (the same bytes), key
+        changes under the prefixes watched on it, and per worker `attached`
+        (client_uid set) or `worker_ended`. The stream's connection vouches for
+        every worker attached on it (keepalive, as a process's session); a worker
+        detached, or the stream ended, puts the worker on its reconnect grace; an
+        exit the agent reports fails the worker at once.
+        PERMISSION_DENIED    the caller is no agent of the job.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -397,6 +440,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.SerializeToString,
             ),
+            'RegisterHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterHost,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterHostRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterHostResponse.SerializeToString,
+            ),
+            'HostSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.HostSession,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.HostSessionRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.SerializeToString,
+            ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
@@ -553,6 +606,60 @@ class Coordinator:
             target,
             '/ifrt.topology.v1.Coordinator/Session',
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/RegisterHost',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterHostRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.RegisterHostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HostSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ifrt.topology.v1.Coordinator/HostSession',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.HostSessionRequest.SerializeToString,
             ifrt_dot_topology_dot_v1_dot_coordinator__pb2.SessionEvent.FromString,
             options,
             channel_credentials,
