@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 from ifrt import preflight as _preflight
 from ifrt import spare, variables, waiting, wire
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.agent_link import AgentConnection
 from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.connection import Connection
 from ifrt.errors import (
@@ -66,6 +67,10 @@ class Client:
         self.process_secret = new_process_secret()
         """Sent on every call: only this client may act for the process it registers (never logged or shown)."""
         self._connection = Connection(self.settings, self.process_secret, config)
+        self._link: Connection = self._connection
+        """Where Register and Session go: the coordinator, or this host's ``ifrt run`` agent (IFRT_AGENT_SOCKET)."""
+        if self.settings.agent_socket:
+            self._link = AgentConnection(self.settings, self.process_secret, self.settings.agent_socket, config)
         self.topology: Topology | None = None
         self.topology_position = 0
         """The number of the job event that published the topology of the last Register answer (0: none yet)."""
@@ -100,7 +105,7 @@ class Client:
             if self.endpoint is not None:
                 self.endpoint.expect(self.topology)  # its processes, and only they, may connect to the endpoint
             if self._want_session:
-                self._session = Session(self, self._connection, self._events.emit)
+                self._session = Session(self, self._link, self._events.emit)
                 self._session.start()
             if self.settings.preemption_signals:
                 self._signals = PreemptionSignals(self.settings.preemption_signals, self.report_preemption,
@@ -228,7 +233,7 @@ class Client:
             return self._timeout(time.monotonic() - start, progress, last_error, report.cause)
 
         while True:  # not wait_for_ready: a coordinator that cannot be reached is said so, with the cause, at once
-            response = self._connection.call("Register", attempt, deadline, report=report, give_up=give_up,
+            response = self._link.call("Register", attempt, deadline, report=report, give_up=give_up,
                                               timeout=lambda r: min(r, wait_s(r) + c.answer_slack_s),
                                               wait_for_ready=False)
             if response.topology:
@@ -241,13 +246,13 @@ class Client:
             if now >= next_progress_line:  # spaced: the short calls near the deadline do not each log a line
                 next_progress_line = now + c.poll_s
                 waiting.say(logging.WARNING if now - start >= c.warn_after_s else logging.INFO,
-                            "waiting for the topology from %s (%.0fs so far): %s", self._connection.current(),
+                            "waiting for the topology from %s (%.0fs so far): %s", self._link.current(),
                             now - start, progress.describe())
 
     def _withdraw(self) -> None:
         """Takes back the registration of a discover() that gave up, so a job is never completed (and published)
         with a process that has gone; one short attempt, and none if no coordinator ever answered."""
-        if self._connection.ever_answered:
+        if self._connection.ever_answered or self._link.ever_answered:
             self._leave("withdrew this process's registration from %s")
 
     def _leave(self, done: str | None = None) -> None:
@@ -496,6 +501,8 @@ class Client:
         for _, changes in key_watchers:
             changes.put(CLOSED)
         self._connection.close()
+        if self._link is not self._connection:
+            self._link.close()
         if self.endpoint is not None:
             self.endpoint.close()
 

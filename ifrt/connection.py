@@ -121,6 +121,10 @@ class Connection:
             time.sleep(self.backoff.next())
         return typed
 
+    def error_of(self, error: grpc.RpcError, target: str) -> IfrtError:
+        """The typed error of a call to ``target`` that failed, as this connection reads it."""
+        return from_rpc_error(error, target)
+
     def check_transport(self, target: str) -> None:
         """TransportMismatch when ``target`` speaks TLS and this process plaintext, or the reverse; a replica that
         answered before is not probed."""

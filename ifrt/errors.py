@@ -153,6 +153,13 @@ class CoordinatorUnavailable(IfrtError):
     retryable = True
 
 
+class AgentGone(IfrtError):
+    """The ``ifrt run`` agent whose socket this worker was given (``IFRT_AGENT_SOCKET``) no longer answers: it exited
+    or was killed, and with it this worker's link to the coordinator."""
+
+    status = "UNAVAILABLE"
+
+
 class DiscoveryTimeout(IfrtError, TimeoutError):
     """discover() ran out of time; the message names who is missing and how long it waited."""
 

@@ -44,6 +44,16 @@ def open_channel(target: str, settings: Settings, process_secret: str,
     return grpc.intercept_channel(channel, _WithMetadata(tuple(metadata)))
 
 
+def local_channel(target: str, settings: Settings, process_secret: str,
+                  options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    """A plaintext channel to a local ``unix:`` ``target`` (the host's ``ifrt run`` agent) whose every call carries
+    the token and the process secret, as a channel to the coordinator does."""
+    metadata = [(SECRET_METADATA, process_secret)]
+    if settings.token:
+        metadata.append((TOKEN_METADATA, settings.token))
+    return grpc.intercept_channel(grpc.insecure_channel(target, options=options), _WithMetadata(tuple(metadata)))
+
+
 def transport_mismatch(target: str, tls: bool, client_cert: bool = False,
                        timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """Why ``target`` cannot be spoken to as configured (TLS against plaintext, the reverse, or mutual TLS without

@@ -20,7 +20,7 @@ import grpc
 from ifrt import wholeness, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import IfrtError, ProcessDeclaredFailed, UnknownClient, from_rpc_error
+from ifrt.errors import IfrtError, ProcessDeclaredFailed, UnknownClient
 from ifrt.events import (
     CoordinatorLost,
     CoordinatorRestored,
@@ -125,7 +125,7 @@ class Session:
             except (grpc.RpcError, IfrtError) as e:
                 if self._closed.is_set():
                     break
-                error = e if isinstance(e, IfrtError) else from_rpc_error(e, target)
+                error = e if isinstance(e, IfrtError) else self._connection.error_of(e, target)
                 if isinstance(error, UnknownClient):
                     log.warning("coordinator %s does not know this process (restarted?): registering again", target)
                     self._rejoin()

@@ -45,6 +45,8 @@ PREFLIGHT_TIMEOUT_ENV = "IFRT_PREFLIGHT_TIMEOUT"  # "60": seconds the whole chec
 NETWORK_NODES_ENV = network_sources.NETWORK_NODES_ENV  # "spine1,block2,rack7": this host's network position
 NODE_LABELS_FILE_ENV = network_sources.NODE_LABELS_FILE_ENV  # "/etc/ifrt/node-labels": the node's labels, key=value
 FAILOVER_WINDOW_ENV = "IFRT_FAILOVER_WINDOW"  # "30": seconds a started runtime waits for a coordinator to answer
+AGENT_SOCKET_ENV = "IFRT_AGENT_SOCKET"  # set by `ifrt run`: its local socket, where the worker registers and holds
+# its session (unset: with the coordinator itself)
 SESSION_GATE_ENV = "IFRT_TEST_SESSION_GATE"
 """For tests: the path of a file; while it does not exist, the session does not open (nor reopen), so a test can make
 events happen before a process attaches, without timing."""
@@ -131,6 +133,8 @@ class Settings:
     """Where this host sits in the network, root to leaf (empty: no source gave a position)."""
     network_source: str = ""
     """Where ``network`` came from (``IFRT_NETWORK_NODES``, ...; empty where nothing did)."""
+    agent_socket: str | None = None
+    """The Unix socket of this host's ``ifrt run`` agent: Register and Session go there (None: to the coordinator)."""
 
     @property
     def tls(self) -> bool:
@@ -239,6 +243,7 @@ def resolve(coordinator: str | Sequence[str] | None = None, **options: Unpack[Pr
         slice_index=None if launcher is None else launcher.slice_index,
         network=position.path,
         network_source=position.source,
+        agent_socket=env.get(AGENT_SOCKET_ENV, "").strip() or None,
     )
 
 

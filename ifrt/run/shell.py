@@ -9,6 +9,7 @@ import queue
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -16,6 +17,7 @@ from ifrt import clusters, failfast
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
 from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, workers_status
 from ifrt.run.job import JobLink
+from ifrt.run.local_server import SOCKET_NAME, socket_path_problem
 from ifrt.run.messages import (
     AskNextAttempt,
     AskRefused,
@@ -40,9 +42,10 @@ from ifrt.run.messages import (
     WorkerExited,
 )
 from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
+from ifrt.run.worker_link import AGENT, WORKER_LINKS, AgentLink
 from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
 from ifrt.safe_text import SafeFormatter, safe
-from ifrt.settings import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from ifrt.settings import AGENT_SOCKET_ENV, COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from ifrt.spare import HANDED, SPARE_ENV, hand_off_line
 from ifrt.transfer import local_address_toward
 
@@ -99,6 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="how long a stopped worker gets between SIGTERM and SIGKILL (default %(default)s; a "
                         "worker stopped by SIGSTOP gets SIGKILL at once)")
+    p.add_argument("--worker-link", choices=WORKER_LINKS, default=AGENT,
+                   help="how the workers reach the coordinator (default %(default)s). agent: each worker registers "
+                        "and keeps its session through this agent, over a Unix socket in a directory only this user "
+                        f"may enter (${AGENT_SOCKET_ENV}): the host costs the coordinator one registration call and "
+                        "one session, and a worker's exit is reported the moment the agent sees it; the workers' "
+                        "other calls (barriers, key-values) go to the coordinator. direct: each worker on its own "
+                        "connection, registration and session, as a process started without ifrt run")
     p.add_argument("--no-prefix", action="store_true",
                    help="leave the workers' output as it is (by default each line starts with '[<process id>] ', "
                         "or '[local <rank>] ' until the coordinator has given the id)")
@@ -163,6 +173,10 @@ def _check(args: argparse.Namespace, command: list[str]) -> str | None:
     if args.spare and args.recover != Recover.REPLACE.value:
         return (f"--spare {args.spare} needs --recover replace: a spare takes a failed worker's place while the others "
                 f"keep running, and --recover {args.recover} restarts every worker instead")
+    if getattr(args, "worker_link", AGENT) == AGENT:  # mkdtemp's names: the prefix and 8 characters
+        sample = os.path.join(tempfile.gettempdir(), "ifrt-agent-xxxxxxxx", SOCKET_NAME)
+        if (problem := socket_path_problem(sample)) is not None:
+            return f"--worker-link agent: {problem}"
     if not args.grace_seconds >= 0:
         return f"--grace-seconds {args.grace_seconds} is out of range: expected seconds >= 0"
     if args.host_rank is not None and args.num_hosts is not None and args.host_rank >= args.num_hosts:
@@ -196,6 +210,8 @@ class Shell:
         self._learner: threading.Thread | None = None
         self.spares: dict[int, Worker] = {}
         """The idle warm spares, by serial."""
+        self.worker_link: AgentLink | None = None
+        """With ``--worker-link agent``: the workers' local server, started with the first workers."""
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -213,6 +229,21 @@ class Shell:
                     self._do(action)
         finally:  # an exception here (a bug) must not leave the workers running without their agent
             stop_all([*self.workers.values(), *self.spares.values()], self.args.grace_seconds)
+            if self.worker_link is not None:
+                self.worker_link.close()
+
+    def _link_workers(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the agent's socket (``--worker-link agent``), its local server started on first use."""
+        if getattr(self.args, "worker_link", AGENT) != AGENT:  # not an outer agent's either
+            return {k: v for k, v in env.items() if k != AGENT_SOCKET_ENV}
+        if self.worker_link is None:
+            self.worker_link = AgentLink(self.link, self.args.nproc_per_host + getattr(self.args, "spare", 0),
+                                         self._running)
+        return {**env, AGENT_SOCKET_ENV: self.worker_link.socket}
+
+    def _running(self) -> int:
+        """How many of this host's workers run now."""
+        return sum(w.process.poll() is None for w in list(self.workers.values()))
 
     def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds
             | StartIds | StartSpare | HandOff | AskShrink) -> None:
@@ -247,6 +278,7 @@ class Shell:
                                       token_file=self.args.token_file, launcher_variables=self.launcher_variables,
                                       transfer_bind=self.binds[rank])
                      for rank in range(nproc)}
+        self.envs = {rank: self._link_workers(env) for rank, env in self.envs.items()}
         for rank, process_id in self.agent.named_ids.items():
             self.envs[rank][PROCESS_ID_ENV] = str(process_id)
         for rank in range(nproc):
@@ -273,7 +305,7 @@ class Shell:
             env = worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=len(ids),
                              host_rank=None, num_hosts=None, token_file=self.args.token_file,
                              launcher_variables=self.launcher_variables, transfer_bind=self.binds[rank])
-            self.envs[rank] = {**env, PROCESS_ID_ENV: str(process_id)}
+            self.envs[rank] = self._link_workers({**env, PROCESS_ID_ENV: str(process_id)})
             self._spawn(attempt, rank, 0)
 
     def _spawn(self, attempt: int, rank: int, incarnation: int) -> None:
@@ -325,6 +357,8 @@ class Shell:
         code = spare.wait()
         with spare.lock:  # handed a process (its exit is that worker's), or not
             handed = spare.local_rank >= 0
+        if handed:
+            self._exited(spare.local_rank, code)
         self.events.put(WorkerExited(spare.attempt, spare.local_rank, code, spare.incarnation) if handed
                         else SpareExited(serial, code))
 
@@ -335,7 +369,17 @@ class Shell:
         return label
 
     def _await(self, worker: Worker) -> None:
-        self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait(), worker.incarnation))
+        code = worker.wait()
+        self._exited(worker.local_rank, code)
+        self.events.put(WorkerExited(worker.attempt, worker.local_rank, code, worker.incarnation))
+
+    def _exited(self, rank: int, code: int) -> None:
+        """The coordinator hears of a worker's exit through this agent at once, before the agent reacts."""
+        if self.worker_link is not None:
+            try:
+                self.worker_link.worker_exited(rank, code)
+            except Exception:  # the exit is still the agent's to act on
+                log.exception("could not report local rank %d's exit to the coordinator", rank)
 
     def _ask(self, action: AskNextAttempt) -> None:
         try:

@@ -1,0 +1,308 @@
+"""The host's live session (``HostSession``): one stream from the agent to the coordinator that vouches for every
+worker attached on it, and fans the coordinator's events out to the workers' own sessions with the agent.
+
+It opens once the host's first registration is published, from that answer's event position, and reconnects (the
+next replica) from the last job event it received, attaching every attached worker again: the workers see no break.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.connection import Connection
+from ifrt.errors import ERROR_CLASSES, IfrtError, ResourceExhausted, UnknownClient, from_rpc_error
+from ifrt.run.host_rules import EventBuffer, Silence, Watches
+
+log = logging.getLogger("ifrt.run")
+
+METHOD = "/ifrt.topology.v1.Coordinator/HostSession"
+CHECK_S = 0.1
+"""How often the silence of the workers' sessions is checked."""
+WORKER_BACKLOG_BYTES = 16 << 20
+"""What one worker's session may leave unread before the agent ends it (it attaches again and catches up)."""
+_END = object()
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class Ended(Exception):
+    """How a worker's session with the agent ends: with ``error`` (None: without one, as the coordinator's ending
+    of a session after its ``shutdown``)."""
+
+    def __init__(self, error: IfrtError | None, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
+        super().__init__(str(error) if error is not None else "")
+        self.error, self.code = error, (error.code if error is not None and code is grpc.StatusCode.OK else code)
+
+
+class WorkerStream:
+    """One worker's session with the agent: what goes out to it, in order (event bytes, then maybe its end)."""
+
+    def __init__(self, uid: str, proof: str, since: int) -> None:
+        self.uid, self.proof, self.since = uid, proof, since
+        self.live = False
+        """The coordinator attached it: job events flow to it."""
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, raw: bytes) -> None:
+        with self._lock:
+            self._bytes += len(raw)
+            over = self._bytes > WORKER_BACKLOG_BYTES
+        if over:
+            self.end(Ended(ResourceExhausted(f"this worker left more than {WORKER_BACKLOG_BYTES} bytes of events "
+                                             "unread on its session with its agent; attach again")))
+        else:
+            self.out.put(raw)
+
+    def taken(self, raw: bytes) -> None:
+        with self._lock:
+            self._bytes -= len(raw)
+
+    def end(self, ended: Ended) -> None:
+        self.out.put(ended)
+
+    def items(self) -> Iterator[bytes]:
+        """What to write to the worker; raises ``Ended`` with an error for an end that has one."""
+        while True:
+            item = self.out.get()
+            if isinstance(item, Ended):
+                if item.error is not None:
+                    raise item
+                return
+            self.taken(item)
+            yield item
+
+
+class HostSession:
+    """The host's session and its workers' sessions with the agent (``attach``, ``detach``, ``exited``)."""
+
+    def __init__(self, connection: Connection, agent_uid: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._connection, self.agent_uid, self._clock = connection, agent_uid, clock
+        self._lock = threading.Lock()
+        self._streams: dict[str, WorkerStream] = {}
+        self._attached: dict[str, str] = {}  # uid -> proof: sent again on every new stream
+        self._exits: list[pb.WorkerExit] = []  # reported while no stream was open
+        self._outbox: queue.SimpleQueue | None = None
+        self._buffer: EventBuffer | None = None
+        self._generation = 0
+        self._watches = Watches()
+        self._silence = Silence()
+        self._closed = threading.Event()
+        self.attached = threading.Event()
+        """Set while the coordinator has acknowledged the host's session."""
+        self._threads: list[threading.Thread] = []
+
+    # The host's stream.
+    def open(self, generation: int, position: int) -> None:
+        """Opens the host's session (once: later publications change nothing), from job event ``position``."""
+        with self._lock:
+            if self._buffer is not None or self._closed.is_set():
+                return
+            self._buffer, self._generation = EventBuffer(position), generation
+        for target, name in ((self._run, "ifrt-run-host-session"), (self._check, "ifrt-run-host-silence")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._outbox is not None:
+                self._outbox.put(_END)
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.end(Ended(None))
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            target = self._connection.current()
+            outbox: queue.SimpleQueue = queue.SimpleQueue()
+            try:
+                call = self._connection.channel(target).stream_stream(
+                    METHOD, request_serializer=pb.HostSessionRequest.SerializeToString,
+                    response_deserializer=None)(self._requests(outbox))
+                for raw in call:
+                    self._handle(raw, target)
+                error: IfrtError | None = None
+            except grpc.RpcError as e:
+                error = from_rpc_error(e, target)
+            except IfrtError as e:
+                error = e
+            finally:
+                with self._lock:
+                    self._outbox = None
+                outbox.put(_END)
+                self.attached.clear()
+            if self._closed.is_set():
+                return
+            if error is not None and not error.retryable:
+                log.warning("the coordinator refused this host's session: %s: %s", type(error).__name__, error)
+                self._end_all(Ended(error))
+            else:
+                log.warning("lost this host's session with %s (%s); reconnecting", target, error or "it ended")
+            self._connection.rotate(target)
+            self._closed.wait(self._connection.backoff.next())
+
+    def _requests(self, outbox: queue.SimpleQueue) -> Iterator[pb.HostSessionRequest]:
+        with self._lock:  # from now on what is sent goes to this outbox; what was sent before is sent below
+            self._outbox = outbox
+            assert self._buffer is not None
+            opening = pb.HostSessionOpen(agent_uid=self.agent_uid, generation=self._generation,
+                                         since_event=self._buffer.head)
+            attached = [pb.WorkerSession(client_uid=uid, proof=proof) for uid, proof in self._attached.items()]
+            exits, self._exits = self._exits, []
+            prefixes = self._watches.prefixes()
+        yield pb.HostSessionRequest(open=opening)
+        for exit_ in exits:
+            yield pb.HostSessionRequest(exited=exit_)
+        for worker in attached:
+            yield pb.HostSessionRequest(attach=worker)
+        for prefix in prefixes:
+            yield pb.HostSessionRequest(watch=pb.WatchKeys(prefix=prefix))
+        while (message := outbox.get()) is not _END and not self._closed.is_set():
+            yield message
+
+    def _send(self, message: pb.HostSessionRequest) -> None:
+        """Sends on the open stream (caller holds the lock); without one, a new stream re-sends what it needs."""
+        if self._outbox is not None:
+            self._outbox.put(message)
+
+    def _handle(self, raw: bytes, target: str) -> None:
+        event = pb.SessionEvent.FromString(raw)
+        kind = event.WhichOneof("kind")
+        with self._lock:
+            if number := event.event_number:  # a job event: kept, and to every attached worker that lacks it
+                assert self._buffer is not None
+                if self._buffer.add(number, raw):
+                    for stream in self._streams.values():
+                        if stream.live and stream.since < number:
+                            stream.put(raw)
+                            stream.since = number
+                if kind == "topology_changed":
+                    self._generation = max(self._generation, event.topology_changed.generation)
+            elif kind == "attached":
+                if not event.attached.client_uid:
+                    self._connection.answered(target)
+                    self.attached.set()
+                else:
+                    self._worker_attached(event.attached)
+            elif kind == "worker_ended":
+                self._worker_ended(event.worker_ended)
+            elif kind == "key_changed":
+                for uid in self._watches.for_key(event.key_changed.key):
+                    if (stream := self._streams.get(uid)) is not None and stream.live:
+                        stream.put(raw)
+            elif kind == "watching":
+                for uid in self._watches.acknowledge(event.watching.prefix):
+                    if (stream := self._streams.get(uid)) is not None:
+                        stream.put(raw)
+            elif kind == "shutdown":  # as the coordinator does: every session hears why, then ends
+                for stream in self._streams.values():
+                    stream.put(raw)
+                    stream.end(Ended(None))
+            else:  # events for every session that carry no number
+                for stream in self._streams.values():
+                    if stream.live:
+                        stream.put(raw)
+
+    def _worker_attached(self, attached: pb.Attached) -> None:
+        stream = self._streams.get(attached.client_uid)
+        if stream is None or stream.live:
+            return  # gone meanwhile, or attached again after the host's stream reconnected: no news to the worker
+        stream.put(pb.SessionEvent(attached=pb.Attached(
+            heartbeat_interval_ms=attached.heartbeat_interval_ms, generation=attached.generation,
+            heartbeat_timeout_ms=attached.heartbeat_timeout_ms, client_uid=attached.client_uid,
+            process_id=attached.process_id, hung_after_ms=attached.hung_after_ms)).SerializeToString())
+        assert self._buffer is not None
+        missed = self._buffer.since(stream.since)
+        if missed is None:
+            stream.end(Ended(UnknownClient(
+                f"this worker's session asked for the job events after event {stream.since}, which its agent no "
+                f"longer keeps (it keeps those after event {self._buffer.floor}): register again")))
+            return
+        for number, raw in missed:
+            stream.put(raw)
+            stream.since = number
+        stream.live = True
+        self._silence.start(attached.client_uid, self._clock(), attached.hung_after_ms / 1000)
+
+    def _worker_ended(self, ended: pb.WorkerSessionEnded) -> None:
+        uid = ended.client_uid
+        self._attached.pop(uid, None)
+        self._silence.stop(uid)
+        stream = self._streams.pop(uid, None)
+        if stream is None:
+            return
+        cls = ERROR_CLASSES.get(ended.error, IfrtError)
+        stream.end(Ended(cls(ended.message), _STATUS.get(ended.code, grpc.StatusCode.UNKNOWN)))
+
+    def _end_all(self, ended: Ended) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._attached.clear()
+        for stream in streams:
+            stream.end(ended)
+
+    # The workers' sessions with the agent.
+    def attach(self, stream: WorkerStream) -> None:
+        """A worker's session opened with the agent: the host's session vouches for it once the coordinator
+        attaches it (its older session with the agent, if any, ends)."""
+        with self._lock:
+            older = self._streams.get(stream.uid)
+            self._streams[stream.uid] = stream
+            self._attached[stream.uid] = stream.proof
+            self._send(pb.HostSessionRequest(attach=pb.WorkerSession(client_uid=stream.uid, proof=stream.proof)))
+        if older is not None:
+            older.end(Ended(None))
+
+    def detach(self, stream: WorkerStream) -> None:
+        """A worker's session with the agent ended (its connection dropped, or it closed it)."""
+        with self._lock:
+            if self._streams.get(stream.uid) is not stream:
+                return
+            del self._streams[stream.uid]
+            self._attached.pop(stream.uid, None)
+            self._silence.stop(stream.uid)
+            self._watches.drop([stream.uid])
+            self._send(pb.HostSessionRequest(detach=pb.WorkerSession(client_uid=stream.uid, proof=stream.proof)))
+
+    def exited(self, uid: str, proof: str, reason: str) -> None:
+        """A worker exited, or stopped answering: the coordinator fails it at once."""
+        message = pb.WorkerExit(client_uid=uid, proof=proof, reason=reason)
+        with self._lock:
+            if self._outbox is not None:
+                self._outbox.put(pb.HostSessionRequest(exited=message))
+            else:
+                self._exits.append(message)
+
+    def heard(self, uid: str) -> None:
+        """A Heartbeat from ``uid``'s session."""
+        with self._lock:
+            self._silence.heard(uid, self._clock())
+
+    def watch(self, stream: WorkerStream, prefix: str) -> None:
+        """A worker's key watch: asked for once on the host's session; the worker hears ``watching`` once the
+        coordinator watches the prefix."""
+        with self._lock:
+            if self._streams.get(stream.uid) is not stream:
+                return
+            if self._watches.add(stream.uid, prefix):
+                self._send(pb.HostSessionRequest(watch=pb.WatchKeys(prefix=prefix)))
+            elif self._watches.watching(stream.uid, prefix):
+                stream.put(pb.SessionEvent(watching=pb.WatchKeys(prefix=prefix)).SerializeToString())
+
+    def _check(self) -> None:
+        while not self._closed.wait(CHECK_S):
+            with self._lock:
+                silent = [(uid, self._attached.get(uid, ""), why) for uid, why in self._silence.silent(self._clock())]
+            for uid, proof, why in silent:
+                log.info("a worker's session (client %s) %s: reporting it", uid[:8], why)
+                self.exited(uid, proof, why)

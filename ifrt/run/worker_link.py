@@ -1,0 +1,60 @@
+"""How an ``ifrt run`` agent links its workers to the coordinator (``--worker-link``): ``direct``, each worker on its
+own connection, registration and session; or ``agent``, each worker through its agent's local server, the host on
+one registration call and one session (``ifrt.run.local_server``)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import IfrtError
+from ifrt.run.agent import exit_reason
+from ifrt.run.host_register import HostRegistrar
+from ifrt.run.host_session import HostSession
+from ifrt.run.job import JobLink
+from ifrt.run.local_server import LocalServer
+
+log = logging.getLogger("ifrt.run")
+
+AGENT, DIRECT = "agent", "direct"
+WORKER_LINKS = (AGENT, DIRECT)
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+"""The heartbeat timeout assumed when the coordinator's cannot be read (the coordinator's default)."""
+STATUS_TIMEOUT_S = 5.0
+
+
+class AgentLink:
+    """The agent's side of ``--worker-link agent``: the local server, the host's registrations and session."""
+
+    def __init__(self, link: JobLink, workers: int, expected: Callable[[], int]) -> None:
+        self.host = HostSession(link.connection, link.agent_uid)
+        self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, expected, self.host.open)
+        self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link))
+        log.info("serving this host's workers on %s", self.server.path)
+
+    @property
+    def socket(self) -> str:
+        return self.server.path
+
+    def worker_exited(self, local_rank: int, returncode: int) -> None:
+        """Local rank ``local_rank``'s worker exited (seen by waitpid): the coordinator hears it at once, before
+        its peers' keepalives could tell. A worker that exits 0 left (or will be seen leaving) on its own."""
+        if returncode == 0 or (found := self.registrar.exited(local_rank)) is None:
+            return
+        self.host.exited(*found, exit_reason(returncode))
+
+    def close(self) -> None:
+        self.host.close()
+        self.server.close()
+
+
+def heartbeat_timeout(link: JobLink) -> float:
+    """The coordinator's heartbeat timeout in seconds (its operator status), the default when it cannot be read."""
+    try:
+        status = link.connection.call("Status", lambda _: pb.StatusRequest(), time.monotonic() + STATUS_TIMEOUT_S)
+    except IfrtError as e:
+        log.info("cannot read the coordinator's heartbeat timeout (%s): assuming %gs", e, DEFAULT_HEARTBEAT_TIMEOUT_S)
+        return DEFAULT_HEARTBEAT_TIMEOUT_S
+    return status.heartbeat_timeout_seconds or DEFAULT_HEARTBEAT_TIMEOUT_S
