@@ -36,6 +36,8 @@ from coordinator.effects import (
     WaitingForNextRun,
 )
 from coordinator.history import Numbered
+from coordinator.host_register import HostRegister
+from coordinator.host_sessions import HostSessions
 from coordinator.messages import PublishedGeneration, event_message, next_run_answer, progress_answer
 from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
@@ -44,7 +46,7 @@ from coordinator.rpcs import RPCS, Call, Rpc, Wait, answers
 from coordinator.sessions import Sessions
 from coordinator.state import ClusterState
 from coordinator.store import Store
-from coordinator.waiters import WOKEN, Waiters
+from coordinator.waiters import PUBLISHED, WOKEN, Waiters, resolved_within
 from coordinator.waits import progress_stale, wait_s
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
@@ -54,8 +56,6 @@ from ifrt.protocol import attempt_ended
 log = logging.getLogger("ifrt.coordinator")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-PUBLISHED = ("published",)
-"""What a Register call waits for while the topology is incomplete."""
 NEXT_RUN = ("next-run",)
 """What a Register call waits for while its id waits for the job's next run (``coordinator.runs``)."""
 NEXT_RUN_LOG_S = 3.0
@@ -65,7 +65,7 @@ _CALL_ATTEMPT: ContextVar[int | None] = ContextVar("call_attempt", default=None)
 R = TypeVar("R")
 
 
-class CoordinatorService:
+class CoordinatorService(HostRegister):
     """Serves the Coordinator service. Each generation's topology is serialized once and sent as the same bytes.
 
     Every state change is journaled (``Replica.commit``) before it is acknowledged; a replica that does not
@@ -89,6 +89,7 @@ class CoordinatorService:
         self._waiters = Waiters()
         self._next_run_logged = -math.inf  # when the log last said who a registration for the next run waits for
         self.sessions = Sessions(self, self.replica.config.limits)
+        self.host_sessions = HostSessions(self.sessions)
         self._replies = PendingReplies(self.replica.config.limits.pending_reply_bytes)
         self.effect_listeners: list[Callable[[list[Effect]], None]] = []
         """Called with the effects of every command once durable (after this service carried them out)."""
@@ -204,8 +205,11 @@ class CoordinatorService:
 
         methods = {name: unary(self._unary_of(rpc), name) for name, rpc in RPCS.items()}
         methods["Register"] = unary(self.register, "Register")
+        methods["RegisterHost"] = unary(self.register_host, "RegisterHost")
         methods["Status"] = unary(self.status_rpc, "Status")
         methods["Session"] = grpc.stream_stream_rpc_method_handler(internal_errors(self.sessions.serve, "Session"))
+        methods["HostSession"] = grpc.stream_stream_rpc_method_handler(
+            internal_errors(self.host_sessions.serve, "HostSession"))
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
     def _unary_of(self, rpc: Rpc) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
@@ -254,7 +258,7 @@ class CoordinatorService:
         state = self.state
         seconds = wait.seconds(state.config, request)
         log.debug("%s%s up to %.1fs", what, wait.logged, seconds)
-        woke = await _until(future, seconds)
+        woke = await resolved_within(future, seconds)
         await self.serving(context, what, epoch)
         answer = None if woke is None or woke is WOKEN else wait.answer(woke, request)
         if answer is not None and wait.recheck is not None:
@@ -293,7 +297,7 @@ class CoordinatorService:
             self._apply(effects)
             if published is None:
                 return self.current_generation().answer(outcome.process_id)  # type: ignore[union-attr]
-            woke = await _until(published, max(0.0, until - self.clock()))
+            woke = await resolved_within(published, max(0.0, until - self.clock()))
         finally:
             if published is not None:
                 self._waiters.drop(PUBLISHED, published)
@@ -322,7 +326,7 @@ class CoordinatorService:
         while (remaining := until - self.clock()) > 0:
             future = self._waiters.expect(NEXT_RUN)
             try:
-                woke = await _until(future, remaining)
+                woke = await resolved_within(future, remaining)
             finally:
                 self._waiters.drop(NEXT_RUN, future)
             await self.serving(context, "registration", epoch)
@@ -486,11 +490,3 @@ class CoordinatorService:
             if self.replica.serving and self.state.registered and self.state.topology is None:
                 log.info("waiting: %s", self.status())
 
-
-async def _until(future: asyncio.Future, seconds: float) -> object:
-    """What ``future`` is resolved with, or None once ``seconds`` passed (a timeout scope: no task per call)."""
-    try:
-        async with asyncio.timeout(seconds):
-            return await future
-    except TimeoutError:
-        return None

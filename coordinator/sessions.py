@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable, Hashable
+from typing import Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.calls import abort, caller_proof, parse
+from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped, parse
 from coordinator.history import GenerationPublished
 from coordinator.limits import FLAGS, WATCH_OVERHEAD_BYTES, Limits
 from coordinator.messages import PublishedGeneration, event_message, snapshot_message
@@ -22,8 +22,10 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, ResourceExhausted
 
 log = logging.getLogger("ifrt.coordinator")
+M = TypeVar("M", pb.SessionRequest, pb.HostSessionRequest)
 
-_END = object()
+END = object()
+"""Queued last: the session ends once it has written what came before."""
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 """A Heartbeat message: the connection's keepalive pings carry liveness, but a session that sends none for a while
 shows its process as slow, and one that stops for ``--hung-timeouts`` with its connection up fails it (hung)."""
@@ -59,35 +61,30 @@ class SessionHost(Protocol):
 
     async def commit(self, context: grpc.aio.ServicerContext, what: str) -> None: ...
 
+    async def decide(self, decision: Callable[[], list]) -> None: ...
+
 
 class Sessions:
     """Every open session of this replica, by client uid, and the key prefixes each watches."""
 
     def __init__(self, service: SessionHost, limits: Limits) -> None:
-        self._service = service
+        self.service = service
         self._limits = limits
-        self._open: dict[str, dict[Outbox, None]] = {}  # client uid -> its open sessions, oldest first
+        self._open: dict[Hashable, dict[Outbox, None]] = {}  # client uid (or host) -> its open sessions, oldest first
         self._watches: dict[Outbox, set[str]] = {}  # session outbox -> the key prefixes it watches
         self.backlogs = Backlogs(limits.backlog_bytes)
         """What every session and job watch leaves unread, bounded together (``--max-backlog-bytes``)."""
         self._watch_bytes = 0  # of every prefix watched, as --max-watch-bytes counts them
+        self.carried: dict[str, Outbox] = {}
+        """Client uid -> the host session (``coordinator.host_sessions``) its agent carries it on."""
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """A process's live session: cluster events out. Costs nothing while nothing happens: the server's keepalive
         pings watch the connection in gRPC's core, and dropping a silent one ends this call (detaching the process)."""
-        service, limits = self._service, self._limits
-        try:  # a stream that never opens holds nothing for long
-            async with asyncio.timeout(limits.first_message_seconds):
-                first = await anext(aiter(requests), None)
-        except TimeoutError:
-            await abort(context, InvalidArgument(
-                f"no SessionOpen within {limits.first_message_seconds}s of the session's start: expected it as the "
-                f"first message (the coordinator's {FLAGS['first_message_seconds']})"), "session")
-        if first is None:
+        service = self.service
+        opening = await self.first(requests, context, pb.SessionRequest, "SessionOpen")
+        if opening is None:
             return
-        opening = await parse(pb.SessionRequest, first, context)
-        if opening.WhichOneof("kind") != "open":
-            await abort(context, InvalidArgument("the first session message must be SessionOpen"), "session")
         uid = opening.open.client_uid
         await service.serving(context, f"session of client {uid}")
         state = service.state
@@ -95,53 +92,97 @@ class Sessions:
             process_id = state.attach(uid, service.clock(), proof=caller_proof(context))
         except IfrtError as e:
             await abort(context, e, f"session of client {uid}")
-        queue = Outbox(limits.session_backlog_bytes, lambda waiting: _Evicted(InvalidArgument(
+        queue = self.outbox()
+        self.hold(uid, queue)
+        reader = asyncio.create_task(self._read(requests, queue, uid))
+        log.debug("session of process %d attached", process_id)
+        try:
+            await context.write(self.attached(service.current_generation().generation))
+            sent = await self.catch_up(context, process_id, opening.open)
+            await self.pump(context, queue, sent, f"session of process {process_id}")
+        finally:
+            reader.cancel()
+            self.release(uid, queue)
+            state.detach(uid, service.clock())
+
+    async def first(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext, cls: type[M],
+                    name: str) -> M | None:
+        """A stream's first message, which must open it (``name``: the oneof field "open"); None if it ended
+        before one. A stream that never opens holds nothing for long."""
+        limits = self._limits
+        try:
+            async with asyncio.timeout(limits.first_message_seconds):
+                first = await anext(aiter(requests), None)
+        except TimeoutError:
+            await abort(context, InvalidArgument(
+                f"no {name} within {limits.first_message_seconds}s of the session's start: expected it as the "
+                f"first message (the coordinator's {FLAGS['first_message_seconds']})"), "session")
+        if first is None:
+            return None
+        opening = await parse(cls, first, context)
+        if opening.WhichOneof("kind") != "open":
+            await abort(context, InvalidArgument(f"the first session message must be {name}"), "session")
+        return opening
+
+    def attached(self, generation: int, **worker: object) -> bytes:
+        """The ``attached`` event: what a session (or a worker carried on a host's) needs of the coordinator."""
+        config = self.service.state.config
+        return pb.SessionEvent(attached=pb.Attached(
+            heartbeat_interval_ms=round(config.heartbeat_interval_s * 1000),
+            generation=generation,
+            heartbeat_timeout_ms=min(round(config.heartbeat_timeout_s * 1000), UINT32_MAX),
+            hung_after_ms=min(round(config.hung_after_s * 1000), UINT32_MAX),
+            **worker,  # type: ignore[arg-type]
+        )).SerializeToString()
+
+    async def catch_up(self, context: grpc.aio.ServicerContext, process_id: int, opening: pb.SessionOpen) -> int:
+        """What a session is sent before the queued events: every event after its ``since_event`` (see
+        ``_catch_up``), or for a client that predates numbering the current generation and a notice; returns the
+        number of the last job event it has then."""
+        if opening.since_event:
+            return await self._catch_up(context, self.service.state, process_id, opening)
+        generation = self.service.current_generation()
+        if opening.generation != generation.generation:
+            await context.write(generation.event)
+        for notice in self.service.state.notices():  # a notice given while this session was away
+            await context.write(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
+                process_id=notice.process_id)).SerializeToString())
+        return 0
+
+    def release(self, key: Hashable, queue: Outbox) -> None:
+        """Forgets a session that ended: its queue, its watches."""
+        self.backlogs.remove(queue)
+        self._unwatch(queue)
+        held = self._open.get(key, {})
+        held.pop(queue, None)
+        if not held:
+            self._open.pop(key, None)
+
+    def outbox(self) -> Outbox:
+        """A new session's queue of events, bounded alone and with every other session's."""
+        limits = self._limits
+        return Outbox(limits.session_backlog_bytes, lambda waiting: _Evicted(InvalidArgument(
             f"this session left {waiting} bytes of events unread: expected at most {limits.session_backlog_bytes} "
             f"(the coordinator's {FLAGS['session_backlog_bytes']}); attach again and re-read watched keys")),
             self.backlogs, lambda waiting: _Evicted(ResourceExhausted(
                 f"this session left {waiting} bytes of events unread, the most of any session, while all sessions "
                 f"together passed the coordinator's {FLAGS['backlog_bytes']} of {limits.backlog_bytes} bytes; attach "
                 "again and re-read watched keys")))
-        self._hold(uid, queue)
-        reader = asyncio.create_task(self._read(requests, queue, uid))
-        log.debug("session of process %d attached", process_id)
-        try:
-            generation = service.current_generation()
-            await context.write(pb.SessionEvent(attached=pb.Attached(
-                heartbeat_interval_ms=round(state.config.heartbeat_interval_s * 1000),
-                generation=generation.generation,
-                heartbeat_timeout_ms=min(round(state.config.heartbeat_timeout_s * 1000), UINT32_MAX),
-            )).SerializeToString())
-            sent = 0  # the number of the last job event this session has
-            if opening.open.since_event:
-                sent = await self._catch_up(context, state, process_id, opening.open)
-            else:  # a client that predates numbering: from now on
-                if opening.open.generation != generation.generation:
-                    await context.write(generation.event)
-                for notice in state.notices():  # a notice given while this session was away
-                    await context.write(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
-                        process_id=notice.process_id)).SerializeToString())
-            skip = False
-            while (item := await queue.get()) is not _END:
-                if isinstance(item, _Evicted):
-                    await abort(context, item.error, f"session of process {process_id}")
-                if isinstance(item, _Number):
-                    skip = item.number <= sent  # queued while the session caught up, and sent then
-                elif skip:
-                    skip = False
-                else:
-                    await context.write(item)
-        finally:
-            reader.cancel()
-            self.backlogs.remove(queue)
-            self._unwatch(queue)
-            held = self._open.get(uid, {})
-            held.pop(queue, None)
-            if not held:
-                self._open.pop(uid, None)
-            state.detach(uid, service.clock())
 
-    def _hold(self, uid: str, queue: Outbox) -> None:
+    async def pump(self, context: grpc.aio.ServicerContext, queue: Outbox, sent: int, what: str) -> None:
+        """Writes the session's queued events until it ends (``sent``: the last job event it has already)."""
+        skip = False
+        while (item := await queue.get()) is not END:
+            if isinstance(item, _Evicted):
+                await abort(context, item.error, what)
+            if isinstance(item, _Number):
+                skip = item.number <= sent  # queued while the session caught up, and sent then
+            elif skip:
+                skip = False
+            else:
+                await context.write(item)
+
+    def hold(self, uid: Hashable, queue: Outbox) -> None:
         """Keeps a process's new session; past ``--max-sessions-per-process`` its oldest one ends (a client that
         reconnects holds two briefly)."""
         held = self._open.setdefault(uid, {})
@@ -160,7 +201,7 @@ class Sessions:
         """Sends a session that opens from a job event every durable event after it, in order (a snapshot where the
         history no longer reaches back); returns the number of the last one it now has."""
         what = f"session of process {process_id}"
-        service = self._service
+        service = self.service
         await service.commit(context, what)  # only durable events are sent
         try:  # no await since the commit: nothing newer than what is durable is read
             catch_up = state.catch_up(process_id, opening.since_event, opening.generation)
@@ -179,7 +220,7 @@ class Sessions:
     async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, uid: str) -> None:
         """Reads the session's messages after SessionOpen until the stream ends: Heartbeats (the process answers)
         and key watches."""
-        service = self._service
+        service = self.service
         try:
             async for raw in requests:
                 if raw == _HEARTBEAT:
@@ -189,7 +230,7 @@ class Sessions:
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         finally:
-            queue.put_nowait(_END)
+            queue.put_nowait(END)
 
     def _request(self, raw: bytes, queue: Outbox) -> None:
         """A watch of a key prefix, acknowledged once changes flow. A watch over a limit is not acknowledged (the
@@ -199,9 +240,13 @@ class Sessions:
         except DecodeError:
             noisy.warning("session:malformed", "ignored a malformed session message of %d bytes", len(raw))
             return
-        if request.WhichOneof("kind") != "watch":
-            return
-        prefix, limits = request.watch.prefix, self._limits
+        if request.WhichOneof("kind") == "watch":
+            self.watch(request.watch, queue)
+
+    def watch(self, watch: pb.WatchKeys, queue: Outbox) -> None:
+        """Every later change of a key under the prefix goes to the session ``queue``, acknowledged by a
+        ``watching`` event; a watch over a limit is logged, not acknowledged."""
+        prefix, limits = watch.prefix, self._limits
         watched = self._watches.setdefault(queue, set())
         if len(prefix.encode()) > limits.kv_key_bytes:
             noisy.warning("session:watch-length", "ignored a watch of a prefix of %d bytes: expected at most %d "
@@ -221,7 +266,7 @@ class Sessions:
         if prefix not in watched:
             self._watch_bytes += spent
         watched.add(prefix)
-        queue.put_nowait(pb.SessionEvent(watching=request.watch).SerializeToString())
+        queue.put_nowait(pb.SessionEvent(watching=watch).SerializeToString())
 
     def _unwatch(self, queue: Outbox) -> None:
         """Forgets what a session that ended (or was ended) watched."""
@@ -247,21 +292,32 @@ class Sessions:
                 queue.put_nowait(message)
 
     def evict(self, client_uid: str, reason: str) -> None:
-        """Ends the sessions of a process declared failed, telling it why."""
+        """Ends the sessions of a process declared failed, telling it why (its host's agent, where one carries
+        it)."""
+        error = ProcessDeclaredFailed(f"this process was {reason}; restart it to rejoin")
         for queue in self._open.get(client_uid, ()):
-            queue.put_nowait(_Evicted(ProcessDeclaredFailed(f"this process was {reason}; restart it to rejoin")))
+            queue.put_nowait(_Evicted(error))
+        if (carrier := self.carried.pop(client_uid, None)) is not None:
+            carrier.put_nowait(worker_ended(client_uid, error))
 
     def close(self, reason: str) -> None:
         """Tells every session why it ends, then ends it."""
         self.broadcast(0, pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
         for queues in self._open.values():
             for queue in queues:
-                queue.put_nowait(_END)
+                queue.put_nowait(END)
 
     async def shutdown(self, reason: str, timeout_s: float) -> None:
         """Tells every session the coordinator is going away, so clients need not wait for a timeout."""
         self.close(reason)
-        clock = self._service.clock
+        clock = self.service.clock
         deadline = clock() + timeout_s
         while self._open and clock() < deadline:  # each session ends once its last write is out
             await asyncio.sleep(0.01)
+
+
+def worker_ended(client_uid: str, error: IfrtError) -> bytes:
+    """The ``worker_ended`` event of a host session: the worker's own session would have ended with ``error``."""
+    return pb.SessionEvent(worker_ended=pb.WorkerSessionEnded(
+        client_uid=client_uid, code=error.code.value[0], error=type(error).__name__,
+        message=capped(str(error), MAX_MESSAGE_BYTES))).SerializeToString()

@@ -43,6 +43,7 @@ from coordinator.effects import (
     WaitingForNextRun,
 )
 from coordinator.history import CatchUp, GenerationPublished, History
+from coordinator.host_calls import HostCalls
 from coordinator.keyvalues import KeyValues
 from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.kv_calls import KeyValueCalls
@@ -62,7 +63,7 @@ from ifrt.progress import Progress
 from ifrt.records import TopologyContent
 
 
-class ClusterState(JobAttemptCalls, KeyValueCalls, HostTakeovers, JobShrinks):
+class ClusterState(JobAttemptCalls, KeyValueCalls, HostTakeovers, JobShrinks, HostCalls):
     """All processes of one cluster, their liveness, the published generation, barriers and key-values."""
 
     def __init__(self, config: ClusterConfig) -> None:

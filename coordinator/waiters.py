@@ -8,6 +8,8 @@ from collections.abc import Hashable
 
 WOKEN = object()
 """What a waiter is given when it is woken without an answer (a step-down, a new attempt): it looks again."""
+PUBLISHED = ("published",)
+"""What a Register (or RegisterHost) call waits for while the topology is incomplete."""
 
 
 class Waiters:
@@ -41,3 +43,12 @@ class Waiters:
             for future in futures:
                 if not future.done():
                     future.set_result(WOKEN)
+
+
+async def resolved_within(future: asyncio.Future, seconds: float) -> object:
+    """What ``future`` is resolved with, or None once ``seconds`` passed (a timeout scope: no task per call)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await future
+    except TimeoutError:
+        return None

@@ -32,13 +32,14 @@ from coordinator.local import LocalCoordinator
 from coordinator.state import ClusterState
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import AttemptEnded, ClusterMismatch, InvalidArgument, PermissionDenied, from_rpc_error
 from ifrt.events import CoordinatorLost
-from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA, proof_of
+from ifrt.protocol import proof_of
 from tests.helpers import TIMEOUT, admit, lose_session, published, reg, register_request
 from tests.replicas import LEADER_TTL, serving
 from tests.resources import rss_bytes
+from tests.wire_agent import WireAgent
 
 FAILURE = AttemptFailure(0, 1, "h1", "worker exited with 1")
 PROOF = proof_of("the secret of the agent on h1")
@@ -192,51 +193,6 @@ def test_compaction_drops_ended_attempts_key_values_and_keeps_the_history_whole_
 
 
 # Over gRPC, against a real coordinator.
-
-class WireAgent:
-    """An agent over a raw channel: joins the job with a watch (its own secret on every call) and asks NextAttempt.
-    Processes registered by ``register_all`` are on hosts ``host-<id>`` at 127.0.0.1: the agent on ``host-1``
-    runs process 1."""
-
-    def __init__(self, address: str, host: str, *, workers: int = 1, max_restarts: int | None = 3,
-                 uid: str | None = None, secret: str | None = None, token: str | None = None) -> None:
-        self.channel = grpc.insecure_channel(address)
-        self.coordinator, self.jobs = CoordinatorStub(self.channel), JobAgentsStub(self.channel)
-        self.host, self.workers, self.max_restarts = host, workers, max_restarts
-        self.uid = uid or f"agent-{host}"
-        self.metadata = [(SECRET_METADATA, secret or secrets.token_hex(16))]
-        if token is not None:
-            self.metadata.append((TOKEN_METADATA, token))
-
-    def watch(self, timeout: float = 120):
-        """The job's watch, once it joined; and its first message (the JobState)."""
-        request = pb.WatchJobRequest(host=self.host, agent_uid=self.uid, workers=self.workers,
-                                     max_restarts=self.max_restarts)
-        stream = self.jobs.WatchJob(request, timeout=timeout, metadata=self.metadata)
-        return stream, next(stream)
-
-    def join(self) -> WireAgent:
-        stream, _ = self.watch()
-        stream.cancel()
-        return self
-
-    def next(self, ended: int, *, process_id: int | None = None, reason: str = "worker exited with 1",
-             request_id: str = "", max_restarts: int | None = None) -> pb.JobState:
-        pid = int(self.host.rpartition("-")[2]) if process_id is None else process_id
-        request = pb.NextAttemptRequest(ended_attempt=ended, max_restarts=max_restarts, request_id=request_id,
-                                        agent_uid=self.uid, failure=pb.AttemptFailure(
-                                            attempt=ended, process_id=pid, host=self.host, reason=reason))
-        return self.jobs.NextAttempt(request, timeout=30, metadata=self.metadata).state
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> WireAgent:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def register_all(stub: CoordinatorStub, n: int, attempt: int | None) -> list[pb.RegisterResponse]:
     """Every process of attempt ``attempt`` registers (each a new uid, as a restarted worker is)."""

@@ -1,0 +1,123 @@
+"""The HostSession stream of an ``ifrt run`` agent: one stream carries the sessions of its host's workers. Events go
+out once per host (the same bytes every session gets); the agent attaches and detaches each worker as that worker's
+session with it opens and ends, and reports an exit the moment it sees one. The stream's connection vouches for every
+worker attached on it, as a process's own session's connection vouches for that process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from coordinator.attempts import Agent
+from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped
+from coordinator.limits import shown
+from coordinator.noise import noisy
+from coordinator.outbox import Outbox
+from coordinator.sessions import END, Sessions, worker_ended
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import IfrtError
+
+log = logging.getLogger("ifrt.coordinator")
+
+
+class HostSessions:
+    """Serves HostSession streams on the sessions of a service."""
+
+    def __init__(self, sessions: Sessions) -> None:
+        self._sessions = sessions
+
+    async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """An agent's host session: the host's events out; its workers' attaches, detaches and exits in."""
+        sessions = self._sessions
+        service = sessions.service
+        opening = await sessions.first(requests, context, pb.HostSessionRequest, "HostSessionOpen")
+        if opening is None:
+            return
+        what = f"host session of agent {shown(opening.open.agent_uid)}"
+        await service.serving(context, what)
+        try:
+            agent = service.state.host_agent(opening.open.agent_uid, caller_proof(context))
+        except IfrtError as e:
+            await abort(context, e, what)
+        what = f"host session of agent {shown(agent.uid)} on {shown(agent.host)}"
+        queue = sessions.outbox()
+        key = ("host", agent.uid)  # never a client uid: a process cannot take the host's place in sessions
+        sessions.hold(key, queue)
+        carried: dict[str, None] = {}  # the workers attached on this stream
+        reader = asyncio.create_task(self._read(requests, queue, agent, carried))
+        log.info("%s opened", what)
+        try:
+            await context.write(sessions.attached(service.current_generation().generation))
+            session_open = pb.SessionOpen(generation=opening.open.generation, since_event=opening.open.since_event)
+            sent = await sessions.catch_up(context, -1, session_open)  # -1: every process's events
+            await sessions.pump(context, queue, sent, what)
+        finally:
+            reader.cancel()
+            sessions.release(key, queue)
+            now = service.clock()
+            for uid in carried:
+                if sessions.carried.get(uid) is queue:
+                    del sessions.carried[uid]
+                service.state.detach(uid, now)
+            log.info("%s ended (%d workers attached on it)", what, len(carried))
+
+    async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, agent: Agent,
+                    carried: dict[str, None]) -> None:
+        """The stream's messages after HostSessionOpen until it ends."""
+        try:
+            async for raw in requests:
+                try:
+                    request = pb.HostSessionRequest.FromString(raw)
+                except DecodeError:
+                    noisy.warning("host-session:malformed", "ignored a malformed host session message of %d bytes",
+                                  len(raw))
+                    continue
+                await self._request(request, queue, agent, carried)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            queue.put_nowait(END)
+
+    async def _request(self, request: pb.HostSessionRequest, queue: Outbox, agent: Agent,
+                       carried: dict[str, None]) -> None:
+        sessions = self._sessions
+        service = sessions.service
+        state, now = service.state, service.clock()
+        match request.WhichOneof("kind"):
+            case "attach":
+                uid, proof = request.attach.client_uid, request.attach.proof
+                try:
+                    process_id = state.attach_worker(agent, uid, now, proof, len(carried) - (uid in carried))
+                except IfrtError as e:
+                    queue.put_nowait(worker_ended(uid, e))
+                    return
+                if uid in carried:
+                    state.detach(uid, now)  # attached again (its session with the agent reconnected): counted once
+                carried[uid] = None
+                sessions.carried[uid] = queue
+                queue.put_nowait(sessions.attached(service.current_generation().generation, client_uid=uid,
+                                                   process_id=process_id))
+            case "detach":
+                uid = request.detach.client_uid
+                if carried.pop(uid, 0) is None:
+                    if sessions.carried.get(uid) is queue:
+                        del sessions.carried[uid]
+                    state.detach(uid, now)
+            case "exited":
+                exited = request.exited
+
+                def decision() -> list:
+                    try:
+                        reason = capped(exited.reason, MAX_MESSAGE_BYTES)
+                        return state.worker_exited(agent, exited.client_uid, reason, now, exited.proof)
+                    except IfrtError as e:
+                        queue.put_nowait(worker_ended(exited.client_uid, e))
+                        return []
+
+                await service.decide(decision)
+            case "watch":
+                sessions.watch(request.watch, queue)
