@@ -15,27 +15,27 @@ import pytest
 import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import ERROR_TRAILER, AgentGone, ResourceExhausted
+from ifrt.errors import ERROR_TRAILER, AgentGone, InvalidArgument, ResourceExhausted
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.host_register import HostRegistrar, Registered
 from ifrt.run.host_rules import PENDING_PER_WORKER, Batcher, EventBuffer, Silence, Watches
 from ifrt.run.host_session import HostSession
-from ifrt.run.local_server import MAX_SOCKET_PATH, LocalServer, LocalServerError
+from ifrt.run.local_server import MAX_SOCKET_PATH, LocalServer
 from ifrt.settings import resolve
 from tests.helpers import BIN
 
 # The pure rules.
 
 
-def test_a_round_goes_once_every_live_worker_asked_or_after_the_wait():
+def test_registrations_go_once_every_live_worker_asked_or_after_the_wait():
     batcher: Batcher[str] = Batcher(workers=2, wait_s=0.2)
     batcher.join("a", "A", now=0.0)
     assert not batcher.due(0.1, expected=2)  # the other worker has not asked yet
     assert batcher.due(0.2, expected=2)  # a slow worker does not hold the host back
     batcher.join("b", "B", now=0.15)
     assert batcher.due(0.15, expected=2)
-    taken = batcher.take()
-    assert taken.entries == {"a": "A", "b": "B"} and taken.sent
+    taken = batcher.take(2, "round 1")
+    assert [(t.uid, t.entry, t.round) for t in taken] == [("a", "A", "round 1"), ("b", "B", "round 1")]
     assert not batcher.due(10.0, expected=2)  # nothing unsent
     batcher.join("c", "C", now=1.0)
     assert batcher.due(1.0, expected=3)  # a and b in flight count as asked
@@ -43,11 +43,20 @@ def test_a_round_goes_once_every_live_worker_asked_or_after_the_wait():
     assert not batcher.due(1.0, expected=3) and batcher.pending() == 1
 
 
-def test_a_worker_asking_again_replaces_its_entry_in_the_unsent_round():
+def test_one_call_carries_at_most_the_workers_the_agent_runs_and_the_rest_go_next():
+    batcher: Batcher[str] = Batcher(workers=2)
+    for uid in ("a", "b", "c"):
+        batcher.join(uid, uid.upper(), now=0.0)
+    assert [t.uid for t in batcher.take(2, 1)] == ["a", "b"]
+    assert batcher.due(0.0, expected=2) and [t.uid for t in batcher.take(2, 2)] == ["c"]
+
+
+def test_a_worker_asking_again_before_it_was_sent_replaces_its_entry():
     batcher: Batcher[str] = Batcher(workers=1)
     first = batcher.join("a", "old", now=0.0)
-    assert batcher.join("a", "new", now=0.1) is first and first.entries == {"a": "new"}
+    assert batcher.join("a", "new", now=0.1) is first and first.entry == "new"
     assert batcher.wait(0.1) == pytest.approx(0.1)
+    assert [t.entry for t in batcher.take(1, 1)] == ["new"]
 
 
 def test_pending_registrations_are_bounded_per_worker_and_a_refusal_changes_nothing():
@@ -57,7 +66,7 @@ def test_pending_registrations_are_bounded_per_worker_and_a_refusal_changes_noth
         batcher.join(f"uid{i}", "x", now=0.0)
     with pytest.raises(ResourceExhausted, match=f"expected at most {PENDING_PER_WORKER} per worker"):
         batcher.join("one-more", "x", now=0.0)
-    assert batcher.pending() == limit and "one-more" not in batcher.current.entries
+    assert batcher.pending() == limit and "one-more" not in batcher.unsent
     batcher.join("uid0", "again", now=0.0)  # one already pending may ask again
 
 
@@ -111,7 +120,8 @@ def test_a_prefix_is_watched_once_and_a_key_change_goes_only_to_its_watchers():
 def server():
     connection = Connection(resolve("127.0.0.1:1", environ={}), "agent-secret")
     host = HostSession(connection, "agent-uid")
-    registrar = HostRegistrar(connection, "agent-uid", workers=1, expected=lambda: 1, published=host.open)
+    registrar = HostRegistrar(connection, "agent-uid", workers=1, per_call=1, expected=lambda: 1,
+                              published=host.open)
     local = LocalServer(registrar, host, workers=1, heartbeat_timeout_s=2.0)
     yield local, registrar
     local.close()
@@ -122,7 +132,7 @@ def server():
 def test_the_socket_is_the_users_alone_and_goes_with_the_server():
     connection = Connection(resolve("127.0.0.1:1", environ={}), "agent-secret")
     host = HostSession(connection, "agent-uid")
-    local = LocalServer(HostRegistrar(connection, "a", 1, lambda: 1, host.open), host, 1, 2.0)
+    local = LocalServer(HostRegistrar(connection, "a", 1, 1, lambda: 1, host.open), host, 1, 2.0)
     try:
         assert stat.S_IMODE(os.stat(local.directory).st_mode) == 0o700
         assert stat.S_ISSOCK(os.stat(local.path).st_mode) and stat.S_IMODE(os.stat(local.path).st_mode) == 0o600
@@ -138,8 +148,8 @@ def test_a_socket_path_past_the_kernels_limit_is_refused_naming_it(tmp_path, mon
     monkeypatch.setattr("tempfile.tempdir", str(deep))
     connection = Connection(resolve("127.0.0.1:1", environ={}), "agent-secret")
     host = HostSession(connection, "agent-uid")
-    with pytest.raises(LocalServerError, match=f"bytes long: the kernel takes at most {MAX_SOCKET_PATH}"):
-        LocalServer(HostRegistrar(connection, "a", 1, lambda: 1, host.open), host, 1, 2.0)
+    with pytest.raises(InvalidArgument, match=f"bytes long: the kernel takes at most {MAX_SOCKET_PATH}"):
+        LocalServer(HostRegistrar(connection, "a", 1, 1, lambda: 1, host.open), host, 1, 2.0)
     assert list(deep.iterdir()) == []  # its directory is gone with it
     env = {**os.environ, "TMPDIR": str(deep), "IFRT_COORDINATOR": "127.0.0.1:1"}
     run = subprocess.run([str(BIN / "ifrt"), "run", "--", sys.executable, "-c", "pass"], env=env,

@@ -101,6 +101,7 @@ STATUS = {
     "PeerFailed": "ABORTED",
     "CollectiveFailed": "ABORTED",
     "CoordinatorGone": "UNAVAILABLE",
+    "AgentGone": "UNAVAILABLE",
     "BackendAlreadyInitialized": "FAILED_PRECONDITION",
     "PreflightFailed": "FAILED_PRECONDITION",
     "TransferError": "DATA_LOSS",

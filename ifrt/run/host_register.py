@@ -14,8 +14,8 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import ERROR_CLASSES, IfrtError
-from ifrt.run.host_rules import Batcher, Round
+from ifrt.errors import ERROR_CLASSES, CoordinatorUnavailable, IfrtError
+from ifrt.run.host_rules import Batcher, Ticket
 
 log = logging.getLogger("ifrt.run")
 
@@ -30,6 +30,11 @@ class Refused(Exception):
     def __init__(self, error: IfrtError, code: grpc.StatusCode) -> None:
         super().__init__(str(error))
         self.error, self.code = error, code
+
+
+def _late() -> Refused:
+    return Refused(CoordinatorUnavailable("the coordinator's answer to this host's registrations did not come within "
+                                          "this call's time"), grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -49,44 +54,45 @@ class _Outcome:
 
 
 class HostRegistrar:
-    """Gathers the workers' registrations into rounds and sends each round as one ``RegisterHost``. ``expected()``:
-    how many workers the agent runs now (a round goes once each has asked); ``published(generation, position)``:
-    called when an answer carries the topology, before any worker hears it."""
+    """Gathers the workers' registrations and sends them as ``RegisterHost`` calls of at most ``per_call`` (the
+    workers the agent runs), each in a thread of its own. ``expected()``: how many workers the agent runs now (the
+    registrations go once each has asked); ``published(generation, position)``: called when an answer carries the
+    topology, before any worker hears it. ``workers`` bounds what may be pending (spares included)."""
 
-    def __init__(self, connection: Connection, agent_uid: str, workers: int, expected: Callable[[], int],
-                 published: Callable[[int, int], None], clock: Callable[[], float] = time.monotonic) -> None:
-        self._connection, self.agent_uid = connection, agent_uid
+    def __init__(self, connection: Connection, agent_uid: str, workers: int, per_call: int,
+                 expected: Callable[[], int], published: Callable[[int, int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._connection, self.agent_uid, self._per_call = connection, agent_uid, per_call
         self._expected, self._published, self._clock = expected, published, clock
         self._batcher: Batcher[pb.HostProcess] = Batcher(workers)
         self._cond = threading.Condition()
-        self._outcomes: dict[int, _Outcome] = {}
         self.registered: dict[str, Registered] = {}
         """Admitted registrations by client uid."""
         self._by_rank: dict[int, str] = {}
 
     def register(self, request: pb.RegisterRequest, proof: str, deadline: float) -> bytes:
         """The worker's answer: ``RegisterResponse`` bytes; ``Refused`` as its own Register would have been."""
-        now = self._clock()
         with self._cond:
             try:
-                joined = self._batcher.join(request.client_uid, pb.HostProcess(request=request, proof=proof), now)
+                ticket = self._batcher.join(request.client_uid, pb.HostProcess(request=request, proof=proof),
+                                            self._clock())
             except IfrtError as e:
                 raise Refused(e, e.code) from None
-            outcome = self._outcomes.setdefault(id(joined), _Outcome())
             self._cond.notify_all()
-            taken: Round[pb.HostProcess] | None = None
-            while not joined.sent:
-                if self._batcher.due(now, self._expected()):
-                    taken = self._batcher.take()
-                    del self._outcomes[id(taken)]
-                    break
-                self._cond.wait(self._batcher.wait(now))
+            while ticket.round is None:
                 now = self._clock()
-        if taken is not None:
-            self._send(taken, outcome, deadline)
-        elif not outcome.done.wait(max(0.0, deadline - self._clock())):
-            raise Refused(IfrtError("the coordinator's answer to this host's registrations did not come in time"),
-                          grpc.StatusCode.DEADLINE_EXCEEDED)
+                if self._batcher.due(now, self._expected()):
+                    outcome = _Outcome()
+                    taken = self._batcher.take(self._per_call, outcome)
+                    threading.Thread(target=self._send, args=(taken, outcome, deadline), daemon=True,
+                                     name="ifrt-run-register-host").start()
+                    continue
+                if now >= deadline:
+                    raise _late()
+                self._cond.wait(min(self._batcher.wait(now), deadline - now))
+            outcome = ticket.round
+        if not outcome.done.wait(max(0.0, deadline - self._clock())):
+            raise _late()
         if outcome.error is not None:
             raise Refused(outcome.error, outcome.error.code)
         answer = outcome.answers[request.client_uid]
@@ -94,8 +100,8 @@ class HostRegistrar:
             raise answer
         return answer
 
-    def _send(self, taken: Round[pb.HostProcess], outcome: _Outcome, deadline: float) -> None:
-        entries = list(taken.entries.values())
+    def _send(self, taken: list[Ticket[pb.HostProcess]], outcome: _Outcome, deadline: float) -> None:
+        entries = [t.entry for t in taken]
         wait_ms = min(e.request.wait_ms for e in entries)
         request = pb.RegisterHostRequest(agent_uid=self.agent_uid, processes=entries)
         slack = max(ANSWER_MARGIN_S, (deadline - self._clock()) - wait_ms / 1000)

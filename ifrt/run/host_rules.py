@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from ifrt.errors import ResourceExhausted
 
@@ -24,62 +24,67 @@ EVENT_BYTES_KEPT = 16 << 20
 E = TypeVar("E")
 
 
-@dataclass
-class Round(Generic[E]):
-    """The registrations sent together in one ``RegisterHost`` call, by client uid (a uid that asks again while the
-    round is unsent replaces its entry)."""
+@dataclass(eq=False)
+class Ticket(Generic[E]):
+    """One client uid's registration waiting to be sent; ``round`` is set to what it was sent with."""
 
-    entries: dict[str, E] = field(default_factory=dict)
-    opened_at: float = 0.0
-    sent: bool = False
+    uid: str
+    entry: E
+    round: Any = None
 
 
 class Batcher(Generic[E]):
-    """The host's registrations that wait to be sent: one unsent round at a time, any number in flight."""
+    """The host's registrations waiting to be sent (in the order they came), and those in flight."""
 
     def __init__(self, workers: int, wait_s: float = BATCH_WAIT_S) -> None:
         self.limit = max(1, workers) * PENDING_PER_WORKER
         self.wait_s = wait_s
-        self.current: Round[E] = Round()
+        self.unsent: dict[str, Ticket[E]] = {}
+        self._first_at = 0.0
         self._in_flight: Counter[str] = Counter()
 
-    def join(self, uid: str, entry: E, now: float) -> Round[E]:
-        """Adds ``uid``'s registration to the unsent round (which it returns); ResourceExhausted, changing nothing,
-        when the host already has as many pending as its workers may."""
-        if uid not in self.current.entries and uid not in self._in_flight and self.pending() >= self.limit:
+    def join(self, uid: str, entry: E, now: float) -> Ticket[E]:
+        """``uid``'s registration, unsent (a uid that asks again before it was sent replaces its entry);
+        ResourceExhausted, changing nothing, when the host already has as many pending as its workers may."""
+        if (ticket := self.unsent.get(uid)) is not None:
+            ticket.entry = entry
+            return ticket
+        if uid not in self._in_flight and self.pending() >= self.limit:
             raise ResourceExhausted(f"this host's agent holds {self.pending()} pending registrations already: "
                                     f"expected at most {PENDING_PER_WORKER} per worker it started ({self.limit}); "
                                     "a worker registers once per client")
-        if not self.current.entries:
-            self.current.opened_at = now
-        self.current.entries[uid] = entry
-        return self.current
+        if not self.unsent:
+            self._first_at = now
+        ticket = self.unsent[uid] = Ticket(uid, entry)
+        return ticket
 
     def pending(self) -> int:
         """Distinct client uids unsent or in flight."""
-        return len(self.current.entries.keys() | self._in_flight.keys())
+        return len(self.unsent.keys() | self._in_flight.keys())
 
     def due(self, now: float, expected: int) -> bool:
-        """Whether the unsent round goes now: every live worker (``expected``) has asked (unsent or in flight), or
-        the first of it has waited ``wait_s``."""
-        if not self.current.entries:
+        """Whether unsent registrations go now: every live worker (``expected``) has asked (unsent or in flight),
+        or the first unsent one has waited ``wait_s``."""
+        if not self.unsent:
             return False
-        return self.pending() >= expected or now >= self.current.opened_at + self.wait_s
+        return self.pending() >= expected or now >= self._first_at + self.wait_s
 
     def wait(self, now: float) -> float:
-        """Seconds until the unsent round is due by time alone."""
-        return max(0.0, self.current.opened_at + self.wait_s - now) if self.current.entries else self.wait_s
+        """Seconds until the unsent registrations are due by time alone."""
+        return max(0.0, self._first_at + self.wait_s - now) if self.unsent else self.wait_s
 
-    def take(self) -> Round[E]:
-        """The unsent round, now in flight; a new one opens."""
-        taken, self.current = self.current, Round()
-        taken.sent = True
-        self._in_flight.update(taken.entries.keys())
+    def take(self, most: int, round_: Any) -> list[Ticket[E]]:
+        """The first ``most`` unsent registrations (one call may carry no more than the workers the agent runs),
+        now in flight with ``round_``; the others stay unsent, as due as they were."""
+        taken = [self.unsent.pop(uid) for uid in list(self.unsent)[:max(1, most)]]
+        for ticket in taken:
+            ticket.round = round_
+        self._in_flight.update(t.uid for t in taken)
         return taken
 
-    def answered(self, taken: Round[E]) -> None:
+    def answered(self, taken: list[Ticket[E]]) -> None:
         """``taken``'s call returned (answered or failed)."""
-        self._in_flight.subtract(taken.entries.keys())
+        self._in_flight.subtract(t.uid for t in taken)
         self._in_flight = +self._in_flight
 
 

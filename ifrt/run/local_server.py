@@ -47,10 +47,6 @@ MAX_REQUEST_BYTES = 4 << 20
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 
 
-class LocalServerError(IfrtError):
-    """The agent's local server cannot start (its socket path, its directory)."""
-
-
 def socket_path_problem(path: str) -> str | None:
     """Why ``path`` cannot be a Unix socket, or None."""
     size = len(os.fsencode(path))
@@ -80,7 +76,7 @@ class LocalServer:
         self.path = os.path.join(self.directory, SOCKET_NAME)
         if (problem := socket_path_problem(self.path)) is not None:
             os.rmdir(self.directory)
-            raise LocalServerError(problem)
+            raise InvalidArgument(problem)
         threads = 2 * workers + 4
         self._server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ifrt-run-local"),
                                    maximum_concurrent_rpcs=threads,
@@ -94,7 +90,7 @@ class LocalServer:
         mask = os.umask(0o177)  # the socket is created 0600
         try:
             if not self._server.add_insecure_port(f"unix:{self.path}"):
-                raise LocalServerError(f"cannot listen on the agent's socket {self.path}")
+                raise InvalidArgument(f"cannot listen on the agent's socket {self.path}")
             self._server.start()
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)

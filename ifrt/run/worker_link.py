@@ -30,7 +30,8 @@ class AgentLink:
 
     def __init__(self, link: JobLink, workers: int, expected: Callable[[], int]) -> None:
         self.host = HostSession(link.connection, link.agent_uid)
-        self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, expected, self.host.open)
+        self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, link.workers, expected,
+                                       self.host.open)
         self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link))
         log.info("serving this host's workers on %s", self.server.path)
 

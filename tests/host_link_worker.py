@@ -1,0 +1,48 @@
+"""A worker for the ``ifrt run --worker-link`` tests: ``python tests/host_link_worker.py SCENARIO``.
+
+Its first line is ``started process P pid X fingerprint F via agent|direct``; each ProcessFailed it hears prints
+``heard process P failed at T: REASON`` (T: the wall clock). Scenarios:
+  listen    waits until stopped
+  failfast  the same, with fail fast armed (``on_failure="exit"``): a peer's failure or a lost link ends it
+  greedy    local rank 1 lists 2 cpu devices (the others 1); a refused registration prints ``refused: ERROR`` and
+            exits 3
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import ifrt
+from ifrt import failfast
+from ifrt.errors import IfrtError
+from ifrt.events import ProcessFailed
+
+
+def main(scenario: str) -> None:
+    if scenario == "greedy" and os.environ.get("IFRT_LOCAL_RANK") == "1":
+        os.environ["IFRT_CPU_DEVICE_COUNT"] = "2"
+    client = ifrt.Client(transfer=False)
+    try:
+        topology = client.discover()
+    except IfrtError as e:
+        print(f"refused: {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)
+    client.on_event(heard)
+    via = "agent" if os.environ.get("IFRT_AGENT_SOCKET") else "direct"
+    print(f"started process {topology.process_id} pid {os.getpid()} fingerprint {topology.fingerprint} via {via}",
+          flush=True)
+    if scenario == "failfast":
+        failfast.arm(client, topology, "exit", "test")
+    while True:
+        time.sleep(1.0)
+
+
+def heard(event: object) -> None:
+    if isinstance(event, ProcessFailed):
+        print(f"heard process {event.process_id} failed at {time.time():.3f}: {event.reason}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
