@@ -17,67 +17,18 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import ERROR_CLASSES, IfrtError, ResourceExhausted, UnknownClient, from_rpc_error
+from ifrt.errors import ERROR_CLASSES, IfrtError, UnknownClient, from_rpc_error
+from ifrt.protocol import ended_attempt
 from ifrt.run.host_rules import EventBuffer, Silence, Watches
+from ifrt.run.worker_stream import Ended, WorkerStream
 
 log = logging.getLogger("ifrt.run")
 
 METHOD = "/ifrt.topology.v1.Coordinator/HostSession"
 CHECK_S = 0.1
 """How often the silence of the workers' sessions is checked."""
-WORKER_BACKLOG_BYTES = 16 << 20
-"""What one worker's session may leave unread before the agent ends it (it attaches again and catches up)."""
 _END = object()
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class Ended(Exception):
-    """How a worker's session with the agent ends: with ``error`` (None: without one, as the coordinator's ending
-    of a session after its ``shutdown``)."""
-
-    def __init__(self, error: IfrtError | None, code: grpc.StatusCode = grpc.StatusCode.OK) -> None:
-        super().__init__(str(error) if error is not None else "")
-        self.error, self.code = error, (error.code if error is not None and code is grpc.StatusCode.OK else code)
-
-
-class WorkerStream:
-    """One worker's session with the agent: what goes out to it, in order (event bytes, then maybe its end)."""
-
-    def __init__(self, uid: str, proof: str, since: int) -> None:
-        self.uid, self.proof, self.since = uid, proof, since
-        self.live = False
-        """The coordinator attached it: job events flow to it."""
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def put(self, raw: bytes) -> None:
-        with self._lock:
-            self._bytes += len(raw)
-            over = self._bytes > WORKER_BACKLOG_BYTES
-        if over:
-            self.end(Ended(ResourceExhausted(f"this worker left more than {WORKER_BACKLOG_BYTES} bytes of events "
-                                             "unread on its session with its agent; attach again")))
-        else:
-            self.out.put(raw)
-
-    def taken(self, raw: bytes) -> None:
-        with self._lock:
-            self._bytes -= len(raw)
-
-    def end(self, ended: Ended) -> None:
-        self.out.put(ended)
-
-    def items(self) -> Iterator[bytes]:
-        """What to write to the worker; raises ``Ended`` with an error for an end that has one."""
-        while True:
-            item = self.out.get()
-            if isinstance(item, Ended):
-                if item.error is not None:
-                    raise item
-                return
-            self.taken(item)
-            yield item
 
 
 class HostSession:
@@ -95,21 +46,49 @@ class HostSession:
         self._watches = Watches()
         self._silence = Silence()
         self._closed = threading.Event()
+        self._opened = threading.Event()  # set while the stream is to be held (from a published registration)
+        self._epoch = 0  # one more at each new attempt: what an older stream sends is no longer news
+        self._call: grpc.Future | None = None
+        self._refusal = ""  # the last refusal logged
         self.attached = threading.Event()
         """Set while the coordinator has acknowledged the host's session."""
         self._threads: list[threading.Thread] = []
 
     # The host's stream.
     def open(self, generation: int, position: int) -> None:
-        """Opens the host's session (once: later publications change nothing), from job event ``position``."""
+        """Opens the host's session from job event ``position`` (a registration of its workers was published);
+        while it is open, later publications change nothing."""
         with self._lock:
-            if self._buffer is not None or self._closed.is_set():
+            if self._opened.is_set() or self._closed.is_set():
                 return
             self._buffer, self._generation = EventBuffer(position), generation
-        for target, name in ((self._run, "ifrt-run-host-session"), (self._check, "ifrt-run-host-silence")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._opened.set()
+            if self._threads:
+                return
+            for target, name in ((self._run, "ifrt-run-host-session"), (self._check, "ifrt-run-host-silence")):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def restart(self) -> None:
+        """A new attempt of the job starts (the coordinator numbers its events anew): the stream ends, with every
+        worker's session, and opens again from the new workers' first published registration."""
+        with self._lock:
+            self._epoch += 1
+            self._opened.clear()
+            self._buffer = None
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._attached.clear()
+            self._exits.clear()
+            self._watches, self._silence = Watches(), Silence()
+            if self._outbox is not None:
+                self._outbox.put(_END)
+            call = self._call
+        if call is not None:
+            call.cancel()
+        for stream in streams:
+            stream.end(Ended(None))
 
     def close(self) -> None:
         self._closed.set()
@@ -122,14 +101,18 @@ class HostSession:
 
     def _run(self) -> None:
         while not self._closed.is_set():
+            if not self._opened.wait(CHECK_S):
+                continue
+            with self._lock:
+                epoch = self._epoch
             target = self._connection.current()
             outbox: queue.SimpleQueue = queue.SimpleQueue()
             try:
-                call = self._connection.channel(target).stream_stream(
+                call = self._call = self._connection.channel(target).stream_stream(
                     METHOD, request_serializer=pb.HostSessionRequest.SerializeToString,
                     response_deserializer=None)(self._requests(outbox))
                 for raw in call:
-                    self._handle(raw, target)
+                    self._handle(raw, target, epoch)
                 error: IfrtError | None = None
             except grpc.RpcError as e:
                 error = from_rpc_error(e, target)
@@ -142,8 +125,12 @@ class HostSession:
                 self.attached.clear()
             if self._closed.is_set():
                 return
+            if self._epoch != epoch or not self._opened.is_set():
+                continue  # a new attempt, or the attempt ended: opened again from the next registration
             if error is not None and not error.retryable:
-                log.warning("the coordinator refused this host's session: %s: %s", type(error).__name__, error)
+                if str(error) != self._refusal:
+                    log.warning("the coordinator refused this host's session: %s: %s", type(error).__name__, error)
+                self._refusal = str(error)
                 self._end_all(Ended(error))
             else:
                 log.warning("lost this host's session with %s (%s); reconnecting", target, error or "it ended")
@@ -152,8 +139,9 @@ class HostSession:
 
     def _requests(self, outbox: queue.SimpleQueue) -> Iterator[pb.HostSessionRequest]:
         with self._lock:  # from now on what is sent goes to this outbox; what was sent before is sent below
+            if self._buffer is None:  # restarted meanwhile
+                return
             self._outbox = outbox
-            assert self._buffer is not None
             opening = pb.HostSessionOpen(agent_uid=self.agent_uid, generation=self._generation,
                                          since_event=self._buffer.head)
             attached = [pb.WorkerSession(client_uid=uid, proof=proof) for uid, proof in self._attached.items()]
@@ -174,10 +162,12 @@ class HostSession:
         if self._outbox is not None:
             self._outbox.put(message)
 
-    def _handle(self, raw: bytes, target: str) -> None:
+    def _handle(self, raw: bytes, target: str, epoch: int) -> None:
         event = pb.SessionEvent.FromString(raw)
         kind = event.WhichOneof("kind")
         with self._lock:
+            if epoch != self._epoch:
+                return
             if number := event.event_number:  # a job event: kept, and to every attached worker that lacks it
                 assert self._buffer is not None
                 if self._buffer.add(number, raw):
@@ -207,6 +197,8 @@ class HostSession:
                 for stream in self._streams.values():
                     stream.put(raw)
                     stream.end(Ended(None))
+                if ended_attempt(event.shutdown.reason) is not None:
+                    self._opened.clear()  # its events are numbered anew: wait for the next attempt's workers
             else:  # events for every session that carry no number
                 for stream in self._streams.values():
                     if stream.live:

@@ -34,7 +34,8 @@ from ifrt.errors import (
 )
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.host_register import HostRegistrar, Refused
-from ifrt.run.host_session import Ended, HostSession, WorkerStream
+from ifrt.run.host_session import HostSession
+from ifrt.run.worker_stream import Ended, WorkerStream
 
 log = logging.getLogger("ifrt.run")
 
@@ -44,6 +45,9 @@ MAX_SOCKET_PATH = 107
 """The longest path a Unix socket may have (the kernel's sun_path holds 108 bytes, its terminating NUL included)."""
 MAX_REQUEST_BYTES = 4 << 20
 """The largest message a worker may send its agent (gRPC's own default)."""
+DETACH_DELAY_S = 0.05
+"""How long a worker's ended session waits before the agent detaches it: where the worker died, the agent's waitpid
+reports the exit first, and the coordinator fails it at once, naming how it ended."""
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 
 
@@ -139,8 +143,10 @@ class LocalServer:
         except Ended as e:
             assert e.error is not None
             _abort(context, e.error, e.code)
-        finally:
-            self._host.detach(stream)
+        finally:  # a worker that died is reported by its agent's waitpid: that report goes first
+            detach = threading.Timer(DETACH_DELAY_S, self._host.detach, (stream,))
+            detach.daemon = True
+            detach.start()
 
     def _read(self, requests: Iterator[bytes], stream: WorkerStream) -> None:
         """A worker's Heartbeats and key watches, until its request stream ends."""

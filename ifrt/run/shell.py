@@ -279,6 +279,8 @@ class Shell:
                                       transfer_bind=self.binds[rank])
                      for rank in range(nproc)}
         self.envs = {rank: self._link_workers(env) for rank, env in self.envs.items()}
+        if self.worker_link is not None:
+            self.worker_link.new_attempt(attempt)
         for rank, process_id in self.agent.named_ids.items():
             self.envs[rank][PROCESS_ID_ENV] = str(process_id)
         for rank in range(nproc):
@@ -354,11 +356,13 @@ class Shell:
         threading.Thread(target=self._await_spare, args=(serial, spare), name="ifrt-run-wait", daemon=True).start()
 
     def _await_spare(self, serial: int, spare: Worker) -> None:
+        spare.process.wait()
+        with spare.lock:
+            if spare.local_rank >= 0:
+                self._exited(spare.local_rank, spare.process.returncode)
         code = spare.wait()
         with spare.lock:  # handed a process (its exit is that worker's), or not
             handed = spare.local_rank >= 0
-        if handed:
-            self._exited(spare.local_rank, code)
         self.events.put(WorkerExited(spare.attempt, spare.local_rank, code, spare.incarnation) if handed
                         else SpareExited(serial, code))
 
@@ -369,9 +373,8 @@ class Shell:
         return label
 
     def _await(self, worker: Worker) -> None:
-        code = worker.wait()
-        self._exited(worker.local_rank, code)
-        self.events.put(WorkerExited(worker.attempt, worker.local_rank, code, worker.incarnation))
+        self._exited(worker.local_rank, worker.process.wait())  # before its last output lines are copied
+        self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait(), worker.incarnation))
 
     def _exited(self, rank: int, code: int) -> None:
         """The coordinator hears of a worker's exit through this agent at once, before the agent reacts."""

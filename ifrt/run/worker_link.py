@@ -33,7 +33,15 @@ class AgentLink:
         self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, link.workers, expected,
                                        self.host.open)
         self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link))
+        self._attempt: int | None = None
         log.info("serving this host's workers on %s", self.server.path)
+
+    def new_attempt(self, attempt: int) -> None:
+        """The workers of ``attempt`` start: the host's session of an earlier attempt ends (its events are no
+        longer numbered so), and opens again once they registered."""
+        if self._attempt is not None and attempt != self._attempt:
+            self.host.restart()
+        self._attempt = attempt
 
     @property
     def socket(self) -> str:
