@@ -227,7 +227,8 @@ class HostSession:
 
     def _worker_ended(self, ended: pb.WorkerSessionEnded) -> None:
         uid = ended.client_uid
-        self._attached.pop(uid, None)
+        if (proof := self._attached.pop(uid, None)) is not None:  # the host's session carries it no longer
+            self._send(pb.HostSessionRequest(detach=pb.WorkerSession(client_uid=uid, proof=proof)))
         self._silence.stop(uid)
         stream = self._streams.pop(uid, None)
         if stream is None:
