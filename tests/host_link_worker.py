@@ -1,7 +1,8 @@
 """A worker for the ``ifrt run --worker-link`` tests: ``python tests/host_link_worker.py SCENARIO``.
 
 Its first line is ``started process P pid X fingerprint F via agent|direct``; each ProcessFailed it hears prints
-``heard process P failed at T: REASON`` (T: the wall clock). Scenarios:
+``heard process P failed at T: REASON`` (T: the wall clock), each CoordinatorLost ``lost the coordinator: REASON``.
+Scenarios:
   listen    waits until stopped
   failfast  the same, with fail fast armed (``on_failure="exit"``): a peer's failure or a lost link ends it
   greedy    local rank 1 first lists 2 cpu devices (the others 1); a refused registration prints ``refused: ERROR``,
@@ -17,7 +18,7 @@ import time
 import ifrt
 from ifrt import failfast
 from ifrt.errors import IfrtError
-from ifrt.events import ProcessFailed
+from ifrt.events import CoordinatorLost, ProcessFailed
 
 
 def main(scenario: str) -> None:
@@ -46,6 +47,8 @@ def main(scenario: str) -> None:
 def heard(event: object) -> None:
     if isinstance(event, ProcessFailed):
         print(f"heard process {event.process_id} failed at {time.time():.3f}: {event.reason}", flush=True)
+    elif isinstance(event, CoordinatorLost):
+        print(f"lost the coordinator: {event.reason}", flush=True)
 
 
 if __name__ == "__main__":

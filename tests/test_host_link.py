@@ -18,7 +18,7 @@ from ifrt.connection import Connection
 from ifrt.errors import ERROR_TRAILER, AgentGone, InvalidArgument, ResourceExhausted
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.host_register import HostRegistrar, Registered
-from ifrt.run.host_rules import PENDING_PER_WORKER, Batcher, EventBuffer, Silence, Watches
+from ifrt.run.host_rules import PENDING_PER_WORKER, Batcher, EventBuffer, Silence, Watches, not_its_own
 from ifrt.run.host_session import HostSession
 from ifrt.run.local_server import MAX_SOCKET_PATH, LocalServer
 from ifrt.settings import resolve
@@ -84,6 +84,14 @@ def test_the_event_buffer_hands_out_what_a_worker_lacks_until_it_no_longer_keeps
     bounded.add(1, b"x" * 8)
     bounded.add(2, b"y" * 8)
     assert bounded.since(1) == [(2, b"y" * 8)] and bounded.since(0) is None
+
+
+def test_a_replacement_catching_up_is_not_told_of_its_predecessors_end_but_of_everything_else():
+    events = [(6, "process_failed", 3), (7, "process_failed", 1), (8, "process_restarted", 3),
+              (9, "key_changed", -1), (10, "process_failed", 3)]
+    assert not_its_own(events, 3) == [7, 9, 10]  # 10: its own failure, after its restart
+    assert not_its_own(events, 1) == [6, 7, 8, 9, 10]
+    assert not_its_own(events[:2], 3) == [6, 7]  # never restarted: nothing of it is from before
 
 
 def test_a_silent_session_is_reported_once_after_its_limit_and_a_heartbeat_resets_it():

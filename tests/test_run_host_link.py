@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import poll_until, rpc_calls
+from tests.replicas import Replicas
 from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env
 
 WORKER = Path(__file__).with_name("host_link_worker.py")
@@ -57,11 +58,12 @@ def gone(pid: int) -> bool:
 
 def test_workers_through_agents_discover_the_bytes_direct_workers_do_on_one_call_per_host(start_coordinator,
                                                                                           agents):
+    jobs = [("agent", "agent"), ("agent", "direct")]  # the second: a mixed job; both at once
+    coordinators = [start_coordinator("--metrics-port", "0", num_processes=4) for _ in jobs]
+    runs = [[agent(agents, c.address, h, "listen", "--worker-link", link) for h, link in enumerate(links)]
+            for c, links in zip(coordinators, jobs, strict=True)]
     fingerprints = []
-    for links in (("agent", "agent"), ("agent", "direct")):  # the second: a mixed job
-        coordinator = start_coordinator("--metrics-port", "0", num_processes=4)
-        both = [agent(agents, coordinator.address, h, "listen", "--worker-link", link)
-                for h, link in enumerate(links)]
+    for coordinator, links, both in zip(coordinators, jobs, runs, strict=True):
         lines = [started(a) for a in both]
         assert [{m.group(4) for m in found.values()} for found in lines] == [{link} for link in links]
         fingerprints.append({pid: m.group(3) for found in lines for pid, m in found.items()})
@@ -118,3 +120,21 @@ def test_a_worker_past_the_limits_is_refused_naming_it_and_its_host_mate_goes_on
     lines = started(a)  # its host mate's registration stood: the job completes once local rank 1 lists 1 device
     assert sorted(lines) == [0, 1] and len({m.group(3) for m in lines.values()}) == 1
     assert not any("refused" in line for line in a.out if line.startswith("[0]")), a.output()
+
+
+def test_a_failover_is_no_break_for_the_workers_and_a_later_failure_comes_once(etcd, agents):
+    with Replicas(etcd, num_processes=4) as replicas:
+        both = [agent(agents, replicas.addresses, h, "listen", "--recover", "replace", "--max-restarts", "1")
+                for h in range(2)]
+        lines = [started(a) for a in both]
+        replicas.kill_leader()  # returns once the standby serves: the host sessions move to it
+        os.kill(int(lines[1][3].group(2)), signal.SIGKILL)
+        poll_until(lambda: [line for line in both[1].out if line.startswith("[3] started process 3 ")],
+                   lambda found: len(found) == 2, timeout=WAIT_S, what=f"process 3 replaced\n{both[1].output()}")
+        for a, others in ((both[0], ["0", "1"]), (both[1], ["2"])):
+            count = len(others)
+            found = poll_until(lambda a=a: heard(a, 3), lambda f, n=count: len(f) >= n, timeout=WAIT_S,
+                               what=f"the other workers heard of process 3\n{a.output()}")
+            assert sorted(m.group(1) for m in found) == others, a.output()  # each once
+        for a in both:
+            assert not any("lost the coordinator" in line for line in a.out), a.output()

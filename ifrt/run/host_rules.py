@@ -125,6 +125,18 @@ class EventBuffer:
         self.floor = self.head = number
 
 
+OWN_KINDS = ("process_failed", "process_left", "process_restarted")
+"""The job events about one process that a later incarnation of it is not sent on catch-up."""
+
+
+def not_its_own(events: list[tuple[int, str, int]], process_id: int) -> list[int]:
+    """The numbers of the ``(number, kind, process id)`` events a worker of ``process_id`` catching up is sent: all
+    but its own from before its current incarnation (up to its latest restart), as the coordinator leaves them out
+    of a process's own catch-up."""
+    own_since = max((n for n, kind, pid in events if kind == "process_restarted" and pid == process_id), default=0)
+    return [n for n, kind, pid in events if not (n <= own_since and kind in OWN_KINDS and pid == process_id)]
+
+
 def stopped_answering(silent_s: float) -> str:
     """The reason an agent reports a worker whose session stays connected but sends no Heartbeat."""
     return f"stopped answering: no heartbeat for {silent_s:.1f}s while its connection to its agent stayed up"

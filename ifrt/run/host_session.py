@@ -19,7 +19,7 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import ERROR_CLASSES, IfrtError, UnknownClient, from_rpc_error
 from ifrt.protocol import ended_attempt
-from ifrt.run.host_rules import EventBuffer, Silence, Watches
+from ifrt.run.host_rules import OWN_KINDS, EventBuffer, Silence, Watches, not_its_own
 from ifrt.run.worker_stream import Ended, WorkerStream
 
 log = logging.getLogger("ifrt.run")
@@ -49,7 +49,8 @@ class HostSession:
         self._opened = threading.Event()  # set while the stream is to be held (from a published registration)
         self._epoch = 0  # one more at each new attempt: what an older stream sends is no longer news
         self._call: grpc.Future | None = None
-        self._refusal = ""  # the last refusal logged
+        self._refusal = "-"  # the last refusal logged ("-": before the first attach)
+        self._held = False  # attached since the stream last broke
         self.attached = threading.Event()
         """Set while the coordinator has acknowledged the host's session."""
         self._threads: list[threading.Thread] = []
@@ -132,8 +133,9 @@ class HostSession:
                     log.warning("the coordinator refused this host's session: %s: %s", type(error).__name__, error)
                 self._refusal = str(error)
                 self._end_all(Ended(error))
-            else:
+            elif self._held:  # said once per loss; the next `attached` says it is back
                 log.warning("lost this host's session with %s (%s); reconnecting", target, error or "it ended")
+            self._held = False
             self._connection.rotate(target)
             self._closed.wait(self._connection.backoff.next())
 
@@ -181,6 +183,9 @@ class HostSession:
                 if not event.attached.client_uid:
                     self._connection.answered(target)
                     self.attached.set()
+                    if not self._held and self._refusal != "-":
+                        log.warning("this host's session is back, through %s", target)
+                    self._held, self._refusal = True, ""
                 else:
                     self._worker_attached(event.attached)
             elif kind == "worker_ended":
@@ -219,9 +224,13 @@ class HostSession:
                 f"this worker's session asked for the job events after event {stream.since}, which its agent no "
                 f"longer keeps (it keeps those after event {self._buffer.floor}): register again")))
             return
-        for number, raw in missed:
-            stream.put(raw)
-            stream.since = number
+        events = {number: (raw, pb.SessionEvent.FromString(raw)) for number, raw in missed}
+        about = [(n, kind, getattr(e, kind).process_id if kind in OWN_KINDS else -1)
+                 for n, (_, e) in events.items() for kind in (e.WhichOneof("kind"),)]
+        for number in not_its_own(about, attached.process_id):
+            stream.put(events[number][0])
+        if missed:
+            stream.since = missed[-1][0]
         stream.live = True
         self._silence.start(attached.client_uid, self._clock(), attached.hung_after_ms / 1000)
 
