@@ -5,12 +5,15 @@ Its first line is ``started process P pid X fingerprint F via agent|direct``; ea
 Scenarios:
   listen    waits until stopped
   failfast  the same, with fail fast armed (``on_failure="exit"``): a peer's failure or a lost link ends it
+  hang      local rank 1 deadlocks holding the GIL a second after it started (its connection stays up, its Heartbeats
+            stop); the others wait
   greedy    local rank 1 first lists 2 cpu devices (the others 1); a refused registration prints ``refused: ERROR``,
             then it registers again with 1
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -40,6 +43,10 @@ def main(scenario: str) -> None:
           flush=True)
     if scenario == "failfast":
         failfast.arm(client, topology, "exit", "test")
+    if scenario == "hang" and os.environ.get("IFRT_LOCAL_RANK") == "1":
+        time.sleep(1.0)
+        print("holding the GIL", flush=True)
+        ctypes.PyDLL(None).sleep(120)  # libc's sleep through PyDLL: the GIL stays held, no other thread of ours runs
     while True:
         time.sleep(1.0)
 

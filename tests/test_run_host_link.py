@@ -112,6 +112,21 @@ def test_a_killed_agent_ends_its_workers_and_the_others_hear_of_them(start_coord
                timeout=15, what=f"each surviving worker heard of both lost processes\n{both[0].output()}")
 
 
+def test_a_worker_hung_with_its_connection_up_is_reported_by_its_agent(start_coordinator, agents):
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")  # hung: 3 s
+    a = agent(agents, coordinator.address, None, "hang", "--recover", "replace", "--max-restarts", "1")
+    lines = started(a)
+    a.wait_line(r"holding the GIL")
+    began = time.monotonic()
+    hung = next(pid for pid in lines if f"[{pid}] holding the GIL" in a.out)
+    survivor = 1 - hung
+    [found] = poll_until(lambda: [m for m in heard(a, hung) if m.group(1) == str(survivor)], timeout=30,
+                         what=f"process {survivor} heard process {hung} hung\n{a.output()}")
+    assert re.fullmatch(r"stopped answering: no heartbeat for [\d.]+s while its connection to its agent stayed up",
+                        found.group(3)), found.group(0)
+    assert time.monotonic() - began < 3 + 5  # the hung timeouts, and a loaded machine's slack
+
+
 def test_a_worker_past_the_limits_is_refused_naming_it_and_its_host_mate_goes_on(start_coordinator, agents):
     coordinator = start_coordinator("--max-devices-per-process", "1", num_processes=2, log_level="WARNING")
     a = agent(agents, coordinator.address, None, "greedy")
