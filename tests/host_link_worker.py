@@ -7,6 +7,8 @@ Scenarios:
   failfast  the same, with fail fast armed (``on_failure="exit"``): a peer's failure or a lost link ends it
   hang      local rank 1 deadlocks holding the GIL a second after it started (its connection stays up, its Heartbeats
             stop); the others wait
+  watch     watches the keys under ``k/``; process 0 sets ``k/go`` once every process watches; each change prints
+            ``changed KEY = VALUE``
   greedy    local rank 1 first lists 2 cpu devices (the others 1); a refused registration prints ``refused: ERROR``,
             then it registers again with 1
 """
@@ -43,6 +45,13 @@ def main(scenario: str) -> None:
           flush=True)
     if scenario == "failfast":
         failfast.arm(client, topology, "exit", "test")
+    if scenario == "watch":
+        changes = client.kv_watch("k/")
+        client.barrier("watching", 30)
+        if topology.process_id == 0:
+            client.kv_set("k/go", b"1")
+        for key, value in changes:
+            print(f"changed {key} = {value!r}", flush=True)
     if scenario == "hang" and os.environ.get("IFRT_LOCAL_RANK") == "1":
         time.sleep(1.0)
         print("holding the GIL", flush=True)

@@ -112,6 +112,14 @@ def test_a_killed_agent_ends_its_workers_and_the_others_hear_of_them(start_coord
                timeout=15, what=f"each surviving worker heard of both lost processes\n{both[0].output()}")
 
 
+def test_each_worker_watching_a_key_through_its_agent_hears_its_change(start_coordinator, agents):
+    coordinator = start_coordinator(num_processes=4, log_level="WARNING")
+    both = [agent(agents, coordinator.address, h, "watch") for h in range(2)]
+    for a in both:
+        poll_until(lambda a=a: [line for line in a.out if line.endswith("changed k/go = b'1'")],
+                   lambda found: len(found) == 2, timeout=WAIT_S, what=f"both workers heard k/go\n{a.output()}")
+
+
 def test_a_worker_hung_with_its_connection_up_is_reported_by_its_agent(start_coordinator, agents):
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")  # hung: 3 s
     a = agent(agents, coordinator.address, None, "hang", "--recover", "replace", "--max-restarts", "1")
