@@ -237,13 +237,19 @@ class Shell:
         if getattr(self.args, "worker_link", AGENT) != AGENT:  # not an outer agent's either
             return {k: v for k, v in env.items() if k != AGENT_SOCKET_ENV}
         if self.worker_link is None:
-            self.worker_link = AgentLink(self.link, self.args.nproc_per_host + getattr(self.args, "spare", 0),
-                                         self._running)
+            try:
+                self.worker_link = AgentLink(self.link, self.args.nproc_per_host + getattr(self.args, "spare", 0),
+                                             self._running)
+            except (OSError, IfrtError) as e:
+                log.warning("cannot serve the workers on a local socket (%s: %s): they reach the coordinator "
+                            "directly, as with --worker-link direct", type(e).__name__, e)
+                self.args.worker_link = "direct"
+                return {k: v for k, v in env.items() if k != AGENT_SOCKET_ENV}
         return {**env, AGENT_SOCKET_ENV: self.worker_link.socket}
 
     def _running(self) -> int:
-        """How many of this host's workers run now."""
-        return sum(w.process.poll() is None for w in list(self.workers.values()))
+        """How many of this host's workers run now (not reaped yet: no wait of its own, from any thread)."""
+        return sum(w.process.returncode is None for w in list(self.workers.values()))
 
     def _do(self, action: Say | Start | Stop | AskNextAttempt | StartWorker | Kill | AskReplace | LearnIds
             | StartIds | StartSpare | HandOff | AskShrink) -> None:
