@@ -71,9 +71,10 @@ class HostSession:
                 thread.start()
                 self._threads.append(thread)
 
-    def restart(self) -> None:
-        """A new attempt of the job starts (the coordinator numbers its events anew): the stream ends, with every
-        worker's session, and opens again from the new workers' first published registration."""
+    def restart(self, ended: Ended | None = None) -> None:
+        """A new attempt of the job starts (the coordinator numbers its events anew), or the coordinator refused the
+        host's session (``ended``: how the workers' sessions end, so that they register again): the stream ends,
+        with every worker's session, and opens again from the workers' next published registration."""
         with self._lock:
             self._epoch += 1
             self._opened.clear()
@@ -89,7 +90,7 @@ class HostSession:
         if call is not None:
             call.cancel()
         for stream in streams:
-            stream.end(Ended(None))
+            stream.end(ended or Ended(None))
 
     def close(self) -> None:
         self._closed.set()
@@ -132,7 +133,8 @@ class HostSession:
                 if str(error) != self._refusal:
                     log.warning("the coordinator refused this host's session: %s: %s", type(error).__name__, error)
                 self._refusal = str(error)
-                self._end_all(Ended(error))
+                self.restart(Ended(UnknownClient(f"the coordinator refused this host's session ({error}): register "
+                                                 "again")))
             elif self._held:  # said once per loss; the next `attached` says it is back
                 log.warning("lost this host's session with %s (%s); reconnecting", target, error or "it ended")
             self._held = False
@@ -244,14 +246,6 @@ class HostSession:
             return
         cls = ERROR_CLASSES.get(ended.error, IfrtError)
         stream.end(Ended(cls(ended.message), _STATUS.get(ended.code, grpc.StatusCode.UNKNOWN)))
-
-    def _end_all(self, ended: Ended) -> None:
-        with self._lock:
-            streams = list(self._streams.values())
-            self._streams.clear()
-            self._attached.clear()
-        for stream in streams:
-            stream.end(ended)
 
     # The workers' sessions with the agent.
     def attach(self, stream: WorkerStream) -> None:
