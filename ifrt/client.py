@@ -234,8 +234,7 @@ class Client:
 
         while True:  # not wait_for_ready: a coordinator that cannot be reached is said so, with the cause, at once
             response = self._link.call("Register", attempt, deadline, report=report, give_up=give_up,
-                                              timeout=lambda r: min(r, wait_s(r) + c.answer_slack_s),
-                                              wait_for_ready=False)
+                                        timeout=lambda r: min(r, wait_s(r) + c.answer_slack_s), wait_for_ready=False)
             if response.topology:
                 canonical = wire.decompress(response.encoding, response.topology)
                 topology = Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
