@@ -18,7 +18,7 @@ from ifrt.connection import Connection
 from ifrt.errors import ERROR_TRAILER, AgentGone, InvalidArgument, ResourceExhausted
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.host_register import HostRegistrar, Registered
-from ifrt.run.host_rules import PENDING_PER_WORKER, Batcher, EventBuffer, Silence, Watches, not_its_own
+from ifrt.run.host_rules import PENDING_PER_WORKER, Batcher, EventBuffer, Ranks, Silence, Watches, not_its_own
 from ifrt.run.host_session import HostSession
 from ifrt.run.local_server import MAX_SOCKET_PATH, LocalServer
 from ifrt.settings import resolve
@@ -92,6 +92,18 @@ def test_a_replacement_catching_up_is_not_told_of_its_predecessors_end_but_of_ev
     assert not_its_own(events, 3) == [7, 9, 10]  # 10: its own failure, after its restart
     assert not_its_own(events, 1) == [6, 7, 8, 9, 10]
     assert not_its_own(events[:2], 3) == [6, 7]  # never restarted: nothing of it is from before
+
+
+def test_a_workers_exit_names_its_own_registration_even_seen_after_its_successor_registered():
+    ranks = Ranks()
+    first = ranks.started(0)
+    ranks.registered(0, "first")
+    second = ranks.started(0)  # the first was stopped; its exit is seen late
+    ranks.registered(0, "second")
+    assert ranks.exited(0, first) is None  # not its successor's
+    assert ranks.exited(0, second) == "second" and ranks.exited(0, second) is None  # once
+    never = ranks.started(1)  # exited before it registered
+    assert ranks.exited(1, never) is None
 
 
 def test_a_silent_session_is_reported_once_after_its_limit_and_a_heartbeat_resets_it():

@@ -15,7 +15,7 @@ import grpc
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import ERROR_CLASSES, CoordinatorUnavailable, IfrtError
-from ifrt.run.host_rules import Batcher, Ticket
+from ifrt.run.host_rules import Batcher, Ranks, Ticket
 
 log = logging.getLogger("ifrt.run")
 
@@ -68,7 +68,7 @@ class HostRegistrar:
         self._cond = threading.Condition()
         self.registered: dict[str, Registered] = {}
         """Admitted registrations by client uid."""
-        self._by_rank: dict[int, str] = {}
+        self._ranks = Ranks()
 
     def register(self, request: pb.RegisterRequest, proof: str, deadline: float) -> bytes:
         """The worker's answer: ``RegisterResponse`` bytes; ``Refused`` as its own Register would have been."""
@@ -139,15 +139,20 @@ class HostRegistrar:
                                                                                     grpc.StatusCode.UNKNOWN))
                     continue
                 self.registered[uid] = Registered(entry.proof, entry.request.local_rank, result.process_id)
-                self._by_rank[entry.request.local_rank] = uid
+                self._ranks.registered(entry.request.local_rank, uid)
                 outcome.answers[uid] = pb.RegisterResponse(process_id=result.process_id).SerializeToString() \
                     + response.answer
         if answer.topology:
             self._published(answer.generation, answer.event_position)
 
-    def exited(self, local_rank: int) -> tuple[str, str] | None:
-        """The client uid and proof of local rank ``local_rank``'s last registration, once (its worker exited)."""
+    def started(self, local_rank: int) -> int:
+        """A worker starts (or a spare takes over) for ``local_rank``: its serial, which its exit names."""
         with self._cond:
-            uid = self._by_rank.pop(local_rank, None)
-            registered = self.registered.get(uid) if uid is not None else None
-        return None if registered is None or uid is None else (uid, registered.proof)
+            return self._ranks.started(local_rank)
+
+    def exited(self, local_rank: int, serial: int) -> tuple[str, str] | None:
+        """The client uid and proof of the registration of ``local_rank``'s worker ``serial``, once (it exited)."""
+        with self._cond:
+            uid = self._ranks.exited(local_rank, serial)
+            registered = None if uid is None else self.registered.get(uid)
+        return None if uid is None or registered is None else (uid, registered.proof)

@@ -125,6 +125,32 @@ class EventBuffer:
         self.floor = self.head = number
 
 
+class Ranks:
+    """Which registration is each local rank's current worker's: a worker's exit (seen by waitpid, by rank and the
+    serial its start got) names its own registration, never its successor's, however late it is seen."""
+
+    def __init__(self) -> None:
+        self._serials: dict[int, int] = {}
+        self._uids: dict[int, tuple[str, int]] = {}
+
+    def started(self, rank: int) -> int:
+        """A worker starts for ``rank`` (or a spare takes it over): its serial."""
+        serial = self._serials[rank] = self._serials.get(rank, 0) + 1
+        return serial
+
+    def registered(self, rank: int, uid: str) -> None:
+        """``rank``'s current worker registered as ``uid``."""
+        self._uids[rank] = (uid, self._serials.get(rank, 0))
+
+    def exited(self, rank: int, serial: int) -> str | None:
+        """The uid of ``rank``'s worker ``serial``, once; None where it never registered (or was reported)."""
+        found = self._uids.get(rank)
+        if found is None or found[1] != serial:
+            return None
+        del self._uids[rank]
+        return found[0]
+
+
 OWN_KINDS = ("process_failed", "process_left", "process_restarted")
 """The job events about one process that a later incarnation of it is not sent on catch-up."""
 

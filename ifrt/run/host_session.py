@@ -17,7 +17,7 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import ERROR_CLASSES, IfrtError, UnknownClient, from_rpc_error
+from ifrt.errors import ERROR_CLASSES, IfrtError, InvalidArgument, UnknownClient, from_rpc_error
 from ifrt.protocol import ended_attempt
 from ifrt.run.host_rules import OWN_KINDS, EventBuffer, Silence, Watches, not_its_own
 from ifrt.run.worker_stream import Ended, WorkerStream
@@ -129,12 +129,15 @@ class HostSession:
                 return
             if self._epoch != epoch or not self._opened.is_set():
                 continue  # a new attempt, or the attempt ended: opened again from the next registration
-            if error is not None and not error.retryable:
-                if str(error) != self._refusal:
-                    log.warning("the coordinator refused this host's session: %s: %s", type(error).__name__, error)
-                self._refusal = str(error)
+            if isinstance(error, InvalidArgument | UnknownClient):  # it lost the events (a restart without a store)
+                log.warning("the coordinator refused this host's session (%s); its workers register again", error)
                 self.restart(Ended(UnknownClient(f"the coordinator refused this host's session ({error}): register "
                                                  "again")))
+            elif error is not None and not error.retryable:  # e.g. this agent not joined yet: tried again
+                if str(error) != self._refusal:
+                    log.warning("the coordinator refused this host's session: %s: %s; trying again",
+                                type(error).__name__, error)
+                self._refusal = str(error)
             elif self._held:  # said once per loss; the next `attached` says it is back
                 log.warning("lost this host's session with %s (%s); reconnecting", target, error or "it ended")
             self._held = False
@@ -252,6 +255,10 @@ class HostSession:
         """A worker's session opened with the agent: the host's session vouches for it once the coordinator
         attaches it (its older session with the agent, if any, ends)."""
         with self._lock:
+            if not self._opened.is_set():  # no registration of this attempt's was published since: register again
+                stream.end(Ended(UnknownClient("this host's session with the coordinator is not open (a new attempt, "
+                                               "or the coordinator refused it): register again")))
+                return
             older = self._streams.get(stream.uid)
             self._streams[stream.uid] = stream
             self._attached[stream.uid] = stream.proof

@@ -212,6 +212,8 @@ class Shell:
         """The idle warm spares, by serial."""
         self.worker_link: AgentLink | None = None
         """With ``--worker-link agent``: the workers' local server, started with the first workers."""
+        self._serials: dict[Worker, int] = {}
+        """Each running worker's serial for its rank (``--worker-link agent``: its exit is reported by it)."""
 
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -319,12 +321,14 @@ class Shell:
     def _spawn(self, attempt: int, rank: int, incarnation: int) -> None:
         """Starts local rank ``rank``'s worker; one that cannot start is reported as a worker that failed (127)."""
         label = None if self.args.no_prefix else self._label(rank)
+        serial = self._started(rank)  # before it can register
         try:
             worker = Worker(self.command, self.envs[rank], attempt=attempt, local_rank=rank, label=label,
                             incarnation=incarnation)
         except OSError as e:
             self.events.put(WorkerExited(attempt, rank, 127, incarnation, f"could not start: {e}"))
             return
+        self._serials[worker] = serial
         self.workers[rank] = worker
         threading.Thread(target=self._await, args=(worker,), name="ifrt-run-wait", daemon=True).start()
 
@@ -333,6 +337,8 @@ class Shell:
         if isinstance(action, HandOff):
             spare = self.spares.pop(action.serial, None)
             variables = {k: self.envs[action.local_rank][k] for k in HANDED if k in self.envs[action.local_rank]}
+            if spare is not None:
+                self._serials[spare] = self._started(action.local_rank)
             why = "it did not start" if spare is None else spare.hand_off(
                 hand_off_line(variables), attempt=action.attempt, local_rank=action.local_rank,
                 incarnation=action.incarnation)
@@ -365,7 +371,7 @@ class Shell:
         spare.process.wait()
         with spare.lock:
             if spare.local_rank >= 0:
-                self._exited(spare.local_rank, spare.process.returncode)
+                self._exited(spare, spare.process.returncode)
         code = spare.wait()
         with spare.lock:  # handed a process (its exit is that worker's), or not
             handed = spare.local_rank >= 0
@@ -379,16 +385,21 @@ class Shell:
         return label
 
     def _await(self, worker: Worker) -> None:
-        self._exited(worker.local_rank, worker.process.wait())  # before its last output lines are copied
+        self._exited(worker, worker.process.wait())  # before its last output lines are copied
         self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait(), worker.incarnation))
 
-    def _exited(self, rank: int, code: int) -> None:
+    def _started(self, rank: int) -> int:
+        """The serial of a worker that starts for ``rank`` (0 without the agent link)."""
+        return 0 if self.worker_link is None else self.worker_link.worker_started(rank)
+
+    def _exited(self, worker: Worker, code: int) -> None:
         """The coordinator hears of a worker's exit through this agent at once, before the agent reacts."""
-        if self.worker_link is not None:
+        serial = self._serials.pop(worker, None)
+        if self.worker_link is not None and serial is not None:
             try:
-                self.worker_link.worker_exited(rank, code)
+                self.worker_link.worker_exited(worker.local_rank, serial, code)
             except Exception:  # the exit is still the agent's to act on
-                log.exception("could not report local rank %d's exit to the coordinator", rank)
+                log.exception("could not report local rank %d's exit to the coordinator", worker.local_rank)
 
     def _ask(self, action: AskNextAttempt) -> None:
         try:

@@ -47,10 +47,14 @@ class AgentLink:
     def socket(self) -> str:
         return self.server.path
 
-    def worker_exited(self, local_rank: int, returncode: int) -> None:
-        """Local rank ``local_rank``'s worker exited (seen by waitpid): the coordinator hears it at once, before
-        its peers' keepalives could tell. A worker that exits 0 left (or will be seen leaving) on its own."""
-        if returncode == 0 or (found := self.registrar.exited(local_rank)) is None:
+    def worker_started(self, local_rank: int) -> int:
+        """A worker starts for ``local_rank`` (or a spare takes it over): the serial its exit is reported with."""
+        return self.registrar.started(local_rank)
+
+    def worker_exited(self, local_rank: int, serial: int, returncode: int) -> None:
+        """Local rank ``local_rank``'s worker ``serial`` exited (seen by waitpid): the coordinator hears it at once,
+        before its peers' keepalives could tell. A worker that exits 0 left (or will be seen leaving) on its own."""
+        if returncode == 0 or (found := self.registrar.exited(local_rank, serial)) is None:
             return
         self.host.exited(*found, exit_reason(returncode))
 
