@@ -290,3 +290,18 @@ def test_a_failover_during_registration_and_during_the_session_loses_nothing_and
         assert all(e.event_number > first.event_number for e in seen), seen
         for agent in (h1, h2):
             agent.close()
+
+
+def test_a_job_may_mix_hosts_by_agent_and_processes_on_their_own(two_hosts):
+    address, (h1, h2) = two_hosts
+    own = [h2.request(rank).request for rank in (0, 1)]  # h2's workers register on their own
+    for request in own:
+        request.wait_ms = 20_000
+    with grpc.insecure_channel(address) as channel:
+        register = CoordinatorStub(channel).Register
+        answers = together([None, *own], lambda r: h1.register(h1.request(0), h1.request(1)) if r is None else
+                           register(r, timeout=30, metadata=((SECRET_METADATA, h2.secrets[r.local_rank]),)))
+    by_agent, *alone = answers
+    shared = pb.RegisterResponse.FromString(by_agent.answer)
+    assert [p.process_id for p in by_agent.processes] == [0, 1] and [a.process_id for a in alone] == [2, 3]
+    assert {(a.topology, a.fingerprint) for a in alone} == {(shared.topology, shared.fingerprint)}
