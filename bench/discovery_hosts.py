@@ -8,15 +8,14 @@
 
 Both publish the same topology, so their fingerprints must agree (``same_topology``). ``last_registration_to_all_s``
 is the time from the last registration sent (the last agent's RegisterHost, or the last process's first Register)
-to the last process holding the topology. ``--profile DIR`` runs the coordinator under cProfile and adds where its
-main thread's CPU went (gRPC's completion-queue thread is not profiled; cProfile slows the coordinator, so read
-shares, not times).
+to the last process holding the topology. ``--profile DIR`` runs the coordinator under bench/profiled.py and adds
+where its main thread's CPU went during registration (``profile``) and the agents' joins (``join_profile``), as
+shares of the profiled time (cProfile slows the coordinator; gRPC's completion-queue thread is not profiled).
 """
 
 from __future__ import annotations
 
 import argparse
-import pstats
 import sys
 import time
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import Any
 
 import content
 import discovery
+import profiled
 
 from coordinator.local import LocalCoordinator
 
@@ -34,45 +34,51 @@ MODES = ("agent", "process")
 PROFILE_TOP = 30
 
 
-def drive_hosts(server_pid: int, server_port: int, commands: list[list[str]], log_dir: Path,
-                timeout_s: float) -> tuple[discovery.Measurement, dict[str, Any]]:
-    """The host drivers' protocol against one coordinator: joins (measured apart), then registration, measured as
-    ``discovery.drive`` measures it."""
-    children = [discovery.Child(c, log_dir, f"host-driver{i}") for i, c in enumerate(commands)]
+def drive_phases(server_pid: int, server_port: int, commands: list[list[str]], log_dir: Path, timeout_s: float,
+                 join: bool, profile: Path | None = None) -> tuple[discovery.Measurement, dict[str, Any]]:
+    """The drivers' protocol against one coordinator, measured as ``discovery.drive`` measures it; with ``join``
+    (host drivers) the agents join first, measured apart. ``profile``: the coordinator runs under bench/profiled.py,
+    and each phase (join, registration) is profiled on its own."""
+    children = [discovery.Child(c, log_dir, f"driver{i}") for i, c in enumerate(commands)]
+    extra: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + discovery.START_TIMEOUT_S
         for c in children:
             c.expect("ready", deadline)
-        (user0, sys0), t0 = discovery.cpu_seconds(server_pid), time.monotonic()
-        for c in children:
-            c.send("join")
-        deadline = time.monotonic() + timeout_s
-        joined = [c.expect("joined", deadline) for c in children]
-        (user1, sys1), t1 = discovery.cpu_seconds(server_pid), time.monotonic()
-        join = {"join_cpu_s": round(user1 - user0 + sys1 - sys0, 3), "join_wall_s": round(t1 - t0, 3),
-                "join_driver_max_s": round(max(j["join_s"] for j in joined), 3)}
-        lo0 = discovery.loopback_bytes()
+        if join:
+            if profile:
+                profiled.switch(server_pid)
+            (user0, sys0), t0 = discovery.cpu_seconds(server_pid), time.monotonic()
+            for c in children:
+                c.send("join")
+            deadline = time.monotonic() + timeout_s
+            joined = [c.expect("joined", deadline) for c in children]
+            (user1, sys1), t1 = discovery.cpu_seconds(server_pid), time.monotonic()
+            extra = {"join_cpu_s": round(user1 - user0 + sys1 - sys0, 3), "join_wall_s": round(t1 - t0, 3),
+                     "join_driver_max_s": round(max(j["join_s"] for j in joined), 3)}
+            if profile:
+                extra["join_profile"] = profiled.profile_shares(profiled.stopped(server_pid, profile, 0), PROFILE_TOP)
+        if profile:
+            profiled.switch(server_pid)
+        (user1, sys1), lo0 = discovery.cpu_seconds(server_pid), discovery.loopback_bytes()
         for c in children:
             c.send("go")
         deadline = time.monotonic() + timeout_s
         for c in children:
             c.expect("received", deadline)
         (user2, sys2), lo1 = discovery.cpu_seconds(server_pid), discovery.loopback_bytes()
+        if profile:
+            stats = profiled.stopped(server_pid, profile, 1 if join else 0)
+            extra["profile"] = profiled.profile_shares(stats, PROFILE_TOP)
         connections, peak = discovery.established(server_pid, server_port), discovery.peak_rss_kib(server_pid)
         deadline = time.monotonic() + timeout_s
         results = [c.expect("sent", deadline) for c in children]
-        return discovery.Measurement(results, user2 - user1, sys2 - sys1, lo1 - lo0, connections, peak), join
+        return discovery.Measurement(results, user2 - user1, sys2 - sys1, lo1 - lo0, connections, peak), extra
     finally:
         for c in children:
             c.send("exit")
         for c in children:
             c.stop()
-
-
-def coordinator(n: int, coordinator_args: Sequence[str], profile: Path | None) -> LocalCoordinator:
-    """The coordinator of one run; under cProfile (its stats written to ``profile`` when it stops) if asked."""
-    wrapper = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else []
-    return LocalCoordinator(*coordinator_args, num_processes=n, log_level="WARNING", wrapper=wrapper)
 
 
 def run(mode: str, n: int, k: int, per_host: int, drivers: int, log_dir: Path, content_args: argparse.Namespace,
@@ -82,17 +88,15 @@ def run(mode: str, n: int, k: int, per_host: int, drivers: int, log_dir: Path, c
         raise ValueError(f"{n} processes are not whole hosts of {per_host}")
     timeout = discovery.run_timeout(n)
     script = HOST_DRIVER if mode == "agent" else discovery.IFRT_DRIVER
-    with coordinator(n, coordinator_args, profile) as c:
+    wrapper = [sys.executable, str(HERE / "profiled.py"), str(profile)] if profile else []
+    with LocalCoordinator(*coordinator_args, num_processes=n, log_level="WARNING", wrapper=wrapper) as c:
         commands = [[sys.executable, str(script), "--address", c.address, "--first", str(first * per_host),
                      "--count", str(count * per_host), "--num-processes", str(n), "--devices", str(k),
                      "--processes-per-host", str(per_host), "--timeout", str(timeout - 10),
                      *content.driver_arguments(content_args)]
                     for first, count in discovery.split(n // per_host, drivers)]
         port = int(c.address.rpartition(":")[2])
-        if mode == "agent":
-            measured, extra = drive_hosts(c.pid, port, commands, log_dir, timeout)
-        else:
-            measured, extra = discovery.drive(c.pid, port, commands, log_dir, timeout), {}
+        measured, extra = drive_phases(c.pid, port, commands, log_dir, timeout, mode == "agent", profile)
         complaints = [line for line in c.log.splitlines() if " WARNING " in line or " ERROR " in line]
     record = discovery.summarize(f"ifrt/{mode}", n, k, measured)
     sent = [t for r in measured.results for t in r["sent"]]
@@ -112,26 +116,9 @@ def run(mode: str, n: int, k: int, per_host: int, drivers: int, log_dir: Path, c
         total = record["coordinator_cpu_s"] + extra["join_cpu_s"]
         record["with_join_cpu_per_process_ms"] = round(total / n * 1e3, 3)
     for line in complaints[:5]:
-        print(f"coordinator: {line}", file=sys.stderr)
-    if profile is not None:
-        record["profile"] = profile_shares(profile, PROFILE_TOP)
+        if "no cluster token" not in line:
+            print(f"coordinator: {line}", file=sys.stderr)
     return record
-
-
-def profile_shares(path: Path, top: int) -> dict[str, Any]:
-    """The ``top`` functions by share (%) of the profiled thread's time, own and with callees (cProfile's stats)."""
-    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
-    total = sum(tt for _, _, tt, _, _ in stats.values()) or 1.0
-
-    def name(key: tuple[str, int, str]) -> str:
-        file, line, function = key
-        return f"{function} ({Path(file).name}:{line})" if line else function
-
-    def ranked(index: int) -> list[tuple[str, float]]:
-        order = sorted(stats.items(), key=lambda kv: kv[1][index], reverse=True)[:top]
-        return [(name(key), round(100 * value[index] / total, 1)) for key, value in order]
-
-    return {"profiled_s": round(total, 2), "self": ranked(2), "inclusive": ranked(3)}
 
 
 def side_by_side(sizes: list[int], modes: list[str], args: argparse.Namespace, peer: str | None, tmp: Path,
@@ -142,7 +129,7 @@ def side_by_side(sizes: list[int], modes: list[str], args: argparse.Namespace, p
         drivers = args.drivers or max(2, -(-n // discovery.PROCESSES_PER_DRIVER))
         fingerprints: dict[str, str | None] = {}
         for mode in modes:
-            profile = args.profile / f"{mode}-{n}.prof" if args.profile else None
+            profile = args.profile / f"{mode}-{n}" if args.profile else None
             print(f"ifrt/{mode}: {n} processes x {args.devices} devices, hosts of {args.processes_per_host} ...",
                   file=sys.stderr, flush=True)
             try:
