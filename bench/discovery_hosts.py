@@ -139,7 +139,7 @@ def side_by_side(sizes: list[int], modes: list[str], args: argparse.Namespace, p
             except Exception as e:  # reported as data: the other configurations still run
                 record = {"system": f"ifrt/{mode}", "processes": n, "error": f"{type(e).__name__}: {e}"}
             fingerprints[mode] = record.get("fingerprint")
-            if len(fingerprints) > 1:
+            if len(fingerprints) > 1 and "error" not in record and None not in fingerprints.values():
                 record["same_topology"] = len(set(fingerprints.values())) == 1
                 if not record["same_topology"]:
                     record["error"] = f"topology fingerprints differ by mode: {fingerprints}"
