@@ -542,6 +542,8 @@ def main() -> int:
     p.add_argument("--by", choices=["process", "agent"], default="process",
                    help="sessions of processes (default), or of simulated `ifrt run` agents, one per host")
     p.add_argument("--processes-per-host", type=int, default=8, help="with --by agent (default %(default)s)")
+    p.add_argument("--profile", type=Path, metavar="PREFIX",
+                   help="with --by agent: profile the coordinator through the window (bench/profiled.py)")
     args = p.parse_args()
     if args.repeats < 0 or args.window <= 0:
         p.error("--repeats must not be negative and --window must be positive")
@@ -554,8 +556,9 @@ def main() -> int:
         if args.by == "agent":
             import liveness_hosts
 
-            ok &= measured("host_sessions", lambda n=n: liveness_hosts.measure(n, args.processes_per_host, args.window,
-                                                                              args.drivers))
+            profile = args.profile and args.profile.with_name(f"{args.profile.name}-{n}")
+            ok &= measured("host_sessions", lambda n=n, p=profile: liveness_hosts.measure(
+                n, args.processes_per_host, args.window, args.drivers, p))
             continue
         drivers = args.drivers or max(2, -(-n // PROCESSES_PER_DRIVER))
         ok &= measured("sessions", lambda n=n, d=drivers: session_cost(d, n, args.window, args.legacy_heartbeats))

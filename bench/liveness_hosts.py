@@ -16,13 +16,16 @@ import asyncio
 import contextlib
 import multiprocessing
 import statistics
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from multiprocessing.queues import Queue as MpQueue
+from pathlib import Path
 from typing import Any
 
+import profiled
 from content import Cluster
 from ifrt_driver import guard_memory
 from liveness import (
@@ -119,8 +122,10 @@ def driver_main(address: str, firsts: list[int], num_processes: int, per_host: i
         outbox.put({"error": f"{type(e).__name__}: {e}"[:500]})
 
 
-def measure(num_processes: int, per_host: int, window_s: float, drivers: int = 0) -> dict[str, Any]:
-    """The steady cost of N/P idle host sessions, then the fan-out of one reported exit."""
+def measure(num_processes: int, per_host: int, window_s: float, drivers: int = 0,
+            profile: Path | None = None) -> dict[str, Any]:
+    """The steady cost of N/P idle host sessions, then the fan-out of one reported exit. ``profile``: the
+    coordinator runs under bench/profiled.py, which profiles the window (``profile`` in the record)."""
     if num_processes % per_host or num_processes < 2 * per_host:
         raise ValueError(f"{num_processes} processes are not at least two whole hosts of {per_host}")
     n_hosts = num_processes // per_host
@@ -132,8 +137,9 @@ def measure(num_processes: int, per_host: int, window_s: float, drivers: int = 0
                               "window_s": window_s, "load_average_1m": round(load_average(), 2)}
     setup_timeout_s = SETUP_TIMEOUT_S + SETUP_PER_PROCESS_S * num_processes
     firsts = hosts(0, num_processes, per_host)
+    wrapper = [sys.executable, str(Path(__file__).with_name("profiled.py")), str(profile)] if profile else []
     with LocalCoordinator("--heartbeat-timeout", str(SESSION_HEARTBEAT_TIMEOUT_S), num_processes=num_processes,
-                          log_level="WARNING") as coordinator:
+                          log_level="WARNING", wrapper=wrapper) as coordinator:
         record["rss_idle_mib"] = round(rss_mib(coordinator.pid), 1)
         inboxes = [context.Queue() for _ in range(drivers)]
         outbox = context.Queue()
@@ -154,9 +160,13 @@ def measure(num_processes: int, per_host: int, window_s: float, drivers: int = 0
             progress(f"N={num_processes}: {record['attached_hosts']} host sessions attached after {record['setup_s']}s")
             start = time.monotonic() + min(SETTLE_S, window_s)  # a short window (a smoke test) settles shortly
             sleep_until(start)
+            if profile:
+                profiled.switch(coordinator.pid)
             cpu0, t0, busy0 = cpu_seconds(coordinator.pid), time.monotonic(), machine_busy_seconds()
             peak = peak_cpu_pct(coordinator.pid, start + window_s)
             cpu1, t1, busy1 = cpu_seconds(coordinator.pid), time.monotonic(), machine_busy_seconds()
+            if profile:
+                record["profile"] = profiled.profile_shares(profiled.stopped(coordinator.pid, profile, 0), 30)
             record.update(rss_mib=round(rss_mib(coordinator.pid), 1), coordinator_cpu_s=round(cpu1 - cpu0, 3),
                           coordinator_cpu_pct_of_core=round(100 * (cpu1 - cpu0) / (t1 - t0), 2),
                           coordinator_cpu_pct_max_1s=round(peak, 1),
