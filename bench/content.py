@@ -173,6 +173,18 @@ class Cluster:
         return devices
 
 
+def on_host(cluster: Cluster, process_id: int, per_host: int) -> tuple[Host, int]:
+    """Process ``process_id`` on a host of ``per_host`` processes, and its local rank: the host's name and address
+    are those of its first process (a port per rank), its devices its own. ``per_host`` 1: ``cluster.host``, rank 0."""
+    rank = process_id % per_host
+    own = cluster.host(process_id)
+    if per_host == 1:
+        return own, 0
+    first = cluster.host(process_id - rank)
+    ip, _, port = first.address.rpartition(":")
+    return Host(first.hostname, f"{ip}:{int(port) + rank}", own.plugin, own.devices), rank
+
+
 def _synthetic_address(process_id: int) -> str:
     return f"10.{process_id >> 16 & 255}.{process_id >> 8 & 255}.{process_id & 255}:{SYNTHETIC_PORT}"
 

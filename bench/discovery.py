@@ -18,6 +18,12 @@ default 32768-60999 holds 28232). The XLA peer's simulated processes dial 127.1.
 target within a process. The peer needs about 3 threads per simulated process (kernel.pid_max bounds them all).
 
     .venv/bin/python bench/discovery.py --processes 16384 --devices 8 --peer none --repeat 1
+
+With ``--by agent,process`` the processes sit on hosts of ``--processes-per-host`` (8), and each size runs through
+one simulated ``ifrt run`` agent per host (one connection and one RegisterHost call per host), then with one
+connection per process, then XLA's peer: see bench/discovery_hosts.py.
+
+    .venv/bin/python bench/discovery.py --by agent,process --processes 1024,4096,16384 --peer-max-processes 4096
 """
 
 from __future__ import annotations
@@ -458,6 +464,11 @@ def main() -> int:
     p.add_argument("--heartbeat-timeout", type=float, metavar="SECONDS",
                    help="the coordinator's --heartbeat-timeout (default: its own, 10 s); a registered process whose "
                         "next Register call has not reached the coordinator within it is forgotten")
+    p.add_argument("--by", help="comma-separated: agent (one simulated `ifrt run` agent per host), process (each "
+                                "process on its own), side by side on hosts of --processes-per-host")
+    p.add_argument("--processes-per-host", type=int, default=8, help="with --by (default %(default)s)")
+    p.add_argument("--profile", type=Path, metavar="DIR",
+                   help="with --by: run each coordinator under cProfile, its stats in DIR (use --repeat 1)")
     p.add_argument("--head-start", type=float, default=0.5,
                    help="seconds the worker runs before the coordinator starts (default %(default)s)")
     content.add_arguments(p)  # the XLA peer always exchanges synthetic devices
@@ -479,6 +490,17 @@ def main() -> int:
         print(f"discovery: {problem}", file=sys.stderr)
         return 2
     coordinator_args = () if args.heartbeat_timeout is None else ("--heartbeat-timeout", str(args.heartbeat_timeout))
+    if args.by:
+        import discovery_hosts
+
+        modes = args.by.split(",")
+        if not set(modes) <= set(discovery_hosts.MODES) or any(n % args.processes_per_host for n in sizes):
+            p.error(f"--by {args.by}: expected modes among {', '.join(discovery_hosts.MODES)} and sizes that are "
+                    f"whole hosts of --processes-per-host {args.processes_per_host}")
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="ifrt-bench-") as tmp:
+            return 0 if discovery_hosts.side_by_side(sizes, modes, args, peer, Path(tmp), coordinator_args) else 1
     failed = False
     with tempfile.TemporaryDirectory(prefix="ifrt-bench-") as tmp:
         for n in sizes:

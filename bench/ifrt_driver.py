@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from content import Cluster, Host
+from content import Cluster, Host, on_host
 from content import add_arguments as add_content_arguments
 
 from ifrt import wire
@@ -61,11 +61,11 @@ def wire_fields(device: LocalDevice) -> dict[str, Any]:
     return {f.name: getattr(device, f.name) for f in dataclasses.fields(device) if f.name in names}
 
 
-def register_request(process_id: int, num_processes: int, host: Host) -> bytes:
+def register_request(process_id: int, num_processes: int, host: Host, local_rank: int = 0) -> bytes:
     """A serialized RegisterRequest with an explicit process id, built as ``ifrt.Client`` builds it (host-only
     attributes are not sent) from what the simulated host reports (bench/content.py)."""
     request = pb.RegisterRequest(cluster_id="", num_processes=num_processes, client_uid=uuid.uuid4().hex,
-                                 hostname=host.hostname, local_rank=0, address=host.address, wait_ms=WAIT_MS)
+                                 hostname=host.hostname, local_rank=local_rank, address=host.address, wait_ms=WAIT_MS)
     request.process_id = process_id
     if "plugin" in pb.RegisterRequest.DESCRIPTOR.fields_by_name:  # wire versions that name the device plugin
         request.plugin = host.plugin
@@ -151,9 +151,12 @@ def emit(record: dict) -> None:
     sys.stdout.flush()
 
 
-async def run(address: str, first: int, count: int, num_processes: int, cluster: Cluster, timeout: float) -> None:
-    """Opens ``count`` channels, waits for ``go``, registers processes ``first..first+count-1``, reports."""
-    requests = [register_request(first + i, num_processes, cluster.host(first + i)) for i in range(count)]
+async def run(address: str, first: int, count: int, num_processes: int, cluster: Cluster, timeout: float,
+              per_host: int = 1) -> None:
+    """Opens ``count`` channels, waits for ``go``, registers processes ``first..first+count-1`` (on hosts of
+    ``per_host``), reports."""
+    requests = [register_request(first + i, num_processes, *on_host(cluster, first + i, per_host))
+                for i in range(count)]
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(count)]
     outcomes = [Outcome(first + i) for i in range(count)]
     emit({"ready": count})
@@ -205,6 +208,8 @@ def main() -> None:
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--devices", type=int, required=True, help="devices per process")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds until every process holds the topology")
+    p.add_argument("--processes-per-host", type=int, default=1,
+                   help="processes on one host: its name and address, local ranks 0.. (default %(default)s)")
     p.add_argument("--max-rss-mib", type=int, default=6144, help="exit if resident memory passes this (default "
                                                                  "%(default)s)")
     add_content_arguments(p)
@@ -212,7 +217,8 @@ def main() -> None:
     threading.Thread(target=guard_memory, args=(args.max_rss_mib,), daemon=True).start()
     cluster = Cluster(args.content, args.num_processes, args.devices,
                       publish_host_attributes=args.publish_host_attributes)
-    asyncio.run(run(args.address, args.first, args.count, args.num_processes, cluster, args.timeout))
+    asyncio.run(run(args.address, args.first, args.count, args.num_processes, cluster, args.timeout,
+                    args.processes_per_host))
 
 
 if __name__ == "__main__":

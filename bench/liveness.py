@@ -20,6 +20,12 @@ Prints one JSON object per measurement on stdout and nothing else there (progres
 - ``coordinator_sigterm``: the same cluster; the coordinator gets SIGTERM and the time until both observers hold
   ``CoordinatorLost`` is measured.
 
+With ``--by agent``, ``sessions`` is replaced by ``host_sessions`` (bench/liveness_hosts.py): the N processes on
+hosts of ``--processes-per-host``, one simulated ``ifrt run`` agent and HostSession stream per host; its steady cost,
+then a worker's exit reported by its agent, timed to every other host session.
+
+    .venv/bin/python bench/liveness.py --by agent --processes 16384 --repeats 0
+
 Raises the soft RLIMIT_NOFILE to the hard limit (the coordinator holds one connection per simulated process; the
 children inherit it).
 
@@ -533,6 +539,11 @@ def main() -> int:
                    help=f"driver processes (default: one per {PROCESSES_PER_DRIVER} sessions, at least 2)")
     p.add_argument("--legacy-heartbeats", action="store_true",
                    help="simulated processes heartbeat every quarter timeout whatever the coordinator asks")
+    p.add_argument("--by", choices=["process", "agent"], default="process",
+                   help="sessions of processes (default), or of simulated `ifrt run` agents, one per host")
+    p.add_argument("--processes-per-host", type=int, default=8, help="with --by agent (default %(default)s)")
+    p.add_argument("--profile", type=Path, metavar="PREFIX",
+                   help="with --by agent: profile the coordinator through the window (bench/profiled.py)")
     args = p.parse_args()
     if args.repeats < 0 or args.window <= 0:
         p.error("--repeats must not be negative and --window must be positive")
@@ -542,6 +553,13 @@ def main() -> int:
     progress(f"RLIMIT_NOFILE {soft} -> {wanted}")
     ok = True
     for n in (int(x) for x in args.processes.split(",") if x.strip()):
+        if args.by == "agent":
+            import liveness_hosts
+
+            profile = args.profile and args.profile.with_name(f"{args.profile.name}-{n}")
+            ok &= measured("host_sessions", lambda n=n, p=profile: liveness_hosts.measure(
+                n, args.processes_per_host, args.window, args.drivers, p))
+            continue
         drivers = args.drivers or max(2, -(-n // PROCESSES_PER_DRIVER))
         ok &= measured("sessions", lambda n=n, d=drivers: session_cost(d, n, args.window, args.legacy_heartbeats))
     for kind in ("kill", "stop", "sigterm") if args.repeats else ():

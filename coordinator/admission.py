@@ -336,7 +336,8 @@ class Admission:
                                       f"(num_processes {config.num_processes}, id limit {config.max_processes})")
         if not config.allow_mixed_platforms and self.holder:
             first = self.members[next(iter(self.holder.values()))].registration
-            if _platform(first) != _platform(r):
+            same = first.devices is r.devices and first.plugin == r.plugin  # equal device lists are shared
+            if not same and _platform(first) != _platform(r):
                 raise ClusterMismatch(f"{r.describe()} uses plugin {r.plugin!r} with platforms "
                                       f"{sorted(_platform(r)[1])}, but {first.describe()} uses plugin "
                                       f"{first.plugin!r} with platforms {sorted(_platform(first)[1])}: start the "

@@ -136,10 +136,11 @@ class JobAgentsService:
             self._epoch, self._since = service.replica.epoch, now
             self._gone_since.clear()
         agents, grace = service.state.attempts.agents, service.replica.config.heartbeat_timeout_s
-        for uid in self._gone_since.keys() - agents:  # no longer an agent of the job
-            del self._gone_since[uid]
-        return frozenset(uid for uid in agents
-                         if uid not in self._watching and now - self._gone_since.get(uid, self._since) > grace)
+        if self._gone_since:
+            for uid in self._gone_since.keys() - agents:  # no longer an agent of the job
+                del self._gone_since[uid]
+        unwatched = agents.difference(self._watching)  # in C: most rounds find every agent watching
+        return frozenset(uid for uid in unwatched if now - self._gone_since.get(uid, self._since) > grace)
 
     async def watch_hosts_every(self, interval_s: float) -> None:
         """Hands a lost host's process ids to a spare host once (coordinator.takeover); without one, says every

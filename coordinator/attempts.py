@@ -178,6 +178,7 @@ class Attempts:
         self._earlier = 0
         self._decided_by: dict[str, None] = {}  # request ids of the decisions, oldest first
         self._agents: dict[str, Agent] = {}  # by uid, in the order they joined
+        self._agents_seen: tuple[frozenset[str], int] | None = None  # their uids, the workers of those running
         self._declared: dict[int, AttemptFailure] = {}  # processes the coordinator declared failed in this attempt
         self._replacements = 0  # processes replaced in this run
         self._mode = ""  # the job's --recover mode, as its first agent of the run stated it ("": none stated)
@@ -237,8 +238,9 @@ class Attempts:
         if known is None and agent.spare:
             replaced = spare_places(self._agents.values(), absent, limits.agents)
         elif known is None and not new_run:
-            running_agents = [a for a in self._agents.values() if not a.spare]  # a spare host runs nothing yet
-            running = sum(a.workers for a in running_agents)
+            running = self._seen()[1]
+            running_agents = [a for a in self._agents.values() if not a.spare] if (
+                running + agent.workers > num_processes) else []  # a spare host runs nothing yet
             places = [*(a for a in running_agents if a.uid in absent),
                       *(a for a in running_agents if a.where == agent.where and a.uid not in absent)]
             for old in places:
@@ -269,6 +271,7 @@ class Attempts:
             self._agents.pop(uid, None)
         self._agents[entry.agent_uid] = Agent(entry.agent_uid, entry.host, entry.host_address, entry.secret_hash,
                                               entry.workers, entry.spare)
+        self._agents_seen = None
         if entry.max_restarts is not None and self._stated is None:
             self._stated, self._stated_by = entry.max_restarts, entry.host
         if entry.recover and not self._mode:
@@ -283,7 +286,14 @@ class Attempts:
     @property
     def agents(self) -> frozenset[str]:
         """The ids of the job's agents."""
-        return frozenset(self._agents)
+        return self._seen()[0]
+
+    def _seen(self) -> tuple[frozenset[str], int]:
+        """The agents' uids and the workers of those that run some, worked out once per change (a join at 2,048
+        agents must not walk them all)."""
+        if self._agents_seen is None:
+            self._agents_seen = (frozenset(self._agents), sum(a.workers for a in self._agents.values() if not a.spare))
+        return self._agents_seen
 
     def agent(self, uid: str, proof: str) -> Agent:
         """The agent ``uid`` whose secret ``proof`` proves; PermissionDenied otherwise."""
@@ -350,6 +360,7 @@ class Attempts:
         self._agents.pop(entry.lost_uid, None)
         spare = self._agents[entry.spare_uid]
         self._agents[spare.uid] = replace(spare, spare=False, workers=len(entry.process_ids))
+        self._agents_seen = None
         return HostTakenOver(failure, spare.uid, spare.host, entry.process_ids, self.view())
 
     def decided(self, request_id: str) -> bool:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import asdict, dataclass
+from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
 from coordinator.limits import Limits
@@ -189,8 +191,11 @@ def encode(entry: Entry) -> bytes:
     fields: dict[str, Any]
     if isinstance(entry, Registered):
         r = entry.registration
-        fields = {"request": base64.b64encode(to_request(r)).decode(), "host_address": r.host_address,
-                  "secret_hash": r.secret_hash, "now": entry.now}
+        request = base64.b64encode(to_request(r)).decode()
+        if type(entry.now) is float and math.isfinite(entry.now):  # one per process: what json.dumps writes, built
+            return (f'{{"type":"Registered","request":"{request}","host_address":{_string(r.host_address)},'
+                    f'"secret_hash":{_string(r.secret_hash)},"now":{entry.now!r}}}').encode()
+        fields = {"request": request, "host_address": r.host_address, "secret_hash": r.secret_hash, "now": entry.now}
     elif isinstance(entry, KeySet | KeySwapped):
         fields = {**asdict(entry), "value": base64.b64encode(entry.value).decode()}
     else:

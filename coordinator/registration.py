@@ -80,6 +80,10 @@ attributes of a kilobyte each); a cache, not state: what it holds never changes 
 _KNOWN_MOST = 1 << 16
 _KNOWN_MOST_BYTES = 8 << 20
 _known_bytes = 0
+_known_lists: dict[tuple[_DeviceRow, ...], tuple[Limits, tuple[LocalDevice, ...]]] = {}
+"""Device lists seen before, as requests list them, with the limits they were checked under and the checked, sorted
+devices: the processes of a cluster mostly list equal devices, so each list is checked once. Cleared with ``_known``
+(its rows count in ``_known_bytes``)."""
 
 
 def _rows(request: pb.RegisterRequest) -> list[_DeviceRow]:
@@ -128,6 +132,9 @@ def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, 
         raise InvalidArgument(f"{len(request.devices)} devices in one process: expected at most "
                               f"{limits.devices_per_process} (the coordinator's {FLAGS['devices_per_process']})")
     rows = _rows(request)
+    seen = _known_lists.get(key := tuple(rows))
+    if seen is not None and seen[0] is limits:
+        return seen[1]
     for index, row in enumerate(rows):
         if not _fits(row, limits):
             _check_device(row, index, limits)
@@ -139,8 +146,9 @@ def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, 
         raise InvalidArgument(f"devices have coordinates of ranks {sorted({len(row[4]) for row in rows})}: "
                               "expected the same number of coordinates for every device of a process")
     global _known_bytes
-    if len(_known) > _KNOWN_MOST or _known_bytes > _KNOWN_MOST_BYTES:
+    if len(_known) + len(_known_lists) > _KNOWN_MOST or _known_bytes > _KNOWN_MOST_BYTES:
         _known.clear()
+        _known_lists.clear()
         _known_bytes = 0
     devices = []
     for row in rows:
@@ -149,7 +157,9 @@ def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, 
             device = _known[row] = LocalDevice(*row[:5], attributes=dict(row[5]))
             _known_bytes += _row_bytes(row)
         devices.append(device)
-    return tuple(devices)
+    _known_lists[key] = (limits, checked := tuple(devices))
+    _known_bytes += sum(_row_bytes(row) for row in key)
+    return checked
 
 
 def _row_bytes(row: _DeviceRow) -> int:

@@ -39,6 +39,8 @@ MEMBERS = OWNED | {C.NOT_FOUND, C.FAILED_PRECONDITION}
 DOCUMENTED = {
     "Register": OWNED | {C.ALREADY_EXISTS, C.FAILED_PRECONDITION, C.RESOURCE_EXHAUSTED},
     "Session": OWNED | {C.NOT_FOUND, C.FAILED_PRECONDITION},
+    "RegisterHost": OWNED,
+    "HostSession": OWNED,
     "Leave": OWNED | {C.NOT_FOUND},
     "Barrier": MEMBERS | {C.DEADLINE_EXCEEDED, C.ABORTED, C.CANCELLED},
     "CancelBarrier": MEMBERS,
@@ -57,6 +59,7 @@ DOCUMENTED = {
     "Status": COMMON,
 }
 METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name
+STREAMS = {"Session": pb.SessionRequest, "HostSession": pb.HostSessionRequest}
 
 
 # Random well-formed messages of any request type, drawn field by field from the descriptor.
@@ -176,7 +179,7 @@ class Fuzzer:
             payload = cannot_join(payload)  # type: ignore[arg-type]
         self.tried[method] += 1
         try:
-            if method == "Session":
+            if method in STREAMS:
                 for _ in self.channel.stream_stream(SERVICE + method)(iter(payload), timeout=10):
                     pass
             else:
@@ -185,7 +188,7 @@ class Fuzzer:
         except grpc.RpcError as e:
             code = e.code()
             error_class = dict(e.trailing_metadata() or ()).get("ifrt-error")
-            largest = max((len(p) for p in payload), default=0) if method == "Session" else len(payload)
+            largest = max((len(p) for p in payload), default=0) if method in STREAMS else len(payload)
             if code == C.RESOURCE_EXHAUSTED and largest <= MAX_REQUEST:  # only gRPC's own size check may say it
                 why = "RESOURCE_EXHAUSTED for a request within --max-request-bytes"
             elif code not in DOCUMENTED[method]:
@@ -314,10 +317,10 @@ def test_junk_on_every_rpc_and_the_port_changes_nothing(start_coordinator):
         before = fuzzer.state()
         assert before[2:5] == (2, PROCESSES, [2, 3])
         for name in DOCUMENTED:
-            if name == "Session":
-                fuzz(30, st.lists(st.binary(max_size=300), max_size=4), lambda b: fuzzer.call("Session", b))
-                fuzz(50, st.lists(messages(pb.SessionRequest.DESCRIPTOR).map(serialize),
-                                   max_size=4), lambda b: fuzzer.call("Session", b))
+            if name in STREAMS:
+                fuzz(30, st.lists(st.binary(max_size=300), max_size=4), lambda b, name=name: fuzzer.call(name, b))
+                fuzz(50, st.lists(messages(STREAMS[name].DESCRIPTOR).map(serialize),
+                                   max_size=4), lambda b, name=name: fuzzer.call(name, b))
                 continue
             request_type = METHODS[name].input_type
             fuzz(40, st.one_of(st.binary(max_size=300), st.integers(0, 70_000).map(lambda n: b"\x0a" * n)),

@@ -26,6 +26,7 @@ from ifrt.errors import InvalidArgument, PermissionDenied, UnknownClient
 from ifrt.events import ProcessFailed
 from ifrt.protocol import SECRET_METADATA, proof_of
 from tests.helpers import device, reg, register_request, together
+from tests.replicas import Replicas
 from tests.wire_agent import WireAgent
 
 AGENT_PROOF = proof_of("the secret of the agent on h1")
@@ -157,6 +158,22 @@ class HostAgent(WireAgent):
                 return event
         raise AssertionError(f"no {kind} event on the host session of {self.host} within {timeout}s")
 
+    def reconnect(self, address: str) -> None:
+        """Drops the host session and channel (its coordinator is gone) for a channel to ``address``."""
+        self._outbox.put(None)
+        self.channel.close()
+        self._outbox, self.events = queue.Queue(), queue.Queue()
+        self.channel = grpc.insecure_channel(address)
+        self.coordinator = CoordinatorStub(self.channel)
+
+    def drained(self) -> list[pb.SessionEvent]:
+        """The events received and not read yet."""
+        events = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                events.append(self.events.get_nowait())
+        return events
+
     def close(self) -> None:
         self._outbox.put(None)
         super().close()
@@ -241,3 +258,50 @@ def test_a_host_whose_session_is_gone_has_its_workers_failed_after_their_grace(t
     h1.stream.cancel()  # the agent's host session is gone (its agent killed, its host cut off)
     failed = {h2.next("process_failed").process_failed.process_id for _ in range(2)}
     assert failed == {0, 1}
+
+
+def test_a_failover_during_registration_and_during_the_session_loses_nothing_and_sends_no_event_twice(etcd):
+    with Replicas(etcd, num_processes=4, count=3) as replicas:
+        h1, h2 = (HostAgent(replicas.leader.address, host).join() for host in ("h1", "h2"))
+        waiting = h1.register(h1.request(0), h1.request(1), wait_ms=100)  # journaled, then its leader dies
+        assert pb.RegisterResponse.FromString(waiting.answer).progress.registered == 2
+        replicas.kill_leader()
+        for agent in (h1, h2):
+            agent.reconnect(replicas.leader.address)
+        answers = together([h1, h2], lambda a: a.register(a.request(0), a.request(1)))
+        assert [[p.process_id for p in answer.processes] for answer in answers] == [[0, 1], [2, 3]]
+        position = pb.RegisterResponse.FromString(answers[0].answer).event_position
+        for agent in (h1, h2):
+            agent.open(position)
+            agent.attach(0)
+            agent.attach(1)
+        h1.send(exited=pb.WorkerExit(client_uid="h1-1", proof=proof_of(h1.secrets[1]), reason="exited with 3"))
+        first = h2.next("process_failed")
+        replicas.kill_leader()  # the host sessions end with it; each agent opens its own again on the new leader
+        for agent in (h1, h2):
+            agent.reconnect(replicas.leader.address)
+            agent.open(first.event_number)
+            agent.attach(0)
+        h2.send(exited=pb.WorkerExit(client_uid="h2-1", proof=proof_of(h2.secrets[1]), reason="exited with 4"))
+        second = h1.next("process_failed")
+        assert (second.process_failed.process_id, second.process_failed.reason) == (3, "exited with 4")
+        assert second.event_number > first.event_number
+        seen = [e for e in h1.drained() if e.event_number]  # every job event h1 got after reopening: none again
+        assert all(e.event_number > first.event_number for e in seen), seen
+        for agent in (h1, h2):
+            agent.close()
+
+
+def test_a_job_may_mix_hosts_by_agent_and_processes_on_their_own(two_hosts):
+    address, (h1, h2) = two_hosts
+    own = [h2.request(rank).request for rank in (0, 1)]  # h2's workers register on their own
+    for request in own:
+        request.wait_ms = 20_000
+    with grpc.insecure_channel(address) as channel:
+        register = CoordinatorStub(channel).Register
+        answers = together([None, *own], lambda r: h1.register(h1.request(0), h1.request(1)) if r is None else
+                           register(r, timeout=30, metadata=((SECRET_METADATA, h2.secrets[r.local_rank]),)))
+    by_agent, *alone = answers
+    shared = pb.RegisterResponse.FromString(by_agent.answer)
+    assert [p.process_id for p in by_agent.processes] == [0, 1] and [a.process_id for a in alone] == [2, 3]
+    assert {(a.topology, a.fingerprint) for a in alone} == {(shared.topology, shared.fingerprint)}

@@ -94,6 +94,16 @@ def test_a_registration_at_every_limit_is_accepted():
     assert r.devices[0].attributes == {"kkkkkkkk": "éééé"}
 
 
+def test_a_device_list_accepted_under_some_limits_is_checked_again_under_others():
+    # Equal device lists are checked once and shared, but only under the limits they were checked with.
+    request = register_request(devices=[device(1, attributes={"a": "1", "b": "2"}), device(0)])
+    limits = Limits()
+    first, again = (from_request(request, "10.0.0.1", limits) for _ in range(2))
+    assert again.devices is first.devices and [d.local_id for d in first.devices] == [0, 1]
+    with pytest.raises(InvalidArgument, match="device #0 \\(local id 1\\) has 2 attributes: expected at most 1"):
+        from_request(request, "10.0.0.1", SMALL)
+
+
 def test_lowering_devices_per_process_keeps_the_local_id_bound():
     # Fewer devices per process does not narrow the ids: a process may list any local ids below 2**17.
     r = from_request(register_request(devices=[device(131071)]), "10.0.0.1", Limits(devices_per_process=1))

@@ -1,5 +1,9 @@
 """The admission state machine, without a network: decisions, rejections that change nothing, journal replay."""
 
+import base64
+import json
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,6 +11,7 @@ from hypothesis import strategies as st
 from coordinator import journal
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Published, Waiting
+from coordinator.registration import to_request
 from coordinator.state import ClusterState
 from ifrt import wire
 from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessDeclaredFailed, ProcessIdTaken
@@ -208,6 +213,19 @@ def test_replaying_the_journal_gives_the_same_topology_key_values_and_barriers()
     assert barriers["pair"] == ("BarrierFailed", "barrier 'pair' cannot complete: process 1 failed: lost its "
                                                  "connection and did not come back within 0.125s")
     assert barriers["never-started"] is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(host_address=st.text(max_size=20), secret_hash=st.text(max_size=20),
+       now=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10)))
+def test_a_registration_is_journaled_as_the_general_encoding_writes_it(host_address, secret_hash, now):
+    # A registration's entry is built directly (one per process), byte for byte what json.dumps writes.
+    r = replace(reg("uid", 3, host="hé"), host_address=host_address, secret_hash=secret_hash)
+    entry = journal.Registered(r, now)
+    general = json.dumps({"type": "Registered", "request": base64.b64encode(to_request(r)).decode(),
+                          "host_address": host_address, "secret_hash": secret_hash, "now": now},
+                         separators=(",", ":")).encode()
+    assert journal.encode(entry) == general
 
 
 def test_replayed_state_continues_like_the_original():
