@@ -12,6 +12,14 @@ from ifrt.errors import InvalidArgument
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 
 
+def check_since(since: int, head: int) -> None:
+    """InvalidArgument when a session opens from job event ``since`` past the latest, ``head``."""
+    if since > head:
+        raise InvalidArgument(f"the session opened from job event {since}, but the latest event of this cluster "
+                              f"is {head}: expected the event_position of a Register answer or the number of an "
+                              "event received")
+
+
 def catch_up(history: History, admission: Admission, published_at: int, incarnated_at: Mapping[int, int],
              notice: PreemptionNotice | None, process_id: int, since: int, generation: int) -> CatchUp:
     """What the session of ``process_id``, holding ``generation`` and opening from job event ``since``, is sent
@@ -20,10 +28,7 @@ def catch_up(history: History, admission: Admission, published_at: int, incarnat
     at event ``published_at``) in place of the generations among them (first, when it holds another and none is
     among them); a snapshot where the history no longer reaches back. InvalidArgument past the latest event."""
     head = history.head
-    if since > head:
-        raise InvalidArgument(f"the session opened from job event {since}, but the latest event of this cluster "
-                              f"is {head}: expected the event_position of a Register answer or the number of an "
-                              "event received")
+    check_since(since, head)
     assert admission.topology is not None  # a session attaches only once a generation is published
     current = admission.topology.generation
     topology = Numbered(published_at, GenerationPublished(current))

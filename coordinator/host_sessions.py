@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from coordinator.attempts import Agent
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped
+from coordinator.catchup import check_since
 from coordinator.limits import shown
 from coordinator.noise import noisy
 from coordinator.outbox import Outbox
@@ -48,9 +49,14 @@ class HostSessions:
         key = ("host", agent.uid)  # never a client uid: a process cannot take the host's place in sessions
         sessions.hold(key, queue)
         carried: dict[str, None] = {}  # the workers attached on this stream
+        sessions.hosts[queue] = carried
         reader = asyncio.create_task(self._read(requests, queue, agent, carried))
         log.info("%s opened", what)
         try:
+            try:  # refused before it is told it attached
+                check_since(opening.open.since_event, service.state.event_position)
+            except IfrtError as e:
+                await abort(context, e, what)
             await context.write(sessions.attached(service.current_generation().generation))
             session_open = pb.SessionOpen(generation=opening.open.generation, since_event=opening.open.since_event)
             sent = await sessions.catch_up(context, -1, session_open)  # -1: every process's events
@@ -58,6 +64,7 @@ class HostSessions:
         finally:
             reader.cancel()
             sessions.release(key, queue)
+            sessions.hosts.pop(queue, None)
             now = service.clock()
             for uid in carried:
                 if sessions.carried.get(uid) is queue:

@@ -77,6 +77,8 @@ class Sessions:
         self._watch_bytes = 0  # of every prefix watched, as --max-watch-bytes counts them
         self.carried: dict[str, Outbox] = {}
         """Client uid -> the host session (``coordinator.host_sessions``) its agent carries it on."""
+        self.hosts: dict[Outbox, dict[str, None]] = {}
+        """Host session -> the workers attached on it."""
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """A process's live session: cluster events out. Costs nothing while nothing happens: the server's keepalive
@@ -298,6 +300,7 @@ class Sessions:
         for queue in self._open.get(client_uid, ()):
             queue.put_nowait(_Evicted(error))
         if (carrier := self.carried.pop(client_uid, None)) is not None:
+            self.hosts.get(carrier, {}).pop(client_uid, None)  # no longer one of the workers its host carries
             carrier.put_nowait(worker_ended(client_uid, error))
 
     def close(self, reason: str) -> None:

@@ -241,6 +241,11 @@ def test_an_exit_reported_by_its_agent_reaches_the_other_host_within_a_second(tw
     assert time.monotonic() - killed < 1.0
     assert (failed.process_failed.process_id, failed.process_failed.reason) == (1, "killed by SIGKILL")
     assert h1.next("worker_ended").worker_ended.error == "ProcessDeclaredFailed"  # its agent ends its session
+    h1.secrets[1] = secrets.token_hex(16)  # its restart: a new client with a new secret, in the failed one's place
+    restarted = h1.register(h1.request(1, client_uid="h1-1-again"))
+    assert [p.process_id for p in restarted.processes] == [1]
+    h1.send(attach=pb.WorkerSession(client_uid="h1-1-again", proof=proof_of(h1.secrets[1])))
+    assert h1.next("attached").attached.client_uid == "h1-1-again"  # the failed one no longer counts as carried
 
 
 def test_a_host_whose_session_is_gone_has_its_workers_failed_after_their_grace(two_hosts):
