@@ -73,6 +73,7 @@ def test_workers_through_agents_discover_the_bytes_direct_workers_do_on_one_call
         if links == ("agent", "agent"):  # no worker registered or held a session on its own
             assert calls.get("Register", 0) == 0 and calls.get("Session", 0) == 0, calls
             assert calls.get("RegisterHost", 0) >= 2 and calls.get("HostSession", 0) >= 2, calls
+            assert calls.get("Status", 0) <= 2, calls  # an agent reads its workers' ids off RegisterHost's answers
         else:
             assert calls.get("Register", 0) >= 2 and calls.get("Session", 0) >= 2, calls
             assert calls.get("RegisterHost", 0) >= 1 and calls.get("HostSession", 0) >= 1, calls
@@ -161,3 +162,11 @@ def test_a_failover_is_no_break_for_the_workers_and_a_later_failure_comes_once(e
             assert sorted(m.group(1) for m in found) == others, a.output()  # each once
         for a in both:
             assert not any("lost the coordinator" in line for line in a.out), a.output()
+
+
+def test_an_agent_learns_its_workers_ids_from_its_hosts_registration_not_by_polling(start_coordinator, agents):
+    coordinator = start_coordinator("--metrics-port", "0", num_processes=2)
+    a = agent(agents, coordinator.address, None, "listen")  # ids assigned by the coordinator
+    assert sorted(started(a)) == [0, 1]
+    a.stop()
+    assert rpc_calls(coordinator).get("Status", 0) <= 1  # its heartbeat timeout, read once; no id polling

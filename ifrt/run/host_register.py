@@ -57,13 +57,16 @@ class HostRegistrar:
     """Gathers the workers' registrations and sends them as ``RegisterHost`` calls of at most ``per_call`` (the
     workers the agent runs), each in a thread of its own. ``expected()``: how many workers the agent runs now (the
     registrations go once each has asked); ``published(generation, position)``: called when an answer carries the
-    topology, before any worker hears it. ``workers`` bounds what may be pending (spares included)."""
+    topology, before any worker hears it; ``ids_known``: with the process ids by local rank it carried (the agent
+needs no Status to learn them). ``workers`` bounds what may be pending (spares included)."""
 
     def __init__(self, connection: Connection, agent_uid: str, workers: int, per_call: int,
                  expected: Callable[[], int], published: Callable[[int, int], None],
+                 ids_known: Callable[[dict[int, int]], None] = lambda ids: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._connection, self.agent_uid, self._per_call = connection, agent_uid, per_call
         self._expected, self._published, self._clock = expected, published, clock
+        self._ids_known = ids_known
         self._batcher: Batcher[pb.HostProcess] = Batcher(workers)
         self._cond = threading.Condition()
         self.registered: dict[str, Registered] = {}
@@ -144,6 +147,8 @@ class HostRegistrar:
                     + response.answer
         if answer.topology:
             self._published(answer.generation, answer.event_position)
+            self._ids_known({entry.request.local_rank: result.process_id
+                             for entry, result in zip(entries, response.processes, strict=True) if not result.code})
 
     def started(self, local_rank: int) -> int:
         """A worker starts (or a spare takes over) for ``local_rank``: its serial, which its exit names."""

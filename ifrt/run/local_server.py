@@ -13,6 +13,7 @@ events kept for catch-up (``host_rules.EVENTS_KEPT``) and what one session leave
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import shutil
@@ -129,7 +130,7 @@ class LocalServer:
             _abort(context, UnknownClient(f"this host's agent holds no registration of client {uid!r}: register "
                                           "again"))
         proof = _proof(context)
-        if proof != registered.proof:
+        if not hmac.compare_digest(proof, registered.proof):
             _abort(context, PermissionDenied(f"client {uid!r} is another process's: this call's process secret is "
                                              "not the one its registration carried"))
         stream = WorkerStream(uid, proof, opening.open.since_event)

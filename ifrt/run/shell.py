@@ -25,6 +25,7 @@ from ifrt.run.messages import (
     AskShrink,
     Event,
     Exit,
+    IdsKnown,
     Interrupted,
     JobUpdate,
     JobView,
@@ -241,7 +242,7 @@ class Shell:
         if self.worker_link is None:
             try:
                 self.worker_link = AgentLink(self.link, self.args.nproc_per_host + getattr(self.args, "spare", 0),
-                                             self._running)
+                                             self._running, lambda ids: self.events.put(IdsKnown(ids)))
             except (OSError, IfrtError) as e:
                 log.warning("cannot serve the workers on a local socket (%s: %s): they reach the coordinator "
                             "directly, as with --worker-link direct", type(e).__name__, e)
@@ -293,7 +294,7 @@ class Shell:
             self.envs[rank][PROCESS_ID_ENV] = str(process_id)
         for rank in range(nproc):
             self._spawn(attempt, rank, 0)
-        if len(self.agent.ids) < nproc:
+        if len(self.agent.ids) < nproc and self.worker_link is None:  # the host's registration answers name them
             self._learn_ids(attempt)
 
     def _learn_ids(self, attempt: int) -> None:

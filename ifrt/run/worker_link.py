@@ -28,10 +28,11 @@ STATUS_TIMEOUT_S = 5.0
 class AgentLink:
     """The agent's side of ``--worker-link agent``: the local server, the host's registrations and session."""
 
-    def __init__(self, link: JobLink, workers: int, expected: Callable[[], int]) -> None:
+    def __init__(self, link: JobLink, workers: int, expected: Callable[[], int],
+                 ids_known: Callable[[dict[int, int]], None]) -> None:
         self.host = HostSession(link.connection, link.agent_uid)
         self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, link.workers, expected,
-                                       self.host.open)
+                                       self.host.open, ids_known)
         self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link))
         self._attempt: int | None = None
         log.info("serving this host's workers on %s", self.server.path)
