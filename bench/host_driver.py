@@ -20,7 +20,7 @@ from collections import Counter
 
 from content import Cluster
 from content import add_arguments as add_content_arguments
-from ifrt_driver import Outcome, Payload, check, emit, guard_memory
+from ifrt_driver import Outcome, emit, emit_results, guard_memory
 from sim_agent import SimAgent, hosts
 
 
@@ -59,24 +59,10 @@ async def run(address: str, first: int, count: int, cluster: Cluster, per_host: 
     deadline = time.monotonic() + timeout
     await asyncio.gather(*(register(a, o, deadline) for a, o in zip(agents, outcomes, strict=True)))
     emit({"received": time.monotonic()})
-    payloads: list[Payload] = []
     every = [o for host in outcomes for o in host]
-    for o in every:
-        if not o.error:
-            check(o, payloads)
-    emit({
-        "sent": [o.sent for o in every],
-        "received": [o.received for o in every],
-        "attempts": sum(a.attempts for a in agents),
-        "decode_s": [p.decode_s for p in payloads],
-        "errors": dict(Counter(o.error for o in every if o.error)),
-        "retried": dict(Counter(e for a in agents for e in a.retried)),
-        "fingerprints": dict(Counter(o.facts["fingerprint"] for o in every if o.facts)),
-        "payloads": dict(Counter(o.facts["payload_sha256"] for o in every if o.facts)),
-        "answers": dict(Counter(hashlib.sha256(a.answer.answer).hexdigest() for a in agents if a.answer.answer)),
-        "facts": next((o.facts for o in every if o.facts), {}),
-        "driver_cpu_s": time.process_time() - cpu0,
-    })
+    emit_results(every, sum(a.attempts for a in agents), [e for a in agents for e in a.retried], cpu0,
+                 answers=dict(Counter(hashlib.sha256(a.answer.answer).hexdigest() for a in agents
+                                      if a.answer.answer)))
     await stdin_line()  # connections (and the agents' watches) stay up until "exit"
     await asyncio.gather(*(a.close() for a in agents))
 

@@ -145,6 +145,27 @@ def check(outcome: Outcome, payloads: list[Payload]) -> None:
     outcome.answer = b""
 
 
+def emit_results(outcomes: list[Outcome], attempts: int, retried: list[str], cpu0: float, **more: object) -> None:
+    """The driver's results line: every process's times, errors and what it received (checked first)."""
+    payloads: list[Payload] = []  # normally one: every answer carries the same bytes
+    for o in outcomes:
+        if not o.error:
+            check(o, payloads)
+    emit({
+        "sent": [o.sent for o in outcomes],
+        "received": [o.received for o in outcomes],
+        "attempts": attempts,
+        "decode_s": [p.decode_s for p in payloads],
+        "errors": dict(Counter(o.error for o in outcomes if o.error)),
+        "retried": dict(Counter(retried)),
+        "fingerprints": dict(Counter(o.facts["fingerprint"] for o in outcomes if o.facts)),
+        "payloads": dict(Counter(o.facts["payload_sha256"] for o in outcomes if o.facts)),
+        **more,
+        "facts": next((o.facts for o in outcomes if o.facts), {}),
+        "driver_cpu_s": time.process_time() - cpu0,
+    })
+
+
 def emit(record: dict) -> None:
     """One JSON line to the orchestrator."""
     sys.stdout.write(json.dumps(record) + "\n")
@@ -167,22 +188,7 @@ async def run(address: str, first: int, count: int, num_processes: int, cluster:
     deadline = time.monotonic() + timeout
     await asyncio.gather(*(register(c, r, o, deadline) for c, r, o in zip(channels, requests, outcomes, strict=True)))
     emit({"received": time.monotonic()})
-    payloads: list[Payload] = []  # normally one: every answer carries the same bytes
-    for o in outcomes:
-        if not o.error:
-            check(o, payloads)
-    emit({
-        "sent": [o.sent for o in outcomes],
-        "received": [o.received for o in outcomes],
-        "attempts": sum(o.attempts for o in outcomes),
-        "decode_s": [p.decode_s for p in payloads],
-        "errors": dict(Counter(o.error for o in outcomes if o.error)),
-        "retried": dict(Counter(e for o in outcomes for e in o.retried)),
-        "fingerprints": dict(Counter(o.facts["fingerprint"] for o in outcomes if o.facts)),
-        "payloads": dict(Counter(o.facts["payload_sha256"] for o in outcomes if o.facts)),
-        "facts": next((o.facts for o in outcomes if o.facts), {}),
-        "driver_cpu_s": time.process_time() - cpu0,
-    })
+    emit_results(outcomes, sum(o.attempts for o in outcomes), [e for o in outcomes for e in o.retried], cpu0)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # connections stay up until "exit"
     await asyncio.gather(*(c.close() for c in channels))
 

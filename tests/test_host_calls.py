@@ -179,6 +179,18 @@ class HostAgent(WireAgent):
         super().close()
 
 
+def carried(agents: list[HostAgent]) -> None:
+    """Each agent's two workers registered in one call, then attached on its host session (each attach answered)."""
+    answers = together(agents, lambda a: a.register(a.request(0), a.request(1)))
+    position = pb.RegisterResponse.FromString(answers[0].answer).event_position
+    for agent in agents:
+        agent.open(position)
+        assert agent.next("attached").attached.client_uid == ""  # the host's own
+        for rank in (0, 1):
+            agent.attach(rank)
+            assert agent.next("attached").attached.client_uid == f"{agent.host}-{rank}"
+
+
 @pytest.fixture
 def two_hosts(start_coordinator) -> Iterator[tuple[str, list[HostAgent]]]:
     coordinator = start_coordinator("--heartbeat-timeout", "1", "--max-devices-per-process", "4", num_processes=4)
@@ -222,14 +234,7 @@ def test_a_worker_past_the_limits_is_refused_naming_it_and_its_hosts_others_are_
 
 def test_an_exit_reported_by_its_agent_reaches_the_other_host_within_a_second(two_hosts):
     _, agents = two_hosts
-    answers = together(agents, lambda a: a.register(a.request(0), a.request(1)))
-    position = pb.RegisterResponse.FromString(answers[0].answer).event_position
-    for agent in agents:
-        agent.open(position)
-        assert agent.next("attached").attached.client_uid == ""
-        for rank in (0, 1):
-            agent.attach(rank)
-            assert agent.next("attached").attached.process_id in (0, 1, 2, 3)
+    carried(agents)
     h1, h2 = agents
     h2.attach(0, secret="not its secret")
     assert h2.next("worker_ended").worker_ended.error == "PermissionDenied"
@@ -250,16 +255,8 @@ def test_an_exit_reported_by_its_agent_reaches_the_other_host_within_a_second(tw
 
 def test_a_host_whose_session_is_gone_has_its_workers_failed_after_their_grace(two_hosts):
     _, agents = two_hosts
-    answers = together(agents, lambda a: a.register(a.request(0), a.request(1)))
-    position = pb.RegisterResponse.FromString(answers[0].answer).event_position
-    for agent in agents:
-        agent.open(position)
-        for rank in (0, 1):
-            agent.attach(rank)
+    carried(agents)
     h1, h2 = agents
-    for agent in agents:
-        assert [agent.next("attached").attached.client_uid for _ in range(3)][1:] == [f"{agent.host}-0",
-                                                                                    f"{agent.host}-1"]
     h1.stream.cancel()  # the agent's host session is gone (its agent killed, its host cut off)
     failed = {h2.next("process_failed").process_failed.process_id for _ in range(2)}
     assert failed == {0, 1}
