@@ -20,9 +20,10 @@ from ifrt.client import Client
 from ifrt.errors import IfrtError
 from ifrt.events import CoordinatorLost, Event
 
-ACK_WAIT_S = 0.05
-"""How long the first read waits for the coordinator to acknowledge the watch before its caller asks the
-coordinator instead (a refused watch, over the coordinator's limits, is never acknowledged): once per view."""
+ACK_WAIT_S = 0.5
+"""How long the first read waits for the coordinator to acknowledge the watch (the session may still be opening)
+before its caller asks the coordinator instead: a refused watch (over the coordinator's limits) is never
+acknowledged, and costs this once per view."""
 
 
 class PushedKeys:
@@ -37,7 +38,8 @@ class PushedKeys:
         self._ended = False  # lost or closed: answers nothing more
         self._ack_waited = False  # a read waited ACK_WAIT_S for the acknowledgement already: later ones do not
         client.on_event(self._on_event)
-        self._ack = client.kv_follow(prefix, self._changed)
+        self.watching = client.kv_follow(prefix, self._changed)
+        """Set once the coordinator watches the prefix."""
 
     def ready(self) -> bool:
         """Whether the view answers reads now: on the first call after the watch is acknowledged (waiting up to
@@ -45,7 +47,7 @@ class PushedKeys:
         with self._cond:
             if self._complete or self._ended:
                 return self._complete and not self._ended
-        if not self._ack.wait(0.0 if self._ack_waited else ACK_WAIT_S):
+        if not self.watching.wait(0.0 if self._ack_waited else ACK_WAIT_S):
             self._ack_waited = True
             return False
         try:
