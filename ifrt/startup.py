@@ -111,8 +111,9 @@ class StartupExchange:
         deletes the earlier start's keys (nobody reads them again) and overwrites its record."""
         start = {**record, "nonce": self.nonce}
         held = self.client.kv_compare_set(f"{self.prefix}/start", b"", dump(start), timeout=max(1.0, self._remaining()))
-        if held is not None and held != dump(start):
-            self.client.kv_delete(f"{self.prefix}/{json.loads(held)['nonce']}/", prefix=True)
+        if held != dump(start):
+            if held is not None:
+                self.client.kv_delete(f"{self.prefix}/{json.loads(held)['nonce']}/", prefix=True)
             self._set(f"{self.prefix}/start", start)
 
     def _view_of_joins(self) -> PushedKeys | None:
