@@ -301,3 +301,19 @@ def test_reads_ask_the_coordinator_after_the_start_and_in_a_start_whose_first_ke
     store.set("store_based_barrier_key", b"1")
     assert calls_of(coordinator, lambda: store.wait([RANK_KEY(0)])) == {"KeyValueGet": 1}
     store.end_start()
+
+
+def test_a_start_whose_watch_the_coordinator_refuses_asks_it_for_each_key():
+    with LocalCoordinator("--max-watches-per-session", "1", "--metrics-port", "0", num_processes=1) as refusing, \
+            ifrt.Client(refusing.address, process_id=0, num_processes=1, transfer=False, timeout=30) as client:
+        client.discover()
+        assert client.kv_follow("elsewhere/", lambda key, value: None).wait(30)  # the session's one watch
+        store = ifrt.torch.Store(client, "refused/", timeout=30)
+        client.kv_set(store.prefix + RANK_KEY(1), b"one")
+        store.follow_start(0)
+        store.set(RANK_KEY(0), b"zero")  # its watch is never acknowledged (over the limit)
+        got: list[bytes] = []
+        assert calls_of(refusing, lambda: got.extend(store.multi_get([RANK_KEY(0), RANK_KEY(1)]))) == {
+            "KeyValueMultiGet": 1}  # after half a second without an acknowledgement: as outside a start
+        assert got == [b"zero", b"one"]
+        store.end_start()
