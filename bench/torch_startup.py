@@ -18,7 +18,8 @@ returns. Two kinds of run:
   and reports; the clock starts when the parent releases them all at once, so only the start-up is timed.
 
 Imports are also timed inside each worker, and once in an idle process; in the ifrt way, the time inside
-``ifrt.torch.init_process_group`` outside torch's own ``init_process_group`` is its ifrt share. Prints one JSON
+``ifrt.torch.init_process_group`` outside torch's own ``init_process_group`` is its ifrt share, and its unary calls
+to the coordinator are counted (the live session's stream is not a call). Prints one JSON
 object per (kind, N, way), one with the paired differences per (kind, N), then one with the import costs.
 """
 
@@ -51,9 +52,18 @@ def worker(kind: str, way: str) -> None:
     import torch.distributed as dist
 
     torch_part = [0.0]  # seconds inside torch's own init_process_group, to tell them from ifrt's share
+    calls: list[str] = []  # the ifrt way's calls to the coordinator (every unary call goes through Connection.call)
     if way == "ifrt":
         import ifrt.torch
+        from ifrt.connection import Connection
 
+        call = Connection.call
+
+        def counted(self, method, *args, **kwargs):
+            calls.append(method)
+            return call(self, method, *args, **kwargs)
+
+        Connection.call = counted
         original = dist.init_process_group
 
         def timed(*args, **kwargs):
@@ -84,7 +94,7 @@ def worker(kind: str, way: str) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     timings = {"rank": dist.get_rank(), "interpreter_s": interpreter_s, "import_s": import_s,
                "init_s": ready - imported, "to_group_s": ready - started, "ifrt_share_s": ifrt_share,
-               "cpu_s": usage.ru_utime + usage.ru_stime}
+               "cpu_s": usage.ru_utime + usage.ru_stime, "calls": len(calls)}
     Path(os.environ[OUT_ENV], f"{dist.get_rank()}.json").write_text(json.dumps(timings))
     dist.destroy_process_group()
 
@@ -156,6 +166,7 @@ def summarize(kind: str, way: str, n: int, runs: list[list[dict]]) -> dict:
         "init_s": median_of(lambda r: statistics.mean(t["init_s"] for t in r)),
         "ifrt_share_s": median_of(lambda r: statistics.mean(t["ifrt_share_s"] for t in r)),
         "cpu_per_worker_s": median_of(lambda r: statistics.mean(t["cpu_s"] for t in r)),
+        "coordinator_calls_per_worker": median_of(lambda r: statistics.mean(t["calls"] for t in r)),
     }
 
 

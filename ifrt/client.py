@@ -80,7 +80,7 @@ class Client:
         self._local_devices: tuple[LocalDevice, ...] = ()
         self._lock = threading.Lock()
         self._events = Fanout(config.events_kept)
-        self._key_watchers: list[tuple[str, queue.Queue]] = []
+        self._key_watchers: list[tuple[str, queue.Queue | _Calls]] = []
         self._preempted = threading.Event()  # a preemption notice is known (ours or another process's)
         self._sync_step: int | None = None
         self._signals: PreemptionSignals | None = None
@@ -419,6 +419,16 @@ class Client:
                 if (prefix, changes) in self._key_watchers:
                     self._key_watchers.remove((prefix, changes))
 
+    def kv_follow(self, prefix: str, changed: Callable[[str, bytes | None], None]) -> threading.Event:
+        """Calls ``changed(key, value)`` (``None``: deleted) from the session thread for every change of a key under
+        ``prefix`` once the event returned is set (the coordinator watches it), until the client closes; without
+        waiting for that. As with ``kv_watch``, changes while the session reconnects are lost: CoordinatorLost."""
+        if self._session is None:
+            raise RuntimeError("kv_follow needs the live session: call discover() first, with session=True")
+        with self._lock:
+            self._key_watchers.append((prefix, _Calls(changed)))
+        return self._session.watch(prefix)
+
     def key_changed(self, key: str, value: bytes | None) -> None:
         """From the session: ``key`` changed; hands it to every kv_watch of a prefix of it."""
         with self._lock:
@@ -514,3 +524,14 @@ class Client:
 
 def _progress(p: pb.Progress) -> Progress:
     return Progress(p.registered, p.expected, tuple(p.missing_process_ids), tuple(p.registered_hosts), p.waited_seconds)
+
+
+class _Calls:
+    """A key watcher that calls ``changed`` where kv_watch's queues a change (``kv_follow``)."""
+
+    def __init__(self, changed: Callable[[str, bytes | None], None]) -> None:
+        self.changed = changed
+
+    def put(self, item: object) -> None:
+        if item is not CLOSED:
+            self.changed(*item)  # type: ignore[misc]

@@ -28,6 +28,7 @@ from ifrt import events, waiting
 from ifrt.client import Client
 from ifrt.connection import Backoff
 from ifrt.errors import BarrierFailed, DiscoveryTimeout, KeyValueTimeout
+from ifrt.pushed import PushedKeys
 from ifrt.topology import Topology
 from ifrt.waiting import Pacer
 
@@ -89,12 +90,15 @@ class StartupExchange:
         return f"{process.hostname} {process.address}".strip()
 
     def _lead(self, answer: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
-        previous = self.client.kv_try_get(f"{self.prefix}/start")
-        if previous is not None:  # an earlier start's keys: nobody reads them again
-            self.client.kv_delete(f"{self.prefix}/{json.loads(previous)['nonce']}/", prefix=True)
-        self._set(f"{self.prefix}/start", {**record, "nonce": self.nonce})
+        view = self._view_of_joins()
+        try:
+            self._publish_start(record)
+            joins = self._joins(view)
+        finally:
+            if view is not None:
+                view.close()
         answers, nonces = {self.leader: answer}, {self.leader: self.nonce}
-        for p, joined in self._joins().items():
+        for p, joined in joins.items():
             nonces[p] = joined.pop("nonce")
             answers[p] = joined
         self._set(f"{self.prefix}/{self.nonce}/ready", {**record, "nonces": {str(p): n for p, n in nonces.items()},
@@ -102,13 +106,40 @@ class StartupExchange:
         self.answers, self.leader_nonce = answers, self.nonce
         return record
 
-    def _joins(self) -> dict[int, dict[str, Any]]:
-        """Every other process's answer to this start: those already there read in one call, then a wait for the
-        first one missing, and so on (a failed peer or the deadline ends it, as every wait)."""
+    def _publish_start(self, record: dict[str, Any]) -> None:
+        """Writes this start's record: in one call where the generation has none yet (its first start); else
+        deletes the earlier start's keys (nobody reads them again) and overwrites its record."""
+        start = {**record, "nonce": self.nonce}
+        held = self.client.kv_compare_set(f"{self.prefix}/start", b"", dump(start), timeout=max(1.0, self._remaining()))
+        if held != dump(start):
+            if held is not None:
+                self.client.kv_delete(f"{self.prefix}/{json.loads(held)['nonce']}/", prefix=True)
+            self._set(f"{self.prefix}/start", start)
+
+    def _view_of_joins(self) -> PushedKeys | None:
+        """The answers to this start as the coordinator will push them (asked for before the start's record is
+        written, so that they come while process 0 writes it); None without a live session."""
+        try:
+            return PushedKeys(self.client, f"{self.prefix}/{self.nonce}/join/")
+        except RuntimeError:
+            return None
+
+    def _joins(self, view: PushedKeys | None) -> dict[int, dict[str, Any]]:
+        """Every other process's answer to this start: as pushed to ``view`` while it lasts; else those already
+        there read in one call, then a wait for the first one missing, and so on (a failed peer or the deadline ends
+        it, as every wait)."""
         key = f"{self.prefix}/{self.nonce}/join/{{}}".format
         joins: dict[int, dict[str, Any]] = {}
         pending = self.followers
         while pending:
+            if view is not None and view.ready():
+                self.check_failures()
+                found = view.values([key(p) for p in pending])
+                joins.update({p: json.loads(v) for p, v in zip(pending, found, strict=True) if v is not None})
+                pending = [p for p in pending if p not in joins]
+                if pending and not view.wait([key(p) for p in pending], min(RECHECK_S, max(0.0, self._remaining()))):
+                    self._check_deadline(self._missing_joins)
+                continue
             if len(pending) > 1:
                 self.check_failures()
                 found = self.client.kv_multi_get([key(p) for p in pending], timeout=max(1.0, self._remaining()))

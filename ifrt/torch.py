@@ -165,8 +165,12 @@ def _start_group(client: Client, topology: Topology, deadline: float, backend: s
     store.watch, store.describe_missing = exchange.check_failures, exchange.describe_keys
     # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
     me, world = rank(topology), len(topology.processes)
-    dist.init_process_group(backend, store=store, rank=me, world_size=world, device_id=_nccl_device(backend, topology),
-                            **({"timeout": timeout} if timeout else {}))
+    store.follow_start(me)  # the ranks' addresses come pushed: no call per rank
+    try:
+        dist.init_process_group(backend, store=store, rank=me, world_size=world,
+                                device_id=_nccl_device(backend, topology), **({"timeout": timeout} if timeout else {}))
+    finally:
+        store.end_start()
     store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
     log.info("torch.distributed started: process %d as rank %d of %d, backend %s, store prefix %s",
              topology.process_id, me, world, backend, prefix)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from ifrt.client import Client
 from ifrt.errors import KeyValueTimeout
+from ifrt.pushed import PushedKeys
 from ifrt.startup import RECHECK_S
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -27,6 +29,8 @@ class Store(dist.Store):
     Each call is one round trip to the coordinator while its keys are set (``multi_get``, ``multi_set``, ``wait``
     and ``check`` of many keys too), and a ``get`` of the one key the same thread's previous call on this store (or
     a clone) waited for is none: it answers the value that wait read (gloo waits for each rank's key, then gets it).
+    While a process group starts on it (``follow_start``), the ranks' keys come pushed and reads of them need no
+    call at all.
 
     Keep a reference to it for as long as a process group uses it: c10d holds the C++ half only.
     """
@@ -42,10 +46,12 @@ class Store(dist.Store):
         """Who was expected to set ``keys`` (store keys, without the prefix), where that is known."""
         self._clones: list[Store] = []
         self._waited = _Waited()
+        self._start = _Start()
 
     def set(self, key: str | bytes, value: bytes | str) -> None:
         """Stores ``value`` under ``key``, replacing what it held."""
         self._waited.last = None
+        self._start.first_set(self.client, self._key(key))
         self.client.kv_set(self._key(key), _bytes(value), allow_overwrite=True)
 
     def get(self, key: str | bytes) -> bytes:
@@ -115,9 +121,21 @@ class Store(dist.Store):
     def clone(self) -> Store:
         """Another Store on the same client, prefix and timeout (kept referenced by this one)."""
         twin = Store(self.client, self.prefix, self.timeout)
-        twin.watch, twin.describe_missing, twin._waited = self.watch, self.describe_missing, self._waited
+        twin.watch, twin.describe_missing, twin._waited, twin._start = (self.watch, self.describe_missing,
+                                                                        self._waited, self._start)
         self._clones.append(twin)
         return twin
+
+    def follow_start(self, rank: int) -> None:
+        """While a process group starts on this store as ``rank``: the first key this process sets, if it ends in
+        its rank (gloo's ``0//cpu//0/<rank>``), names the keys every rank sets (that key without its rank); those
+        are watched from then on, and reads of them are answered from the values the coordinator pushes, waiting
+        for a push where a key is still unset. Until ``end_start``."""
+        self._start.rank = rank
+
+    def end_start(self) -> None:
+        """Ends ``follow_start``: every read asks the coordinator again."""
+        self._start.end()
 
     # The names c10d's C++ side calls a Python store by.
     deleteKey = delete_key
@@ -136,6 +154,14 @@ class Store(dist.Store):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise dist.DistStoreError(self._timeout_message([keys[i] for i in pending], timeout_s))
+            view = self._start.view
+            if view is not None and all(view.covers(full[i]) for i in pending) and view.ready():
+                for i, value in zip(pending, view.values([full[i] for i in pending]), strict=True):
+                    values[i] = value
+                pending = [i for i in pending if values[i] is None]
+                if pending:
+                    view.wait([full[i] for i in pending], min(RECHECK_S, remaining))
+                continue
             if len(pending) > 1:
                 found = self.client.kv_multi_get([full[i] for i in pending], timeout=min(RECHECK_S, remaining))
                 for i, value in zip(pending, found, strict=True):
@@ -164,6 +190,32 @@ class Store(dist.Store):
 
     def _seconds(self, timeout: timedelta | None) -> float:
         return (self.timeout if timeout is None else timeout).total_seconds()
+
+
+class _Start:
+    """A process group's start on a store and its clones (``follow_start``): this process's rank, and once its
+    first ``set`` named the ranks' keys, the view of them the coordinator pushes."""
+
+    def __init__(self) -> None:
+        self.rank: int | None = None
+        self.view: PushedKeys | None = None
+
+    def first_set(self, client: Client, key: str) -> None:
+        """Watches the keys that share ``key``'s stem, if this is the first key set in the start and ends in the
+        rank (a key that does not names nothing: reads ask the coordinator, as outside a start)."""
+        if self.rank is None:
+            return
+        rank, self.rank = str(self.rank), None  # the first set only
+        stem = key[:-len(rank)]
+        if key.endswith(rank) and stem and not stem[-1].isdigit():
+            with contextlib.suppress(RuntimeError):  # a client without a live session: no pushes
+                self.view = PushedKeys(client, stem)
+
+    def end(self) -> None:
+        self.rank = None
+        if self.view is not None:
+            self.view.close()
+            self.view = None
 
 
 class _Waited:

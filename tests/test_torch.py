@@ -146,6 +146,21 @@ def test_a_restarted_start_against_a_durable_journal_never_reads_the_previous_st
             c.close()
 
 
+def test_process_0_writes_its_start_in_one_call_and_hears_the_answers_pushed(start_coordinator):
+    coordinator = start_coordinator("--metrics-port", "0", num_processes=3)
+    members = clients(coordinator.address, 3)
+    with members[0], members[1], members[2]:
+        before = helpers.rpc_calls(coordinator)
+        prefixes = exchange(members)
+        calls = {m: n - before.get(m, 0.0) for m, n in helpers.rpc_calls(coordinator).items()
+                 if n != before.get(m, 0.0)}
+    assert len(set(prefixes)) == 1 and all(isinstance(p, str) for p in prefixes), prefixes
+    # its record: one compare-and-set on the generation's first start (no read first); the answers: pushed to it,
+    # read once after the coordinator watched them (no read of each, nor of those still missing)
+    assert calls.get("KeyValueCompareSet") == 1 and calls.get("KeyValueDir") == 1, calls
+    assert "KeyValueTryGet" not in calls and "KeyValueMultiGet" not in calls, calls
+
+
 def test_a_process_that_dies_during_start_up_ends_the_start_naming_it(start_coordinator):
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
     with survivor_of_a_doomed_peer(coordinator.address) as (leader, topology):

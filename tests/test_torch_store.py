@@ -246,3 +246,74 @@ def test_the_stores_multi_key_calls_run_behind_the_token_and_tls(tmp_path):
         assert prefixed.multi_get(["c"]) == [b"3"]
         with pytest.raises(dist.DistStoreError, match=r"key 'absent' not set"):
             store.wait(["a", "absent"], timedelta(seconds=0.2))
+
+
+# A process group's start: the ranks' keys come pushed.
+RANK_KEY = "0//cpu//0/{}".format
+"""gloo's key for each rank's address in the default group: set once by its rank, waited for by every rank."""
+
+
+def test_a_starts_reads_of_the_ranks_keys_come_pushed_with_no_call_of_their_own(client, coordinator):
+    store = ifrt.torch.Store(client, f"test/{uuid.uuid4().hex[:8]}/", timeout=30)
+    client.kv_set(store.prefix + RANK_KEY(1), b"one")  # a rank ahead of this one: set before anything is watched
+    store.follow_start(0)
+
+    def gloos_start() -> None:  # its own key, then a wait and a get of each rank's
+        store.set(RANK_KEY(0), b"zero")  # names the ranks' keys: watched from here on
+        for rank, value in ((0, b"zero"), (1, b"one")):
+            store.wait([RANK_KEY(rank)])
+            assert store.get(RANK_KEY(rank)) == value
+
+    assert calls_of(coordinator, gloos_start) == {"KeyValueSet": 1, "KeyValueDir": 1}  # the Dir: keys set before
+    threading.Timer(0.2, client.kv_set, (store.prefix + RANK_KEY(2), b"two")).start()  # a rank behind this one
+    got: list[bytes] = []
+    assert calls_of(coordinator, lambda: got.extend(store.multi_get([RANK_KEY(2), RANK_KEY(1)]))) == {
+        "KeyValueSet": 1}  # only the late rank's own set: this wait is answered by its push
+    assert got == [b"two", b"one"]
+    store.end_start()
+
+
+def test_a_key_deleted_after_its_push_is_unset_again_for_the_start_and_times_out_as_ever(client):
+    store = ifrt.torch.Store(client, f"test/{uuid.uuid4().hex[:8]}/", timeout=30)
+    store.follow_start(0)
+    store.set(RANK_KEY(0), b"zero")
+    store.wait([RANK_KEY(0)])
+    client.kv_delete(store.prefix + RANK_KEY(0))
+    client.kv_set(store.prefix + RANK_KEY(1), b"one")
+    store.wait([RANK_KEY(1)])  # pushes come in order: the deletion's came before this one
+    with pytest.raises(dist.DistStoreError, match=r"^ifrt store: wait timeout: key '0//cpu//0/0' not set within "
+                                                  r"0\.3s \(prefix 'test/[0-9a-f]+/'\)$"):
+        store.wait([RANK_KEY(0)], timedelta(seconds=0.3))
+    threading.Timer(0.2, client.kv_set, (store.prefix + RANK_KEY(0), b"again")).start()
+    assert store.get(RANK_KEY(0)) == b"again"  # set again: pushed again
+    store.end_start()
+
+
+def test_reads_ask_the_coordinator_after_the_start_and_in_a_start_whose_first_key_names_no_rank(client, coordinator):
+    store = ifrt.torch.Store(client, f"test/{uuid.uuid4().hex[:8]}/", timeout=30)
+    store.follow_start(0)
+    store.set(RANK_KEY(0), b"zero")
+    store.wait([RANK_KEY(0)])
+    assert calls_of(coordinator, lambda: store.wait([RANK_KEY(0)])) == {}  # in the start: pushed
+    store.end_start()
+    assert calls_of(coordinator, lambda: store.wait([RANK_KEY(0)])) == {"KeyValueGet": 1}
+    store.follow_start(3)  # its first key does not end in its rank: nothing is watched
+    store.set("store_based_barrier_key", b"1")
+    assert calls_of(coordinator, lambda: store.wait([RANK_KEY(0)])) == {"KeyValueGet": 1}
+    store.end_start()
+
+
+def test_a_start_whose_watch_the_coordinator_refuses_asks_it_for_each_key():
+    with LocalCoordinator("--max-watches-per-session", "1", "--metrics-port", "0", num_processes=1) as refusing, \
+            ifrt.Client(refusing.address, process_id=0, num_processes=1, transfer=False, timeout=30) as client:
+        client.discover()
+        assert client.kv_follow("elsewhere/", lambda key, value: None).wait(30)  # the session's one watch
+        store = ifrt.torch.Store(client, "refused/", timeout=30)
+        client.kv_set(store.prefix + RANK_KEY(1), b"one")
+        store.follow_start(0)
+        store.set(RANK_KEY(0), b"zero")  # its watch is never acknowledged (over the limit)
+        got: list[bytes] = []
+        assert calls_of(refusing, lambda: got.extend(store.multi_get([RANK_KEY(0), RANK_KEY(1)]))) == {
+            "KeyValueMultiGet": 1}  # after half a second without an acknowledgement: as outside a start
+        assert got == [b"zero", b"one"]
+        store.end_start()
