@@ -37,7 +37,8 @@ def test_values_ids_errors_and_plugins_import_without_grpc_or_numpy():
     assert seen == {"loaded": []}
 
 
-CLIENT = ("ifrt.client", "ifrt.connection", "ifrt.session", "ifrt.settings", "ifrt.clusters", "ifrt.security",
+CLIENT = ("ifrt.client", "ifrt.client_kv", "ifrt.agent_link", "ifrt.pushed", "ifrt.connection", "ifrt.session",
+          "ifrt.settings", "ifrt.clusters", "ifrt.security",
           "ifrt.status", "ifrt.topology", "ifrt.transfer", "ifrt.preflight", "ifrt.failfast", "ifrt.jax", "ifrt.torch",
           "ifrt.torch_store", "ifrt.run", "plugins")
 """What a job's process imports to reach the coordinator: the coordinator and the shared modules load none of it."""

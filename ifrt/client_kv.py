@@ -1,0 +1,173 @@
+"""The key-value calls of ``ifrt.Client``: set, get, list, watch and follow the small store a job bootstraps from."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from google.protobuf.message import Message
+
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import CoordinatorUnavailable, IfrtError, KeyValueTimeout
+from ifrt.fanout import CLOSED, until
+
+if TYPE_CHECKING:
+    from ifrt.client_config import ClientConfig
+    from ifrt.connection import Connection
+    from ifrt.session import Session
+
+
+class KeyValueCalls:
+    """A part of ``ifrt.Client``, which provides what is declared here."""
+
+    client_uid: str
+    config: ClientConfig
+    _connection: Connection
+    _session: Session | None
+    _lock: threading.Lock
+    _key_watchers: list[tuple[str, queue.Queue | KeyCalls]]
+
+    if TYPE_CHECKING:
+        def _unary(self, method: str, request: Callable[[float], Message], deadline: float,
+                   slack: float = 0.0) -> Any: ...
+
+    def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
+        """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``)."""
+        request = pb.KeyValueSetRequest(client_uid=self.client_uid, key=key, value=bytes(value),
+                                        allow_overwrite=allow_overwrite)
+        self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout)
+
+    def kv_get(self, key: str, timeout: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout`` seconds for some process to set it."""
+        deadline = time.monotonic() + timeout
+
+        def unset(last_error: IfrtError | None) -> IfrtError:
+            if last_error is None:  # the time ran out between the coordinator's answer and the next ask
+                return KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s")
+            return self._connection.unavailable("KeyValueGet", last_error)
+
+        while True:
+            try:
+                response = self._connection.call("KeyValueGet", lambda remaining: pb.KeyValueGetRequest(
+                    client_uid=self.client_uid, key=key, wait_ms=max(0, int(remaining * 1000))), deadline,
+                    slack=self.config.answer_slack_s, give_up=unset)
+                return response.value
+            except KeyValueTimeout:
+                if time.monotonic() >= deadline:  # the coordinator caps one wait; ours may be longer
+                    raise KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s") from None
+
+    def kv_dir(self, prefix: str, timeout: float = 60.0) -> dict[str, bytes]:
+        """Every key starting with ``prefix`` and its value, sorted by key. ``ifrt.errors.ResourceExhausted`` (naming
+        the coordinator's ``--max-reply-bytes``) when their keys and values together pass what one answer may hold:
+        the coordinator refuses the listing rather than build it, so list a narrower prefix."""
+        response = self._unary("KeyValueDir", lambda _: pb.KeyValueDirRequest(
+            client_uid=self.client_uid, prefix=prefix), time.monotonic() + timeout)
+        return {e.key: e.value for e in response.entries}
+
+    def kv_try_get(self, key: str, timeout: float = 60.0) -> bytes | None:
+        """The value of ``key``, or None if it is unset now (no waiting)."""
+        response = self._unary("KeyValueTryGet", lambda _: pb.KeyValueTryGetRequest(
+            client_uid=self.client_uid, key=key), time.monotonic() + timeout)
+        return response.value if response.found else None
+
+    def kv_multi_get(self, keys: Sequence[str], timeout: float = 60.0) -> list[bytes | None]:
+        """Each key's value now (None: unset), in the order given, in one call (no waiting).
+        ``ifrt.errors.ResourceExhausted`` when the values together pass the coordinator's ``--max-reply-bytes``."""
+        if not keys:
+            return []
+        response = self._unary("KeyValueMultiGet", lambda _: pb.KeyValueMultiGetRequest(
+            client_uid=self.client_uid, keys=keys), time.monotonic() + timeout)
+        return [v.value if v.found else None for v in response.values]
+
+    def kv_multi_set(self, items: Sequence[tuple[str, bytes]], *, allow_overwrite: bool = False,
+                     timeout: float = 60.0) -> None:
+        """Stores each ``(key, value)`` in order, in one call: all of them, or (when one is refused: KeyExists,
+        InvalidArgument, ResourceExhausted, naming the key) none."""
+        if not items:
+            return
+        request = pb.KeyValueMultiSetRequest(client_uid=self.client_uid, allow_overwrite=allow_overwrite, entries=[
+            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items])
+        self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout)
+
+    def kv_increment(self, key: str, amount: int = 1, timeout: float = 60.0) -> int:
+        """Adds ``amount`` to the integer ``key`` holds (an unset key holds 0), atomically; returns the sum.
+
+        Exactly once, also when the call is retried on another coordinator replica. InvalidArgument if the key
+        holds something that is not a decimal integer."""
+        request = pb.KeyValueIncrementRequest(client_uid=self.client_uid, key=key, amount=amount,
+                                              request_id=uuid.uuid4().hex)
+        return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout).value
+
+    def kv_compare_set(self, key: str, expected: bytes, desired: bytes, timeout: float = 60.0) -> bytes | None:
+        """Sets ``key`` to ``desired`` if it holds ``expected`` (empty ``expected``: if it is unset), atomically, as
+        torch's TCPStore does; returns what the key holds afterwards (None: it is unset).
+
+        Exactly once, also when the call is retried on another coordinator replica."""
+        request = pb.KeyValueCompareSetRequest(client_uid=self.client_uid, key=key, expected=bytes(expected),
+                                               desired=bytes(desired), request_id=uuid.uuid4().hex)
+        response = self._unary("KeyValueCompareSet", lambda _: request, time.monotonic() + timeout)
+        return response.value if response.found else None
+
+    def kv_delete(self, key: str, *, prefix: bool = False, timeout: float = 60.0) -> int:
+        """Deletes ``key`` (with ``prefix=True``, every key starting with it); returns how many keys were deleted.
+        Deleting a key that is not there is no error."""
+        response = self._unary("KeyValueDelete", lambda _: pb.KeyValueDeleteRequest(
+            client_uid=self.client_uid, key=key, prefix=prefix), time.monotonic() + timeout)
+        return response.deleted
+
+    def kv_watch(self, prefix: str, timeout: float | None = None) -> Iterator[tuple[str, bytes | None]]:
+        """Every change of a key under ``prefix`` from now on, as ``(key, value)`` (``None``: deleted), until
+        ``timeout`` seconds pass or the client closes. Returns once the coordinator watches (carried on the live
+        session; changes made while the session reconnects are not replayed: re-read with ``kv_dir`` on
+        ``CoordinatorRestored``)."""
+        if self._session is None:
+            raise RuntimeError("kv_watch needs the live session: call discover() first, with session=True")
+        changes: queue.Queue = queue.Queue()
+        with self._lock:
+            self._key_watchers.append((prefix, changes))
+        if not self._session.watch(prefix).wait(self.config.watch_ack_timeout_s):
+            with self._lock:
+                self._key_watchers.remove((prefix, changes))
+            raise CoordinatorUnavailable(f"the coordinator ({self._connection.where}) did not start watching "
+                                         f"{prefix!r} within {self.config.watch_ack_timeout_s:.0f}s")
+        return self._changes(prefix, changes, None if timeout is None else time.monotonic() + timeout)
+
+    def _changes(self, prefix: str, changes: queue.Queue, deadline: float | None) -> Iterator[tuple[str, bytes | None]]:
+        try:
+            yield from until(changes, deadline)
+        finally:
+            with self._lock:
+                if (prefix, changes) in self._key_watchers:
+                    self._key_watchers.remove((prefix, changes))
+
+    def kv_follow(self, prefix: str, changed: Callable[[str, bytes | None], None]) -> threading.Event:
+        """Calls ``changed(key, value)`` (``None``: deleted) from the session thread for every change of a key under
+        ``prefix`` once the event returned is set (the coordinator watches it), until the client closes; without
+        waiting for that. As with ``kv_watch``, changes while the session reconnects are lost: CoordinatorLost."""
+        if self._session is None:
+            raise RuntimeError("kv_follow needs the live session: call discover() first, with session=True")
+        with self._lock:
+            self._key_watchers.append((prefix, KeyCalls(changed)))
+        return self._session.watch(prefix)
+
+    def key_changed(self, key: str, value: bytes | None) -> None:
+        """From the session: ``key`` changed; hands it to every kv_watch of a prefix of it."""
+        with self._lock:
+            watchers = [changes for prefix, changes in self._key_watchers if key.startswith(prefix)]
+        for changes in watchers:
+            changes.put((key, value))
+
+
+class KeyCalls:
+    """A key watcher that calls ``changed`` where kv_watch's queues a change (``kv_follow``)."""
+
+    def __init__(self, changed: Callable[[str, bytes | None], None]) -> None:
+        self.changed = changed
+
+    def put(self, item: object) -> None:
+        if item is not CLOSED:
+            self.changed(*item)  # type: ignore[misc]
