@@ -14,6 +14,7 @@ from coordinator import registration as reg
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped, parse, peer_host
 from coordinator.effects import Effect, Published, Waiting, WaitingForNextRun
 from coordinator.host_calls import Admitted
+from coordinator.limits import Limits
 from coordinator.messages import next_run_answer
 from coordinator.waiters import PUBLISHED, resolved_within
 from coordinator.waits import wait_s
@@ -107,15 +108,15 @@ class HostRegister:
                 continue
             assert isinstance(r, reg.Registration)
             try:
-                now = state.answer(r.client_uid, self.clock())
+                current = state.answer(r.client_uid, self.clock())
             except UnknownClient:  # forgotten while it waited: its next call registers it again
                 complete = False
                 continue
             except IfrtError as e:  # failed or replaced while it waited
                 _refused(entry, e)
                 continue
-            if isinstance(now, Published):
-                entry.process_id = now.process_id
+            if isinstance(current, Published):
+                entry.process_id = current.process_id
             else:
                 complete = False
         if next_run is not None:
@@ -124,19 +125,18 @@ class HostRegister:
             answer.answer = self.current_generation().answer_tail
         else:
             answer.answer = self._progress_answer()
-            for entry in answer.processes:
-                entry.process_id = -1 if entry.code == 0 else entry.process_id
+            for entry in answer.processes:  # no id is an answer until every one is
+                entry.process_id = -1
         return answer.SerializeToString()
 
 
-def _registration(p: pb.HostProcess, address: str, limits) -> reg.Registration | IfrtError:
+def _registration(p: pb.HostProcess, address: str, limits: Limits) -> reg.Registration | IfrtError:
     """One worker's registration as its own Register call would be checked, with its own secret's hash."""
     raw = p.request.SerializeToString()
     try:
         if len(raw) > limits.request_bytes:
             raise InvalidArgument(f"the registration of local rank {p.request.local_rank} is {len(raw)} bytes: "
-                                      f"expected at most {limits.request_bytes} (the coordinator's "
-                                      "--max-request-bytes)")
+                                  f"expected at most {limits.request_bytes} (the coordinator's --max-request-bytes)")
         return reg.from_request(p.request, address, limits, p.proof, raw)
     except IfrtError as e:
         return e
