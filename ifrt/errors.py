@@ -81,6 +81,13 @@ class AttemptEnded(IfrtError):
     status = "ABORTED"
 
 
+class StaleSession(IfrtError):
+    """A session opened for a job run or attempt that is no longer the current one: its processes' registrations
+    belong to the ended one. The session is opened again from the new run's or attempt's registration answer."""
+
+    status = "FAILED_PRECONDITION"
+
+
 class ResourceExhausted(InvalidArgument):
     """A coordinator-wide bound is reached (e.g. ``--max-agents`` job watches); the message names it and its flag."""
 

@@ -208,7 +208,7 @@ class Progress(_message.Message):
     def __init__(self, registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., registered_hosts: _Optional[_Iterable[str]] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("process_id", "progress", "topology", "encoding", "fingerprint", "generation", "event_position")
+    __slots__ = ("process_id", "progress", "topology", "encoding", "fingerprint", "generation", "event_position", "attempt", "run")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,8 @@ class RegisterResponse(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EVENT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     process_id: int
     progress: Progress
     topology: bytes
@@ -223,7 +225,9 @@ class RegisterResponse(_message.Message):
     fingerprint: str
     generation: int
     event_position: int
-    def __init__(self, process_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., topology: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fingerprint: _Optional[str] = ..., generation: _Optional[int] = ..., event_position: _Optional[int] = ...) -> None: ...
+    attempt: int
+    run: int
+    def __init__(self, process_id: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., topology: _Optional[bytes] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., fingerprint: _Optional[str] = ..., generation: _Optional[int] = ..., event_position: _Optional[int] = ..., attempt: _Optional[int] = ..., run: _Optional[int] = ...) -> None: ...
 
 class Topology(_message.Message):
     __slots__ = ("cluster_id", "generation", "num_processes", "strings", "processes", "devices")
@@ -350,14 +354,18 @@ class HostSessionRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[HostSessionOpen, _Mapping]] = ..., attach: _Optional[_Union[WorkerSession, _Mapping]] = ..., detach: _Optional[_Union[WorkerSession, _Mapping]] = ..., exited: _Optional[_Union[WorkerExit, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
 
 class HostSessionOpen(_message.Message):
-    __slots__ = ("agent_uid", "generation", "since_event")
+    __slots__ = ("agent_uid", "generation", "since_event", "run", "attempt")
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SINCE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     agent_uid: str
     generation: int
     since_event: int
-    def __init__(self, agent_uid: _Optional[str] = ..., generation: _Optional[int] = ..., since_event: _Optional[int] = ...) -> None: ...
+    run: int
+    attempt: int
+    def __init__(self, agent_uid: _Optional[str] = ..., generation: _Optional[int] = ..., since_event: _Optional[int] = ..., run: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class WorkerSession(_message.Message):
     __slots__ = ("client_uid", "proof")
@@ -406,14 +414,18 @@ class WatchKeys(_message.Message):
     def __init__(self, prefix: _Optional[str] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("client_uid", "generation", "since_event")
+    __slots__ = ("client_uid", "generation", "since_event", "run", "attempt")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SINCE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     generation: int
     since_event: int
-    def __init__(self, client_uid: _Optional[str] = ..., generation: _Optional[int] = ..., since_event: _Optional[int] = ...) -> None: ...
+    run: int
+    attempt: int
+    def __init__(self, client_uid: _Optional[str] = ..., generation: _Optional[int] = ..., since_event: _Optional[int] = ..., run: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ()
@@ -480,20 +492,24 @@ class KeyValueChange(_message.Message):
     def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ..., deleted: _Optional[bool] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("heartbeat_interval_ms", "generation", "heartbeat_timeout_ms", "client_uid", "process_id", "hung_after_ms")
+    __slots__ = ("heartbeat_interval_ms", "generation", "heartbeat_timeout_ms", "client_uid", "process_id", "hung_after_ms", "attempt", "run")
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     HUNG_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_ms: int
     generation: int
     heartbeat_timeout_ms: int
     client_uid: str
     process_id: int
     hung_after_ms: int
-    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., client_uid: _Optional[str] = ..., process_id: _Optional[int] = ..., hung_after_ms: _Optional[int] = ...) -> None: ...
+    attempt: int
+    run: int
+    def __init__(self, heartbeat_interval_ms: _Optional[int] = ..., generation: _Optional[int] = ..., heartbeat_timeout_ms: _Optional[int] = ..., client_uid: _Optional[str] = ..., process_id: _Optional[int] = ..., hung_after_ms: _Optional[int] = ..., attempt: _Optional[int] = ..., run: _Optional[int] = ...) -> None: ...
 
 class ProcessEvent(_message.Message):
     __slots__ = ("process_id", "reason", "incarnation")
@@ -506,10 +522,14 @@ class ProcessEvent(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "ended_attempt", "next_attempt")
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ENDED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+    ended_attempt: int
+    next_attempt: int
+    def __init__(self, reason: _Optional[str] = ..., ended_attempt: _Optional[int] = ..., next_attempt: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
     __slots__ = ("client_uid", "name", "process_ids", "timeout_ms")
