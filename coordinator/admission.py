@@ -115,7 +115,7 @@ class Admission:
         if holder_uid is not None:
             holder = self.members[holder_uid]
             if holder.live and self._answering(holder, now):
-                raise _taken(r, holder.registration, now - self.held_since.get(claim, now))
+                raise _taken(r, holder, now - self.held_since.get(claim, now), now)
             if self.topology is not None:
                 if holder.status is Status.LEFT or self.finishing():
                     return NextRun(holder)
@@ -242,12 +242,14 @@ class Admission:
                                    "that registered may act for it")
 
     def _answering(self, member: Member, now: float) -> bool:
-        """Whether something vouches for ``member`` now: a call in flight, or a session that is not overdue (its
-        heartbeats, where its client sends them, not missed). A process that stopped answering may be restarted."""
+        """Whether ``member`` is known to live now: a call in flight, a session that is not overdue (its heartbeats,
+        where its client sends them, not missed), or answered with the topology and not attached yet (its session
+        is on its way: a second launch of the job must not take its id in that moment). A process whose session
+        ended, or that the coordinator declared failed, may be restarted."""
         if member.calls:
             return True
         if not member.sessions:
-            return False
+            return member.status is Status.ALIVE and not member.attached_ever
         return member.heard_at is None or now - member.heard_at <= self.config.unanswered_after_s
 
     def gone(self) -> set[int]:
@@ -376,9 +378,13 @@ ANOTHER_JOB = "give it its own --cluster-id or coordinator"
 """The advice for a registration that another job's live processes stand in the way of."""
 
 
-def _taken(r: Registration, holder: Registration, held_s: float) -> ProcessIdTaken:
+def _taken(r: Registration, member: Member, held_s: float, now: float) -> ProcessIdTaken:
+    holder = member.registration
+    attaching = "" if member.attached_ever or member.calls else (
+        f"; it was answered {max(0.0, now - member.last_seen):.2f}s ago and has not attached its session yet (a "
+        "restart of it is admitted once its session ended or the coordinator declared it failed)")
     held = (f"held by a live process on {holder.hostname} ({holder.host_address or 'no address'}) since "
-            f"{max(0.0, held_s):.1f}s ago: is another job using this coordinator? {ANOTHER_JOB}")
+            f"{max(0.0, held_s):.1f}s ago{attaching}: is another job using this coordinator? {ANOTHER_JOB}")
     if r.process_id is not None:
         return ProcessIdTaken(f"process id {r.process_id} is already registered by {holder.describe()}, which is "
                               f"alive ({held}); {r.describe()} cannot take it. Within one job, give each process "

@@ -78,6 +78,7 @@ class Liveness:
         """A session opened: its connection's keepalive vouches for the process from now on."""
         self._last_arrival = now
         member.sessions += 1
+        member.attached_ever = True
         member.heard_at, member.quiet_s = None, 0.0
         self._vouched(member, now)
 

@@ -276,3 +276,35 @@ def test_a_session_that_never_heartbeats_is_judged_by_its_connection_alone():
     assert s.report(50.0).slow == () and {p.heartbeat_age_s for p in s.report(50.0).processes} == {0.0}
     s.detach("p1", 50.0)
     assert failures(s.tick(50.2)) == [ProcessFailed(1, "lost its connection and did not come back within 0.125s")]
+
+
+def test_a_process_answered_and_not_attached_yet_is_not_taken_over_by_a_second_launch():
+    s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
+    for i in range(2):
+        s.call_started(f"p{i}", 0.0)
+        admit(s, reg(f"p{i}", host=f"h{i}"), 0.0)
+    for i in range(2):
+        s.call_ended(f"p{i}", 0.01)  # both answered with the topology; neither has opened its session yet
+    s.attach("p0", 0.02)
+    with pytest.raises(ProcessIdTaken, match=r"h1 .* was answered 0\.0[34]s ago and has not attached its session"):
+        s.register(reg("second-launch", host="h1"), 0.05)
+    s.attach("p1", 0.06)  # the first launch's process was never disturbed
+    assert s.process_id_of("p1") == 1 and s.topology.generation == 1
+
+
+def test_a_process_that_never_attaches_is_taken_over_once_it_is_declared_failed():
+    s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
+    for i in range(2):
+        admit(s, reg(f"p{i}", host=f"h{i}"), 0.0)
+    s.attach("p0", 0.0)
+    assert failures(s.tick(TIMEOUT + 0.1)) == [ProcessFailed(1, f"lost its connection and did not come back within "
+                                                                f"{TIMEOUT:g}s")]
+    outcome, _ = s.register(reg("p1-restarted", host="h1"), TIMEOUT + 0.2)
+    assert outcome.process_id == 1
+
+
+def test_a_process_whose_session_ended_is_taken_over_by_its_restart_at_once():
+    s = published()
+    s.detach("p1", 0.0)  # killed: its connection closed
+    outcome, _ = s.register(reg("p1-again", 1, host="h1"), 0.01)
+    assert outcome.process_id == 1

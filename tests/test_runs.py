@@ -4,7 +4,12 @@ killed process still takes its id back, and a process that left waits for the ne
 
 from __future__ import annotations
 
+import json
+import os
 import queue
+import random
+import subprocess
+import sys
 import time
 
 from tests.helpers import clients, discover_process, finish, status_json
@@ -123,3 +128,44 @@ def test_a_new_run_and_its_keys_survive_a_failover(etcd):
         finally:
             for c in new:
                 c.close()
+
+
+DOUBLE_LAUNCHED = """
+import json, sys, time, ifrt
+from ifrt import events
+seen = []
+client = ifrt.Client(timeout=30)
+client.on_event(seen.append)
+topology = client.discover()
+time.sleep(float(sys.argv[1]))
+evicted = [str(e) for e in seen if isinstance(e, (events.ProcessFailed, events.CoordinatorLost))
+           and getattr(e, "process_id", topology.process_id) == topology.process_id]
+print(json.dumps({"process_id": topology.process_id, "fingerprint": topology.fingerprint, "evicted": evicted}))
+client.close()
+"""
+
+
+def test_a_job_launched_twice_at_once_forms_one_run_and_evicts_nobody(start_coordinator):
+    """A scheduler's retry or a second press of enter: two launches of one 4-process job at the same moment. Each id
+    goes to one process, which keeps it; the other launch's process is refused by name (ProcessIdTaken), never taken
+    for a restart of a live process that was answered and is attaching its session."""
+    rng = random.Random(39)
+    for _ in range(4):
+        coordinator = start_coordinator("--heartbeat-timeout", HEARTBEAT_TIMEOUT, num_processes=4)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IFRT_")}
+        env.update(IFRT_COORDINATOR=coordinator.address, IFRT_NUM_PROCESSES="4", IFRT_CPU_DEVICE_COUNT="1")
+        launched = []
+        for rank in [r for _launch in range(2) for r in range(4)]:
+            time.sleep(rng.uniform(0, 0.03))
+            launched.append(subprocess.Popen([sys.executable, "-c", DOUBLE_LAUNCHED, "3"], text=True,
+                                             env={**env, "IFRT_LOCAL_RANK": str(rank)},
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        results = [finish(child, 60) for child in launched]
+        held = [json.loads(out) for code, out, _ in results if code == 0]
+        refused = [err for code, _, err in results if code != 0]
+        assert sorted(h["process_id"] for h in held) == [0, 1, 2, 3], results
+        assert len({h["fingerprint"] for h in held}) == 1, held  # one run, one topology
+        assert [h["evicted"] for h in held] == [[]] * 4, held
+        assert len(refused) == 4 and all("ProcessIdTaken" in err for err in refused), refused
+        assert "replaced by a restarted process" not in coordinator.log
+        coordinator.close()
