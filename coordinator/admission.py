@@ -114,7 +114,7 @@ class Admission:
         holder_uid = self.holder.get(claim)
         if holder_uid is not None:
             holder = self.members[holder_uid]
-            if holder.live and self._answering(holder, now):
+            if holder.live and not restoring and self._answering(holder, now):  # a replay was admitted then
                 raise _taken(r, holder, now - self.held_since.get(claim, now), now)
             if self.topology is not None:
                 if holder.status is Status.LEFT or self.finishing():

@@ -58,9 +58,11 @@ class CatchUp:
 class History:
     """The last ``most`` job events and the number of the latest."""
 
-    def __init__(self, most: int) -> None:
+    def __init__(self, most: int, first: int = 0) -> None:
+        """``first``: the number of the last event before this history (a run's events go on from the run before,
+        so a position never goes back within a journal)."""
         self._events: deque[Numbered] = deque(maxlen=most)
-        self.head = 0
+        self.head = first
         """The number of the latest event (0: none yet)."""
 
     def add(self, event: JobEvent) -> int:

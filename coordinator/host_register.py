@@ -13,9 +13,9 @@ import grpc
 from coordinator import registration as reg
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped, parse, peer_host
 from coordinator.effects import Effect, Published, Waiting, WaitingForNextRun
-from coordinator.host_calls import Admitted
 from coordinator.limits import Limits
 from coordinator.messages import next_run_answer
+from coordinator.state import Admitted
 from coordinator.waiters import PUBLISHED, resolved_within
 from coordinator.waits import wait_s
 from ifrt import wire
@@ -73,7 +73,7 @@ class HostRegister:
         admitted = [(registrations[i].client_uid, outcome) for i, outcome in enumerate(results)  # type: ignore[union-attr]
                     if isinstance(outcome, Waiting | Published)]
         for uid, _ in admitted:
-            state.call_started(uid, self.clock())  # alive while the call is held, as a Register call's process
+            state.current.call_started(uid, self.clock())  # alive while the call is held, as a Register call's process
         waiting = any(isinstance(o, Waiting) for _, o in admitted)
         published = self._waiters.expect(PUBLISHED) if waiting else None
         try:
@@ -87,7 +87,7 @@ class HostRegister:
             if published is not None:
                 self._waiters.drop(PUBLISHED, published)
             for uid, _ in admitted:
-                state.call_ended(uid, self.clock())
+                state.current.call_ended(uid, self.clock())
         await self.serving(context, "host registration", epoch)
         if waiting:
             await self.commit(context, "host registration")
@@ -108,7 +108,7 @@ class HostRegister:
                 continue
             assert isinstance(r, reg.Registration)
             try:
-                current = state.answer(r.client_uid, self.clock())
+                current = state.current.answer(r.client_uid, self.clock())
             except UnknownClient:  # forgotten while it waited: its next call registers it again
                 complete = False
                 continue

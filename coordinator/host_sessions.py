@@ -69,7 +69,7 @@ class HostSessions:
             for uid in carried:
                 if sessions.carried.get(uid) is queue:
                     del sessions.carried[uid]
-                service.state.detach(uid, now)
+                service.state.current.detach(uid, now)
             log.info("%s ended (%d workers attached on it)", what, len(carried))
 
     async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, agent: Agent,
@@ -103,7 +103,8 @@ class HostSessions:
                     queue.put_nowait(worker_ended(uid, e))
                     return
                 if uid in carried:
-                    state.detach(uid, now)  # attached again (its session with the agent reconnected): counted once
+                    # attached again (its session with the agent reconnected): counted once
+                    state.current.detach(uid, now)
                 carried[uid] = None
                 sessions.carried[uid] = queue
                 queue.put_nowait(sessions.attached(service.current_generation().generation, client_uid=uid,
@@ -113,7 +114,7 @@ class HostSessions:
                 if carried.pop(uid, 0) is None:
                     if sessions.carried.get(uid) is queue:
                         del sessions.carried[uid]
-                    state.detach(uid, now)
+                    state.current.detach(uid, now)
             case "exited":
                 exited = request.exited
 

@@ -289,7 +289,7 @@ class CoordinatorService(HostRegister):
             if isinstance(outcome, WaitingForNextRun):
                 return next_run_answer(outcome, self.clock() - began)
         uid = registration.client_uid
-        state.call_started(uid, self.clock())  # alive while its call is held, by the journal too (under load)
+        state.current.call_started(uid, self.clock())  # alive while its call is held, by the journal too (under load)
         published = self._waiters.expect(PUBLISHED) if isinstance(outcome, Waiting) else None
         try:
             await self.commit(context, "registration")
@@ -301,10 +301,10 @@ class CoordinatorService(HostRegister):
         finally:
             if published is not None:
                 self._waiters.drop(PUBLISHED, published)
-            state.call_ended(uid, self.clock())
+            state.current.call_ended(uid, self.clock())
         await self.serving(context, "registration", epoch)
         try:
-            outcome = state.answer(uid, self.clock())
+            outcome = state.current.answer(uid, self.clock())
         except UnknownClient:  # forgotten while it waited: its next call registers it again
             outcome = None
         except IfrtError as e:  # failed or replaced while it waited
@@ -366,7 +366,7 @@ class CoordinatorService(HostRegister):
         now, state = self.clock(), self.state
         at, registered, answer = self._progress_cache
         if progress_stale(state.config, now, at, registered, state.registered):
-            p = state.progress(now)
+            p = state.current.progress(now)
             answer = progress_answer(p, self._config.progress_hosts)
             self._progress_cache = (now, p.registered, answer)
         return answer
@@ -465,14 +465,14 @@ class CoordinatorService(HostRegister):
                                               store=replica.store.description, reason=replica.not_serving_reason(),
                                               attempt=config.attempt)
         generation = self.current_generation()  # no await since the commit: the report and fingerprint agree
-        return status_view.leader_answer(self.state.report(self.clock()), fingerprint=generation.fingerprint,
+        return status_view.leader_answer(self.state.current.report(self.clock()), fingerprint=generation.fingerprint,
                                          replica=self._advertise, leader=replica.store.leader or self._advertise,
                                          store=replica.store.description, time_to_publish_s=self.time_to_publish_s,
                                          attempt=self.state.attempts.current)
 
     def report(self) -> status_view.StatusReport | None:
         """The state machine's report as of now (for metrics); None while this replica does not serve."""
-        return self.state.report(self.clock()) if self.replica.serving else None
+        return self.state.current.report(self.clock()) if self.replica.serving else None
 
     def status(self) -> str:
         """One line for operators: the published generation, or who is still missing."""
@@ -481,7 +481,7 @@ class CoordinatorService(HostRegister):
         topology = self.state.topology
         if topology is not None:
             return f"generation {topology.generation} published with {len(topology.processes)} processes"
-        return self.state.progress(self.clock()).describe()
+        return self.state.current.progress(self.clock()).describe()
 
     async def log_progress_every(self, interval_s: float) -> None:
         """Logs who is missing every ``interval_s`` while some, but not all, processes have registered."""

@@ -22,18 +22,11 @@ attempt: the dropped ids' processes, should they return, are not in any later ge
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from coordinator import journal
 from coordinator.attempts import Attempts, JobView, NextAttempt, check_call
-from coordinator.effects import Effect
 from coordinator.limits import Limits
 from ifrt.errors import InvalidArgument, PermissionDenied
-
-if TYPE_CHECKING:
-    from coordinator.admission import Admission
-    from coordinator.cluster import ClusterConfig
-    from ifrt.records import TopologyContent
 
 
 @dataclass(frozen=True)
@@ -76,39 +69,3 @@ def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allo
         return (f"only {remain} processes would remain without processes {', '.join(map(str, sorted(rest)))}, fewer "
                 f"than --min-processes {min_processes}")
     return journal.Shrunk(attempts.current, tuple(sorted(rest)), call.request_id)
-
-
-class JobShrinks:
-    """The shrink decisions of the state machine; a part of ``ClusterState``, which provides what is declared here."""
-
-    config: ClusterConfig
-    attempts: Attempts
-    _admission: Admission
-    _journal: list[journal.Entry]
-    topology: TopologyContent | None
-
-    if TYPE_CHECKING:  # ClusterState's
-        def _published(self, topology: TopologyContent | None) -> list[Effect]: ...
-        def _publish_if_whole(self) -> list[Effect]: ...
-
-    def shrink(self, call: NextAttempt, proof: str = "") -> tuple[ShrinkAnswer, list[Effect]]:
-        """NextAttempt with ``shrink`` from the agent ``call.agent_uid`` (``proof``: the hash of its call's secret):
-        drops the named failed processes once (journaled) and publishes a new generation over the survivors, or
-        refuses (see coordinator.shrink). PermissionDenied for a caller that is no agent of the job."""
-        agent_uid = call.agent_uid
-        self.attempts.agent(agent_uid, proof)
-        in_topology = self._admission.in_topology if self.topology is not None else set()
-        decision = decide(call, self.attempts, in_topology, allowed=self.config.shrink,
-                          min_processes=self.config.min_processes, num_processes=self.config.num_processes,
-                          limits=self.config.limits)
-        if isinstance(decision, str) or decision is None:
-            return ShrinkAnswer(self.attempts.view(), decision or ""), []
-        self._journal.append(decision)
-        return ShrinkAnswer(self.attempts.view()), self._shrunk(decision)
-
-    def _shrunk(self, entry: journal.Shrunk) -> list[Effect]:
-        effect = self.attempts.apply_shrunk(entry)
-        if self.topology is None:
-            return [effect]
-        published = self._published(self._admission.drop(*entry.process_ids))
-        return [effect, *published, *self._publish_if_whole()]

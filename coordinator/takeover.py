@@ -16,17 +16,11 @@ the job waits: the survivors' agents give up after their ``--replace-timeout`` (
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from coordinator import journal
-from coordinator.attempts import Agent, AttemptFailure, Attempts, Host, HostTakenOver
-from coordinator.effects import Effect
+from coordinator.attempts import Agent, AttemptFailure, Host
 from coordinator.limits import shown
-
-if TYPE_CHECKING:
-    from coordinator.admission import Admission
-    from ifrt.records import TopologyContent
 
 
 @dataclass(frozen=True)
@@ -72,37 +66,3 @@ def decide(lost: list[LostHost], agents: Iterable[Agent], absent: frozenset[str]
         return journal.HostTakenOver(attempt, host.agent.uid, spare.uid, host.process_ids, host.agent.host, reason,
                                      exhausted_now)
     return None
-
-
-class HostTakeovers:
-    """The lost-host decisions of the state machine; a part of ``ClusterState``, which provides ``attempts``,
-    ``_admission``, ``_journal`` and ``topology``."""
-
-    attempts: Attempts
-    _admission: Admission
-    _journal: list[journal.Entry]
-    topology: TopologyContent | None
-
-    def lost_hosts(self, absent: frozenset[str]) -> list[LostHost]:
-        """The job's hosts lost in this attempt (``absent``: agents not seen watching for the heartbeat timeout)."""
-        if self.topology is None or self.attempts.exhausted:
-            return []
-        return find_lost(self.attempts.listed(), absent, self.attempts.declared, self._admission.ids_from)
-
-    def take_over_host(self, absent: frozenset[str]) -> list[Effect]:
-        """The coordinator's own decision: a spare host takes over a lost host's ids (journaled, once; see
-        coordinator.takeover); nothing when no host is lost or no spare host can."""
-        entry = decide(self.lost_hosts(absent), self.attempts.listed(), absent, attempt=self.attempts.current,
-                       exhausted_now=self.attempts.restarts >= self.attempts.budget)
-        if entry is None:
-            return []
-        self._journal.append(entry)
-        return self._taken_over(entry)
-
-    def _taken_over(self, entry: journal.HostTakenOver) -> list[Effect]:
-        effect = self.attempts.apply_taken_over(entry)
-        if isinstance(effect, HostTakenOver):
-            spare = next(a for a in self.attempts.listed() if a.uid == entry.spare_uid)
-            self._admission.grant(entry.process_ids, spare.where)
-            return [replace(effect, explicit_ids=self._admission.names_ids)]
-        return [effect]

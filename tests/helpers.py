@@ -306,14 +306,14 @@ def published(n=3, **config) -> ClusterState:
     for i in range(n):
         admit(s, reg(f"p{i}", i, host=f"h{i}"), 0.0)
     for i in range(n):
-        s.attach(f"p{i}", 0.0)
+        s.current.attach(f"p{i}", 0.0)
     return s
 
 
 def lose_session(s: ClusterState, process_id: int, at: float = 0.0) -> None:
     """Process ``process_id`` of a ``published`` cluster loses its session at ``at`` and stays away; the others
     keep theirs open, which is what keeps them alive."""
-    s.detach(f"p{process_id}", at)
+    s.current.detach(f"p{process_id}", at)
 
 
 def failures(effects) -> list[ProcessFailed]:

@@ -41,38 +41,39 @@ def test_the_store_refuses_a_write_past_its_bytes_and_changes_nothing():
 
 def test_increments_and_swaps_count_against_the_store_bytes_too():
     s = published(limits=Limits(kv_bytes=2 * KiB))
-    s.kv_set("p0", "big", b"v" * 1700, False)
+    s.current.keys.set("p0", "big", b"v" * 1700, False)
     s.take_journal()
     with pytest.raises(ResourceExhausted, match="--kv-max-bytes"):
-        s.kv_compare_set("p0", "other", b"", b"w" * 400, "r1")
+        s.current.keys.compare_set("p0", "other", b"", b"w" * 400, "r1")
     with pytest.raises(ResourceExhausted, match="--kv-max-bytes"):
-        s.kv_increment("p0", "n", 1, "r2")
-    assert s.take_journal() == [] and s.kv_get("p1", "other") is None and s.kv_get("p1", "n") is None
-    assert s._kv.retries.get("p0", "r1", "other") is None  # a refused call is no answer to remember
+        s.current.keys.increment("p0", "n", 1, "r2")
+    keys = s.current.keys
+    assert s.take_journal() == [] and keys.get("p1", "other") is None and keys.get("p1", "n") is None
+    assert s.current.kv.retries.get("p0", "r1", "other") is None  # a refused call is no answer to remember
 
 
 def test_a_replay_restores_what_was_stored_under_a_larger_budget():
     s = published(limits=Limits(kv_bytes=64 * KiB))
     for i in range(20):
-        s.kv_set("p0", f"k{i}", b"v" * 2000, False)
+        s.current.keys.set("p0", f"k{i}", b"v" * 2000, False)
     entries = s.take_journal()
     smaller = ClusterState(published(limits=Limits(kv_bytes=8 * KiB)).config)
     for entry in entries:
         smaller.replay(entry)
-    assert len(smaller._kv.dir("")) == 20  # nothing refused on replay; new writes are, until enough is deleted
+    assert len(smaller.current.kv.dir("")) == 20  # nothing refused on replay; new writes are, until enough is deleted
     with pytest.raises(ResourceExhausted, match="--kv-max-bytes of 8192 bytes"):
-        smaller.kv_set("p0", "one-more", b"x", False)
+        smaller.current.keys.set("p0", "one-more", b"x", False)
 
 
 def test_a_listing_past_the_reply_bytes_is_refused_before_it_is_built():
     s = published(limits=Limits(reply_bytes=10 * KiB))
     for i in range(20):
-        s.kv_set("p0", f"job/{i:02d}", b"v" * 1000, False)
+        s.current.keys.set("p0", f"job/{i:02d}", b"v" * 1000, False)
     with pytest.raises(ResourceExhausted) as info:
-        s.kv_dir("p0", "job/")
+        s.current.keys.dir("p0", "job/")
     assert str(info.value).startswith("the listing of 20 keys under 'job/' (20440 bytes) would pass the "
                                       "coordinator's --max-reply-bytes of 10240 bytes: list a narrower prefix")
-    assert len(s.kv_dir("p0", "job/0")) == 10  # a narrower prefix fits
+    assert len(s.current.keys.dir("p0", "job/0")) == 10  # a narrower prefix fits
 
 
 def test_barriers_are_bounded_in_bytes_and_share_their_sets_of_participants():
@@ -97,40 +98,42 @@ def test_barriers_are_bounded_in_bytes_and_share_their_sets_of_participants():
 def test_a_replaced_incarnation_keeps_no_request_and_only_the_latest_is_kept():
     s = published(n=2)
     for i in range(1, 6):  # process 0 killed (its session gone) and restarted, again and again
-        s.detach("p0" if i == 1 else f"p0-{i - 1}", 0.0)
+        s.current.detach("p0" if i == 1 else f"p0-{i - 1}", 0.0)
         s.register(reg(f"p0-{i}", 0, host="h0", devices=64), 0.0)
-    members = s._admission.members
+        s.current.attach(f"p0-{i}", 0.0)  # its session opens (until then it holds its id)
+    members = s.current.admission.members
     assert sorted(members) == ["p0-4", "p0-5", "p1"]  # the current incarnation and the one it replaced
     assert members["p0-4"].registration.devices == () and members["p0-4"].replaced
     assert len(members["p0-5"].registration.devices) == 64
     with pytest.raises(ProcessDeclaredFailed, match="was declared failed: replaced by a restarted process"):
         s.register(reg("p0-4", 0, host="h0", devices=64), 1.0)  # its retry: told it ended, not compared
     with pytest.raises(UnknownClient):
-        s.attach("p0-3", 1.0)  # an older one is no longer known: register again
+        s.current.attach("p0-3", 1.0)  # an older one is no longer known: register again
 
 
 def test_registrations_of_an_attempt_are_bounded_in_bytes_replays_are_not_refused():
     limits = Limits(registration_bytes=16 * KiB)
     s = published(n=2, limits=limits)
-    held = s._admission.held
+    held = s.current.admission.held
     uid = "p0"
     refused = None
     for i in range(1, 100):
-        s.detach(uid, 0.0)  # killed, and restarted (a process that left would wait for the next run instead)
+        s.current.detach(uid, 0.0)  # killed, and restarted (a process that left would wait for the next run instead)
         try:
             s.register(reg(f"p0-{i}", 0, host="h0", devices=8), 0.0)
         except ResourceExhausted as e:
             refused = e
             break
         uid = f"p0-{i}"
+        s.current.attach(uid, 0.0)
     assert refused is not None and 3 < i < 20
     assert "would pass the coordinator's --max-registration-bytes of 16384 bytes" in str(refused)
-    assert s._admission.held <= 16 * KiB and s._admission.held > held
+    assert s.current.admission.held <= 16 * KiB and s.current.admission.held > held
     entries = s.take_journal()
     again = ClusterState(published(n=2, limits=Limits(registration_bytes=4 * KiB)).config)
     for entry in entries:
         again.replay(entry)  # accepted when it was made: never refused when replayed
-    assert again.registration_of(0).client_uid == uid  # type: ignore[union-attr]
+    assert again.current.registration_of(0).client_uid == uid  # type: ignore[union-attr]
     assert [type(e) for e in entries].count(journal.Registered) == 2 + i - 1
 
 

@@ -49,13 +49,13 @@ def play(s: ClusterState, script) -> None:
         try:
             match op:
                 case ("set", key, value):
-                    s.kv_set("p0", key, value, True)
+                    s.current.keys.set("p0", key, value, True)
                 case ("incr", key, amount, uid, request):
-                    s.kv_increment(uid, key, amount, f"r{request}")
+                    s.current.keys.increment(uid, key, amount, f"r{request}")
                 case ("swap", key, expected, desired, uid, request):
-                    s.kv_compare_set(uid, key, expected, desired, f"r{request}")
+                    s.current.keys.compare_set(uid, key, expected, desired, f"r{request}")
                 case ("del", key, prefix):
-                    s.kv_delete("p1", key, prefix)
+                    s.current.keys.delete("p1", key, prefix)
         except IfrtError:
             pass
 
@@ -71,9 +71,9 @@ def replayed(entries, limits: Limits = DEFAULT_LIMITS) -> ClusterState:
 
 def observable(s: ClusterState):
     """What replay must rebuild: the topology, every key's value, and what a retry of each call is answered."""
-    retries = s._kv.retries
-    return (s.topology, s._kv.dir(""), {uid: list(done.items()) for uid, done in retries.answers.items()},
-            retries.calls(), retries.held, s._kv.store.held)
+    retries = s.current.kv.retries
+    return (s.topology, s.current.kv.dir(""), {uid: list(done.items()) for uid, done in retries.answers.items()},
+            retries.calls(), retries.held, s.current.kv.store.held)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -119,7 +119,7 @@ def test_answers_of_any_cost_are_remembered_the_same_after_a_compaction(script, 
     expected = observable(replayed(entries, limits))
     assert observable(replayed(whole, limits)) == expected
     assert observable(replayed(part, limits)) == expected
-    assert s._kv.retries.held <= budget or len(s._kv.retries.calls()) == 1
+    assert s.current.kv.retries.held <= budget or len(s.current.kv.retries.calls()) == 1
 
 
 def kv_entries(s: ClusterState) -> list[journal.Entry]:
@@ -133,7 +133,7 @@ def kept(entries, limits: Limits = DEFAULT_LIMITS) -> list[journal.Entry]:
 def test_overwrites_of_a_key_keep_only_the_last():
     s = published(n=2)
     for i in range(1000):
-        s.kv_set("p0", "k", str(i).encode(), True)
+        s.current.keys.set("p0", "k", str(i).encode(), True)
     assert kept(kv_entries(s)) == [journal.KeySet("k", b"999")]
 
 
@@ -147,9 +147,9 @@ def test_a_replaced_process_or_a_lost_host_taken_over_keeps_the_attempts_key_val
 def test_deleted_keys_leave_nothing():
     s = published(n=2)
     for key in ("job/a", "job/b", "other"):
-        s.kv_set("p0", key, b"v", False)
-    s.kv_delete("p0", "job/", True)
-    s.kv_delete("p0", "other", False)
+        s.current.keys.set("p0", key, b"v", False)
+    s.current.keys.delete("p0", "job/", True)
+    s.current.keys.delete("p0", "other", False)
     assert kept(kv_entries(s)) == []
 
 
@@ -157,15 +157,16 @@ def test_increments_keep_the_answers_a_retry_may_ask_for_within_the_answer_bytes
     limits = Limits(answer_bytes=100 * (256 + len("p0call-000n")))  # 100 increments' answers
     s = published(n=2, limits=limits)
     for i in range(300):
-        s.kv_increment("p0", "n", 1, f"call-{i:03d}")
+        s.current.keys.increment("p0", "n", 1, f"call-{i:03d}")
     entries = kept(kv_entries(s), limits)
     # The last 100 calls, and the newest call forgotten before them (so that a replay forgets what came before)
     assert [e.request_id for e in entries] == [f"call-{i:03d}" for i in range(199, 300)]
     again = replayed(entries, limits)
-    assert again.kv_increment("p0", "n", 1, "call-299") == (300, [])  # answered, not applied again
+    assert again.current.keys.increment("p0", "n", 1, "call-299") == (300, [])  # answered, not applied again
     with pytest.raises(ifrt.InvalidArgument, match="was answered before this client's last 64 calls"):
-        again.kv_increment("p0", "n", 1, "call-235")  # remembered as a call, its answer forgotten: refused
-    assert again.kv_increment("p0", "n", 1, "call-000") == (301, [KeyChanged("n", b"301")])  # forgotten: a new call
+        again.current.keys.increment("p0", "n", 1, "call-235")  # remembered as a call, its answer forgotten: refused
+    # forgotten: a new call
+    assert again.current.keys.increment("p0", "n", 1, "call-000") == (301, [KeyChanged("n", b"301")])
 
 
 def test_swaps_of_big_values_deleted_at_once_leave_at_most_the_answer_bytes_in_the_journal():
@@ -175,20 +176,20 @@ def test_swaps_of_big_values_deleted_at_once_leave_at_most_the_answer_bytes_in_t
     s = published(n=2, limits=limits)
     value = b"v" * (MiB // 4)
     for i in range(200):
-        s.kv_compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
-        s.kv_delete("p0", f"torchrun/{i}", False)
+        s.current.keys.compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
+        s.current.keys.delete("p0", f"torchrun/{i}", False)
     everything = kv_entries(s)
     entries = kept(everything, limits)
     stored = sum(len(e.value) for e in entries if isinstance(e, journal.KeySwapped))
     assert 7 * MiB < stored <= 8 * MiB + len(value)
-    assert s._kv.retries.held <= limits.answer_bytes
+    assert s.current.kv.retries.held <= limits.answer_bytes
     assert observable(replayed(entries, limits)) == observable(replayed(everything, limits))
 
 
 def test_a_deletion_stays_while_it_removes_a_remembered_swap():
     s = published(n=2)
-    s.kv_compare_set("p0", "k", b"", b"A", "swap-1")
-    s.kv_delete("p1", "k", False)
+    s.current.keys.compare_set("p0", "k", b"", b"A", "swap-1")
+    s.current.keys.delete("p1", "k", False)
     entries = kept(kv_entries(s))
     assert entries == [journal.KeySwapped("k", b"A", "p0", "swap-1"), journal.KeysDeleted("k", False)]
     assert replayed(entries)._kv.dir("") == []
@@ -220,7 +221,7 @@ def test_a_replica_taking_over_a_grown_journal_compacts_it_before_serving():
         while not replica.serving:
             await asyncio.sleep(0.01)
         loaded = [journal.decode(raw) for raw in await store.load()]
-        value = replica.state._kv.dir("")
+        value = replica.state.current.kv.dir("")
         running.cancel()
         return loaded, value
 
@@ -275,19 +276,19 @@ def test_a_leader_killed_after_compaction_loses_nothing(etcd):
             retry = lambda: a._unary("KeyValueIncrement", lambda _: increment, time.monotonic() + 60)  # noqa: E731
             assert retry().value == 1
             for _ in range(4):
-                b.kv_increment("count")
-            a.kv_set("gone/x", b"x")
+                b.current.keys.increment("count")
+            a.current.keys.set("gone/x", b"x")
             other = in_thread(lambda: b.barrier("before-compaction", timeout=30))
             a.barrier("before-compaction", timeout=30)
             assert other.get(timeout=30) is None
             written = 0
             while "compacted the journal" not in replicas.leader.log:  # overwrites until the leader compacts
                 assert written < 4 * compaction.MIN_BYTES // (MiB // 2), replicas.leader.log
-                a.kv_set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
+                a.current.keys.set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
                 written += 1
                 time.sleep(0.01 if written > compaction.MIN_BYTES // (MiB // 2) else 0)
-            a.kv_set("blob", b"last", allow_overwrite=True)
-            a.kv_delete("gone/", prefix=True)
+            a.current.keys.set("blob", b"last", allow_overwrite=True)
+            a.current.keys.delete("gone/", prefix=True)
             keys = journal_keys(etcd, "compacting")
             assert keys < 10, f"{keys} journal keys after compacting {written} overwrites of 512 KiB"
             replicas.kill_leader()
@@ -295,9 +296,9 @@ def test_a_leader_killed_after_compaction_loses_nothing(etcd):
             found = int(re.search(r"replayed (\d+) journal entries", standby.log).group(1))
             assert found < 20, standby.log
             assert retry().value == 1  # answered as before the kill, not applied again
-            assert a.kv_increment("count") == 6
-            assert a.kv_get("blob", timeout=30) == b"last"
-            assert a.kv_try_get("gone/x") is None
+            assert a.current.keys.increment("count") == 6
+            assert a.current.keys.get("blob", timeout=30) == b"last"
+            assert a.current.keys.try_get("gone/x") is None
             a.barrier("before-compaction", timeout=30)  # a finished barrier answers as it did
             after = a.register_again()
             assert (after.generation, after.fingerprint, after.process_id) == \

@@ -22,7 +22,7 @@ from tests.replicas import Replicas, kill_the_leader_midway
 def with_value(before: bytes | None) -> ClusterState:
     s = published()
     if before is not None:
-        s.kv_set("p0", "k", before, False)
+        s.current.keys.set("p0", "k", before, False)
     s.take_journal()
     return s
 
@@ -30,8 +30,8 @@ def with_value(before: bytes | None) -> ClusterState:
 @pytest.mark.parametrize(("before", "expected", "desired", "answer", "after"), COMPARE_SET_TABLE)
 def test_compare_set_semantics_in_the_state_machine(before, expected, desired, answer, after):
     s = with_value(before)
-    value, effects = s.kv_compare_set("p1", "k", expected, desired, "call-1")
-    assert (value, s.kv_get("p2", "k")) == (answer, after)
+    value, effects = s.current.keys.compare_set("p1", "k", expected, desired, "call-1")
+    assert (value, s.current.keys.get("p2", "k")) == (answer, after)
     changed = after != before
     assert effects == ([KeyChanged("k", after)] if changed else [])
     assert [type(e).__name__ for e in s.take_journal()] == (["KeySwapped"] if changed else [])
@@ -39,17 +39,17 @@ def test_compare_set_semantics_in_the_state_machine(before, expected, desired, a
 
 def test_a_retried_swap_is_answered_not_applied_again_even_after_a_replay():
     s = published()
-    assert s.kv_compare_set("p0", "k", b"", b"A", "r1") == (b"A", [KeyChanged("k", b"A")])
-    assert s.kv_compare_set("p1", "k", b"A", b"", "r2") == (b"", [KeyChanged("k", b"")])  # back to the start
-    assert s.kv_compare_set("p0", "k", b"", b"A", "r1") == (b"A", [])  # p0's retry: answered as before
-    assert s.kv_get("p2", "k") == b""
+    assert s.current.keys.compare_set("p0", "k", b"", b"A", "r1") == (b"A", [KeyChanged("k", b"A")])
+    assert s.current.keys.compare_set("p1", "k", b"A", b"", "r2") == (b"", [KeyChanged("k", b"")])  # back to the start
+    assert s.current.keys.compare_set("p0", "k", b"", b"A", "r1") == (b"A", [])  # p0's retry: answered as before
+    assert s.current.keys.get("p2", "k") == b""
     raw = [journal.encode(e) for e in s.take_journal()]
     rebuilt = ClusterState(s.config)
     for r in raw:
         rebuilt.replay(journal.decode(r))
-    assert rebuilt.kv_get("p2", "k") == b""
-    assert rebuilt.kv_compare_set("p0", "k", b"", b"A", "r1") == (b"A", [])
-    assert rebuilt.kv_compare_set("p0", "k", b"", b"A", "r3") == (b"A", [KeyChanged("k", b"A")])  # a new call
+    assert rebuilt.current.keys.get("p2", "k") == b""
+    assert rebuilt.current.keys.compare_set("p0", "k", b"", b"A", "r1") == (b"A", [])
+    assert rebuilt.current.keys.compare_set("p0", "k", b"", b"A", "r3") == (b"A", [KeyChanged("k", b"A")])  # a new call
 
 
 @pytest.mark.parametrize(("key", "desired", "message"), [
@@ -61,8 +61,8 @@ def test_a_retried_swap_is_answered_not_applied_again_even_after_a_replay():
 def test_bad_input_is_refused_whether_or_not_the_compare_matches_and_changes_nothing(key, desired, message, matches):
     s = with_value(b"old")
     with pytest.raises(InvalidArgument, match=message):
-        s.kv_compare_set("p0", key, b"old" if matches else b"other", desired, "r1")
-    assert s.kv_dir("p0", "") == [("k", b"old")]
+        s.current.keys.compare_set("p0", key, b"old" if matches else b"other", desired, "r1")
+    assert s.current.keys.dir("p0", "") == [("k", b"old")]
     assert s.take_journal() == []
 
 
@@ -85,11 +85,11 @@ def test_compare_set_semantics_over_grpc(pair):
         before, expected, desired, answer, after = case.values
         key = f"table/{i}"
         if before is not None:
-            a.kv_set(key, before)
-        assert b.kv_compare_set(key, expected, desired) == answer, case.id
-        assert a.kv_try_get(key) == after, case.id
+            a.current.keys.set(key, before)
+        assert b.current.keys.compare_set(key, expected, desired) == answer, case.id
+        assert a.current.keys.try_get(key) == after, case.id
     with pytest.raises(ifrt.InvalidArgument, match="key of 0 bytes: expected 1 to"):
-        a.kv_compare_set("", b"", b"v")
+        a.current.keys.compare_set("", b"", b"v")
 
 
 def test_a_raced_create_has_one_winner_and_everyone_reads_it(pair):
@@ -108,11 +108,11 @@ def test_a_retry_after_a_leader_sigkill_is_answered_not_applied_again(etcd):
                                                  request_id="retried-call")
             call = lambda: a._unary("KeyValueCompareSet", lambda _: first, time.monotonic() + 60)  # noqa: E731
             assert call().value == b"A"
-            assert b.kv_compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
+            assert b.current.keys.compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
             replicas.kill_leader()
             retried = call()  # as the client retries a call whose answer was lost with the leader
             assert (retried.found, retried.value) == (True, b"A")
-            assert b.kv_try_get("k") == b""  # not swapped a second time
+            assert b.current.keys.try_get("k") == b""  # not swapped a second time
         finally:
             for c in made:
                 c.close()
@@ -137,11 +137,11 @@ def test_callers_that_are_no_process_may_use_the_agent_keys_only(published_yet):
     # torchrun's agents meet before any worker exists: they are no process of the topology.
     s = published() if published_yet else ClusterState(published().config)
     agent = "agent-" + uuid.uuid4().hex
-    assert s.kv_compare_set(agent, "torchrun/job/state", b"", b"v1", "r1")[0] == b"v1"
-    s.kv_set(agent, "torchrun/job/other", b"x", False)
-    assert s.kv_get(agent, "torchrun/job/state") == b"v1"
-    assert [k for k, _ in s.kv_dir(agent, "torchrun/job/")] == ["torchrun/job/other", "torchrun/job/state"]
-    assert s.kv_delete(agent, "torchrun/job/other", False)[0] == 1
+    assert s.current.keys.compare_set(agent, "torchrun/job/state", b"", b"v1", "r1")[0] == b"v1"
+    s.current.keys.set(agent, "torchrun/job/other", b"x", False)
+    assert s.current.keys.get(agent, "torchrun/job/state") == b"v1"
+    assert [k for k, _ in s.current.keys.dir(agent, "torchrun/job/")] == ["torchrun/job/other", "torchrun/job/state"]
+    assert s.current.keys.delete(agent, "torchrun/job/other", False)[0] == 1
     for method, *args in OTHER_KEYS:
         with pytest.raises(ifrt.UnknownClient):
             getattr(s, method)(agent, *args)
@@ -152,48 +152,48 @@ def test_retries_are_remembered_within_the_answer_bytes_over_all_callers():
     value = b"x" * 1000
     s = published(limits=Limits(answer_bytes=50 * 1400))
     first = "agent-first"
-    s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")
-    s.kv_compare_set("p0", "torchrun/k", b"A", b"B", "p0-r1")
-    assert s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"A"  # a retry: answered, not compared
+    s.current.keys.compare_set(first, "torchrun/k", b"", b"A", "r1")
+    s.current.keys.compare_set("p0", "torchrun/k", b"A", b"B", "p0-r1")
+    assert s.current.keys.compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"A"  # a retry: answered
     for i in range(100):
-        s.kv_compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
-    assert s._kv.retries.held <= 50 * 1400
+        s.current.keys.compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
+    assert s.current.kv.retries.held <= 50 * 1400
     # The first agent is forgotten now: its retry compares again (and finds B there).
-    assert s.kv_compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"B"
-    assert s.kv_compare_set("agent-99", "torchrun/99", b"", value, "r1") == (value, [])  # the newest: remembered
+    assert s.current.keys.compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"B"
+    assert s.current.keys.compare_set("agent-99", "torchrun/99", b"", value, "r1") == (value, [])  # the newest: kept
 
 
 def test_a_request_id_retried_on_another_key_is_another_call():
     # The same request id on another key was answered with the first key's value, and the second key never set.
     s = published()
-    assert s.kv_compare_set("p0", "a", b"", b"A", "r1") == (b"A", [KeyChanged("a", b"A")])
-    assert s.kv_compare_set("p0", "b", b"", b"B", "r1") == (b"B", [KeyChanged("b", b"B")])
-    assert (s.kv_get("p1", "a"), s.kv_get("p1", "b")) == (b"A", b"B")
-    assert s.kv_increment("p0", "n", 5, "r1") == (5, [KeyChanged("n", b"5")])
-    assert s.kv_increment("p0", "m", 7, "r1") == (7, [KeyChanged("m", b"7")])
+    assert s.current.keys.compare_set("p0", "a", b"", b"A", "r1") == (b"A", [KeyChanged("a", b"A")])
+    assert s.current.keys.compare_set("p0", "b", b"", b"B", "r1") == (b"B", [KeyChanged("b", b"B")])
+    assert (s.current.keys.get("p1", "a"), s.current.keys.get("p1", "b")) == (b"A", b"B")
+    assert s.current.keys.increment("p0", "n", 5, "r1") == (5, [KeyChanged("n", b"5")])
+    assert s.current.keys.increment("p0", "m", 7, "r1") == (7, [KeyChanged("m", b"7")])
     # Retries of each are answered as each was, and applied nowhere
-    assert s.kv_compare_set("p0", "b", b"", b"B", "r1") == (b"B", [])
-    assert s.kv_increment("p0", "n", 5, "r1") == (5, [])
+    assert s.current.keys.compare_set("p0", "b", b"", b"B", "r1") == (b"B", [])
+    assert s.current.keys.increment("p0", "n", 5, "r1") == (5, [])
 
 
 def test_a_request_id_reused_on_the_same_key_for_another_call_is_refused_and_changes_nothing():
     s = published()
-    s.kv_compare_set("p0", "k", b"", b"A", "r1")
+    s.current.keys.compare_set("p0", "k", b"", b"A", "r1")
     s.take_journal()
     with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap to another value"):
-        s.kv_compare_set("p0", "k", b"A", b"C", "r1")
+        s.current.keys.compare_set("p0", "k", b"A", b"C", "r1")
     with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap, not an increment"):
-        s.kv_increment("p0", "k", 1, "r1")
-    assert s.kv_get("p1", "k") == b"A" and s.take_journal() == []
+        s.current.keys.increment("p0", "k", 1, "r1")
+    assert s.current.keys.get("p1", "k") == b"A" and s.take_journal() == []
 
 
 def test_a_retry_of_a_call_past_the_answers_per_caller_is_refused_not_applied_again():
     s = published(limits=Limits(answers_per_caller=4))
     for i in range(6):
-        s.kv_increment("p0", "n", 1, f"r{i}")
+        s.current.keys.increment("p0", "n", 1, f"r{i}")
     s.take_journal()
     with pytest.raises(InvalidArgument, match=r"was answered before this client's last 4 calls, and its answer is no "
                                               r"longer kept \(the coordinator's --max-answers-per-caller\)"):
-        s.kv_increment("p0", "n", 1, "r0")
-    assert s.kv_get("p1", "n") == b"6" and s.take_journal() == []
-    assert s.kv_increment("p0", "n", 1, "r5") == (6, [])
+        s.current.keys.increment("p0", "n", 1, "r0")
+    assert s.current.keys.get("p1", "n") == b"6" and s.take_journal() == []
+    assert s.current.keys.increment("p0", "n", 1, "r5") == (6, [])

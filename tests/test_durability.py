@@ -17,8 +17,8 @@ import pytest
 
 from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
+from coordinator.kv_calls import KeyValueCalls
 from coordinator.server import serve
-from coordinator.state import ClusterState
 from coordinator.store import EtcdStore
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
@@ -277,7 +277,7 @@ def test_a_bug_in_a_handler_is_internal_not_unknown(harness, monkeypatch):
             def broken(*args, **kwargs):
                 raise KeyError("a bug in a handler")
 
-            monkeypatch.setattr(ClusterState, "kv_dir", broken)
+            monkeypatch.setattr(KeyValueCalls, "dir", broken)
             answer = await h.call("KeyValueDir", pb.KeyValueDirRequest(client_uid="uid-0", prefix=""))
             assert status(answer) == grpc.StatusCode.INTERNAL
             assert "KeyError" in answer.details() and "a bug in a handler" in answer.details()

@@ -55,7 +55,7 @@ def test_a_hosts_registration_admits_each_process_as_its_own_register_would():
         by_process.register(r, 0.0)
     assert by_host.topology is not None and by_host.topology == by_process.topology
     assert [type(o) for o in first + second] == [Waiting, Waiting, Waiting, Published]  # the last completes it
-    assert [by_host.answer(r.client_uid, 0.0).process_id for r in registrations] == [0, 1, 2, 3]  # h1 first
+    assert [by_host.current.answer(r.client_uid, 0.0).process_id for r in registrations] == [0, 1, 2, 3]  # h1 first
 
 
 def test_a_refused_process_changes_nothing_and_its_hosts_others_are_admitted():

@@ -29,13 +29,13 @@ HUNG_REASON = ("stopped answering: no heartbeat for {:.1f}s while its connection
 def test_a_connected_session_whose_heartbeats_stopped_is_failed_after_the_hung_timeouts():
     s = published()  # heartbeat timeout 1 s: slow after 1/3 s, failed as hung after 3 s
     for uid in ("p0", "p1", "p2"):
-        s.heard(uid, 0.1)
+        s.current.heard(uid, 0.1)
     for now in (1.0, 2.0, 3.0):
-        s.heard("p0", now)
-        s.heard("p2", now)
+        s.current.heard("p0", now)
+        s.current.heard("p2", now)
         assert failures(s.tick(now)) == []  # process 1 is slow (quiet 2.9 s at 3.0), not failed yet
-    assert [p.process_id for p in s.report(3.0).slow] == [1]
-    s.heard("p0", 3.2)
+    assert [p.process_id for p in s.current.report(3.0).slow] == [1]
+    s.current.heard("p0", 3.2)
     effects = s.tick(3.2)
     assert failures(effects) == [ProcessFailed(1, HUNG_REASON.format(3.1))]
     assert Evict("p1", f"declared failed: {HUNG_REASON.format(3.1)}") in effects  # its session is closed

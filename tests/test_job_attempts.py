@@ -73,17 +73,17 @@ def register_attempt(s: ClusterState, n: int, attempt: int, now: float = 1.0) ->
 def test_the_next_attempt_starts_every_part_of_the_state_empty_and_gives_the_same_ids_and_topology():
     s = with_agent(published(n=2))
     before = fingerprint(s)
-    s.kv_set("p0", "jax/coordinator", b"10.0.0.1:1234", False)
+    s.current.keys.set("p0", "jax/coordinator", b"10.0.0.1:1234", False)
     view, effects = s.next_attempt(next_attempt(0, request_id="r1"), PROOF)
     assert (view.attempt, view.failures, view.exhausted, view.max_restarts) == (1, (FAILURE,), False, 3)
     assert effects == [AttemptStarted(view)]
     assert [type(e) for e in s.take_journal()][-1] is journal.AttemptDecided
     assert s.topology is None and s.registered == 0
     with pytest.raises(Exception, match="not a registered process"):
-        s.kv_get("p0", "jax/coordinator")
+        s.current.keys.get("p0", "jax/coordinator")
     register_attempt(s, 2, attempt=1)
     assert fingerprint(s) == before  # same hosts and devices: the same ids, generation and bytes
-    assert s.kv_get("p0-a1", "jax/coordinator") is None
+    assert s.current.keys.get("p0-a1", "jax/coordinator") is None
 
 
 def test_a_retry_or_another_agent_asking_for_an_ended_attempt_changes_nothing():
@@ -155,8 +155,8 @@ def journal_of_three_attempts() -> tuple[ClusterState, list[journal.Entry]]:
     for attempt in range(3):
         if attempt:
             register_attempt(s, 2, attempt)
-        s.kv_set(f"p0-a{attempt}" if attempt else "p0", f"key-{attempt}", b"v", False)
-        s.kv_increment(f"p1-a{attempt}" if attempt else "p1", "n", 1, f"r{attempt}")
+        s.current.keys.set(f"p0-a{attempt}" if attempt else "p0", f"key-{attempt}", b"v", False)
+        s.current.keys.increment(f"p1-a{attempt}" if attempt else "p1", "n", 1, f"r{attempt}")
         if attempt < 2:
             s.next_attempt(next_attempt(attempt, request_id=f"next-{attempt}"), PROOF)
         entries += s.take_journal()
@@ -165,7 +165,8 @@ def journal_of_three_attempts() -> tuple[ClusterState, list[journal.Entry]]:
 
 def observable(s: ClusterState):
     """The attempts, the topology, every key, and what a retry of the last increment is answered."""
-    return s.attempts.view(), s.topology, s.kv_dir("p0-a2", ""), s.kv_increment("p1-a2", "n", 1, "r2")
+    keys = s.current.keys
+    return s.attempts.view(), s.topology, keys.dir("p0-a2", ""), keys.increment("p1-a2", "n", 1, "r2")
 
 
 def test_replay_rebuilds_the_same_attempt_history_and_state():

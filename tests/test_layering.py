@@ -84,6 +84,7 @@ STATUS = {
     "ClusterMismatch": "FAILED_PRECONDITION",
     "UnknownClient": "NOT_FOUND",
     "ProcessDeclaredFailed": "FAILED_PRECONDITION",
+    "StaleSession": "FAILED_PRECONDITION",
     "AttemptEnded": "ABORTED",
     "ResourceExhausted": "RESOURCE_EXHAUSTED",
     "BarrierFailed": "ABORTED",

@@ -185,27 +185,27 @@ def published_cluster(limits: Limits) -> ClusterState:
 
 def test_a_refused_key_value_set_journals_nothing():
     s = published_cluster(Limits(kv_keys=1))
-    assert s.kv_set("p0", "first", b"1", allow_overwrite=False)
+    assert s.current.keys.set("p0", "first", b"1", allow_overwrite=False)
     assert s.take_journal() == [journal.KeySet("first", b"1")]
     with pytest.raises(InvalidArgument, match="expected at most 1 keys"):
-        s.kv_set("p1", "second", b"2", allow_overwrite=False)
+        s.current.keys.set("p1", "second", b"2", allow_overwrite=False)
     assert s.take_journal() == []
-    assert s.kv_dir("p1", "") == [("first", b"1")]
+    assert s.current.keys.dir("p1", "") == [("first", b"1")]
 
 
 def test_a_journal_replays_under_lower_limits_than_it_was_written_with():
     # An operator who lowers a limit and restarts against a durable store keeps what was accepted before.
     before = published_cluster(Limits())
-    before.kv_set("p0", "a", b"1", allow_overwrite=False)
-    before.kv_set("p0", "bb", b"22", allow_overwrite=False)
+    before.current.keys.set("p0", "a", b"1", allow_overwrite=False)
+    before.current.keys.set("p0", "bb", b"22", allow_overwrite=False)
     entries = [journal.Registered(reg("p0", 0, host="h0"), 0.0), journal.Registered(reg("p1", 1, host="h1"), 0.0),
                *before.take_journal()]
     after = ClusterState(ClusterConfig(num_processes=2, limits=Limits(kv_keys=1, kv_value_bytes=1)))
     for entry in entries:
         after.replay(entry)
-    assert after.kv_dir("p1", "") == [("a", b"1"), ("bb", b"22")]
+    assert after.current.keys.dir("p1", "") == [("a", b"1"), ("bb", b"22")]
     with pytest.raises(InvalidArgument, match="expected at most 1 keys"):  # new keys obey the lower limit
-        after.kv_set("p1", "c", b"3", allow_overwrite=False)
+        after.current.keys.set("p1", "c", b"3", allow_overwrite=False)
 
 
 # The flags, against a real daemon.
@@ -318,10 +318,10 @@ def test_a_get_of_a_key_no_set_could_store_is_refused():
 def test_an_overlong_request_or_call_id_is_refused_and_remembered_nowhere():
     s = published_cluster(Limits(string_bytes=8))
     with pytest.raises(InvalidArgument) as info:
-        s.kv_increment("p0", "n", 1, "r" * 9)
+        s.current.keys.increment("p0", "n", 1, "r" * 9)
     assert str(info.value) == ("request_id is 9 bytes long: expected at most 8 (the coordinator's "
                                "--max-string-bytes)")
     with pytest.raises(InvalidArgument, match="call_id is 9 bytes long"):
-        s.live_processes("p0", "c" * 9, 10.0, 0.0)
-    assert s.take_journal() == [] and s.kv_get("p0", "n") is None
-    assert s.kv_increment("p0", "n", 1, "r" * 8)[0] == 1
+        s.current.live_processes("p0", "c" * 9, 10.0, 0.0)
+    assert s.take_journal() == [] and s.current.keys.get("p0", "n") is None
+    assert s.current.keys.increment("p0", "n", 1, "r" * 8)[0] == 1

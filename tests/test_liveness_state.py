@@ -30,38 +30,38 @@ def test_the_timing_adds_up_to_the_heartbeat_timeout():
 def test_an_attached_process_is_alive_however_long_it_sends_nothing():
     s = published()
     assert s.tick(100.0) == []  # its connection's keepalive vouches for it; a dead peer's connection is dropped
-    assert [p.phase for p in s.report(100.0).processes] == ["alive"] * 3
+    assert [p.phase for p in s.current.report(100.0).processes] == ["alive"] * 3
 
 
 def test_a_lost_session_gets_the_reconnect_grace_then_fails():
     s = published()
-    s.detach("p1", 2.0)
+    s.current.detach("p1", 2.0)
     assert s.tick(2.125) == []  # grace: TIMEOUT - interval - keepalive timeout = 0.125 s
     effects = s.tick(2.13)
     assert failures(effects) == [ProcessFailed(1, "lost its connection and did not come back within 0.125s")]
     assert not any(isinstance(e, Evict) for e in effects)  # no session left to close
     assert s.topology.generation == 1  # propagate keeps the topology
     with pytest.raises(ProcessDeclaredFailed, match="lost its connection"):
-        s.attach("p1", 2.6)
+        s.current.attach("p1", 2.6)
     assert s.tick(100.0) == []  # failed once
 
 
 def test_attaching_again_within_the_grace_stops_the_clock():
     s = published()
-    s.detach("p2", 0.5)
+    s.current.detach("p2", 0.5)
     assert s.tick(0.6) == []
-    s.attach("p2", 0.6)  # came back in time
+    s.current.attach("p2", 0.6)  # came back in time
     assert s.tick(5.0) == []
-    s.detach("p2", 5.0)
+    s.current.detach("p2", 5.0)
     assert failures(s.tick(5.2)) == [ProcessFailed(2, "lost its connection and did not come back within 0.125s")]
 
 
 def test_nobody_is_failed_while_the_coordinator_catches_up_on_a_burst_of_arrivals():
     s = published(4)
-    s.detach("p1", 2.0)  # its grace is 0.125 s; meanwhile others keep arriving, each maybe queued behind it
+    s.current.detach("p1", 2.0)  # its grace is 0.125 s; meanwhile others keep arriving, each maybe queued behind it
     for t in (2.05, 2.1, 2.15, 2.2):
-        s.detach("p3", t)
-        s.attach("p3", t)
+        s.current.detach("p3", t)
+        s.current.attach("p3", t)
         assert failures(s.tick(t)) == []
     assert failures(s.tick(2.29)) == []  # the burst is over only 0.1 s (timeout/10) after the last arrival
     assert failures(s.tick(2.31)) == [ProcessFailed(1, "lost its connection and did not come back within 0.125s")]
@@ -69,33 +69,33 @@ def test_nobody_is_failed_while_the_coordinator_catches_up_on_a_burst_of_arrival
 
 def test_a_burst_that_never_ends_spares_a_silent_process_for_three_timeouts_at_most():
     s = published(3)
-    s.detach("p1", 0.0)
+    s.current.detach("p1", 0.0)
     t = 0.0
     while t < 2.95:
         t = round(t + 0.05, 2)
-        s.call_started("p2", t)  # calls keep arriving; p2 is alive throughout
+        s.current.call_started("p2", t)  # calls keep arriving; p2 is alive throughout
         assert failures(s.tick(t)) == []
     for t in (3.05, 3.1):
-        s.call_started("p2", t)
+        s.current.call_started("p2", t)
     assert failures(s.tick(3.1)) == [ProcessFailed(1, "lost its connection and did not come back within 0.125s")]
 
 
 def test_overlapping_sessions_of_a_reconnecting_client_keep_it_attached():
     s = published()
-    s.attach("p0", 1.0)  # the new stream attached before the coordinator saw the old one end
-    s.detach("p0", 1.5)
+    s.current.attach("p0", 1.0)  # the new stream attached before the coordinator saw the old one end
+    s.current.detach("p0", 1.5)
     assert s.tick(10.0) == []
-    s.detach("p0", 10.0)
+    s.current.detach("p0", 10.0)
     assert failures(s.tick(10.2)) == [ProcessFailed(0, "lost its connection and did not come back within 0.125s")]
 
 
 def test_a_process_that_never_attaches_after_publication_has_the_whole_timeout():
     s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
     admit(s, reg("a", 0), 0.0)
-    s.call_started("a", 0.0)
+    s.current.call_started("a", 0.0)
     admit(s, reg("b", 1), 0.5)  # the last one: its answer is the topology; it never opens a session
-    s.call_ended("a", 0.5)
-    s.attach("a", 0.6)
+    s.current.call_ended("a", 0.5)
+    s.current.attach("a", 0.6)
     assert s.tick(1.5) == []
     assert failures(s.tick(1.51)) == [ProcessFailed(1, "lost its connection and did not come back within 1s")]
 
@@ -103,13 +103,13 @@ def test_a_process_that_never_attaches_after_publication_has_the_whole_timeout()
 def test_processes_silent_in_one_tick_fail_in_the_order_they_went_silent():
     s = published(4)
     for uid, at in (("p3", 0.1), ("p0", 0.2), ("p2", 0.3)):
-        s.detach(uid, at)
+        s.current.detach(uid, at)
     assert [f.process_id for f in failures(s.tick(2.0))] == [3, 0, 2]
 
 
 def test_after_a_replay_every_process_has_the_whole_timeout_to_attach():
     s = published()
-    s.detach("p1", 0.0)
+    s.current.detach("p1", 0.0)
     s.reset_liveness(5.0)  # as a replica that took over does
     assert s.tick(5.9) == []  # more than the reconnect grace: everyone gets the timeout
     assert [f.process_id for f in failures(s.tick(6.01))] == [0, 1, 2]
@@ -118,33 +118,33 @@ def test_after_a_replay_every_process_has_the_whole_timeout_to_attach():
 def test_waiting_registration_is_alive_and_a_silent_one_is_forgotten():
     s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
     admit(s, reg("a", 0), 0.0)
-    s.call_started("a", 0.0)
+    s.current.call_started("a", 0.0)
     assert s.tick(30.0) == []  # waiting in Register for 30s is fine
-    s.call_ended("a", 30.0)
+    s.current.call_ended("a", 30.0)
     assert s.tick(31.5) == [Forgotten("h (10.0.0.1)", "went silent for 1.5s before the topology was published")]
     assert s.registered == 0
-    assert s.progress(31.5).missing_process_ids == (0, 1)
+    assert s.current.progress(31.5).missing_process_ids == (0, 1)
     admit(s, reg("a2", 0), 32.0)  # a restarted process takes the id
     assert s.registered == 1
 
 
 def test_restart_with_the_same_devices_keeps_the_generation():
     s = published()
-    s.detach("p1", 0.0)
+    s.current.detach("p1", 0.0)
     s.tick(1.5)
     before = s.topology
     outcome, effects = s.register(reg("p1-again", 1, host="h1"), 2.0)
     assert outcome.process_id == 1 and outcome.topology is before
     assert effects == [Notify(ProcessRestarted(1, 1), 3)]  # job events: 1 generation 1, 2 the failure
-    s.attach("p1-again", 2.0)
+    s.current.attach("p1-again", 2.0)
     with pytest.raises(ProcessDeclaredFailed, match=r"lost its connection"):
-        s.attach("p1", 2.0)
+        s.current.attach("p1", 2.0)
     assert s.tick(50.0) == []  # the new incarnation is attached; the old one is failed already
 
 
 def test_restart_with_other_devices_publishes_the_next_generation():
     s = published()
-    s.detach("p1", 0.0)
+    s.current.detach("p1", 0.0)
     outcome, effects = s.register(reg("p1-again", 1, host="h1", devices=5), 0.5)  # before failure was detected
     assert effects[0] == Republish(s.topology, 2)  # before the restart: a peer holds it when it hears the restart
     assert effects[1] == Notify(ProcessRestarted(1, 1), 3)
@@ -187,30 +187,30 @@ def test_leave_is_reported_as_left():
 
 def test_barrier_completes_when_everyone_arrived():
     s = published()
-    assert s.arrive("p0", "step-1", frozenset(), 10, 0.1) == (None, [])
-    assert s.arrive("p2", "step-1", frozenset(), 10, 0.2) == (None, [])
+    assert s.current.arrive("p0", "step-1", frozenset(), 10, 0.1) == (None, [])
+    assert s.current.arrive("p2", "step-1", frozenset(), 10, 0.2) == (None, [])
     done = BarrierResolved("step-1", None)
-    assert s.arrive("p1", "step-1", frozenset(), 10, 0.3) == (done, [done])
-    assert s.arrive("p1", "step-1", frozenset(), 10, 0.4) == (done, [])  # a retry sees it done, nothing new
-    assert s.barrier_outcome("step-1") == done
+    assert s.current.arrive("p1", "step-1", frozenset(), 10, 0.3) == (done, [done])
+    assert s.current.arrive("p1", "step-1", frozenset(), 10, 0.4) == (done, [])  # a retry sees it done, nothing new
+    assert s.current.barrier_outcome("step-1") == done
 
 
 def test_barrier_fails_at_once_when_a_participant_fails():
     s = published()
-    s.arrive("p0", "sync", frozenset({0, 1}), 60, 0.1)
+    s.current.arrive("p0", "sync", frozenset({0, 1}), 60, 0.1)
     lose_session(s, 1)
     effects = s.tick(1.5)
     [resolved] = [e for e in effects if isinstance(e, BarrierResolved)]
     assert isinstance(resolved.error, BarrierFailed)
     assert "process 1 failed: lost its connection" in str(resolved.error)
-    outcome, _ = s.arrive("p0", "later", frozenset({0, 1}), 60, 1.6)
+    outcome, _ = s.current.arrive("p0", "later", frozenset({0, 1}), 60, 1.6)
     assert isinstance(outcome.error, BarrierFailed)
-    assert "process 1 failed" in str(s.barrier_outcome("later").error)
+    assert "process 1 failed" in str(s.current.barrier_outcome("later").error)
 
 
 def test_barrier_timeout_names_who_did_not_arrive():
     s = published()
-    s.arrive("p0", "sync", frozenset(), 0.5, 0.0)
+    s.current.arrive("p0", "sync", frozenset(), 0.5, 0.0)
     [resolved] = s.tick(0.6)
     assert isinstance(resolved.error, BarrierTimeout)
     assert "2 of 3 processes did not arrive: 1 (h1 (10.0.0.1)), 2 (h2 (10.0.0.1))" in str(resolved.error)
@@ -218,53 +218,53 @@ def test_barrier_timeout_names_who_did_not_arrive():
 
 def test_barrier_misuse_is_an_invalid_argument():
     s = published()
-    s.arrive("p0", "b", frozenset({0, 1}), 5, 0.0)
+    s.current.arrive("p0", "b", frozenset({0, 1}), 5, 0.0)
     with pytest.raises(InvalidArgument, match="was started for processes \\[0, 1\\]"):
-        s.arrive("p2", "b", frozenset({0, 2}), 5, 0.0)
+        s.current.arrive("p2", "b", frozenset({0, 2}), 5, 0.0)
     with pytest.raises(InvalidArgument, match="process 2 is not a participant"):
-        s.arrive("p2", "c", frozenset({0, 1}), 5, 0.0)
+        s.current.arrive("p2", "c", frozenset({0, 1}), 5, 0.0)
     with pytest.raises(InvalidArgument, match="not in the topology"):
-        s.arrive("p0", "d", frozenset({0, 7}), 5, 0.0)
+        s.current.arrive("p0", "d", frozenset({0, 7}), 5, 0.0)
     with pytest.raises(UnknownClient):
-        s.arrive("stranger", "e", frozenset(), 5, 0.0)
+        s.current.arrive("stranger", "e", frozenset(), 5, 0.0)
 
 
 def test_key_values():
     s = published()
-    assert s.kv_set("p0", "nccl/id", b"abc", allow_overwrite=False)
-    assert not s.kv_set("p1", "nccl/id", b"abc", allow_overwrite=False)  # same value again: a retry
+    assert s.current.keys.set("p0", "nccl/id", b"abc", allow_overwrite=False)
+    assert not s.current.keys.set("p1", "nccl/id", b"abc", allow_overwrite=False)  # same value again: a retry
     with pytest.raises(KeyExists, match="already holds another value"):
-        s.kv_set("p1", "nccl/id", b"xyz", allow_overwrite=False)
-    assert s.kv_set("p1", "nccl/id", b"xyz", allow_overwrite=True)
-    s.kv_set("p0", "nccl/other", b"1", allow_overwrite=False)
-    s.kv_set("p0", "other", b"2", allow_overwrite=False)
-    assert s.kv_dir("p2", "nccl/") == [("nccl/id", b"xyz"), ("nccl/other", b"1")]
-    assert s.kv_get("p2", "missing") is None
+        s.current.keys.set("p1", "nccl/id", b"xyz", allow_overwrite=False)
+    assert s.current.keys.set("p1", "nccl/id", b"xyz", allow_overwrite=True)
+    s.current.keys.set("p0", "nccl/other", b"1", allow_overwrite=False)
+    s.current.keys.set("p0", "other", b"2", allow_overwrite=False)
+    assert s.current.keys.dir("p2", "nccl/") == [("nccl/id", b"xyz"), ("nccl/other", b"1")]
+    assert s.current.keys.get("p2", "missing") is None
     with pytest.raises(UnknownClient):
-        s.kv_get("stranger", "nccl/id")
+        s.current.keys.get("stranger", "nccl/id")
 
 
 def test_oversized_value_is_refused_and_stores_nothing():
     s = published(limits=Limits(kv_value_bytes=8))
     s.take_journal()
     with pytest.raises(InvalidArgument, match="9 bytes: expected at most 8"):
-        s.kv_set("p0", "k", b"x" * 9, allow_overwrite=False)
-    assert s.kv_get("p0", "k") is None
+        s.current.keys.set("p0", "k", b"x" * 9, allow_overwrite=False)
+    assert s.current.keys.get("p0", "k") is None
     assert s.take_journal() == []
 
 
 def test_a_session_that_stopped_heartbeating_shows_slow_and_fails_as_stopped_answering():
     s = published()  # heartbeat timeout 1 s: slow past 1/3 s without a heartbeat
     for uid in ("p0", "p1", "p2"):
-        s.heard(uid, 0.1)
-    s.heard("p0", 0.45)
-    s.heard("p2", 0.45)
-    report = s.report(0.5)
+        s.current.heard(uid, 0.1)
+    s.current.heard("p0", 0.45)
+    s.current.heard("p2", 0.45)
+    report = s.current.report(0.5)
     assert [p.process_id for p in report.slow] == [1]  # quiet for 0.4 s
     assert [round(p.heartbeat_age_s, 2) for p in report.processes] == [0.05, 0.4, 0.05]
-    s.detach("p1", 0.6)  # its connection dropped after 0.5 s without a heartbeat: it stopped answering
-    s.heard("p2", 0.59)
-    s.detach("p2", 0.6)  # heard from just before: its connection was lost
+    s.current.detach("p1", 0.6)  # its connection dropped after 0.5 s without a heartbeat: it stopped answering
+    s.current.heard("p2", 0.59)
+    s.current.detach("p2", 0.6)  # heard from just before: its connection was lost
     assert failures(s.tick(0.8)) == [
         ProcessFailed(1, "stopped answering (no heartbeat for 0.5s, then its connection was dropped: hung, or its "
                          "host cut off) and did not come back within 0.125s"),
@@ -273,30 +273,30 @@ def test_a_session_that_stopped_heartbeating_shows_slow_and_fails_as_stopped_ans
 
 def test_a_session_that_never_heartbeats_is_judged_by_its_connection_alone():
     s = published()  # clients that predate heartbeats: keepalive vouches for them, as before
-    assert s.report(50.0).slow == () and {p.heartbeat_age_s for p in s.report(50.0).processes} == {0.0}
-    s.detach("p1", 50.0)
+    assert s.current.report(50.0).slow == () and {p.heartbeat_age_s for p in s.current.report(50.0).processes} == {0.0}
+    s.current.detach("p1", 50.0)
     assert failures(s.tick(50.2)) == [ProcessFailed(1, "lost its connection and did not come back within 0.125s")]
 
 
 def test_a_process_answered_and_not_attached_yet_is_not_taken_over_by_a_second_launch():
     s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
     for i in range(2):
-        s.call_started(f"p{i}", 0.0)
+        s.current.call_started(f"p{i}", 0.0)
         admit(s, reg(f"p{i}", host=f"h{i}"), 0.0)
     for i in range(2):
-        s.call_ended(f"p{i}", 0.01)  # both answered with the topology; neither has opened its session yet
-    s.attach("p0", 0.02)
+        s.current.call_ended(f"p{i}", 0.01)  # both answered with the topology; neither has opened its session yet
+    s.current.attach("p0", 0.02)
     with pytest.raises(ProcessIdTaken, match=r"h1 .* was answered 0\.0[34]s ago and has not attached its session"):
         s.register(reg("second-launch", host="h1"), 0.05)
-    s.attach("p1", 0.06)  # the first launch's process was never disturbed
-    assert s.process_id_of("p1") == 1 and s.topology.generation == 1
+    s.current.attach("p1", 0.06)  # the first launch's process was never disturbed
+    assert s.current.process_id_of("p1") == 1 and s.topology.generation == 1
 
 
 def test_a_process_that_never_attaches_is_taken_over_once_it_is_declared_failed():
     s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
     for i in range(2):
         admit(s, reg(f"p{i}", host=f"h{i}"), 0.0)
-    s.attach("p0", 0.0)
+    s.current.attach("p0", 0.0)
     assert failures(s.tick(TIMEOUT + 0.1)) == [ProcessFailed(1, f"lost its connection and did not come back within "
                                                                 f"{TIMEOUT:g}s")]
     outcome, _ = s.register(reg("p1-restarted", host="h1"), TIMEOUT + 0.2)
@@ -305,6 +305,6 @@ def test_a_process_that_never_attaches_is_taken_over_once_it_is_declared_failed(
 
 def test_a_process_whose_session_ended_is_taken_over_by_its_restart_at_once():
     s = published()
-    s.detach("p1", 0.0)  # killed: its connection closed
+    s.current.detach("p1", 0.0)  # killed: its connection closed
     outcome, _ = s.register(reg("p1-again", 1, host="h1"), 0.01)
     assert outcome.process_id == 1

@@ -53,8 +53,8 @@ def job(min_processes: int | None = 2) -> ClusterState:
     for uid, host, ip, rank in workers:
         s.register(reg(uid, host=host, ip=ip, rank=rank), 0.0)
     for uid, *_ in workers:
-        s.attach(uid, 0.0)
-    s.detach("b0", 0.0)
+        s.current.attach(uid, 0.0)
+    s.current.detach("b0", 0.0)
     s.tick(10 * TIMEOUT)
     assert set(s.attempts.declared) == {2} and s.topology is not None and s.topology.generation == 1
     return s

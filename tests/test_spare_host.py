@@ -70,7 +70,7 @@ def job(max_restarts: int = 2, spares: tuple[JobAgent, ...] = (C,), explicit: bo
     for pid, (uid, host, ip, rank) in enumerate(workers):
         s.register(reg(uid, pid if explicit else None, host=host, ip=ip, rank=rank), 0.0)
     for uid, *_ in workers:
-        s.attach(uid, 0.0)
+        s.current.attach(uid, 0.0)
     assert s.topology is not None and [p.hostname for p in s.topology.processes] == ["ha", "ha", "hb", "hb"]
     return s
 
@@ -78,7 +78,7 @@ def job(max_restarts: int = 2, spares: tuple[JobAgent, ...] = (C,), explicit: bo
 def lose_host_b(s: ClusterState) -> None:
     """Host hb's workers lose their sessions and are declared failed."""
     for uid in ("b0", "b1"):
-        s.detach(uid, 0.0)
+        s.current.detach(uid, 0.0)
     s.tick(10 * TIMEOUT)
     assert set(s.attempts.declared) == {2, 3}
 

@@ -134,7 +134,7 @@ def test_a_decided_replacement_with_other_devices_is_refused_naming_both_and_cha
     assert "3 devices: 3 x 'cpu'/'cpu', expected 2 devices: 2 x 'cpu'/'cpu'" in str(refused.value)
     assert s.take_journal() == [] and s.attempts.replacing == {1}  # nothing changed
     outcome, _ = s.register(reg("cold", 1, host="h1", devices=2), 1.1)  # the right devices: taken over
-    assert s.attempts.replacing == set() and s._admission.member_of(1).registration.client_uid == "cold"
+    assert s.attempts.replacing == set() and s.current.admission.member_of(1).registration.client_uid == "cold"
     assert outcome is not None
 
 
@@ -142,7 +142,7 @@ def test_a_plain_restart_with_other_devices_is_not_checked():
     s = published(n=2)
     lose_session(s, 1)
     s.register(reg("restarted", 1, host="h1", devices=3), 5.0)  # no replacement decided: a new generation, as today
-    assert s._admission.member_of(1).registration.client_uid == "restarted"
+    assert s.current.admission.member_of(1).registration.client_uid == "restarted"
     assert s.topology is not None and s.topology.generation == 2 and len(s.topology.devices) == 5
 
 

@@ -23,7 +23,7 @@ def state(n=4, **kwargs):
 
 
 def snapshot(s):
-    return (s.registered, s.progress(now=100.0), s.topology)
+    return (s.registered, s.current.progress(now=100.0), s.topology)
 
 
 def test_publishes_when_the_last_process_registers():
@@ -48,7 +48,7 @@ def test_progress_names_missing_ids_hosts_and_wait():
     s = state(4)
     admit(s, reg("a", 0, host="alpha"), 10.0)
     admit(s, reg("b", 3, host="beta"), 11.0)
-    p = s.progress(now=14.0)
+    p = s.current.progress(now=14.0)
     assert (p.registered, p.expected, p.missing_process_ids, p.waited_seconds) == (2, 4, (1, 2), 4.0)
     assert p.registered_hosts == ("alpha (10.0.0.1)", "beta (10.0.0.1)")
     assert "missing process ids [1, 2]" in p.describe() and "waited 4.0s" in p.describe()
@@ -65,7 +65,7 @@ def test_progress_names_missing_ids_hosts_and_wait():
 def test_bad_registration_is_rejected_and_changes_nothing(bad, error, message):
     s = state(4)
     admit(s, reg("a", 1, host="first"), 1.0)
-    s.call_started("a", 1.0)  # the holder is waiting for the topology
+    s.current.call_started("a", 1.0)  # the holder is waiting for the topology
     before = snapshot(s)
     with pytest.raises(error, match=message):
         admit(s, bad, 2.0)
@@ -86,7 +86,7 @@ def test_explicit_id_after_assigned_ones_is_refused():
 def test_same_stable_key_twice_is_refused_with_advice():
     s = state(2)
     admit(s, reg("a", host="h", ip="10.0.0.1", rank=0), 1.0)
-    s.call_started("a", 1.0)
+    s.current.call_started("a", 1.0)
     with pytest.raises(ProcessIdTaken, match="IFRT_LOCAL_RANK"):
         admit(s, reg("b", host="h", ip="10.0.0.1", rank=0), 2.0)
 
@@ -94,7 +94,7 @@ def test_same_stable_key_twice_is_refused_with_advice():
 def test_newcomer_after_publication_is_refused():
     s = state(1)
     admit(s, reg("a", rank=0), 1.0)
-    s.attach("a", 1.0)
+    s.current.attach("a", 1.0)
     with pytest.raises(ClusterMismatch, match="the cluster is complete"):
         admit(s, reg("b", rank=1), 2.0)
     with pytest.raises(ProcessIdTaken, match="another live process"):
@@ -143,12 +143,12 @@ def outcomes(s, reader_uid, keys, barriers):
     """The values of ``keys`` (as the live client ``reader_uid`` reads them) and how each of ``barriers`` ended, as
     (error class name, message): the one place that reads a state's key-values and barrier results."""
     def ended(name):
-        outcome = s.barrier_outcome(name)
+        outcome = s.current.barrier_outcome(name)
         if outcome is None:
             return None
         return (type(outcome.error).__name__, str(outcome.error)) if outcome.error else ("", "")
 
-    return {k: s.kv_get(reader_uid, k) for k in keys}, {name: ended(name) for name in barriers}
+    return {k: s.current.keys.get(reader_uid, k) for k in keys}, {name: ended(name) for name in barriers}
 
 
 def journaled_cluster():
@@ -157,28 +157,28 @@ def journaled_cluster():
     admit(s, reg("ghost", 3, host="ghost"), 0.0)  # registers, then goes silent before publication
     for i in range(2):
         admit(s, reg(f"u{i}", i, host=f"h{i}", devices=i + 1), 0.5)
-        s.call_started(f"u{i}", 0.5)  # waiting for the topology: alive
+        s.current.call_started(f"u{i}", 0.5)  # waiting for the topology: alive
     assert s.tick(2.0)  # the ghost is forgotten (Forgot)
     admit(s, reg("u2", 2, host="h2", devices=3), 2.2)
-    s.call_started("u2", 2.2)
+    s.current.call_started("u2", 2.2)
     assert isinstance(admit(s, reg("u3", 3, host="h3", devices=2), 2.5), Published)  # another process 3
     for i in range(3):
-        s.call_ended(f"u{i}", 2.5)
+        s.current.call_ended(f"u{i}", 2.5)
     for i in range(4):
-        s.attach(f"u{i}", 3.0)
-    assert s.kv_set("u0", "nccl/id", b"\x00\x01", False)  # KeySet
-    assert s.kv_set("u1", "other", b"x", False)
+        s.current.attach(f"u{i}", 3.0)
+    assert s.current.keys.set("u0", "nccl/id", b"\x00\x01", False)  # KeySet
+    assert s.current.keys.set("u1", "other", b"x", False)
     for i in range(4):
-        s.arrive(f"u{i}", "step-1", frozenset(), 10, 3.0)  # completes (BarrierFinished)
-    s.arrive("u0", "lonely", frozenset({0, 1}), 0.5, 3.0)
+        s.current.arrive(f"u{i}", "step-1", frozenset(), 10, 3.0)  # completes (BarrierFinished)
+    s.current.arrive("u0", "lonely", frozenset({0, 1}), 0.5, 3.0)
     s.tick(3.6)  # "lonely" times out
-    s.arrive("u0", "sync", frozenset({0, 2}), 60, 3.7)
-    s.arrive("u0", "pair", frozenset({0, 1}), 60, 3.8)
-    s.detach("u1", 3.9)
+    s.current.arrive("u0", "sync", frozenset({0, 2}), 60, 3.7)
+    s.current.arrive("u0", "pair", frozenset({0, 1}), 60, 3.8)
+    s.current.detach("u1", 3.9)
     s.tick(4.5)  # process 1 lost its session and did not come back: Failed; "pair" fails
     outcome, _ = s.register(reg("u1-again", 1, host="h1", devices=3), 4.6)  # a restart with other devices
     assert isinstance(outcome, Published) and outcome.topology.generation == 2
-    assert s.kv_set("u1-again", "nccl/id", b"new", True)
+    assert s.current.keys.set("u1-again", "nccl/id", b"new", True)
     s.leave("u2", 5.0)  # Left; "sync" fails
     return s, s.take_journal()
 
@@ -238,9 +238,9 @@ def test_replayed_state_continues_like_the_original():
     for s in (original, rebuilt):
         assert s.register(reg("u3", 3, host="h3", devices=2), 7.0) == (Published(3, s.topology), [])
         with pytest.raises(ProcessDeclaredFailed, match="lost its connection"):
-            s.attach("u1", 7.0)
+            s.current.attach("u1", 7.0)
         with pytest.raises(ProcessDeclaredFailed, match="was declared left"):
-            s.attach("u2", 7.0)
-        outcome, effects = s.arrive("u3", "step-1", frozenset(), 10, 7.0)  # a retry of a finished barrier
+            s.current.attach("u2", 7.0)
+        outcome, effects = s.current.arrive("u3", "step-1", frozenset(), 10, 7.0)  # a retry of a finished barrier
         assert (outcome.error, effects) == (None, [])
     assert wire.encode(rebuilt.topology) == wire.encode(original.topology)

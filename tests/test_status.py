@@ -27,7 +27,7 @@ def test_report_of_the_state_machine_names_the_missing_the_failed_and_heartbeat_
     s = ClusterState(ClusterConfig(num_processes=3, cluster_id="job", heartbeat_timeout_s=1.0))
     admit(s, reg("p0", 0, host="h0"), 0.0)
     admit(s, reg("p2", 2, host="h2"), 0.5)
-    waiting = s.report(2.0)
+    waiting = s.current.report(2.0)
     assert (waiting.state, waiting.generation, waiting.registered, waiting.expected) == ("waiting", 0, 2, 3)
     assert waiting.missing_process_ids == (1,)
     assert waiting.waited_s == 2.0
@@ -36,12 +36,12 @@ def test_report_of_the_state_machine_names_the_missing_the_failed_and_heartbeat_
 
     admit(s, reg("p1", 1, host="h1"), 3.0)
     for uid in ("p0", "p1", "p2"):
-        s.attach(uid, 3.0)
-    s.detach("p0", 3.8)  # p0's connection dropped; it is back within the grace
-    s.attach("p0", 3.9)
-    s.detach("p1", 3.9)
+        s.current.attach(uid, 3.0)
+    s.current.detach("p0", 3.8)  # p0's connection dropped; it is back within the grace
+    s.current.attach("p0", 3.9)
+    s.current.detach("p1", 3.9)
     s.tick(4.3)  # p1 did not come back within the reconnect grace
-    degraded = s.report(4.5)
+    degraded = s.current.report(4.5)
     assert (degraded.state, degraded.generation, degraded.registered) == ("degraded", 1, 3)
     assert degraded.missing_process_ids == ()
     assert [(p.process_id, p.hostname, p.reason) for p in degraded.failed] == [

@@ -77,7 +77,7 @@ def test_journal_replays_to_the_same_topology(make_store):
     for pid in (1, 0):
         original.register(Registration(f"uid{pid}", "", 2, pid, f"h{pid}", "10.0.0.1", 0, f"h{pid}:9",
                                        (LocalDevice(0, "cpu", "cpu", "s0", (pid,), {"k": "v"}),), "cpu"), 1.0)
-    original.kv_set("uid0", "nccl/id", b"\x00\x01", False)
+    original.current.keys.set("uid0", "nccl/id", b"\x00\x01", False)
 
     async def scenario():
         store = make_store()
@@ -91,7 +91,7 @@ def test_journal_replays_to_the_same_topology(make_store):
     for raw in run(scenario()):
         rebuilt.replay(journal.decode(raw))
     assert wire.encode(rebuilt.topology) == wire.encode(original.topology)
-    assert rebuilt.kv_get("uid0", "nccl/id") == b"\x00\x01"
+    assert rebuilt.current.keys.get("uid0", "nccl/id") == b"\x00\x01"
 
 
 def test_a_deposed_leader_cannot_append(etcd):
