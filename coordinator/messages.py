@@ -24,21 +24,25 @@ class PublishedGeneration:
         self.fingerprint = ""
         self.position = 0
         """The job event number of its publication."""
+        self.attempt = self.run = 0
         self.answer_tail = b""  # Register answer minus process_id
         self.event = b""  # SessionEvent(topology_changed)
 
-    def sync(self, topology: TopologyContent | None, position: int) -> None:
-        """Serializes ``topology`` (published at job event ``position``) once, when it is new."""
-        if topology is None or topology.generation == self.generation:
+    def sync(self, topology: TopologyContent | None, position: int, attempt: int, run: int) -> None:
+        """Serializes ``topology`` (published at job event ``position`` in ``run`` of ``attempt``) once, when it is
+        new."""
+        if topology is None or (topology.generation, attempt, run) == (self.generation, self.attempt, self.run):
             return
         canonical = wire.encode(topology)
         fingerprint = wire.fingerprint(canonical)
         encoding, payload = wire.compress(canonical)
         shared = pb.RegisterResponse(topology=payload, encoding=encoding, fingerprint=fingerprint,
-                                     generation=topology.generation, event_position=position)
+                                     generation=topology.generation, event_position=position, attempt=attempt,
+                                     run=run)
         self.answer_tail = shared.SerializeToString()
         self.event = pb.SessionEvent(topology_changed=shared, event_number=position).SerializeToString()
         self.generation, self.fingerprint, self.position = topology.generation, fingerprint, position
+        self.attempt, self.run = attempt, run
         log.info("published generation %d: %d processes, %d devices, %d bytes (%d sent), fingerprint %s",
                  topology.generation, len(topology.processes), len(topology.devices), len(canonical), len(payload),
                  fingerprint[:16], extra={"event": "published", "generation": topology.generation,

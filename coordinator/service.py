@@ -83,7 +83,6 @@ class CoordinatorService(HostRegister):
         self.time_to_publish_s: float | None = None
         """From the first registration to generation 1, when this replica published it (not replayed it)."""
         self.generation = PublishedGeneration()
-        self._generation_run = 0  # the run of the job whose generation ``generation`` holds
         self._announced = 0  # the latest generation sent to the sessions
         self._progress_cache: tuple[float, int, bytes] = (-math.inf, -1, b"")
         self._waiters = Waiters()
@@ -102,9 +101,8 @@ class CoordinatorService(HostRegister):
 
     def current_generation(self) -> PublishedGeneration:
         """The current generation's bytes (serialized once, when the state holds a new one)."""
-        if self._generation_run != self.state.run:  # a new run numbers its generations from 1 again
-            self.generation, self._generation_run = PublishedGeneration(), self.state.run
-        self.generation.sync(self.state.topology, self.state.published_at)
+        state = self.state
+        self.generation.sync(state.topology, state.published_at, state.attempts.current, state.run)
         return self.generation
 
     def _on_serving(self) -> None:
@@ -134,7 +132,8 @@ class CoordinatorService(HostRegister):
                         extra={"event": "attempt_started", "attempt": view.attempt, "process_id": ended.process_id,
                                "host": ended.host, "reason": ended.reason})
         self._waiters.wake_all()
-        self.sessions.close(attempt_ended(view.attempt - 1, view.attempt))
+        self.sessions.close(attempt_ended(view.attempt - 1, view.attempt), ended_attempt=view.attempt - 1,
+                            next_attempt=view.attempt)
         self._on_serving()
 
     def _run_started(self, ended: int, run: int) -> None:

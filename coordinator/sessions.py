@@ -91,6 +91,7 @@ class Sessions:
         await service.serving(context, f"session of client {uid}")
         state = service.state
         try:
+            state.check_current(opening.open.run, opening.open.attempt)
             process_id = state.current.attach(uid, service.clock(), proof=caller_proof(context))
         except IfrtError as e:
             await abort(context, e, f"session of client {uid}")
@@ -128,8 +129,10 @@ class Sessions:
 
     def attached(self, generation: int, **worker: object) -> bytes:
         """The ``attached`` event: what a session (or a worker carried on a host's) needs of the coordinator."""
-        config = self.service.state.config
+        state = self.service.state
+        config = state.config
         return pb.SessionEvent(attached=pb.Attached(
+            attempt=state.attempts.current, run=state.run,
             heartbeat_interval_ms=round(config.heartbeat_interval_s * 1000),
             generation=generation,
             heartbeat_timeout_ms=min(round(config.heartbeat_timeout_s * 1000), UINT32_MAX),
@@ -303,9 +306,10 @@ class Sessions:
             self.hosts.get(carrier, {}).pop(client_uid, None)  # no longer one of the workers its host carries
             carrier.put_nowait(worker_ended(client_uid, error))
 
-    def close(self, reason: str) -> None:
-        """Tells every session why it ends, then ends it."""
-        self.broadcast(0, pb.SessionEvent(shutdown=pb.Shutdown(reason=reason)).SerializeToString())
+    def close(self, reason: str, *, ended_attempt: int = 0, next_attempt: int = 0) -> None:
+        """Tells every session why it ends (with the attempts, when the job's attempt ended), then ends it."""
+        shutdown = pb.Shutdown(reason=reason, ended_attempt=ended_attempt, next_attempt=next_attempt)
+        self.broadcast(0, pb.SessionEvent(shutdown=shutdown).SerializeToString())
         for queues in self._open.values():
             for queue in queues:
                 queue.put_nowait(END)

@@ -12,7 +12,14 @@ import subprocess
 import sys
 import time
 
-from tests.helpers import clients, discover_process, finish, status_json
+import grpc
+import pytest
+
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
+from ifrt.errors import ERROR_TRAILER
+from ifrt.protocol import SECRET_METADATA
+from tests.helpers import clients, discover_process, finish, register_request, status_json
 from tests.replicas import Replicas
 
 HEARTBEAT_TIMEOUT = "2"
@@ -169,3 +176,38 @@ def test_a_job_launched_twice_at_once_forms_one_run_and_evicts_nobody(start_coor
         assert len(refused) == 4 and all("ProcessIdTaken" in err for err in refused), refused
         assert "replaced by a restarted process" not in coordinator.log
         coordinator.close()
+
+
+def test_runs_and_attempts_are_typed_fields_and_event_numbers_never_go_back(start_coordinator):
+    """Each run's answers and attach events say which run and attempt they belong to, its events number on from the
+    run before, and a session opened for an ended run is refused as stale (it registers again)."""
+    coordinator = start_coordinator("--heartbeat-timeout", HEARTBEAT_TIMEOUT, num_processes=1)
+    channel = grpc.insecure_channel(coordinator.address)
+    stub = CoordinatorStub(channel)
+
+    def register(uid: str) -> pb.RegisterResponse:
+        request = register_request(0, client_uid=uid, num_processes=1)
+        return stub.Register(request, metadata=((SECRET_METADATA, uid),), timeout=30)
+
+    def session(uid: str, run: int, since: int) -> pb.SessionEvent:
+        opening = pb.SessionRequest(open=pb.SessionOpen(client_uid=uid, since_event=since, run=run))
+        call = stub.Session(iter([opening]), metadata=((SECRET_METADATA, uid),), timeout=10)
+        first = next(call)
+        call.cancel()
+        return first
+
+    first = register("run-1")
+    assert (first.run, first.attempt, first.event_position) == (1, 0, 1)
+    assert session("run-1", 1, first.event_position).attached.run == 1
+    stub.Leave(pb.LeaveRequest(client_uid="run-1"), metadata=((SECRET_METADATA, "run-1"),), timeout=10)  # event 2
+    second = register("run-2")
+    assert (second.run, second.attempt) == (2, 0)
+    assert second.event_position > 2  # run 2's events go on from run 1's last: a position never goes back
+    attached = session("run-2", 2, second.event_position).attached
+    assert (attached.run, attached.attempt, attached.generation) == (2, 0, 1)
+    with pytest.raises(grpc.RpcError) as refused:
+        session("run-2", 1, second.event_position)  # opened as if for the ended run
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(refused.value.trailing_metadata())[ERROR_TRAILER] == "StaleSession"
+    assert "run 1 of attempt 0 of the job, which ended: the job is in run 2" in refused.value.details()
+    channel.close()
