@@ -18,7 +18,9 @@ import time
 
 import grpc
 
-from coordinator.attempts import (
+from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
+from coordinator.effects import Effect
+from coordinator.job_records import (
     UNKNOWN_PROCESS,
     Agent,
     AttemptFailure,
@@ -31,8 +33,6 @@ from coordinator.attempts import (
     NextAttempt,
     ProcessReplaced,
 )
-from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
-from coordinator.effects import Effect
 from coordinator.limits import FLAGS, Limits, shown
 from coordinator.outbox import Outbox
 from coordinator.service import CoordinatorService

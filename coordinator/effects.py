@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.agreement import LeftOut, LiveSetResolved
-from coordinator.attempts import AttemptProcessFailed, AttemptsExhausted, AttemptStarted
 from coordinator.barriers import BarrierResolved
+from coordinator.job_records import AttemptProcessFailed, AttemptsExhausted, AttemptStarted
 from coordinator.preemption import PreemptionResolved
 from coordinator.registration import Registration
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted

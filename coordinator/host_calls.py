@@ -5,7 +5,7 @@ with the hash of that worker's own secret."""
 
 from __future__ import annotations
 
-from coordinator.attempts import Agent
+from coordinator.job_records import Agent
 from coordinator.limits import shown
 from coordinator.members import Member
 from ifrt.errors import InvalidArgument, PermissionDenied, ResourceExhausted, UnknownClient

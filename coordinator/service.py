@@ -17,7 +17,6 @@ import grpc
 
 from coordinator import registration as reg
 from coordinator import status as status_view
-from coordinator.attempts import AttemptStarted, JobView
 from coordinator.barriers import BarrierResolved
 from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.config import CoordinatorConfig
@@ -38,6 +37,7 @@ from coordinator.effects import (
 from coordinator.history import Numbered
 from coordinator.host_register import HostRegister
 from coordinator.host_sessions import HostSessions
+from coordinator.job_records import AttemptStarted, JobView
 from coordinator.messages import PublishedGeneration, event_message, next_run_answer, progress_answer
 from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica

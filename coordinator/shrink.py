@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coordinator import journal
-from coordinator.attempts import Attempts, JobView, NextAttempt, check_call
+from coordinator.attempts import Attempts, check_call
+from coordinator.job_records import JobView, NextAttempt
 from coordinator.limits import Limits
 from ifrt.errors import InvalidArgument, PermissionDenied
 

@@ -23,18 +23,11 @@ from dataclasses import replace
 
 from coordinator import journal, runs
 from coordinator.admission import Admission
-from coordinator.attempts import (
-    Agent,
-    Attempts,
-    AttemptStarted,
-    Host,
-    HostTakenOver,
-    JobView,
-    NextAttempt,
-)
+from coordinator.attempts import Attempts
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Effect, Published, RunEnded, RunStarted, Waiting, WaitingForNextRun
 from coordinator.host_calls import check_agent_named, check_batch, check_carried, check_host, own_worker
+from coordinator.job_records import Agent, AttemptStarted, Host, HostTakenOver, JobView, NextAttempt
 from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import shown
 from coordinator.registration import Registration

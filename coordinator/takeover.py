@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from coordinator import journal
-from coordinator.attempts import Agent, AttemptFailure, Host
+from coordinator.job_records import Agent, AttemptFailure, Host
 from coordinator.limits import shown
 
 

@@ -192,7 +192,7 @@ def test_a_deletion_stays_while_it_removes_a_remembered_swap():
     s.current.keys.delete("p1", "k", False)
     entries = kept(kv_entries(s))
     assert entries == [journal.KeySwapped("k", b"A", "p0", "swap-1"), journal.KeysDeleted("k", False)]
-    assert replayed(entries)._kv.dir("") == []
+    assert replayed(entries).current.kv.dir("") == []
 
 
 def test_compaction_is_due_once_superseded_bytes_reach_the_minimum_and_then_the_journal_size():
@@ -276,19 +276,19 @@ def test_a_leader_killed_after_compaction_loses_nothing(etcd):
             retry = lambda: a._unary("KeyValueIncrement", lambda _: increment, time.monotonic() + 60)  # noqa: E731
             assert retry().value == 1
             for _ in range(4):
-                b.current.keys.increment("count")
-            a.current.keys.set("gone/x", b"x")
+                b.kv_increment("count")
+            a.kv_set("gone/x", b"x")
             other = in_thread(lambda: b.barrier("before-compaction", timeout=30))
             a.barrier("before-compaction", timeout=30)
             assert other.get(timeout=30) is None
             written = 0
             while "compacted the journal" not in replicas.leader.log:  # overwrites until the leader compacts
                 assert written < 4 * compaction.MIN_BYTES // (MiB // 2), replicas.leader.log
-                a.current.keys.set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
+                a.kv_set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
                 written += 1
                 time.sleep(0.01 if written > compaction.MIN_BYTES // (MiB // 2) else 0)
-            a.current.keys.set("blob", b"last", allow_overwrite=True)
-            a.current.keys.delete("gone/", prefix=True)
+            a.kv_set("blob", b"last", allow_overwrite=True)
+            a.kv_delete("gone/", prefix=True)
             keys = journal_keys(etcd, "compacting")
             assert keys < 10, f"{keys} journal keys after compacting {written} overwrites of 512 KiB"
             replicas.kill_leader()
@@ -296,9 +296,9 @@ def test_a_leader_killed_after_compaction_loses_nothing(etcd):
             found = int(re.search(r"replayed (\d+) journal entries", standby.log).group(1))
             assert found < 20, standby.log
             assert retry().value == 1  # answered as before the kill, not applied again
-            assert a.current.keys.increment("count") == 6
-            assert a.current.keys.get("blob", timeout=30) == b"last"
-            assert a.current.keys.try_get("gone/x") is None
+            assert a.kv_increment("count") == 6
+            assert a.kv_get("blob", timeout=30) == b"last"
+            assert a.kv_try_get("gone/x") is None
             a.barrier("before-compaction", timeout=30)  # a finished barrier answers as it did
             after = a.register_again()
             assert (after.generation, after.fingerprint, after.process_id) == \

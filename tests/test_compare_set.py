@@ -85,11 +85,11 @@ def test_compare_set_semantics_over_grpc(pair):
         before, expected, desired, answer, after = case.values
         key = f"table/{i}"
         if before is not None:
-            a.current.keys.set(key, before)
-        assert b.current.keys.compare_set(key, expected, desired) == answer, case.id
-        assert a.current.keys.try_get(key) == after, case.id
+            a.kv_set(key, before)
+        assert b.kv_compare_set(key, expected, desired) == answer, case.id
+        assert a.kv_try_get(key) == after, case.id
     with pytest.raises(ifrt.InvalidArgument, match="key of 0 bytes: expected 1 to"):
-        a.current.keys.compare_set("", b"", b"v")
+        a.kv_compare_set("", b"", b"v")
 
 
 def test_a_raced_create_has_one_winner_and_everyone_reads_it(pair):
@@ -108,11 +108,11 @@ def test_a_retry_after_a_leader_sigkill_is_answered_not_applied_again(etcd):
                                                  request_id="retried-call")
             call = lambda: a._unary("KeyValueCompareSet", lambda _: first, time.monotonic() + 60)  # noqa: E731
             assert call().value == b"A"
-            assert b.current.keys.compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
+            assert b.kv_compare_set("k", b"A", b"") == b""  # the key is back where the first call found it
             replicas.kill_leader()
             retried = call()  # as the client retries a call whose answer was lost with the leader
             assert (retried.found, retried.value) == (True, b"A")
-            assert b.current.keys.try_get("k") == b""  # not swapped a second time
+            assert b.kv_try_get("k") == b""  # not swapped a second time
         finally:
             for c in made:
                 c.close()
@@ -128,8 +128,8 @@ def test_compare_set_counters_of_four_processes_survive_a_leader_sigkill_exactly
             assert count == sum(won) == 600  # every step a process won is in the counter once: none lost, none doubled
 
 
-OTHER_KEYS = [("kv_set", "jax/address", b"x", False), ("kv_get", "jax/address"), ("kv_compare_set", "k", b"", b"x"),
-              ("kv_dir", "torch"), ("kv_delete", "torchrun", True)]
+OTHER_KEYS = [("set", "jax/address", b"x", False), ("get", "jax/address"), ("compare_set", "k", b"", b"x"),
+              ("dir", "torch"), ("delete", "torchrun", True)]
 
 
 @pytest.mark.parametrize("published_yet", [False, True], ids=["before publication", "after publication"])
@@ -144,7 +144,7 @@ def test_callers_that_are_no_process_may_use_the_agent_keys_only(published_yet):
     assert s.current.keys.delete(agent, "torchrun/job/other", False)[0] == 1
     for method, *args in OTHER_KEYS:
         with pytest.raises(ifrt.UnknownClient):
-            getattr(s, method)(agent, *args)
+            getattr(s.current.keys, method)(agent, *args)
 
 
 def test_retries_are_remembered_within_the_answer_bytes_over_all_callers():

@@ -16,9 +16,9 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from coordinator.attempts import Agent
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Published, Waiting
+from coordinator.job_records import Agent
 from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub

@@ -18,8 +18,8 @@ import pytest
 
 import ifrt
 from coordinator import compaction, journal
-from coordinator.attempts import (
-    FAILURES_KEPT,
+from coordinator.attempts import FAILURES_KEPT
+from coordinator.job_records import (
     UNKNOWN_PROCESS,
     Agent,
     AttemptFailure,

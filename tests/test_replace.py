@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from coordinator import journal
-from coordinator.attempts import Agent as JobAgent
-from coordinator.attempts import AttemptFailure, AttemptsExhausted, NextAttempt, ProcessReplaced
 from coordinator.effects import Notify
+from coordinator.job_records import Agent as JobAgent
+from coordinator.job_records import AttemptFailure, AttemptsExhausted, NextAttempt, ProcessReplaced
 from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import JobAgentsStub

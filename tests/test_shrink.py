@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from coordinator import journal
-from coordinator.attempts import Agent as JobAgent
-from coordinator.attempts import AttemptFailure, JobShrunk, NextAttempt
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Republish
+from coordinator.job_records import Agent as JobAgent
+from coordinator.job_records import AttemptFailure, JobShrunk, NextAttempt
 from coordinator.state import ClusterState
 from ifrt.errors import InvalidArgument, PermissionDenied
 from ifrt.protocol import proof_of

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from coordinator import journal
-from coordinator.attempts import Agent as JobAgent
-from coordinator.attempts import AttemptsExhausted, HostTakenOver
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Published
+from coordinator.job_records import Agent as JobAgent
+from coordinator.job_records import AttemptsExhausted, HostTakenOver
 from coordinator.local import LocalCoordinator
 from coordinator.state import ClusterState
 from ifrt.errors import ClusterMismatch, PermissionDenied, ResourceExhausted

@@ -118,8 +118,8 @@ def test_a_spare_waits_for_its_hand_off_then_takes_only_the_ranks_variables():
 # The coordinator's decisions.
 
 def test_a_decided_replacement_with_other_devices_is_refused_naming_both_and_changing_nothing():
-    from coordinator.attempts import Agent as JobAgent
-    from coordinator.attempts import AttemptFailure, NextAttempt
+    from coordinator.job_records import Agent as JobAgent
+    from coordinator.job_records import AttemptFailure, NextAttempt
     from ifrt.protocol import proof_of
 
     proof = proof_of("the secret of the agent on h1")
