@@ -245,11 +245,12 @@ class Admission:
         """Whether ``member`` is known to live now: a call in flight, a session that is not overdue (its heartbeats,
         where its client sends them, not missed), or answered with the topology and not attached yet (its session
         is on its way: a second launch of the job must not take its id in that moment). A process whose session
-        ended, or that the coordinator declared failed, may be restarted."""
+        ended, or that the coordinator declared failed, may be restarted; so may one a replica that took over only
+        replayed (it vouches for no session it did not see)."""
         if member.calls:
             return True
         if not member.sessions:
-            return member.status is Status.ALIVE and not member.attached_ever
+            return member.attaching and member.status is Status.ALIVE
         return member.heard_at is None or now - member.heard_at <= self.config.unanswered_after_s
 
     def gone(self) -> set[int]:
@@ -380,7 +381,7 @@ ANOTHER_JOB = "give it its own --cluster-id or coordinator"
 
 def _taken(r: Registration, member: Member, held_s: float, now: float) -> ProcessIdTaken:
     holder = member.registration
-    attaching = "" if member.attached_ever or member.calls else (
+    attaching = "" if not member.attaching or member.calls else (
         f"; it was answered {max(0.0, now - member.last_seen):.2f}s ago and has not attached its session yet (a "
         "restart of it is admitted once its session ended or the coordinator declared it failed)")
     held = (f"held by a live process on {holder.hostname} ({holder.host_address or 'no address'}) since "

@@ -72,13 +72,15 @@ class Liveness:
     def call_ended(self, member: Member, now: float) -> None:
         """The call answered: without a session, the process has the heartbeat timeout to call or attach again."""
         member.calls = max(0, member.calls - 1)
+        if member.status is Status.ALIVE and not member.sessions and member.registration.opens_session:
+            member.attaching = True  # answered with the topology: its session is on its way
         self._released(member, now, None)
 
     def attached(self, member: Member, now: float) -> None:
         """A session opened: its connection's keepalive vouches for the process from now on."""
         self._last_arrival = now
         member.sessions += 1
-        member.attached_ever = True
+        member.attaching = False
         member.heard_at, member.quiet_s = None, 0.0
         self._vouched(member, now)
 
@@ -110,6 +112,7 @@ class Liveness:
         self._unattended, self._heard = {}, {}
         for member in members:
             member.calls = member.sessions = 0
+            member.attaching = False  # what this coordinator did not answer itself it does not vouch for
             member.last_seen, member.grace_s = now, None
             if member.live:
                 self._unattended[member.uid] = None

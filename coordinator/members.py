@@ -30,7 +30,7 @@ class Member:
     replaced: bool = False  # a newer incarnation holds its claim: only what answers its client is kept (see ``retire``)
     heard_at: float | None = None  # its session's last Heartbeat (None: none since it attached, as from a client
     # that predates them): a session quiet past ClusterConfig.slow_after_s shows its process as slow
-    attached_ever: bool = False  # a session of it attached once: until then, an answered process is still attaching
+    attaching: bool = False  # answered with the topology by this coordinator, its session not attached yet
     quiet_s: float = 0.0  # how long its session had been quiet when the last one ended: a dropped connection after
     # that long means the process stopped answering, not that its connection was lost
 

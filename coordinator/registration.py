@@ -42,6 +42,8 @@ class Registration:
     """The job attempt the process belongs to (None: it did not say)."""
     network: tuple[str, ...] = ()
     """Where its host sits in the network, root to leaf (``ifrt.network``; empty: no position)."""
+    opens_session: bool = False
+    """The process opens a session once answered: until it attaches, it counts as live (``Admission``)."""
     request: bytes = field(default=b"", compare=False, repr=False)
     """The RegisterRequest as received (empty when built otherwise): what the journal keeps of it."""
 
@@ -203,6 +205,7 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         plugin=_text(request.plugin, "plugin", limits.string_bytes),
         attempt=request.attempt if request.HasField("attempt") else None,
         network=network,
+        opens_session=request.opens_session,
         secret_hash=secret_hash,
         request=raw,
     )
@@ -239,6 +242,7 @@ def to_request(r: Registration) -> bytes:
     if r.attempt is not None:
         request.attempt = r.attempt
     request.network.extend(r.network)
+    request.opens_session = r.opens_session
     for d in r.devices:
         wire.add_local_device(request, d)
     return request.SerializeToString()

@@ -1,5 +1,7 @@
 """Liveness, restarts, failure policies, barriers and key-values in the state machine, without a network."""
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator.barriers import BarrierResolved
@@ -282,7 +284,7 @@ def test_a_process_answered_and_not_attached_yet_is_not_taken_over_by_a_second_l
     s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
     for i in range(2):
         s.current.call_started(f"p{i}", 0.0)
-        admit(s, reg(f"p{i}", host=f"h{i}"), 0.0)
+        admit(s, replace(reg(f"p{i}", host=f"h{i}"), opens_session=True), 0.0)
     for i in range(2):
         s.current.call_ended(f"p{i}", 0.01)  # both answered with the topology; neither has opened its session yet
     s.current.attach("p0", 0.02)
@@ -295,12 +297,33 @@ def test_a_process_answered_and_not_attached_yet_is_not_taken_over_by_a_second_l
 def test_a_process_that_never_attaches_is_taken_over_once_it_is_declared_failed():
     s = ClusterState(ClusterConfig(num_processes=2, heartbeat_timeout_s=TIMEOUT))
     for i in range(2):
-        admit(s, reg(f"p{i}", host=f"h{i}"), 0.0)
+        admit(s, replace(reg(f"p{i}", host=f"h{i}"), opens_session=True), 0.0)
+        s.current.call_ended(f"p{i}", 0.0)
     s.current.attach("p0", 0.0)
     assert failures(s.tick(TIMEOUT + 0.1)) == [ProcessFailed(1, f"lost its connection and did not come back within "
                                                                 f"{TIMEOUT:g}s")]
     outcome, _ = s.register(reg("p1-restarted", host="h1"), TIMEOUT + 0.2)
     assert outcome.process_id == 1
+
+
+def test_a_process_without_a_session_is_taken_over_by_its_restart_at_once():
+    s = ClusterState(ClusterConfig(num_processes=1, heartbeat_timeout_s=TIMEOUT))
+    admit(s, reg("p0", host="h0"), 0.0)  # Client(session=False): nothing vouches for it once answered
+    s.current.call_ended("p0", 0.0)
+    outcome, _ = s.register(reg("p0-restarted", host="h0"), 0.1)
+    assert outcome.process_id == 0
+
+
+def test_a_replica_that_took_over_vouches_for_no_process_it_only_replayed():
+    s = ClusterState(ClusterConfig(num_processes=1, heartbeat_timeout_s=TIMEOUT))
+    admit(s, replace(reg("p0", host="h0"), opens_session=True), 0.0)
+    s.current.call_ended("p0", 0.0)
+    standby = ClusterState(s.config)
+    for entry in s.take_journal():
+        standby.replay(entry)
+    standby.reset_liveness(1.0)
+    outcome, _ = standby.register(reg("p0-restarted", host="h0"), 1.1)  # the job restarted with its coordinator
+    assert outcome.process_id == 0
 
 
 def test_a_process_whose_session_ended_is_taken_over_by_its_restart_at_once():
