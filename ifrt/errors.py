@@ -94,6 +94,16 @@ class ResourceExhausted(InvalidArgument):
     status = "RESOURCE_EXHAUSTED"
 
 
+class Overloaded(IfrtError):
+    """A server refused the call for load: every slot it keeps for callers of this kind is taken (e.g. an ``ifrt run``
+    agent's local server, ``docs/hosts.md``). Unlike ResourceExhausted (a bound the call's own content or its caller's
+    budget passes), retrying may succeed: the slots free within a short bound, and the call is retried as an
+    unreachable coordinator's is."""
+
+    status = "RESOURCE_EXHAUSTED"
+    retryable = True
+
+
 class BarrierFailed(IfrtError):
     """A barrier participant failed or left before everyone arrived; the message names it and why."""
 
@@ -264,7 +274,7 @@ ERROR_CLASSES: dict[str, type[IfrtError]] = {cls.__name__: cls for cls in _all_s
 """Every error class by name (how errors travel in the ``ifrt-error`` trailer and in the journal)."""
 _BY_STATUS: dict[str, type[IfrtError]] = {
     "INVALID_ARGUMENT": InvalidArgument,
-    "RESOURCE_EXHAUSTED": InvalidArgument,
+    "RESOURCE_EXHAUSTED": InvalidArgument,  # gRPC's own refusal of a message past its size limit
     "ALREADY_EXISTS": ProcessIdTaken,
     "FAILED_PRECONDITION": ClusterMismatch,
     "UNAUTHENTICATED": Unauthenticated,

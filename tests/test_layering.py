@@ -87,6 +87,7 @@ STATUS = {
     "StaleSession": "FAILED_PRECONDITION",
     "AttemptEnded": "ABORTED",
     "ResourceExhausted": "RESOURCE_EXHAUSTED",
+    "Overloaded": "RESOURCE_EXHAUSTED",
     "BarrierFailed": "ABORTED",
     "BarrierTimeout": "DEADLINE_EXCEEDED",
     "BarrierCancelled": "CANCELLED",

@@ -6,8 +6,11 @@ host's one session; every other call of a worker goes to the coordinator itself.
 Who may call: whoever can reach the socket, which is the job's user (the directory is 0700, the socket 0600). A
 worker proves who it is with its process secret as it would to the coordinator: its session must carry the secret
 its registration did. What a caller can make the agent hold is bounded: requests of ``MAX_REQUEST_BYTES``, a few
-pending registrations per worker (``host_rules.PENDING_PER_WORKER``), ``2 x workers + 4`` calls at once, the job
-events kept for catch-up (``host_rules.EVENTS_KEPT``) and what one session leaves unread.
+pending registrations per worker (``host_rules.PENDING_PER_WORKER``), the job events kept for catch-up
+(``host_rules.EVENTS_KEPT``), what one session leaves unread, and calls (``Slots``): each registered worker's calls
+and each local rank's registrations have slots of their own, so a caller that proves nothing (no registered
+worker's secret) cannot keep a worker out; it holds at most ``UNPROVEN_CALLS`` calls at once, each for at most
+``FIRST_MESSAGE_S`` if it sends nothing. A refusal for load is ``Overloaded``, which the worker retries.
 """
 
 from __future__ import annotations
@@ -20,21 +23,26 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.agent_link import HEARTBEAT_TIMEOUT_METADATA
 from ifrt.errors import (
     ERROR_TRAILER,
+    CoordinatorUnavailable,
     IfrtError,
     InvalidArgument,
+    Overloaded,
     PermissionDenied,
     UnknownClient,
 )
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.host_register import HostRegistrar, Refused
+from ifrt.run.host_rules import PENDING_PER_WORKER
 from ifrt.run.host_session import HostSession
 from ifrt.run.worker_stream import Ended, WorkerStream
 
@@ -49,6 +57,20 @@ MAX_REQUEST_BYTES = 4 << 20
 DETACH_DELAY_S = 0.05
 """How long a worker's ended session waits before the agent detaches it: where the worker died, the agent's waitpid
 reports the exit first, and the coordinator fails it at once, naming how it ended."""
+FIRST_MESSAGE_S = 2.0
+"""How long a call may take to send its first message (a Register's request, a Session's SessionOpen): a worker
+sends it with the call; a call that sends nothing is ended then, and its slot freed."""
+BUSY_GRACE_S = 0.25
+"""How long a call that no registered worker's secret proves may take to send its first message without holding one
+of the ``UNPROVEN_CALLS``: a worker's first Register brings its request along, a silent caller has to wait for it."""
+UNPROVEN_CALLS = 4
+"""Calls at once, past ``BUSY_GRACE_S``, that wait for their first message without a registered worker's secret."""
+PROVEN_CALLS = 4
+"""Calls at once of each registered worker (its session, a registration again, a session that reconnects)."""
+SPARE_THREADS = 4
+"""Threads beyond the slots: for calls during their ``BUSY_GRACE_S`` and refusals."""
+UNPROVEN = ("unproven",)
+_LIMITS = {"worker": PROVEN_CALLS, "rank": PENDING_PER_WORKER, "unproven": UNPROVEN_CALLS}
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 
 
@@ -72,24 +94,124 @@ def keepalive_options(heartbeat_timeout_s: float) -> list[tuple[str, int]]:
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 100)]
 
 
+class Slots:
+    """The calls the local server holds, by whose they are: ``("worker", proof)`` a registered worker's (at most
+    ``PROVEN_CALLS``), ``("rank", r)`` the registrations of local rank ``r`` (``PENDING_PER_WORKER``; -1 for a rank
+    the agent does not run), ``UNPROVEN`` the calls waiting for a first message that prove nothing
+    (``UNPROVEN_CALLS``)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.held: Counter[tuple] = Counter()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def threads(workers: int) -> int:
+        """Threads for every slot of ``workers`` workers at once, and the spare ones: no call that has a slot waits."""
+        return workers * (PROVEN_CALLS + PENDING_PER_WORKER) + PENDING_PER_WORKER + UNPROVEN_CALLS + SPARE_THREADS
+
+    def rank(self, local_rank: int) -> tuple[str, int]:
+        """The key of local rank ``local_rank``'s registrations."""
+        return ("rank", local_rank if 0 <= local_rank < self.workers else -1)
+
+    def take(self, key: tuple) -> bool:
+        """Holds a slot of ``key``; False, holding nothing, when all its slots are held."""
+        with self._lock:
+            if self.held[key] >= _LIMITS[key[0]]:
+                return False
+            self.held[key] += 1
+            return True
+
+    def give(self, key: tuple) -> None:
+        with self._lock:
+            self.held[key] -= 1
+            if not self.held[key]:
+                del self.held[key]
+
+
+class _Requests:
+    """A call's request stream, read in a thread of its own: its first message awaited with a bound (a caller that
+    sends nothing cannot hold a handler past it), the rest handed to ``then`` or left unread (``release``)."""
+
+    def __init__(self, requests: Iterator[bytes]) -> None:
+        self._requests = requests
+        self.first: bytes | None = None
+        self._got, self._go = threading.Event(), threading.Event()
+        self._rest: Callable[[Iterator[bytes]], None] | None = None
+        threading.Thread(target=self._run, name="ifrt-run-local-read", daemon=True).start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(Exception):  # the call ended before it sent anything
+            self.first = next(self._requests, None)
+        self._got.set()
+        self._go.wait()
+        if self._rest is not None:
+            self._rest(self._requests)
+
+    def wait(self, seconds: float) -> bool:
+        """Whether the first message came (or the stream ended) within ``seconds``."""
+        return self._got.wait(max(0.0, seconds))
+
+    def then(self, rest: Callable[[Iterator[bytes]], None]) -> None:
+        self._rest = rest
+        self._go.set()
+
+    def release(self) -> None:
+        self._go.set()
+
+
+class _Held:
+    """The slots one call holds, each given back once: when its handler ends or the call does, whichever comes first
+    (a session's handler may be finished with only when the garbage collector gets to it)."""
+
+    def __init__(self, slots: Slots) -> None:
+        self._slots = slots
+        self._keys: list[tuple] = []
+        self._lock = threading.Lock()
+
+    def take(self, context: grpc.ServicerContext, key: tuple, why: str) -> None:
+        """Holds a slot of ``key``, or ends the call: Overloaded saying ``why``."""
+        if not self._slots.take(key):
+            _abort(context, Overloaded(f"{why}: this host's agent refused the call for load; retry shortly"))
+        with self._lock:
+            self._keys.append(key)
+
+    def give(self, key: tuple) -> None:
+        """Gives back the slot of ``key`` it holds, if it holds one."""
+        with self._lock:
+            if key not in self._keys:
+                return
+            self._keys.remove(key)
+        self._slots.give(key)
+
+    def give_all(self) -> None:
+        with self._lock:
+            keys, self._keys = self._keys, []
+        for key in keys:
+            self._slots.give(key)
+
+
 class LocalServer:
     """Serves the host's workers on ``path`` until ``close()``, which removes the socket and its directory."""
 
     def __init__(self, registrar: HostRegistrar, host: HostSession, workers: int, heartbeat_timeout_s: float) -> None:
         self._registrar, self._host = registrar, host
+        self._heartbeat_ms = str(round(heartbeat_timeout_s * 1000))
+        self.slots = Slots(workers)
+        """Whose calls the server holds now."""
         self.directory = tempfile.mkdtemp(prefix="ifrt-agent-")  # 0700, the job's user's
         self.path = os.path.join(self.directory, SOCKET_NAME)
         if (problem := socket_path_problem(self.path)) is not None:
             os.rmdir(self.directory)
             raise InvalidArgument(problem)
-        threads = 2 * workers + 4
+        threads = Slots.threads(workers)  # gRPC's own refusal past them reaches a worker as Overloaded too
         self._server = grpc.server(ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ifrt-run-local"),
                                    maximum_concurrent_rpcs=threads,
                                    options=[*keepalive_options(heartbeat_timeout_s),
                                             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                                             ("grpc.max_send_message_length", -1)])
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-            "Register": grpc.unary_unary_rpc_method_handler(self._register),
+            "Register": grpc.stream_unary_rpc_method_handler(self._register),  # one message: read with a bound
             "Session": grpc.stream_stream_rpc_method_handler(self._session),
         }),))
         mask = os.umask(0o177)  # the socket is created 0600
@@ -108,19 +230,43 @@ class LocalServer:
         self._server.stop(0.5).wait(2.0)
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def _register(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        request = _parse(pb.RegisterRequest, raw, context)
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + (remaining if remaining is not None else 60.0)
+    def _register(self, raw: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        requests = _Requests(raw)
         try:
-            return self._registrar.register(request, _proof(context), deadline)
-        except Refused as e:
-            _abort(context, e.error, e.code)
+            with self._opened(requests, context) as (first, proven):
+                if first is None:
+                    _abort(context, InvalidArgument("the call carried no RegisterRequest"))
+                request = _parse(pb.RegisterRequest, first, context)
+                key = None if proven else self.slots.rank(request.local_rank)  # a worker's slot holds it already
+                if key is not None and not self.slots.take(key):
+                    _abort(context, Overloaded(f"local rank {request.local_rank} has {PENDING_PER_WORKER} "
+                                               "registrations pending with this host's agent already: retry shortly"))
+                try:
+                    remaining = context.time_remaining()
+                    deadline = time.monotonic() + (remaining if remaining is not None else 60.0)
+                    answer = self._registrar.register(request, _proof(context), deadline)
+                except Refused as e:
+                    _abort(context, e.error, e.code)
+                finally:
+                    if key is not None:
+                        self.slots.give(key)
+                context.set_trailing_metadata(((HEARTBEAT_TIMEOUT_METADATA, self._heartbeat_ms),))  # its keepalive
+                return answer
+        finally:
+            requests.release()
 
-    def _session(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        first = next(requests, None)
-        if first is None:
-            return
+    def _session(self, raw: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        requests = _Requests(raw)
+        try:
+            with self._opened(requests, context) as (first, _):
+                if first is None:
+                    return
+                yield from self._serve(first, requests, context)
+        finally:
+            requests.release()
+
+    def _serve(self, first: bytes, requests: _Requests, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A worker's session from its opening message on: checked, attached to the host's, served until it ends."""
         opening = _parse(pb.SessionRequest, first, context)
         if opening.WhichOneof("kind") != "open":
             _abort(context, InvalidArgument("the first session message must be SessionOpen"))
@@ -136,9 +282,7 @@ class LocalServer:
         stream = WorkerStream(uid, proof, opening.open.since_event)
         context.add_callback(lambda: stream.end(Ended(None)))  # the connection dropped: the writer stops waiting
         self._host.attach(stream)
-        reader = threading.Thread(target=self._read, args=(requests, stream), name="ifrt-run-local-read",
-                                  daemon=True)
-        reader.start()
+        requests.then(lambda rest: self._read(rest, stream))
         try:
             yield from stream.items()
         except Ended as e:
@@ -148,6 +292,32 @@ class LocalServer:
             detach = threading.Timer(DETACH_DELAY_S, self._host.detach, (stream,))
             detach.daemon = True
             detach.start()
+
+    @contextlib.contextmanager
+    def _opened(self, requests: _Requests, context: grpc.ServicerContext) -> Iterator[tuple[bytes | None, bool]]:
+        """The call's first message (None: its stream ended without one) and whether a registered worker's secret
+        proves the call, while the call holds its slot. A call that sends nothing within FIRST_MESSAGE_S is ended;
+        one that finds its slots held is refused for load (Overloaded), the caller retries."""
+        began = time.monotonic()
+        proof = _proof(context)
+        proven = any(hmac.compare_digest(proof, r.proof) for r in list(self._registrar.registered.values()))
+        held = _Held(self.slots)
+        context.add_callback(held.give_all)  # the call ended: at once, whenever its handler is done with it
+        try:
+            if proven:
+                held.take(context, ("worker", proof), f"this worker has {PROVEN_CALLS} calls open with its agent "
+                                                      "already")
+            elif not requests.wait(BUSY_GRACE_S):  # a worker's first call brings its message along
+                held.take(context, UNPROVEN, f"{UNPROVEN_CALLS} calls that no registered worker's secret proves wait "
+                                             "for their first message already")
+            if not requests.wait(began + FIRST_MESSAGE_S - time.monotonic()):
+                _abort(context, CoordinatorUnavailable(f"this host's agent ended the call: no first message within "
+                                                       f"{FIRST_MESSAGE_S:g}s (a worker sends its request with the "
+                                                       "call)"))
+            held.give(UNPROVEN)  # it showed its message: it waits no more
+            yield requests.first, proven
+        finally:
+            held.give_all()
 
     def _read(self, requests: Iterator[bytes], stream: WorkerStream) -> None:
         """A worker's Heartbeats and key watches, until its request stream ends."""

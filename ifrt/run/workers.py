@@ -1,9 +1,12 @@
-"""The local workers of ``ifrt run``: their environment, their start, their output (prefixed), their stop."""
+"""The local workers of ``ifrt run``: their environment, their start (each dies with its agent), their output
+(prefixed), their stop."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -11,9 +14,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 from ifrt.hostport import join_host_port
+from ifrt.run import child
 from ifrt.settings import (
     ATTEMPT_ENV,
     COORDINATOR_ENV,
@@ -32,6 +37,29 @@ from ifrt.settings import (
 
 READER_JOIN_S = 2.0
 """How long a stop waits for a worker's last output lines after it exited."""
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ifrt-run-spawn")
+"""The one thread that forks every worker. A parent-death signal fires when the thread that forked the child ends,
+not its process: this thread lives as long as the agent (an idle pool thread never ends), whichever thread starts a
+worker."""
+
+
+def guarded(argv: Sequence[str]) -> list[str]:
+    """``argv`` started through ``ifrt.run.child``: the worker asks for SIGKILL when this process (its agent) dies,
+    then becomes ``argv`` itself. Unchanged where there is no such signal (not Linux) or no interpreter to run it."""
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return list(argv)
+    return [sys.executable, "-I", "-S", child.__file__, str(os.getpid()), *argv]
+
+
+def check_command(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """The OSError Popen raises for a command that cannot be run (``env``'s PATH): through ``ifrt.run.child`` the
+    start itself succeeds and only the exec fails, after the fork."""
+    program = argv[0]
+    if shutil.which(program, path=os.pathsep.join(os.get_exec_path(dict(env)))) is not None:
+        return
+    if os.sep in program and os.path.exists(program):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
 
 
 def transfer_binds(address: str, count: int) -> list[str]:
@@ -112,8 +140,11 @@ class Worker:
         piped = subprocess.PIPE if label is not None else None
         # Its own process group (its id is the worker's pid): a terminal's Ctrl-C reaches the agent, which passes it
         # on once, and a stop reaches the worker's own children too (a `bash -c` wrapper's, DataLoader workers).
-        self.process = subprocess.Popen(list(argv), env=dict(env), stdout=piped, stderr=piped,
-                                        stdin=subprocess.PIPE if spare else subprocess.DEVNULL, process_group=0)
+        # Started through ifrt.run.child, by the spawning thread: the worker dies with its agent.
+        check_command(argv, env)
+        self.process: subprocess.Popen = _SPAWNER.submit(
+            subprocess.Popen, guarded(argv), env=dict(env), stdout=piped, stderr=piped,
+            stdin=subprocess.PIPE if spare else subprocess.DEVNULL, process_group=0).result()
         self.prefixer: Prefixer | None = None
         if label is not None:
             self.prefixer = Prefixer(label)
