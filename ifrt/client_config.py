@@ -53,6 +53,10 @@ class ClientConfig:
     """First pause after a failed call (doubling up to ``backoff_cap_s``): a replica takes over within ~100 ms."""
     backoff_cap_s: float = 0.1
     """Longest pause between retries, so a coordinator back up is reached within a tenth of a second."""
+    failover_window_s: float = 30.0
+    """Longest a key-value call, barrier or start-up exchange waits for a coordinator replica to lead once none
+    answers (a standby takes over after the leader's ``--leader-ttl``, 5 s by default), also past the call's own
+    timeout; ``IFRT_FAILOVER_WINDOW`` overrides it, as it does the time a started runtime allows (``ifrt.failfast``)."""
     leave_timeout_s: float = 2.0
     """Longest a Leave (close, or a discover() that gives up) waits: a coordinator that is not there has nobody
     to tell."""

@@ -32,29 +32,29 @@ class KeyValueCalls:
     _key_watchers: list[tuple[str, queue.Queue | KeyCalls]]
 
     if TYPE_CHECKING:
-        def _unary(self, method: str, request: Callable[[float], Message], deadline: float,
-                   slack: float = 0.0) -> Any: ...
+        def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0, *,
+                   what: str = "", give_up: Callable[[IfrtError | None], IfrtError] | None = None) -> Any: ...
 
     def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
         """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``)."""
         request = pb.KeyValueSetRequest(client_uid=self.client_uid, key=key, value=bytes(value),
                                         allow_overwrite=allow_overwrite)
-        self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout)
+        self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout, what=f"setting key {key!r}")
 
     def kv_get(self, key: str, timeout: float) -> bytes:
         """The value of ``key``, waiting up to ``timeout`` seconds for some process to set it."""
         deadline = time.monotonic() + timeout
 
         def unset(last_error: IfrtError | None) -> IfrtError:
-            if last_error is None:  # the time ran out between the coordinator's answer and the next ask
-                return KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s")
-            return self._connection.unavailable("KeyValueGet", last_error)
+            # The time ran out between the coordinator's answer and the next ask (a call that went unanswered raises
+            # CoordinatorUnavailable naming the failover instead).
+            return KeyValueTimeout(f"key {key!r} was not set within {timeout:.1f}s")
 
         while True:
             try:
-                response = self._connection.call("KeyValueGet", lambda remaining: pb.KeyValueGetRequest(
+                response = self._unary("KeyValueGet", lambda remaining: pb.KeyValueGetRequest(
                     client_uid=self.client_uid, key=key, wait_ms=max(0, int(remaining * 1000))), deadline,
-                    slack=self.config.answer_slack_s, give_up=unset)
+                    self.config.answer_slack_s, what=f"waiting for key {key!r}", give_up=unset)
                 return response.value
             except KeyValueTimeout:
                 if time.monotonic() >= deadline:  # the coordinator caps one wait; ours may be longer
@@ -65,13 +65,13 @@ class KeyValueCalls:
         the coordinator's ``--max-reply-bytes``) when their keys and values together pass what one answer may hold:
         the coordinator refuses the listing rather than build it, so list a narrower prefix."""
         response = self._unary("KeyValueDir", lambda _: pb.KeyValueDirRequest(
-            client_uid=self.client_uid, prefix=prefix), time.monotonic() + timeout)
+            client_uid=self.client_uid, prefix=prefix), time.monotonic() + timeout, what=f"the keys under {prefix!r}")
         return {e.key: e.value for e in response.entries}
 
     def kv_try_get(self, key: str, timeout: float = 60.0) -> bytes | None:
         """The value of ``key``, or None if it is unset now (no waiting)."""
         response = self._unary("KeyValueTryGet", lambda _: pb.KeyValueTryGetRequest(
-            client_uid=self.client_uid, key=key), time.monotonic() + timeout)
+            client_uid=self.client_uid, key=key), time.monotonic() + timeout, what=f"reading key {key!r}")
         return response.value if response.found else None
 
     def kv_multi_get(self, keys: Sequence[str], timeout: float = 60.0) -> list[bytes | None]:
@@ -80,7 +80,7 @@ class KeyValueCalls:
         if not keys:
             return []
         response = self._unary("KeyValueMultiGet", lambda _: pb.KeyValueMultiGetRequest(
-            client_uid=self.client_uid, keys=keys), time.monotonic() + timeout)
+            client_uid=self.client_uid, keys=keys), time.monotonic() + timeout, what=_keys("reading", keys))
         return [v.value if v.found else None for v in response.values]
 
     def kv_multi_set(self, items: Sequence[tuple[str, bytes]], *, allow_overwrite: bool = False,
@@ -91,7 +91,8 @@ class KeyValueCalls:
             return
         request = pb.KeyValueMultiSetRequest(client_uid=self.client_uid, allow_overwrite=allow_overwrite, entries=[
             pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items])
-        self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout)
+        self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout,
+                    what=_keys("setting", [key for key, _ in items]))
 
     def kv_increment(self, key: str, amount: int = 1, timeout: float = 60.0) -> int:
         """Adds ``amount`` to the integer ``key`` holds (an unset key holds 0), atomically; returns the sum.
@@ -100,7 +101,8 @@ class KeyValueCalls:
         holds something that is not a decimal integer."""
         request = pb.KeyValueIncrementRequest(client_uid=self.client_uid, key=key, amount=amount,
                                               request_id=uuid.uuid4().hex)
-        return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout).value
+        return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout,  # the same request id
+                           what=f"incrementing key {key!r}").value
 
     def kv_compare_set(self, key: str, expected: bytes, desired: bytes, timeout: float = 60.0) -> bytes | None:
         """Sets ``key`` to ``desired`` if it holds ``expected`` (empty ``expected``: if it is unset), atomically, as
@@ -109,14 +111,16 @@ class KeyValueCalls:
         Exactly once, also when the call is retried on another coordinator replica."""
         request = pb.KeyValueCompareSetRequest(client_uid=self.client_uid, key=key, expected=bytes(expected),
                                                desired=bytes(desired), request_id=uuid.uuid4().hex)
-        response = self._unary("KeyValueCompareSet", lambda _: request, time.monotonic() + timeout)
+        response = self._unary("KeyValueCompareSet", lambda _: request, time.monotonic() + timeout,  # the same id
+                               what=f"compare-and-set of key {key!r}")
         return response.value if response.found else None
 
     def kv_delete(self, key: str, *, prefix: bool = False, timeout: float = 60.0) -> int:
         """Deletes ``key`` (with ``prefix=True``, every key starting with it); returns how many keys were deleted.
         Deleting a key that is not there is no error."""
         response = self._unary("KeyValueDelete", lambda _: pb.KeyValueDeleteRequest(
-            client_uid=self.client_uid, key=key, prefix=prefix), time.monotonic() + timeout)
+            client_uid=self.client_uid, key=key, prefix=prefix), time.monotonic() + timeout,
+            what=f"deleting {'the keys under' if prefix else 'key'} {key!r}")
         return response.deleted
 
     def kv_watch(self, prefix: str, timeout: float | None = None) -> Iterator[tuple[str, bytes | None]]:
@@ -160,6 +164,12 @@ class KeyValueCalls:
             watchers = [changes for prefix, changes in self._key_watchers if key.startswith(prefix)]
         for changes in watchers:
             changes.put((key, value))
+
+
+def _keys(doing: str, keys: Sequence[str]) -> str:
+    """What a call on several keys was doing, for an error: ``"reading keys 'a', 'b' and 3 more"``."""
+    shown = ", ".join(map(repr, keys[:2])) + (f" and {len(keys) - 2} more" if len(keys) > 2 else "")
+    return f"{doing} key{'s' if len(keys) > 1 else ''} {shown}"
 
 
 class KeyCalls:

@@ -2,7 +2,10 @@
 
 The common path is one round trip: a call goes straight to the current replica. Only after a call failed does
 the connection probe whether the replica speaks the other transport (TLS against plaintext), so a mismatch is
-reported at once instead of after the timeout; a failure that retrying can fix moves on to the next replica.
+reported at once instead of after the timeout; a failure that retrying can fix moves on to the next replica. A
+call that rides through a failover (``failover=True``: the Client's key-value calls and barriers) keeps trying
+while no replica leads, up to the failover window, also past its own deadline, so that a short call made while a
+standby takes over does not fail while the store holds every answer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.errors import CertificateRejected, CoordinatorUnavailable, IfrtError, TransportMismatch, from_rpc_error
 from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
 from ifrt.security import open_channel, transport_mismatch
-from ifrt.settings import Settings
+from ifrt.settings import Settings, failover_window
 
 
 class Backoff:
@@ -50,6 +53,8 @@ class Connection:
         self.settings = settings
         self.config = config
         self.backoff = Backoff(config.backoff_first_s, config.backoff_cap_s)
+        self.failover_window_s = failover_window(config.failover_window_s)
+        """How long a call that rides through a failover waits for a replica to lead (``call(failover=True)``)."""
         self._secret = process_secret
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -136,29 +141,57 @@ class Connection:
 
     def call(self, method: str, request: Callable[[float], Message], deadline: float, *, slack: float = 0.0,
              timeout: Callable[[float], float] | None = None, report: UnreachableReport | None = None,
-             give_up: Callable[[IfrtError | None], IfrtError] | None = None, wait_for_ready: bool | None = None) -> Any:
-        """Calls ``method`` with ``request(remaining seconds)``, retrying what retrying can fix until ``deadline``.
+             give_up: Callable[[IfrtError | None], IfrtError] | None = None, wait_for_ready: bool | None = None,
+             failover: bool = False, what: str = "") -> Any:
+        """Calls ``method`` with ``request(seconds the coordinator may wait)``, retrying what retrying can fix until
+        ``deadline``.
 
         Each attempt may take ``timeout(remaining)`` seconds (default: the remaining time plus ``slack``, for
         the answer). Past the deadline, raises ``give_up(last error)`` (default: CoordinatorUnavailable). By default
         a call waits for a connection only to the one replica there is, once it answered: a new one fails fast, so
-        that a transport mismatch is probed for at once."""
+        that a transport mismatch is probed for at once.
+
+        With ``failover``, a call rides through a failover: once an attempt went unanswered (no replica led), the call
+        goes on until a replica answers or the failover window (``failover_window_s``) has passed since, also past
+        its own deadline; the time without a leader does not count against the coordinator's wait (each later
+        attempt asks for what was left of it when the leader was lost), and a deadline later than the window still
+        bounds the whole call. Past the window, CoordinatorUnavailable names ``what`` was waited for, the window and
+        the replicas tried."""
         last_error: IfrtError | None = None
+        lost_since: float | None = None  # when an attempt first went unanswered: no replica has answered since
         report = report or UnreachableReport(self.config)
         single = len(self.settings.coordinators) == 1
-        while (remaining := deadline - time.monotonic()) > 0:
+        while True:
+            now = time.monotonic()
+            ends, wait = deadline, deadline - now
+            if failover and lost_since is not None:
+                ends = max(deadline, lost_since + self.failover_window_s)
+                wait = min(max(0.0, deadline - lost_since), ends - now)
+            if now >= ends:
+                break
             target = self.current()
             ready = (single and target in self._answered) if wait_for_ready is None else wait_for_ready
-            seconds = remaining + slack if timeout is None else timeout(remaining)
+            seconds = ends - now + slack if timeout is None else timeout(ends - now)
             try:
-                answer = getattr(self.stub(target), method)(request(remaining), timeout=seconds, wait_for_ready=ready)
+                answer = getattr(self.stub(target), method)(request(wait), timeout=seconds, wait_for_ready=ready)
             except grpc.RpcError as e:
-                last_error = self.failed(e, target, report, deadline)
+                failed_at = time.monotonic()
+                last_error = self.failed(e, target, report, ends)
+                lost_since = failed_at if lost_since is None else lost_since
                 continue
             self.answered(target)
             report.reached()
             return answer
+        if failover and lost_since is not None and last_error is not None:
+            raise self.leaderless(what or method, time.monotonic() - lost_since, last_error)
         raise (give_up or partial(self.unavailable, method))(last_error)
+
+    def leaderless(self, what: str, waited: float, last_error: IfrtError) -> CoordinatorUnavailable:
+        """What a call that rode out a failover raises when no replica took over within the failover window."""
+        return CoordinatorUnavailable(
+            f"{what}: no coordinator replica answered as the leader for {waited:.1f}s, longer than a failover may take "
+            f"(the failover window, {self.failover_window_s:g}s; IFRT_FAILOVER_WINDOW sets it); replicas tried: "
+            f"{self.where}; last error: {last_error}")
 
     def unavailable(self, method: str, last_error: IfrtError | None) -> CoordinatorUnavailable:
         """What a call of ``method`` that ran out of time raises by default."""

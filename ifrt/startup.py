@@ -12,7 +12,8 @@ start's records. Keys, for runtime R, topology generation G and process 0's nonc
     ifrt/R/gG/N0/ready       process 0: {"nonces": {p: Np}, "answers": {p: answer}, **record}
 
 Every wait has the start's deadline (DiscoveryTimeout naming who did not answer), and a peer that fails meanwhile
-ends it at once in every process (BarrierFailed naming it).
+ends it at once in every process (BarrierFailed naming it). A coordinator failover ends nothing: each key-value call,
+its short reads included, waits for the standby to take over (``Connection.call``'s failover window).
 """
 
 from __future__ import annotations

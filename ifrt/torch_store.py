@@ -30,7 +30,8 @@ class Store(dist.Store):
     and ``check`` of many keys too), and a ``get`` of the one key the same thread's previous call on this store (or
     a clone) waited for is none: it answers the value that wait read (gloo waits for each rank's key, then gets it).
     While a process group starts on it (``follow_start``), the ranks' keys come pushed and reads of them need no
-    call at all.
+    call at all. Every call waits out a coordinator failover (up to the client's failover window), also past the
+    store's timeout.
 
     Keep a reference to it for as long as a process group uses it: c10d holds the C++ half only.
     """
