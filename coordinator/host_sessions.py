@@ -1,7 +1,10 @@
 """The HostSession stream of an ``ifrt run`` agent: one stream carries the sessions of its host's workers. Events go
 out once per host (the same bytes every session gets); the agent attaches and detaches each worker as that worker's
 session with it opens and ends, and reports an exit the moment it sees one. The stream's connection vouches for every
-worker attached on it, as a process's own session's connection vouches for that process."""
+worker attached on it, as a process's own session's connection vouches for that process. Each exit the agent reports
+is acknowledged (``exit_noted``) once the coordinator holds it durably, so that the agent stops sending it again on
+its next streams; a report of a worker that failed, left or was replaced already changes nothing and is acknowledged
+too."""
 
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from coordinator.attempts import Agent
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped
 from coordinator.catchup import check_since
+from coordinator.job_records import Agent
 from coordinator.limits import shown
 from coordinator.noise import noisy
 from coordinator.outbox import Outbox
@@ -50,7 +53,7 @@ class HostSessions:
         sessions.hold(key, queue)
         carried: dict[str, None] = {}  # the workers attached on this stream
         sessions.hosts[queue] = carried
-        reader = asyncio.create_task(self._read(requests, queue, agent, carried))
+        reader = asyncio.create_task(self._read(requests, queue, agent, carried, context))
         log.info("%s opened", what)
         try:
             try:  # refused before it is told it attached
@@ -73,7 +76,7 @@ class HostSessions:
             log.info("%s ended (%d workers attached on it)", what, len(carried))
 
     async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, agent: Agent,
-                    carried: dict[str, None]) -> None:
+                    carried: dict[str, None], context: grpc.aio.ServicerContext) -> None:
         """The stream's messages after HostSessionOpen until it ends."""
         try:
             async for raw in requests:
@@ -83,14 +86,14 @@ class HostSessions:
                     noisy.warning("host-session:malformed", "ignored a malformed host session message of %d bytes",
                                   len(raw))
                     continue
-                await self._request(request, queue, agent, carried)
-        except (grpc.RpcError, asyncio.CancelledError):
+                await self._request(request, queue, agent, carried, context)
+        except (grpc.RpcError, asyncio.CancelledError, grpc.aio.AbortError):  # aborted: this replica stepped down
             pass
         finally:
             queue.put_nowait(END)
 
     async def _request(self, request: pb.HostSessionRequest, queue: Outbox, agent: Agent,
-                       carried: dict[str, None]) -> None:
+                       carried: dict[str, None], context: grpc.aio.ServicerContext) -> None:
         sessions = self._sessions
         service = sessions.service
         state, now = service.state, service.clock()
@@ -116,16 +119,32 @@ class HostSessions:
                         del sessions.carried[uid]
                     state.current.detach(uid, now)
             case "exited":
-                exited = request.exited
-
-                def decision() -> list:
-                    try:
-                        reason = capped(exited.reason, MAX_MESSAGE_BYTES)
-                        return state.worker_exited(agent, exited.client_uid, reason, now, exited.proof)
-                    except IfrtError as e:
-                        queue.put_nowait(worker_ended(exited.client_uid, e))
-                        return []
-
-                await service.decide(decision)
+                await self._exited(request.exited, queue, agent, context)
             case "watch":
                 sessions.watch(request.watch, queue)
+            case "unwatch":
+                sessions.unwatch(request.unwatch, queue)
+
+    async def _exited(self, exited: pb.WorkerExit, queue: Outbox, agent: Agent,
+                      context: grpc.aio.ServicerContext) -> None:
+        """An exit (or hang) the agent reports: the process fails at once; ``exit_noted`` once that is durable (also
+        for a process that is not live any more: a report sent again changes nothing)."""
+        service = self._sessions.service
+        uid, decided = exited.client_uid, []
+
+        def decision() -> list:
+            try:
+                reason = capped(exited.reason, MAX_MESSAGE_BYTES)
+                effects = service.state.worker_exited(agent, uid, reason, service.clock(), exited.proof)
+            except IfrtError as e:
+                queue.put_nowait(worker_ended(uid, e))
+                return []
+            decided.append(bool(effects))
+            return effects
+
+        await service.decide(decision)  # effects: applied once durable (or never: this replica stepped down)
+        if not decided:  # refused (worker_ended), or this replica does not serve
+            return
+        if not decided[0]:  # nothing new: what made the process not live may still be on its way to the store
+            await service.commit(context, f"the exit report of {uid}")
+        queue.put_nowait(pb.SessionEvent(exit_noted=pb.WorkerSession(client_uid=uid)).SerializeToString())

@@ -247,6 +247,8 @@ class Sessions:
             return
         if request.WhichOneof("kind") == "watch":
             self.watch(request.watch, queue)
+        elif request.WhichOneof("kind") == "unwatch":
+            self.unwatch(request.unwatch, queue)
 
     def watch(self, watch: pb.WatchKeys, queue: Outbox) -> None:
         """Every later change of a key under the prefix goes to the session ``queue``, acknowledged by a
@@ -272,6 +274,13 @@ class Sessions:
             self._watch_bytes += spent
         watched.add(prefix)
         queue.put_nowait(pb.SessionEvent(watching=watch).SerializeToString())
+
+    def unwatch(self, watch: pb.WatchKeys, queue: Outbox) -> None:
+        """The session ``queue`` no longer watches the prefix (nothing if it did not): its slot and bytes are free."""
+        watched = self._watches.get(queue)
+        if watched is not None and watch.prefix in watched:
+            watched.discard(watch.prefix)
+            self._watch_bytes -= len(watch.prefix.encode()) + WATCH_OVERHEAD_BYTES
 
     def _unwatch(self, queue: Outbox) -> None:
         """Forgets what a session that ended (or was ended) watched."""

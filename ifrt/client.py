@@ -73,6 +73,8 @@ class Client(KeyValueCalls):
         self.topology: Topology | None = None
         self.topology_position = 0
         """The number of the job event that published the topology of the last Register answer (0: none yet)."""
+        self.topology_run = self.topology_attempt = 0
+        """The job run and attempt of the last Register answer (0: not said); the session opens for them."""
         self._want_session = session
         self._session: Session | None = None
         self._request: pb.RegisterRequest | None = None
@@ -199,6 +201,7 @@ class Client(KeyValueCalls):
         if s.attempt is not None:
             request.attempt = s.attempt
         request.network.extend(s.network)
+        request.opens_session = self._want_session
         try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
             plugin.configure_process(s.local_rank, s.local_world_size)
             devices = list(plugin.local_devices(s.local_device_ids))
@@ -238,6 +241,7 @@ class Client(KeyValueCalls):
                 canonical = wire.decompress(response.encoding, response.topology)
                 topology = Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
                 self.topology_position = response.event_position
+                self.topology_run, self.topology_attempt = response.run, response.attempt
                 return topology
             progress = _progress(response.progress)
             now = time.monotonic()
@@ -307,13 +311,14 @@ class Client(KeyValueCalls):
         deadline = time.monotonic() + timeout
         self._unary("Barrier", lambda remaining: pb.BarrierRequest(
             client_uid=self.client_uid, name=name, process_ids=process_ids or (),
-            timeout_ms=max(1, int(remaining * 1000))), deadline, slack=self.config.answer_slack_s)
+            timeout_ms=max(1, int(remaining * 1000))), deadline, slack=self.config.answer_slack_s,
+            what=f"barrier {name!r}")
 
     def cancel_barrier(self, name: str, timeout: float = 60.0) -> bool:
         """Ends barrier ``name`` for every current and future waiter with BarrierCancelled (also before anyone
         arrived). Returns False when it had completed or failed already (its result stands)."""
         response = self._unary("CancelBarrier", lambda _: pb.CancelBarrierRequest(
-            client_uid=self.client_uid, name=name), time.monotonic() + timeout)
+            client_uid=self.client_uid, name=name), time.monotonic() + timeout, what=f"cancelling barrier {name!r}")
         return response.cancelled
 
     def live_processes(self, timeout: float) -> dict[int, int]:
@@ -324,7 +329,7 @@ class Client(KeyValueCalls):
         call_id = uuid.uuid4().hex
         response = self._unary("LiveProcesses", lambda remaining: pb.LiveProcessesRequest(
             client_uid=self.client_uid, call_id=call_id, timeout_ms=max(1, int(remaining * 1000))), deadline,
-            slack=self.config.answer_slack_s)
+            slack=self.config.answer_slack_s, what="the agreed live processes")
         return {p.process_id: p.incarnation for p in response.processes}
 
     # Preemption.
@@ -340,7 +345,8 @@ class Client(KeyValueCalls):
             return False
         response = self._unary("PreemptionSync", lambda remaining: pb.PreemptionSyncRequest(
             client_uid=self.client_uid, step=step, timeout_ms=max(1, int(remaining * 1000))),
-            time.monotonic() + timeout, slack=self.config.answer_slack_s)
+            time.monotonic() + timeout, slack=self.config.answer_slack_s,
+            what=f"the preemption sync point (step {step})")
         self._sync_step = response.sync_step
         return step >= self._sync_step
 
@@ -349,16 +355,20 @@ class Client(KeyValueCalls):
         PreemptionNotice and reaches the sync point together."""
         self._preempted.set()
         self._unary("PreemptionNotice", lambda _: pb.PreemptionNoticeRequest(client_uid=self.client_uid),
-                    time.monotonic() + timeout)
+                    time.monotonic() + timeout, what="the preemption notice")
 
     def preemption_noticed(self, process_id: int) -> None:
         """From the session: a process reported a preemption notice."""
         self._preempted.set()
         self._events.emit(PreemptionNotice(process_id))
 
-    def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0) -> Any:
-        """Calls ``method``, retrying what retrying can fix until ``deadline`` (plus ``slack`` for the answer)."""
-        return self._connection.call(method, request, deadline, slack=slack)
+    def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0, *,
+               what: str = "", give_up: Callable[[IfrtError | None], IfrtError] | None = None) -> Any:
+        """Calls ``method``, retrying what retrying can fix until ``deadline`` (plus ``slack`` for the answer), and
+        riding through a failover: while no replica leads, up to the failover window, also past ``deadline``
+        (``what`` names what the call waited for in the error past it)."""
+        return self._connection.call(method, request, deadline, slack=slack, give_up=give_up, failover=True,
+                                     what=f"{method} ({what})" if what else method)
 
     def current_coordinator(self) -> str:
         """The coordinator replica this client's calls go to now."""

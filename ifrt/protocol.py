@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 
 from ifrt.errors import InvalidArgument
 
@@ -25,17 +24,9 @@ could take as "without pause")."""
 
 
 def attempt_ended(ended: int, started: int) -> str:
-    """Why the coordinator ends every session when the job's next attempt starts (``ended_attempt`` reads it)."""
+    """Why the coordinator ends every session when the job's next attempt starts (said to people: clients read the
+    Shutdown's typed fields, never this text)."""
     return f"attempt {ended} of the job ended; attempt {started} starts (its processes register anew)"
-
-
-def ended_attempt(reason: str) -> tuple[int, int] | None:
-    """The (ended, started) attempts of a session's end that ``attempt_ended`` gave, else None."""
-    found = _ATTEMPT_ENDED.match(reason)
-    return (int(found.group(1)), int(found.group(2))) if found else None
-
-
-_ATTEMPT_ENDED = re.compile(r"attempt (\d+) of the job ended; attempt (\d+) starts \(its processes register anew\)$")
 
 
 def proof_of(secret: str) -> str:

@@ -3,8 +3,9 @@ keys that other processes write once reads them with no call of its own.
 
 The view is complete once the coordinator has acknowledged the watch and the keys set before that were read once
 (one ``KeyValueDir``, after the acknowledgement: every later change arrives as a push). A pushed change always wins
-over that read, which may be older. Once the session loses the coordinator (CoordinatorLost: changes meanwhile are
-not replayed) or the view is closed, it answers nothing more and its callers ask the coordinator as before.
+over that read, which may be older. Once its watch lapses (the session lost the coordinator, or, through an ``ifrt
+run`` agent, the agent's own session with it broke: changes meanwhile are not replayed) or the view is closed, it
+answers nothing more and its callers ask the coordinator as before.
 
 What a complete view answers is the key's value as the last push said it: exact for keys written once (a start-up's
 addresses), which is what it is for; a key that another process overwrites or deletes may be read a push late.
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from ifrt.client import Client
 from ifrt.errors import IfrtError
 from ifrt.events import CoordinatorLost, Event
+from ifrt.session import Watch
 
 ACK_WAIT_S = 0.5
 """How long the first read waits for the coordinator to acknowledge the watch (the session may still be opening)
@@ -40,6 +42,8 @@ class PushedKeys:
         client.on_event(self._on_event)
         self.watching = client.kv_follow(prefix, self._changed)
         """Set once the coordinator watches the prefix."""
+        if isinstance(self.watching, Watch):
+            self.watching.on_lapse(self._end)
 
     def ready(self) -> bool:
         """Whether the view answers reads now: on the first call after the watch is acknowledged (waiting up to

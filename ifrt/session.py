@@ -4,6 +4,10 @@ Liveness rides on the session's connection: the coordinator and this process pin
 ``ClientConfig.channel_options``), and a connection that drops ends the session. The session also sends a small
 Heartbeat as often as the coordinator's ``attached`` answer asks (a few times per heartbeat timeout), so that a
 process that stops answering (hung, stopped) shows as slow well before its connection is dropped.
+
+A key watch lapses when changes under it may have been missed: the stream ended, or (through an ``ifrt run`` agent)
+the agent's own session with the coordinator broke (``watch_lapsed``). Its ``Watch`` is cleared until the prefix is
+watched again, and its lapse callbacks are called: a view built on pushes (``ifrt.pushed``) ends and reads instead.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import grpc
 from ifrt import wholeness, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import IfrtError, ProcessDeclaredFailed, UnknownClient
+from ifrt.errors import IfrtError, ProcessDeclaredFailed, StaleSession, UnknownClient
 from ifrt.events import (
     CoordinatorLost,
     CoordinatorRestored,
@@ -30,7 +34,7 @@ from ifrt.events import (
     ProcessRestarted,
     TopologyChanged,
 )
-from ifrt.protocol import NO_HEARTBEATS_MS, ended_attempt
+from ifrt.protocol import NO_HEARTBEATS_MS
 from ifrt.settings import session_gate
 from ifrt.topology import Topology
 
@@ -45,6 +49,9 @@ class SessionOwner(Protocol):
     topology: Topology | None
     topology_position: int
     """The number of the job event that published the held topology."""
+    topology_run: int
+    topology_attempt: int
+    """The job run and attempt of the held topology's registration answer (0: not said)."""
 
     @property
     def process_id(self) -> int: ...
@@ -62,6 +69,28 @@ class SessionOwner(Protocol):
     def preemption_noticed(self, process_id: int) -> None: ...
 
 
+class Watch(threading.Event):
+    """One watched key prefix of a session: set while the coordinator watches it for this process; each lapse (changes
+    may have been missed) clears it and calls every ``on_lapse`` callback, from the session thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lapse_callbacks: list[Callable[[], None]] = []
+
+    def on_lapse(self, callback: Callable[[], None]) -> None:
+        self._lapse_callbacks.append(callback)
+
+    def lapse(self) -> None:
+        if not self.is_set():  # not watched yet: nothing pushed to miss
+            return
+        self.clear()
+        for callback in list(self._lapse_callbacks):
+            try:
+                callback()
+            except Exception:
+                log.exception("a watch's lapse callback %r failed", callback)
+
+
 class Session:
     """Runs in its own daemon thread; hands every event to ``emit`` and topology changes to its owner."""
 
@@ -76,7 +105,7 @@ class Session:
         """Set while the coordinator has acknowledged this session."""
         self._watch_lock = threading.Lock()
         self._prefixes: set[str] = set()  # key prefixes watched, sent again on every new stream
-        self._acks: dict[str, threading.Event] = {}  # prefix -> set once the coordinator watches it for us
+        self._acks: dict[str, Watch] = {}  # prefix -> set while the coordinator watches it for us
         self._outbox: queue.Queue | None = None  # messages for the current stream (key watches)
         self._heartbeat_s: float | None = None  # how often the coordinator asks for a Heartbeat (None: never)
         self.heartbeat_timeout_s: float | None = None
@@ -99,12 +128,12 @@ class Session:
             self._call.cancel()
         self._thread.join(timeout)
 
-    def watch(self, prefix: str) -> threading.Event:
+    def watch(self, prefix: str) -> Watch:
         """Asks the coordinator for every change of keys under ``prefix`` (on this stream and every later one);
-        the event returned is set once the coordinator watches it."""
+        the Watch returned is set once the coordinator watches it, and cleared while it lapsed."""
         with self._watch_lock:
             self._prefixes.add(prefix)
-            ack = self._acks.setdefault(prefix, threading.Event())
+            ack = self._acks.setdefault(prefix, Watch())
             if self._outbox is not None:
                 self._outbox.put(pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix)))
         return ack
@@ -126,8 +155,14 @@ class Session:
                 if self._closed.is_set():
                     break
                 error = e if isinstance(e, IfrtError) else self._connection.error_of(e, target)
-                if isinstance(error, UnknownClient):
-                    log.warning("coordinator %s does not know this process (restarted?): registering again", target)
+                if isinstance(error, UnknownClient | StaleSession):
+                    self._lapse()
+                    if isinstance(error, StaleSession):
+                        log.info("this process's registration belongs to an ended run or attempt of the job (%s): "
+                                 "registering again", error)
+                    else:
+                        log.warning("coordinator %s does not know this process (restarted?): registering again",
+                                    target)
                     self._rejoin()
                     continue
                 if isinstance(error, ProcessDeclaredFailed):
@@ -138,6 +173,7 @@ class Session:
                 stream_done.set()
                 outbox.put(None)  # ends the request stream at once
                 self.attached.clear()
+                self._lapse()
             if self._lost:
                 self._connection.rotate(target)
                 self._closed.wait(self._connection.backoff.next())
@@ -148,7 +184,8 @@ class Session:
             self._outbox = outbox
             prefixes = sorted(self._prefixes)
         yield pb.SessionRequest(open=pb.SessionOpen(client_uid=self._owner.client_uid, generation=generation,
-                                                    since_event=self.position))
+                                                    since_event=self.position, run=self._owner.topology_run,
+                                                    attempt=self._owner.topology_attempt))
         for prefix in prefixes:
             yield pb.SessionRequest(watch=pb.WatchKeys(prefix=prefix))
         while not stream_done.is_set() and not self._closed.is_set():
@@ -192,7 +229,9 @@ class Session:
             if self._owner.adopt(topology):
                 self._emit(TopologyChanged(topology))
         elif kind == "shutdown":
-            self._lose(event.shutdown.reason)
+            shutdown = event.shutdown
+            self._lose(shutdown.reason, (shutdown.ended_attempt, shutdown.next_attempt) if shutdown.next_attempt
+                       else None)
         elif kind == "key_changed":
             change = event.key_changed
             self._owner.key_changed(change.key, None if change.deleted else change.value)
@@ -201,6 +240,11 @@ class Session:
                 ack = self._acks.get(event.watching.prefix)
             if ack is not None:
                 ack.set()
+        elif kind == "watch_lapsed":  # from this process's agent: its own session with the coordinator broke
+            with self._watch_lock:
+                ack = self._acks.get(event.watch_lapsed.prefix)
+            if ack is not None:
+                ack.lapse()
         elif kind == "preemption_notice":
             self._owner.preemption_noticed(event.preemption_notice.process_id)
         elif kind == "snapshot":
@@ -218,11 +262,21 @@ class Session:
         if snapshot.HasField("preemption_notice"):
             self._owner.preemption_noticed(snapshot.preemption_notice.process_id)
 
-    def _lose(self, reason: str) -> None:
+    def _lapse(self) -> None:
+        """Every watch lapses: the stream that carried its changes ended."""
+        with self._watch_lock:
+            watches = list(self._acks.values())
+        for watch in watches:
+            watch.lapse()
+
+    def _lose(self, reason: str, attempts: tuple[int, int] | None = None) -> None:
+        """The coordinator is lost (``attempts``: the job's attempt ended and the next starts, as its Shutdown
+        said)."""
         self.attached.clear()
         if not self._lost:
             self._lost = True
-            if (attempts := ended_attempt(reason)) is not None:  # not a lost coordinator: ifrt run restarts us
+            self._lapse()  # before anyone hears of the loss: a view that hears it answers nothing more
+            if attempts is not None:  # not a lost coordinator: ifrt run restarts us
                 log.info("attempt %d of the job ended and attempt %d starts: this process's agent (ifrt run) "
                          "stops it and starts it again", *attempts)
             else:

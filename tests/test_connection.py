@@ -13,7 +13,6 @@ import pytest
 
 import ifrt
 from ifrt.client_config import ClientConfig
-from ifrt.protocol import attempt_ended, ended_attempt
 
 
 class CountingRelay:
@@ -87,9 +86,3 @@ def test_the_client_runs_by_its_config(start_coordinator, caplog):
 def test_a_tunable_out_of_range_is_named(field, value):
     with pytest.raises(ifrt.InvalidArgument, match=f"ClientConfig {field}={value!r} is out of range"):
         ClientConfig(**{field: value})
-
-
-def test_the_end_of_an_attempt_is_read_back_from_the_reason_a_session_ends_with():
-    assert ended_attempt(attempt_ended(2, 3)) == (2, 3)
-    assert ended_attempt("the coordinator stepped down (lost its lease); another replica may lead") is None
-    assert ended_attempt(attempt_ended(2, 3) + " and more") is None

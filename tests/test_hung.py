@@ -46,9 +46,9 @@ def test_a_session_that_never_heartbeats_or_hung_timeouts_0_is_never_failed_as_h
     never = published()  # clients that predate heartbeats: keepalive vouches for them, as before
     assert failures(never.tick(100.0)) == []
     off = published(hung_timeouts=0)
-    off.heard("p1", 0.1)
+    off.current.heard("p1", 0.1)
     assert failures(off.tick(100.0)) == []
-    assert [p.process_id for p in off.report(100.0).slow] == [1]  # shown slow, as before
+    assert [p.process_id for p in off.current.report(100.0).slow] == [1]  # shown slow, as before
 
 
 def test_hung_timeouts_spaced_heartbeats_stretch_it_and_a_negative_one_is_refused():

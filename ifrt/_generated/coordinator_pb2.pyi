@@ -166,7 +166,7 @@ class LocalDevice(_message.Message):
     def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_key: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt", "network")
+    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt", "network", "opens_session")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class RegisterRequest(_message.Message):
     PLUGIN_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    OPENS_SESSION_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     num_processes: int
     process_id: int
@@ -191,7 +192,8 @@ class RegisterRequest(_message.Message):
     plugin: str
     attempt: int
     network: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
+    opens_session: bool
+    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ..., network: _Optional[_Iterable[str]] = ..., opens_session: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("registered", "expected", "missing_process_ids", "registered_hosts", "waited_seconds")
@@ -340,18 +342,20 @@ class RegisterHostResponse(_message.Message):
     def __init__(self, processes: _Optional[_Iterable[_Union[HostRegistration, _Mapping]]] = ..., answer: _Optional[bytes] = ...) -> None: ...
 
 class HostSessionRequest(_message.Message):
-    __slots__ = ("open", "attach", "detach", "exited", "watch")
+    __slots__ = ("open", "attach", "detach", "exited", "watch", "unwatch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     DETACH_FIELD_NUMBER: _ClassVar[int]
     EXITED_FIELD_NUMBER: _ClassVar[int]
     WATCH_FIELD_NUMBER: _ClassVar[int]
+    UNWATCH_FIELD_NUMBER: _ClassVar[int]
     open: HostSessionOpen
     attach: WorkerSession
     detach: WorkerSession
     exited: WorkerExit
     watch: WatchKeys
-    def __init__(self, open: _Optional[_Union[HostSessionOpen, _Mapping]] = ..., attach: _Optional[_Union[WorkerSession, _Mapping]] = ..., detach: _Optional[_Union[WorkerSession, _Mapping]] = ..., exited: _Optional[_Union[WorkerExit, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
+    unwatch: WatchKeys
+    def __init__(self, open: _Optional[_Union[HostSessionOpen, _Mapping]] = ..., attach: _Optional[_Union[WorkerSession, _Mapping]] = ..., detach: _Optional[_Union[WorkerSession, _Mapping]] = ..., exited: _Optional[_Union[WorkerExit, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ..., unwatch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
 
 class HostSessionOpen(_message.Message):
     __slots__ = ("agent_uid", "generation", "since_event", "run", "attempt")
@@ -398,14 +402,16 @@ class WorkerSessionEnded(_message.Message):
     def __init__(self, client_uid: _Optional[str] = ..., code: _Optional[int] = ..., error: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "heartbeat", "watch")
+    __slots__ = ("open", "heartbeat", "watch", "unwatch")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     WATCH_FIELD_NUMBER: _ClassVar[int]
+    UNWATCH_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     heartbeat: Heartbeat
     watch: WatchKeys
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
+    unwatch: WatchKeys
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., watch: _Optional[_Union[WatchKeys, _Mapping]] = ..., unwatch: _Optional[_Union[WatchKeys, _Mapping]] = ...) -> None: ...
 
 class WatchKeys(_message.Message):
     __slots__ = ("prefix",)
@@ -442,7 +448,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching", "snapshot", "worker_ended", "event_number")
+    __slots__ = ("attached", "process_failed", "process_restarted", "process_left", "topology_changed", "shutdown", "key_changed", "preemption_notice", "watching", "snapshot", "worker_ended", "watch_lapsed", "exit_noted", "event_number")
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     PROCESS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
@@ -454,6 +460,8 @@ class SessionEvent(_message.Message):
     WATCHING_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ENDED_FIELD_NUMBER: _ClassVar[int]
+    WATCH_LAPSED_FIELD_NUMBER: _ClassVar[int]
+    EXIT_NOTED_FIELD_NUMBER: _ClassVar[int]
     EVENT_NUMBER_FIELD_NUMBER: _ClassVar[int]
     attached: Attached
     process_failed: ProcessEvent
@@ -466,8 +474,10 @@ class SessionEvent(_message.Message):
     watching: WatchKeys
     snapshot: EventSnapshot
     worker_ended: WorkerSessionEnded
+    watch_lapsed: WatchKeys
+    exit_noted: WorkerSession
     event_number: int
-    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ..., snapshot: _Optional[_Union[EventSnapshot, _Mapping]] = ..., worker_ended: _Optional[_Union[WorkerSessionEnded, _Mapping]] = ..., event_number: _Optional[int] = ...) -> None: ...
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., process_failed: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_restarted: _Optional[_Union[ProcessEvent, _Mapping]] = ..., process_left: _Optional[_Union[ProcessEvent, _Mapping]] = ..., topology_changed: _Optional[_Union[RegisterResponse, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ..., key_changed: _Optional[_Union[KeyValueChange, _Mapping]] = ..., preemption_notice: _Optional[_Union[ProcessEvent, _Mapping]] = ..., watching: _Optional[_Union[WatchKeys, _Mapping]] = ..., snapshot: _Optional[_Union[EventSnapshot, _Mapping]] = ..., worker_ended: _Optional[_Union[WorkerSessionEnded, _Mapping]] = ..., watch_lapsed: _Optional[_Union[WatchKeys, _Mapping]] = ..., exit_noted: _Optional[_Union[WorkerSession, _Mapping]] = ..., event_number: _Optional[int] = ...) -> None: ...
 
 class EventSnapshot(_message.Message):
     __slots__ = ("failed", "left", "restarted", "preemption_notice")

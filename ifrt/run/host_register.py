@@ -15,7 +15,7 @@ import grpc
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import ERROR_CLASSES, CoordinatorUnavailable, IfrtError
-from ifrt.run.host_rules import Batcher, Ranks, Ticket
+from ifrt.run.host_rules import Batcher, Ranks, Ticket, batch_window
 
 log = logging.getLogger("ifrt.run")
 
@@ -56,12 +56,12 @@ class _Outcome:
 class HostRegistrar:
     """Gathers the workers' registrations and sends them as ``RegisterHost`` calls of at most ``per_call`` (the
     workers the agent runs), each in a thread of its own. ``expected()``: how many workers the agent runs now (the
-    registrations go once each has asked); ``published(generation, position)``: called when an answer carries the
-    topology, before any worker hears it; ``ids_known``: with the process ids by local rank it carried (the agent
-needs no Status to learn them). ``workers`` bounds what may be pending (spares included)."""
+    registrations go once each has asked); ``published(generation, position, run, attempt)``: called when an answer
+    carries the topology, before any worker hears it; ``ids_known``: with the process ids by local rank it carried
+    (the agent needs no Status to learn them). ``workers`` bounds what may be pending (spares included)."""
 
     def __init__(self, connection: Connection, agent_uid: str, workers: int, per_call: int,
-                 expected: Callable[[], int], published: Callable[[int, int], None],
+                 expected: Callable[[], int], published: Callable[[int, int, int, int], None],
                  ids_known: Callable[[dict[int, int]], None] = lambda ids: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._connection, self.agent_uid, self._per_call = connection, agent_uid, per_call
@@ -81,13 +81,14 @@ needs no Status to learn them). ``workers`` bounds what may be pending (spares i
                                             self._clock())
             except IfrtError as e:
                 raise Refused(e, e.code) from None
+            ticket.deadline = max(ticket.deadline, deadline)
             self._cond.notify_all()
             while ticket.round is None:
                 now = self._clock()
                 if self._batcher.due(now, self._expected()):
                     outcome = _Outcome()
                     taken = self._batcher.take(self._per_call, outcome)
-                    threading.Thread(target=self._send, args=(taken, outcome, deadline), daemon=True,
+                    threading.Thread(target=self._send, args=(taken, outcome), daemon=True,
                                      name="ifrt-run-register-host").start()
                     continue
                 if now >= deadline:
@@ -103,9 +104,9 @@ needs no Status to learn them). ``workers`` bounds what may be pending (spares i
             raise answer
         return answer
 
-    def _send(self, taken: list[Ticket[pb.HostProcess]], outcome: _Outcome, deadline: float) -> None:
+    def _send(self, taken: list[Ticket[pb.HostProcess]], outcome: _Outcome) -> None:
         entries = [t.entry for t in taken]
-        wait_ms = min(e.request.wait_ms for e in entries)
+        deadline, wait_ms = batch_window((t.deadline, t.entry.request.wait_ms) for t in taken)
         request = pb.RegisterHostRequest(agent_uid=self.agent_uid, processes=entries)
         slack = max(ANSWER_MARGIN_S, (deadline - self._clock()) - wait_ms / 1000)
 
@@ -146,7 +147,7 @@ needs no Status to learn them). ``workers`` bounds what may be pending (spares i
                 outcome.answers[uid] = pb.RegisterResponse(process_id=result.process_id).SerializeToString() \
                     + response.answer
         if answer.topology:
-            self._published(answer.generation, answer.event_position)
+            self._published(answer.generation, answer.event_position, answer.run, answer.attempt)
             self._ids_known({entry.request.local_rank: result.process_id
                              for entry, result in zip(entries, response.processes, strict=True) if not result.code})
 

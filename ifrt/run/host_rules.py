@@ -1,11 +1,12 @@
 """The pure decisions of an ``ifrt run`` agent that carries its host's workers (``--worker-link agent``): when the
 host's pending registrations go to the coordinator as one ``RegisterHost``, which job events a worker's session
-still lacks, which worker stopped answering, and who watches a key. No threads, clocks, sockets or gRPC here."""
+still lacks, which worker stopped answering (or is busy), which reports await the coordinator's acknowledgement, and
+who watches a key. No threads, clocks, sockets or gRPC here."""
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -20,6 +21,11 @@ EVENTS_KEPT = 4096
 """Job events the agent keeps for its workers' catch-up (a worker asking from before them registers again)."""
 EVENT_BYTES_KEPT = 16 << 20
 """... and at most this many bytes of them."""
+EXITS_KEPT = 1024
+"""Unacknowledged exit reports the agent keeps (the oldest goes first past it: a coordinator that never acknowledges
+cannot make its agent hold more)."""
+BUSY_SHARE = 0.25
+"""A silent worker that used at least this share of a core since its silence was last looked at is busy, not hung."""
 
 E = TypeVar("E")
 
@@ -31,6 +37,8 @@ class Ticket(Generic[E]):
     uid: str
     entry: E
     round: Any = None
+    deadline: float = 0.0
+    """When the worker's own call ends (its latest ask's)."""
 
 
 class Batcher(Generic[E]):
@@ -86,6 +94,14 @@ class Batcher(Generic[E]):
         """``taken``'s call returned (answered or failed)."""
         self._in_flight.subtract(t.uid for t in taken)
         self._in_flight = +self._in_flight
+
+
+def batch_window(asks: Iterable[tuple[float, int]]) -> tuple[float, int]:
+    """A batch's call from its registrations' ``(deadline, wait_ms)``: it is retried until the latest deadline (one
+    worker's short call does not cut the others' short), and answered within the shortest wait (each worker hears
+    within its own)."""
+    deadlines, waits = zip(*asks, strict=True)
+    return max(deadlines), min(waits)
 
 
 class EventBuffer:
@@ -169,12 +185,14 @@ def stopped_answering(silent_s: float) -> str:
 
 
 class Silence:
-    """When each worker's session last sent a Heartbeat, and which went silent for longer than it may."""
+    """When each worker's session last sent a Heartbeat, and which went silent for longer than it may: hung, unless
+    its CPU time advanced meanwhile (one long native call holding the GIL burns CPU; a stuck process burns none)."""
 
     def __init__(self) -> None:
         self._heard: dict[str, float] = {}
         self._limits: dict[str, float] = {}
         self._reported: set[str] = set()
+        self._cpu: dict[str, tuple[float, float]] = {}  # uid -> (its CPU seconds, when read) during a silence
 
     def start(self, uid: str, now: float, hung_after_s: float) -> None:
         """``uid``'s session is attached; it may be silent ``hung_after_s`` (0: any time)."""
@@ -185,43 +203,113 @@ class Silence:
     def heard(self, uid: str, now: float) -> None:
         if uid in self._heard:
             self._heard[uid] = now
+            self._cpu.pop(uid, None)
 
     def stop(self, uid: str) -> None:
         """``uid``'s session ended: its silence is no longer watched."""
         self._heard.pop(uid, None)
         self._limits.pop(uid, None)
+        self._cpu.pop(uid, None)
 
     def silent(self, now: float) -> list[tuple[str, str]]:
-        """``(uid, reason)`` of each session silent past its limit, each once."""
-        found = []
+        """``(uid, reason)`` of each session silent past its limit, each once (no CPU time seen)."""
+        return self.check(now, lambda uid: None)[0]
+
+    def check(self, now: float, cpu: Callable[[str], float | None]
+              ) -> tuple[list[tuple[str, str]], list[tuple[str, float]]]:
+        """``(uid, reason)`` of each session silent past its limit, each once (hung); and ``(uid, CPU seconds)`` of
+        each silent past its limit whose CPU time (``cpu``: None where it cannot be read) advanced by BUSY_SHARE of
+        the time since it was read halfway through, or since it was last found busy (busy: watched afresh from now)."""
+        hung, busy = [], []
         for uid, limit in self._limits.items():
             silent_s = now - self._heard[uid]
-            if silent_s >= limit and uid not in self._reported:
+            if uid in self._reported or silent_s < limit / 2:
+                continue
+            if silent_s < limit:
+                if uid not in self._cpu and (seconds := cpu(uid)) is not None:
+                    self._cpu[uid] = (seconds, now)
+                continue
+            seconds, (before, at) = cpu(uid), self._cpu.pop(uid, (None, now))
+            if seconds is not None and before is not None and seconds - before >= BUSY_SHARE * (now - at) > 0:
+                busy.append((uid, seconds - before))
+                self._heard[uid], self._cpu[uid] = now, (seconds, now)
+            else:
                 self._reported.add(uid)
-                found.append((uid, stopped_answering(silent_s)))
-        return found
+                hung.append((uid, stopped_answering(silent_s)))
+        return hung, busy
+
+
+class Exits(Generic[E]):
+    """The agent's reports of its workers' exits (and hangs) by client uid, each kept until the coordinator
+    acknowledged it and sent again on every new stream until then: a report on a stream that broke is not lost."""
+
+    def __init__(self, most: int = EXITS_KEPT) -> None:
+        self._pending: dict[str, E] = {}
+        self._most = most
+
+    def add(self, uid: str, report: E) -> bool:
+        """Keeps ``uid``'s report; False (kept nothing) when one is pending already (the first stands)."""
+        if uid in self._pending:
+            return False
+        self._pending[uid] = report
+        while len(self._pending) > self._most:
+            del self._pending[next(iter(self._pending))]
+        return True
+
+    def pending(self) -> list[E]:
+        """The reports not acknowledged yet, oldest first."""
+        return list(self._pending.values())
+
+    def acknowledged(self, uid: str) -> None:
+        self._pending.pop(uid, None)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._pending
 
 
 class Watches:
-    """Which workers watch which key prefixes; each prefix is watched once on the host's session."""
+    """Which workers watch which key prefixes; each prefix is watched once on the host's session, and no longer once
+    no worker watches it. A prefix is acknowledged (its workers told ``watching``) once every watch of it asked for on
+    the current stream was answered: an answer to a watch asked before an unwatch is no news."""
 
     def __init__(self) -> None:
         self._by_prefix: dict[str, set[str]] = {}
+        self._asked: Counter[str] = Counter()  # watches asked for on the current stream, not answered yet
         self.acknowledged: set[str] = set()
 
     def add(self, uid: str, prefix: str) -> bool:
         """``uid`` watches ``prefix``; True when the host's session must ask for it (no worker did before)."""
         first = prefix not in self._by_prefix
         self._by_prefix.setdefault(prefix, set()).add(uid)
+        if first:
+            self._asked[prefix] += 1
         return first
 
     def prefixes(self) -> list[str]:
         return sorted(self._by_prefix)
 
+    def reopened(self) -> list[str]:
+        """A new stream of the host's session: the prefixes it asks for, each once (nothing is acknowledged on it)."""
+        self.acknowledged.clear()
+        self._asked = Counter(self._by_prefix)
+        return self.prefixes()
+
     def acknowledge(self, prefix: str) -> set[str]:
-        """The coordinator watches ``prefix``: the workers to tell."""
+        """The coordinator watches ``prefix``: the workers to tell (none while a later ask is unanswered)."""
+        if self._asked[prefix] > 0:
+            self._asked[prefix] -= 1
+        if self._asked[prefix] > 0 or prefix not in self._by_prefix:
+            return set()
         self.acknowledged.add(prefix)
-        return set(self._by_prefix.get(prefix, ()))
+        return set(self._by_prefix[prefix])
+
+    def lapse(self) -> dict[str, set[str]]:
+        """The host's session broke: changes made until it watches again may be missed. The workers of each prefix
+        that was acknowledged, by prefix (they are told); nothing is acknowledged any more."""
+        lapsed = {prefix: set(self._by_prefix[prefix]) for prefix in sorted(self.acknowledged)}
+        self.acknowledged.clear()
+        self._asked.clear()
+        return lapsed
 
     def watching(self, uid: str, prefix: str) -> bool:
         return prefix in self.acknowledged and uid in self._by_prefix.get(prefix, ())
@@ -230,8 +318,15 @@ class Watches:
         """The workers watching a prefix of ``key``."""
         return {uid for prefix, uids in self._by_prefix.items() if key.startswith(prefix) for uid in uids}
 
-    def drop(self, uids: Iterable[str]) -> None:
-        """Those workers' sessions ended (the host's session keeps watching; nobody is told)."""
+    def drop(self, uids: Iterable[str]) -> list[str]:
+        """Those workers' sessions ended: the prefixes no worker watches any more (the host's session unwatches
+        them)."""
         gone = set(uids)
-        for uids_of in self._by_prefix.values():
+        dropped = []
+        for prefix, uids_of in list(self._by_prefix.items()):
             uids_of -= gone
+            if not uids_of:
+                del self._by_prefix[prefix]
+                self.acknowledged.discard(prefix)
+                dropped.append(prefix)
+        return dropped

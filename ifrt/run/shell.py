@@ -242,7 +242,8 @@ class Shell:
         if self.worker_link is None:
             try:
                 self.worker_link = AgentLink(self.link, self.args.nproc_per_host + getattr(self.args, "spare", 0),
-                                             self._running, lambda ids: self.events.put(IdsKnown(ids)))
+                                             self._running, lambda ids: self.events.put(IdsKnown(ids)),
+                                             lambda rank: None if (w := self.workers.get(rank)) is None else w.pid)
             except (OSError, IfrtError) as e:
                 log.warning("cannot serve the workers on a local socket (%s: %s): they reach the coordinator "
                             "directly, as with --worker-link direct", type(e).__name__, e)

@@ -5,6 +5,7 @@ one registration call and one session (``ifrt.run.local_server``)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -26,11 +27,15 @@ STATUS_TIMEOUT_S = 5.0
 
 
 class AgentLink:
-    """The agent's side of ``--worker-link agent``: the local server, the host's registrations and session."""
+    """The agent's side of ``--worker-link agent``: the local server, the host's registrations and session.
+    ``pid_of(local_rank)``: the pid of that rank's current worker (None: none runs), which lets the agent tell a busy
+    worker from a hung one by its CPU time."""
 
     def __init__(self, link: JobLink, workers: int, expected: Callable[[], int],
-                 ids_known: Callable[[dict[int, int]], None]) -> None:
-        self.host = HostSession(link.connection, link.agent_uid)
+                 ids_known: Callable[[dict[int, int]], None],
+                 pid_of: Callable[[int], int | None] = lambda local_rank: None) -> None:
+        self._pid_of = pid_of
+        self.host = HostSession(link.connection, link.agent_uid, cpu=self._cpu)
         self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, link.workers, expected,
                                        self.host.open, ids_known)
         self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link))
@@ -62,6 +67,22 @@ class AgentLink:
     def close(self) -> None:
         self.host.close()
         self.server.close()
+
+    def _cpu(self, uid: str) -> float | None:
+        """The CPU seconds used so far by the process of registration ``uid`` (None where it cannot be seen)."""
+        registered = self.registrar.registered.get(uid)
+        pid = None if registered is None else self._pid_of(registered.local_rank)
+        return None if pid is None else cpu_seconds(pid)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """Process ``pid``'s user and system CPU time in seconds (``/proc/<pid>/stat``), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def heartbeat_timeout(link: JobLink) -> float:
