@@ -57,6 +57,7 @@ class HostSessions:
         log.info("%s opened", what)
         try:
             try:  # refused before it is told it attached
+                service.state.check_current(opening.open.run, opening.open.attempt)
                 check_since(opening.open.since_event, service.state.event_position)
             except IfrtError as e:
                 await abort(context, e, what)
@@ -142,8 +143,8 @@ class HostSessions:
             decided.append(bool(effects))
             return effects
 
-        await service.decide(decision)  # effects: applied once durable (or never: this replica stepped down)
-        if not decided:  # refused (worker_ended), or this replica does not serve
+        durable = await service.decide(decision)  # False: this replica stepped down first, the agent sends it again
+        if not durable or not decided:  # or refused (worker_ended)
             return
         if not decided[0]:  # nothing new: what made the process not live may still be on its way to the store
             await service.commit(context, f"the exit report of {uid}")

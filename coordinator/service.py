@@ -389,20 +389,22 @@ class CoordinatorService(HostRegister):
                 continue
             self._apply(effects)
 
-    async def decide(self, decision: Callable[[], list[Effect]]) -> None:
+    async def decide(self, decision: Callable[[], list[Effect]]) -> bool:
         """Runs a decision of the coordinator's own (no caller waits on it) while this replica serves: its journal
-        entries made durable, then its effects carried out."""
+        entries made durable, then its effects carried out. False when this replica does not serve, or stepped down
+        before the entries were durable (nothing of it may be acknowledged)."""
         if not self.replica.serving:
-            return
+            return False
         with wire.gc_paused():
             effects = decision()
         if not effects:
-            return
+            return True
         try:
             await self.replica.commit()
         except NotServing:
-            return
+            return False
         self._apply(effects)
+        return True
 
     def _apply(self, effects: list[Effect]) -> None:
         """Carries out durable effects: logs, session events, and the answers of waiting calls."""

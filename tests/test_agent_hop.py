@@ -16,9 +16,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import ERROR_TRAILER
 from ifrt.protocol import proof_of
 from ifrt.run.host_rules import Exits, Silence, Watches, batch_window
 from tests.helpers import poll_until, register_request
@@ -187,6 +189,19 @@ def test_the_coordinator_acknowledges_each_exit_once_durable_and_a_repeat_change
     assert wire_host.next("exit_noted").exit_noted.client_uid == "host-1"
     time.sleep(0.5)
     assert "process_failed" not in wire_host.kinds()  # failed once
+
+
+def test_a_host_session_opened_for_another_run_or_attempt_is_refused_as_stale(wire_host):
+    for stale in ({"run": 2}, {"attempt": 1}):  # the job is in run 1 of attempt 0
+        opening = pb.HostSessionRequest(open=pb.HostSessionOpen(agent_uid=wire_host.uid, since_event=1, **stale))
+        with pytest.raises(grpc.RpcError) as refused:
+            next(iter(wire_host.coordinator.HostSession(iter([opening]), metadata=wire_host.metadata, timeout=10)))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(refused.value.trailing_metadata())[ERROR_TRAILER] == "StaleSession"
+    current = pb.HostSessionRequest(open=pb.HostSessionOpen(agent_uid=wire_host.uid, since_event=1, run=1))
+    call = wire_host.coordinator.HostSession(iter([current]), metadata=wire_host.metadata, timeout=10)
+    assert next(iter(call)).attached.run == 1
+    call.cancel()
 
 
 # A new run.
