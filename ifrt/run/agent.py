@@ -293,7 +293,7 @@ class Agent:
             return [Say(f"{failure.describe()}; learning this host's process ids to find out whether it is one of "
                         "its workers"), LearnIds(self.attempt)]
         if rank is None:
-            return [Say(f"{failure.describe()}; its agent replaces it, the workers here keep running")]
+            return [Say(f"{failure.describe()}; another host's process: the workers here keep running")]
         state = self.workers[rank]
         if not state.running:
             return []  # it exited: its replacement is asked for already
