@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from coordinator import journal
 from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import DEFAULT_LIMITS, Limits
-from coordinator.retries import RetryAnswers, Swapped
+from coordinator.retries import Answer, Deleted, RetryAnswers, Swapped, Written
 
 MIN_BYTES = 32 << 20
 """Superseded journal bytes below which no compaction runs (the journal is then small anyway)."""
@@ -81,7 +81,7 @@ def _needed_in_attempt(entries: Sequence[journal.Entry], limits: Limits) -> list
         elif isinstance(entry, journal.KeysDeleted):
             covered = ({k for k in pending if k.startswith(entry.key)} if entry.prefix
                        else {entry.key} & pending)
-            keep[i] = bool(covered)
+            keep[i] = bool(covered) or i in answers  # a deletion a retry may still ask about keeps its count
             pending -= covered
     return keep
 
@@ -111,19 +111,36 @@ def _final_writes(entries: Sequence[journal.Entry]) -> set[int]:
 
 
 def _remembered_answers(entries: Sequence[journal.Entry], limits: Limits) -> set[int]:
-    """Indices of the increments and swaps whose calls a replay remembers at the end, found by remembering them as
+    """Indices of the writes and deletions whose calls a replay remembers at the end, found by remembering them as
     the state machine does (``coordinator.retries``), and of the newest call forgotten for want of bytes: replayed
     before the remembered ones, it leaves no room for any older call a kept write would bring back."""
     retries = RetryAnswers(limits)
     last: dict[tuple[str, str, str], int] = {}  # call -> the entry that last set its answer
     for i, entry in enumerate(entries):
-        if isinstance(entry, journal.KeyIncremented | journal.KeySwapped) and entry.request_id:
-            answer, stored = ((entry.value, 0) if isinstance(entry, journal.KeyIncremented)
-                              else (Swapped.of(entry.value), len(entry.value)))
+        if isinstance(entry, _REMEMBERED) and entry.request_id:
+            answer, stored = _answer(entry)
             retries.remember(entry.client_uid, entry.request_id, entry.key, answer, stored)
             last[(entry.client_uid, entry.request_id, entry.key)] = i
     remembered = {last.pop(call) for call in retries.calls()}
     return remembered | ({max(last.values())} if last and remembered else set())
+
+
+_REMEMBERED = (*_WRITES, journal.KeysDeleted)
+
+
+def _answer(entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped | journal.KeysDeleted) -> tuple[Answer,
+                                                                                                                int]:
+    """The answer a replay remembers for ``entry``'s call, and the bytes its entry keeps (as KeyValues does)."""
+    match entry:
+        case journal.KeyIncremented(value=value):
+            return value, 0
+        case journal.KeySwapped(value=value):
+            return Swapped.of(value), len(value)
+        case journal.KeySet(value=value):
+            return Written.of(value), len(value)
+        case journal.KeysDeleted(count=count):
+            return Deleted(count), 0
+    raise AssertionError(f"not a remembered call: {entry!r}")
 
 
 class Garbage:

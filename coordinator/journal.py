@@ -51,8 +51,12 @@ class Forgot:
 
 @dataclass(frozen=True)
 class KeySet:
+    """A set that changed the key, and the call that made it (a request id: a retry is not applied twice)."""
+
     key: str
     value: bytes
+    client_uid: str = ""
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -85,8 +89,13 @@ class KeySwapped:
 
 @dataclass(frozen=True)
 class KeysDeleted:
+    """A deletion that deleted ``count`` keys, and the call that made it (a request id: its retry's answer)."""
+
     key: str
     prefix: bool  # every key starting with ``key``
+    client_uid: str = ""
+    request_id: str = ""
+    count: int = 0
 
 
 @dataclass(frozen=True)
@@ -200,6 +209,9 @@ def encode(entry: Entry) -> bytes:
         fields = {**asdict(entry), "value": base64.b64encode(entry.value).decode()}
     else:
         fields = asdict(entry)
+    if isinstance(entry, KeySet | KeysDeleted) and not entry.request_id:  # a call nobody retries: as written before
+        for name in ("client_uid", "request_id", "count"):
+            fields.pop(name, None)
     return json.dumps({"type": type(entry).__name__, **fields}, separators=(",", ":")).encode()
 
 

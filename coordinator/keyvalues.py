@@ -9,8 +9,10 @@ from coordinator import journal
 from coordinator.effects import Effect, KeyChanged
 from coordinator.kv import KeyValueStore
 from coordinator.limits import FLAGS, Limits, check_call_id, shown
-from coordinator.retries import FORGOTTEN, Answer, RetryAnswers, Swapped
+from coordinator.retries import FORGOTTEN, Answer, Deleted, RetryAnswers, Swapped, Written
 from ifrt.errors import InvalidArgument
+
+_CALLS = {int: "an increment", Swapped: "a swap", Written: "a set", Deleted: "a deletion"}
 
 
 class KeyValues:
@@ -22,17 +24,45 @@ class KeyValues:
         self.retries = RetryAnswers(limits)
         self._record = record
 
-    def set(self, key: str, value: bytes, allow_overwrite: bool) -> list[Effect]:
-        """Stores a value; returns the change (empty when the key held that value already)."""
+    def set(self, key: str, value: bytes, allow_overwrite: bool, client_uid: str = "",
+            request_id: str = "") -> list[Effect]:
+        """Stores a value; returns the change (empty when the key held that value already). A retry (the same
+        ``request_id`` on the same key from the same client) of a set that changed the key is answered as done, not
+        applied again (a write since then stays)."""
+        if self._written(client_uid, request_id, key, value):
+            return []
         if not self.store.set(key, value, allow_overwrite):
             return []
-        self._record(journal.KeySet(key, value))
+        self._record(journal.KeySet(key, value, *_call(client_uid, request_id)))
+        self.retries.remember(client_uid, request_id, key, Written.of(value), len(value))
         return [KeyChanged(key, value)]
 
-    def set_many(self, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool) -> list[Effect]:
-        """Stores every value in order, all or (when one is refused, changing nothing) none; returns the changes."""
+    def set_many(self, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool, client_uid: str = "",
+                 request_id: str = "") -> list[Effect]:
+        """Stores every value in order, all or (when one is refused, changing nothing) none; returns the changes. The
+        first entry that changes its key carries the call's request id: a retry of a call any of whose keys it names
+        is answered as done (its entries were journaled together)."""
+        if request_id:
+            check_call_id("request_id", request_id, self.limits)
+            if any(self._retried(client_uid, request_id, key, Written) is not None for key, _ in entries):
+                return []
         self.store.check_many(entries, allow_overwrite)
-        return [effect for key, value in entries for effect in self.set(key, value, allow_overwrite=True)]
+        effects: list[Effect] = []
+        for key, value in entries:
+            effects += self.set(key, value, True, client_uid, "" if effects else request_id)
+        return effects
+
+    def _written(self, client_uid: str, request_id: str, key: str, value: bytes) -> bool:
+        """Whether this set is a retry of one that changed ``key`` (InvalidArgument for a retry with another value)."""
+        if not request_id:
+            return False
+        check_call_id("request_id", request_id, self.limits)
+        if (answer := self._retried(client_uid, request_id, key, Written)) is None:
+            return False
+        if answer != Written.of(value):
+            raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} set another value: a retry "
+                                  "repeats its call, a new call takes a new request_id")
+        return True
 
     def increment(self, client_uid: str, key: str, amount: int, request_id: str, *,
                   agent: bool = False) -> tuple[int, list[Effect]]:
@@ -40,7 +70,7 @@ class KeyValues:
         ``request_id`` on the same key from the same client) is answered the sum it made, not applied again.
         ``agent`` (the caller is no process) changes nothing: every caller's answers share the same bounds."""
         check_call_id("request_id", request_id, self.limits)
-        if isinstance(answer := self._retried(client_uid, request_id, key, "increment"), int):
+        if isinstance(answer := self._retried(client_uid, request_id, key, int), int):
             return answer, []
         total = self.store.increment(key, amount)
         self._record(journal.KeyIncremented(key, total, client_uid, request_id))  # replayed as the value
@@ -53,7 +83,7 @@ class KeyValues:
         ``request_id`` on the same key, with the same ``desired``, from the same client) is answered as the swap
         was, not applied again. ``agent`` changes nothing (see ``increment``)."""
         check_call_id("request_id", request_id, self.limits)
-        if (answer := self._retried(client_uid, request_id, key, "swap")) is not None:
+        if (answer := self._retried(client_uid, request_id, key, Swapped)) is not None:
             if answer != Swapped.of(desired):
                 raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was a swap to another "
                                       "value: a retry repeats its call, a new call takes a new request_id")
@@ -65,42 +95,51 @@ class KeyValues:
         self.retries.remember(client_uid, request_id, key, Swapped.of(desired), len(desired))
         return value, [KeyChanged(key, desired)]
 
-    def _retried(self, client_uid: str, request_id: str, key: str, kind: str) -> Answer | None:
-        """The remembered answer of this call (an increment's sum or a swap's digest), None for a new call;
-        InvalidArgument, changing nothing, when it was a call of another kind or its answer is forgotten."""
+    def _retried(self, client_uid: str, request_id: str, key: str, kind: type) -> Answer | None:
+        """The remembered answer of this call (of ``kind``: an increment's sum, a swap's or set's digest, a deletion's
+        count), None for a new call; InvalidArgument, changing nothing, when it was a call of another kind or its
+        answer is forgotten."""
         answer = self.retries.get(client_uid, request_id, key)
         if answer is FORGOTTEN:
             raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was answered before this "
                                   f"client's last {self.limits.answers_per_caller} calls, and its answer is no longer "
                                   f"kept (the coordinator's {FLAGS['answers_per_caller']}): a new call takes a new "
                                   "request_id")
-        if answer is not None and isinstance(answer, Swapped) != (kind == "swap"):
-            was, now = ("a swap", "an increment") if kind == "increment" else ("an increment", "a swap")
-            raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was {was}, not {now}: a new "
-                                  "call takes a new request_id")
+        if answer is not None and not isinstance(answer, kind):
+            raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was {_CALLS[type(answer)]}, "
+                                  f"not {_CALLS[kind]}: a new call takes a new request_id")
         return answer  # type: ignore[return-value]
 
-    def delete(self, key: str, prefix: bool) -> tuple[int, list[Effect]]:
-        """Deletes ``key`` (or every key starting with it); returns how many keys went."""
+    def delete(self, key: str, prefix: bool, client_uid: str = "", request_id: str = "") -> tuple[int, list[Effect]]:
+        """Deletes ``key`` (or every key starting with it); returns how many keys went. A retry of a deletion that
+        deleted something is answered its count and deletes nothing more."""
+        if request_id:
+            check_call_id("request_id", request_id, self.limits)
+            if isinstance(answer := self._retried(client_uid, request_id, key, Deleted), Deleted):
+                return answer.count, []
         deleted = self.store.delete(key, prefix)
         if deleted:
-            self._record(journal.KeysDeleted(key, prefix))
+            self._record(journal.KeysDeleted(key, prefix, *_call(client_uid, request_id),
+                                             len(deleted) if request_id else 0))
+            self.retries.remember(client_uid, request_id, key, Deleted(len(deleted)), 0)
         return len(deleted), [KeyChanged(k, None) for k in deleted]
 
     def replay(self, entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped | journal.KeysDeleted, *,
                agent: bool = False) -> None:
         """Applies a journaled key-value decision again."""
         match entry:
-            case journal.KeySet(key=key, value=value):
+            case journal.KeySet(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, value)
+                self.retries.remember(uid, request_id, key, Written.of(value), len(value))
             case journal.KeyIncremented(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, str(value).encode())
                 self.retries.remember(uid, request_id, key, value, 0)
             case journal.KeySwapped(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, value)
                 self.retries.remember(uid, request_id, key, Swapped.of(value), len(value))
-            case journal.KeysDeleted(key=key, prefix=prefix):
+            case journal.KeysDeleted(key=key, prefix=prefix, client_uid=uid, request_id=request_id, count=count):
                 self.store.delete(key, prefix)
+                self.retries.remember(uid, request_id, key, Deleted(count), 0)
 
     def carry(self, before: KeyValues, prefix: str) -> None:
         """Takes over ``before``'s keys under ``prefix`` (a new run of the job: what lives outside its runs, e.g.
@@ -118,3 +157,8 @@ class KeyValues:
     def dir(self, prefix: str) -> list[tuple[str, bytes]]:
         """Every (key, value) under ``prefix``, sorted by key; ResourceExhausted past ``--max-reply-bytes``."""
         return self.store.dir(prefix, self.limits.reply_bytes)
+
+
+def _call(client_uid: str, request_id: str) -> tuple[str, str]:
+    """Who made a journaled call, as its retry names it (nothing for a call without a request id: none retries it)."""
+    return (client_uid, request_id) if request_id else ("", "")

@@ -17,17 +17,18 @@ class KeyValueCalls:
                  is_agent: Callable[[str], bool]) -> None:
         self._kv, self._may_use, self._is_agent = kv, may_use, is_agent
 
-    def set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, *, proof: str = "") -> list[Effect]:
-        """Stores a value; returns the change (empty when the key held that value already)."""
+    def set(self, client_uid: str, key: str, value: bytes, allow_overwrite: bool, request_id: str = "", *,
+            proof: str = "") -> list[Effect]:
+        """Stores a value; returns the change (empty when the key held that value already, or a retry)."""
         self._may_use(client_uid, key, proof)
-        return self._kv.set(key, value, allow_overwrite)
+        return self._kv.set(key, value, allow_overwrite, client_uid, request_id)
 
-    def set_many(self, client_uid: str, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool, *,
-                 proof: str = "") -> list[Effect]:
+    def set_many(self, client_uid: str, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool,
+                 request_id: str = "", *, proof: str = "") -> list[Effect]:
         """Stores every value in order, all or (when one is refused) none; returns the changes."""
         for key, _ in entries:
             self._may_use(client_uid, key, proof)
-        return self._kv.set_many(entries, allow_overwrite)
+        return self._kv.set_many(entries, allow_overwrite, client_uid, request_id)
 
     def increment(self, client_uid: str, key: str, amount: int, request_id: str = "", *,
                   proof: str = "") -> tuple[int, list[Effect]]:
@@ -42,10 +43,11 @@ class KeyValueCalls:
         self._may_use(client_uid, key, proof)
         return self._kv.compare_set(client_uid, key, expected, desired, request_id, agent=self._is_agent(client_uid))
 
-    def delete(self, client_uid: str, key: str, prefix: bool, *, proof: str = "") -> tuple[int, list[Effect]]:
-        """Deletes ``key`` (or every key starting with it); returns how many keys went."""
+    def delete(self, client_uid: str, key: str, prefix: bool, request_id: str = "", *,
+               proof: str = "") -> tuple[int, list[Effect]]:
+        """Deletes ``key`` (or every key starting with it); returns how many keys went (a retry: as the first call)."""
         self._may_use(client_uid, key, proof)
-        return self._kv.delete(key, prefix)
+        return self._kv.delete(key, prefix, client_uid, request_id)
 
     def get(self, client_uid: str, key: str, *, proof: str = "") -> bytes | None:
         """The value of ``key``, None while it is unset."""

@@ -1,5 +1,6 @@
-"""The answers of increments and swaps, kept per caller, request id and key, so that a retried call is answered as
-its first call was instead of being applied twice. No I/O.
+"""The answers of the key-value calls that change the store (increments, swaps, sets, deletions), kept per caller,
+request id and key, so that a retried call (its reply lost in a failover) is answered as its first call was instead
+of being applied twice. No I/O.
 
 Bounded two ways, both decided by the order calls were answered, so that a replay of the journal (whole, or compacted
 to the entries ``coordinator.compaction`` keeps) remembers exactly the same answers:
@@ -9,8 +10,9 @@ to the entries ``coordinator.compaction`` keeps) remembers exactly the same answ
 - per caller (``--max-answers-per-caller``): of those, a caller's newest answers are kept; an older call of the
   caller stays only as a mark (its cost still counted), so that its retry is refused instead of applied again.
 
-A swap's answer is the value it stored, which its retry carries again: only that value's digest is kept in memory.
-Its journal entry keeps the value, which a compaction keeps while the call is remembered: the value's bytes count.
+A swap's or a set's answer is the value it stored, which its retry carries again: only that value's digest is kept
+in memory. Its journal entry keeps the value, which a compaction keeps while the call is remembered: the value's
+bytes count.
 """
 
 from __future__ import annotations
@@ -39,9 +41,27 @@ class _Forgotten:
         return "FORGOTTEN"
 
 
+@dataclass(frozen=True)
+class Written:
+    """A set's answer: the digest of the value it stored (a retry carries the value)."""
+
+    digest: bytes
+
+    @classmethod
+    def of(cls, value: bytes) -> Written:
+        return cls(hashlib.sha256(value).digest())
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """A deletion's answer: how many keys it deleted."""
+
+    count: int
+
+
 FORGOTTEN = _Forgotten()
-Answer = int | Swapped
-"""An increment's sum, or a swap's digest."""
+Answer = int | Swapped | Written | Deleted
+"""An increment's sum, a swap's or a set's digest, a deletion's count."""
 Call = tuple[str, str, str]
 """(client uid, request id, key): a request id names a call on one key; the same id on another key is another call."""
 

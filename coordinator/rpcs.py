@@ -140,7 +140,7 @@ RPCS: dict[str, Rpc] = {
     "KeyValueSet": Rpc(
         pb.KeyValueSetRequest, lambda q: f"key-value set of {q.key!r}", _empty,
         command=lambda s, q, c: _no_result(s.current.keys.set(q.client_uid, q.key, q.value, q.allow_overwrite,
-                                                    proof=c.proof))),
+                                                              q.request_id, proof=c.proof))),
     "KeyValueGet": Rpc(
         pb.KeyValueGetRequest, lambda q: f"key-value get of {q.key!r}",
         lambda value: pb.KeyValueGetResponse(value=value).SerializeToString(),
@@ -166,8 +166,8 @@ RPCS: dict[str, Rpc] = {
     "KeyValueMultiSet": Rpc(
         pb.KeyValueMultiSetRequest, lambda q: f"key-value multi-set of {len(q.entries)} keys"
                                               f"{_first([e.key for e in q.entries])}", _empty,
-        command=lambda s, q, c: _no_result(s.current.keys.set_many(q.client_uid, [(e.key, e.value) for e in q.entries],
-                                                         q.allow_overwrite, proof=c.proof))),
+        command=lambda s, q, c: _no_result(s.current.keys.set_many(
+            q.client_uid, [(e.key, e.value) for e in q.entries], q.allow_overwrite, q.request_id, proof=c.proof))),
     "KeyValueIncrement": Rpc(
         pb.KeyValueIncrementRequest, lambda q: f"key-value increment of {q.key!r}",
         lambda total: pb.KeyValueIncrementResponse(value=total).SerializeToString(),
@@ -176,11 +176,11 @@ RPCS: dict[str, Rpc] = {
         pb.KeyValueCompareSetRequest, lambda q: f"key-value compare-set of {q.key!r}",
         lambda value: pb.KeyValueCompareSetResponse(value=value or b"", found=value is not None).SerializeToString(),
         command=lambda s, q, c: s.current.keys.compare_set(q.client_uid, q.key, q.expected, q.desired, q.request_id,
-                                                 proof=c.proof)),
+                                                           proof=c.proof)),
     "KeyValueDelete": Rpc(
         pb.KeyValueDeleteRequest, lambda q: f"key-value delete of {q.key!r}{' (prefix)' if q.prefix else ''}",
         lambda deleted: pb.KeyValueDeleteResponse(deleted=deleted).SerializeToString(),
-        command=lambda s, q, c: s.current.keys.delete(q.client_uid, q.key, q.prefix, proof=c.proof)),
+        command=lambda s, q, c: s.current.keys.delete(q.client_uid, q.key, q.prefix, q.request_id, proof=c.proof)),
     "LiveProcesses": Rpc(
         pb.LiveProcessesRequest, lambda q: "live_processes",
         lambda members: pb.LiveProcessesResponse(processes=[pb.LiveProcess(process_id=pid, incarnation=incarnation)

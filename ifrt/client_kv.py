@@ -36,9 +36,10 @@ class KeyValueCalls:
                    what: str = "", give_up: Callable[[IfrtError | None], IfrtError] | None = None) -> Any: ...
 
     def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
-        """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``)."""
+        """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``). Exactly
+        once, also when the call is retried on another coordinator replica (a later write is never undone)."""
         request = pb.KeyValueSetRequest(client_uid=self.client_uid, key=key, value=bytes(value),
-                                        allow_overwrite=allow_overwrite)
+                                        allow_overwrite=allow_overwrite, request_id=uuid.uuid4().hex)
         self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout, what=f"setting key {key!r}")
 
     def kv_get(self, key: str, timeout: float) -> bytes:
@@ -90,7 +91,7 @@ class KeyValueCalls:
         if not items:
             return
         request = pb.KeyValueMultiSetRequest(client_uid=self.client_uid, allow_overwrite=allow_overwrite, entries=[
-            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items])
+            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items], request_id=uuid.uuid4().hex)
         self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout,
                     what=_keys("setting", [key for key, _ in items]))
 
@@ -117,10 +118,12 @@ class KeyValueCalls:
 
     def kv_delete(self, key: str, *, prefix: bool = False, timeout: float = 60.0) -> int:
         """Deletes ``key`` (with ``prefix=True``, every key starting with it); returns how many keys were deleted.
-        Deleting a key that is not there is no error."""
-        response = self._unary("KeyValueDelete", lambda _: pb.KeyValueDeleteRequest(
-            client_uid=self.client_uid, key=key, prefix=prefix), time.monotonic() + timeout,
-            what=f"deleting {'the keys under' if prefix else 'key'} {key!r}")
+        Deleting a key that is not there is no error. Exactly once, also when the call is retried on another
+        coordinator replica (a key set again after it is not deleted by its retry)."""
+        request = pb.KeyValueDeleteRequest(client_uid=self.client_uid, key=key, prefix=prefix,
+                                           request_id=uuid.uuid4().hex)
+        response = self._unary("KeyValueDelete", lambda _: request, time.monotonic() + timeout,
+                               what=f"deleting {'the keys under' if prefix else 'key'} {key!r}")
         return response.deleted
 
     def kv_watch(self, prefix: str, timeout: float | None = None) -> Iterator[tuple[str, bytes | None]]:

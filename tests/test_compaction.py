@@ -186,6 +186,21 @@ def test_swaps_of_big_values_deleted_at_once_leave_at_most_the_answer_bytes_in_t
     assert observable(replayed(entries, limits)) == observable(replayed(everything, limits))
 
 
+def test_a_set_or_deletion_a_retry_may_ask_about_stays_after_later_writes():
+    s = published(n=2)
+    s.current.keys.set("p0", "k", b"A", True, "set-1")
+    s.current.keys.set("p1", "k", b"B", True)  # supersedes the value, not the answer
+    s.current.keys.set("p1", "gone", b"x", True)
+    s.current.keys.delete("p0", "gone", False, "del-1")
+    entries = kept(kv_entries(s))
+    assert entries == [journal.KeySet("k", b"A", "p0", "set-1"), journal.KeySet("k", b"B"),
+                       journal.KeysDeleted("gone", False, "p0", "del-1", 1)]
+    rebuilt = replayed(entries)
+    assert rebuilt.current.keys.set("p0", "k", b"A", True, "set-1") == []  # answered: B stays
+    assert rebuilt.current.keys.get("p1", "k") == b"B"
+    assert rebuilt.current.keys.delete("p0", "gone", False, "del-1") == (1, [])
+
+
 def test_a_deletion_stays_while_it_removes_a_remembered_swap():
     s = published(n=2)
     s.current.keys.compare_set("p0", "k", b"", b"A", "swap-1")
@@ -282,12 +297,17 @@ def test_a_leader_killed_after_compaction_loses_nothing(etcd):
             a.barrier("before-compaction", timeout=30)
             assert other.get(timeout=30) is None
             written = 0
+
+            def overwrite(value: bytes) -> None:  # with no request id: a write nobody retries, so none is remembered
+                request = pb.KeyValueSetRequest(client_uid=a.client_uid, key="blob", value=value, allow_overwrite=True)
+                a._unary("KeyValueSet", lambda _: request, time.monotonic() + 60)
+
             while "compacted the journal" not in replicas.leader.log:  # overwrites until the leader compacts
                 assert written < 4 * compaction.MIN_BYTES // (MiB // 2), replicas.leader.log
-                a.kv_set("blob", bytes([written % 256]) * (MiB // 2), allow_overwrite=True)
+                overwrite(bytes([written % 256]) * (MiB // 2))
                 written += 1
                 time.sleep(0.01 if written > compaction.MIN_BYTES // (MiB // 2) else 0)
-            a.kv_set("blob", b"last", allow_overwrite=True)
+            overwrite(b"last")
             a.kv_delete("gone/", prefix=True)
             keys = journal_keys(etcd, "compacting")
             assert keys < 10, f"{keys} journal keys after compacting {written} overwrites of 512 KiB"

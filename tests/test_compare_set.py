@@ -197,3 +197,27 @@ def test_a_retry_of_a_call_past_the_answers_per_caller_is_refused_not_applied_ag
         s.current.keys.increment("p0", "n", 1, "r0")
     assert s.current.keys.get("p1", "n") == b"6" and s.take_journal() == []
     assert s.current.keys.increment("p0", "n", 1, "r5") == (6, [])
+
+
+def test_a_retried_set_or_delete_is_answered_as_first_made_and_undoes_no_later_write():
+    # A reply lost in a failover: the client sends the same call again, to the replica that took over.
+    s = published()
+    assert s.current.keys.set("p0", "k", b"A", True, "set-1") == [KeyChanged("k", b"A")]
+    s.current.keys.increment("p1", "n", 1, "incr-1")
+    s.current.keys.set("p1", "k", b"B", True, "set-2")  # a later write by another process
+    standby = ClusterState(s.config)
+    for entry in s.take_journal():
+        standby.replay(entry)
+    for state in (s, standby):  # the answer survives the failover: the retry is not applied again
+        assert state.current.keys.set("p0", "k", b"A", True, "set-1") == []
+        assert state.current.keys.get("p2", "k") == b"B"
+    with pytest.raises(ifrt.InvalidArgument, match="set another value: a retry repeats its call"):
+        s.current.keys.set("p0", "k", b"C", True, "set-1")
+    assert s.current.keys.delete("p0", "k", False, "del-1") == (1, [KeyChanged("k", None)])
+    s.current.keys.set("p1", "k", b"again", False, "set-3")
+    assert s.current.keys.delete("p0", "k", False, "del-1") == (1, [])  # its count; the new value stays
+    assert s.current.keys.get("p2", "k") == b"again"
+    assert s.current.keys.set_many("p0", [("a", b"1"), ("b", b"2")], False, "multi-1") != []
+    s.current.keys.set("p1", "b", b"changed", True)
+    assert s.current.keys.set_many("p0", [("a", b"1"), ("b", b"2")], False, "multi-1") == []  # not KeyExists
+    assert s.current.keys.get("p2", "b") == b"changed"

@@ -558,16 +558,18 @@ class BarrierResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class KeyValueSetRequest(_message.Message):
-    __slots__ = ("client_uid", "key", "value", "allow_overwrite")
+    __slots__ = ("client_uid", "key", "value", "allow_overwrite", "request_id")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     key: str
     value: bytes
     allow_overwrite: bool
-    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., allow_overwrite: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., allow_overwrite: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class KeyValueSetResponse(_message.Message):
     __slots__ = ()
@@ -646,14 +648,16 @@ class KeyValueCompareSetResponse(_message.Message):
     def __init__(self, value: _Optional[bytes] = ..., found: _Optional[bool] = ...) -> None: ...
 
 class KeyValueDeleteRequest(_message.Message):
-    __slots__ = ("client_uid", "key", "prefix")
+    __slots__ = ("client_uid", "key", "prefix", "request_id")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     key: str
     prefix: bool
-    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., prefix: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, client_uid: _Optional[str] = ..., key: _Optional[str] = ..., prefix: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class KeyValueDeleteResponse(_message.Message):
     __slots__ = ("deleted",)
@@ -762,14 +766,16 @@ class KeyValueMultiGetResponse(_message.Message):
     def __init__(self, values: _Optional[_Iterable[_Union[KeyValueTryGetResponse, _Mapping]]] = ...) -> None: ...
 
 class KeyValueMultiSetRequest(_message.Message):
-    __slots__ = ("client_uid", "entries", "allow_overwrite")
+    __slots__ = ("client_uid", "entries", "allow_overwrite", "request_id")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     entries: _containers.RepeatedCompositeFieldContainer[KeyValueEntry]
     allow_overwrite: bool
-    def __init__(self, client_uid: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KeyValueEntry, _Mapping]]] = ..., allow_overwrite: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, client_uid: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[KeyValueEntry, _Mapping]]] = ..., allow_overwrite: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class KeyValueMultiSetResponse(_message.Message):
     __slots__ = ()
