@@ -1,4 +1,4 @@
-"""Discovery with hosts of P processes, side by side (bench/discovery.py ``--by agent,process``).
+"""Discovery with hosts of P processes, side by side (bench/discovery_runs.py ``--by agent,process``).
 
 - ``ifrt/agent``: one simulated ``ifrt run`` agent per host (bench/host_driver.py): it joins the job, then registers
   its P workers in one ``RegisterHost`` call on its own connection. Joining is measured apart (``join_*``): an agent
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import content
-import discovery
+import discovery_runs
 import profiled
 
 from coordinator.local import LocalCoordinator
@@ -35,45 +35,45 @@ PROFILE_TOP = 30
 
 
 def drive_phases(server_pid: int, server_port: int, commands: list[list[str]], log_dir: Path, timeout_s: float,
-                 join: bool, profile: Path | None = None) -> tuple[discovery.Measurement, dict[str, Any]]:
-    """The drivers' protocol against one coordinator, measured as ``discovery.drive`` measures it; with ``join``
-    (host drivers) the agents join first, measured apart. ``profile``: the coordinator runs under bench/profiled.py,
-    and each phase (join, registration) is profiled on its own."""
-    children = [discovery.Child(c, log_dir, f"driver{i}") for i, c in enumerate(commands)]
+                 join: bool, profile: Path | None = None) -> tuple[discovery_runs.Measurement, dict[str, Any]]:
+    """The drivers' protocol against one coordinator, measured as bench/discovery.py's ``drive`` measures it; with
+    ``join`` (host drivers) the agents join first, measured apart. ``profile``: the coordinator runs under
+    bench/profiled.py, and each phase (join, registration) is profiled on its own."""
+    children = [discovery_runs.Child(c, log_dir, f"driver{i}") for i, c in enumerate(commands)]
     extra: dict[str, Any] = {}
     try:
-        deadline = time.monotonic() + discovery.START_TIMEOUT_S
+        deadline = time.monotonic() + discovery_runs.START_TIMEOUT_S
         for c in children:
             c.expect("ready", deadline)
         if join:
             if profile:
                 profiled.switch(server_pid)
-            (user0, sys0), t0 = discovery.cpu_seconds(server_pid), time.monotonic()
+            (user0, sys0), t0 = discovery_runs.cpu_seconds(server_pid), time.monotonic()
             for c in children:
                 c.send("join")
             deadline = time.monotonic() + timeout_s
             joined = [c.expect("joined", deadline) for c in children]
-            (user1, sys1), t1 = discovery.cpu_seconds(server_pid), time.monotonic()
+            (user1, sys1), t1 = discovery_runs.cpu_seconds(server_pid), time.monotonic()
             extra = {"join_cpu_s": round(user1 - user0 + sys1 - sys0, 3), "join_wall_s": round(t1 - t0, 3),
                      "join_driver_max_s": round(max(j["join_s"] for j in joined), 3)}
             if profile:
                 extra["join_profile"] = profiled.profile_shares(profiled.stopped(server_pid, profile, 0), PROFILE_TOP)
         if profile:
             profiled.switch(server_pid)
-        (user1, sys1), lo0 = discovery.cpu_seconds(server_pid), discovery.loopback_bytes()
+        (user1, sys1), lo0 = discovery_runs.cpu_seconds(server_pid), discovery_runs.loopback_bytes()
         for c in children:
             c.send("go")
         deadline = time.monotonic() + timeout_s
         for c in children:
             c.expect("received", deadline)
-        (user2, sys2), lo1 = discovery.cpu_seconds(server_pid), discovery.loopback_bytes()
+        (user2, sys2), lo1 = discovery_runs.cpu_seconds(server_pid), discovery_runs.loopback_bytes()
         if profile:
             stats = profiled.stopped(server_pid, profile, 1 if join else 0)
             extra["profile"] = profiled.profile_shares(stats, PROFILE_TOP)
-        connections, peak = discovery.established(server_pid, server_port), discovery.peak_rss_kib(server_pid)
+        connections, peak = discovery_runs.established(server_pid, server_port), discovery_runs.peak_rss_kib(server_pid)
         deadline = time.monotonic() + timeout_s
         results = [c.expect("sent", deadline) for c in children]
-        return discovery.Measurement(results, user2 - user1, sys2 - sys1, lo1 - lo0, connections, peak), extra
+        return discovery_runs.Measurement(results, user2 - user1, sys2 - sys1, lo1 - lo0, connections, peak), extra
     finally:
         for c in children:
             c.send("exit")
@@ -86,19 +86,19 @@ def run(mode: str, n: int, k: int, per_host: int, drivers: int, log_dir: Path, c
     """One configuration of ``mode`` (agent or process) against the real coordinator."""
     if n % per_host:
         raise ValueError(f"{n} processes are not whole hosts of {per_host}")
-    timeout = discovery.run_timeout(n)
-    script = HOST_DRIVER if mode == "agent" else discovery.IFRT_DRIVER
+    timeout = discovery_runs.run_timeout(n)
+    script = HOST_DRIVER if mode == "agent" else discovery_runs.IFRT_DRIVER
     wrapper = [sys.executable, str(HERE / "profiled.py"), str(profile)] if profile else []
     with LocalCoordinator(*coordinator_args, num_processes=n, log_level="WARNING", wrapper=wrapper) as c:
         commands = [[sys.executable, str(script), "--address", c.address, "--first", str(first * per_host),
                      "--count", str(count * per_host), "--num-processes", str(n), "--devices", str(k),
                      "--processes-per-host", str(per_host), "--timeout", str(timeout - 10),
                      *content.driver_arguments(content_args)]
-                    for first, count in discovery.split(n // per_host, drivers)]
+                    for first, count in discovery_runs.split(n // per_host, drivers)]
         port = int(c.address.rpartition(":")[2])
         measured, extra = drive_phases(c.pid, port, commands, log_dir, timeout, mode == "agent", profile)
         complaints = [line for line in c.log.splitlines() if " WARNING " in line or " ERROR " in line]
-    record = discovery.summarize(f"ifrt/{mode}", n, k, measured)
+    record = discovery_runs.summarize(f"ifrt/{mode}", n, k, measured)
     sent = [t for r in measured.results for t in r["sent"]]
     received = [t for r in measured.results for t in r["received"]]
     fingerprints = {f for r in measured.results for f in r["fingerprints"]}
@@ -119,39 +119,3 @@ def run(mode: str, n: int, k: int, per_host: int, drivers: int, log_dir: Path, c
         if "no cluster token" not in line:
             print(f"coordinator: {line}", file=sys.stderr)
     return record
-
-
-def side_by_side(sizes: list[int], modes: list[str], args: argparse.Namespace, peer: str | None, tmp: Path,
-                 coordinator_args: Sequence[str]) -> bool:
-    """Every mode (and XLA's peer where it runs) at every size; one JSON object each. True if all succeeded."""
-    failed = False
-    for n in sizes:
-        drivers = args.drivers or max(2, -(-n // discovery.PROCESSES_PER_DRIVER))
-        fingerprints: dict[str, str | None] = {}
-        for mode in modes:
-            profile = args.profile / f"{mode}-{n}" if args.profile else None
-            print(f"ifrt/{mode}: {n} processes x {args.devices} devices, hosts of {args.processes_per_host} ...",
-                  file=sys.stderr, flush=True)
-            try:
-                record = discovery.median_run(lambda mode=mode, n=n, d=drivers, p=profile: run(
-                    mode, n, args.devices, args.processes_per_host, d, tmp, args, coordinator_args, p),
-                    args.repeat or 3)
-            except Exception as e:  # reported as data: the other configurations still run
-                record = {"system": f"ifrt/{mode}", "processes": n, "error": f"{type(e).__name__}: {e}"}
-            fingerprints[mode] = record.get("fingerprint")
-            if len(fingerprints) > 1 and "error" not in record and None not in fingerprints.values():
-                record["same_topology"] = len(set(fingerprints.values())) == 1
-                if not record["same_topology"]:
-                    record["error"] = f"topology fingerprints differ by mode: {fingerprints}"
-            discovery.emit(record)
-            failed |= "error" in record
-        if peer is not None and n <= args.peer_max_processes:
-            print(f"xla: {n} processes x {args.devices} devices ...", file=sys.stderr, flush=True)
-            try:
-                record = discovery.median_run(lambda n=n: discovery.run_xla(
-                    n, args.devices, args.peer_drivers, peer, args.peer_connections, tmp), args.repeat or 3)
-            except Exception as e:
-                record = {"system": "xla", "processes": n, "error": f"{type(e).__name__}: {e}"}
-            discovery.emit(record)
-            failed |= "error" in record
-    return not failed

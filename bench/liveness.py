@@ -58,7 +58,25 @@ from pathlib import Path
 from typing import IO, Any
 
 import grpc
+import liveness_hosts
 from ifrt_driver import guard_memory
+from liveness_readings import (
+    DRIVER_MAX_RSS_MIB,
+    EVENT_TIMEOUT_S,
+    SESSION_HEARTBEAT_TIMEOUT_S,
+    SETTLE_S,
+    SETUP_PER_PROCESS_S,
+    SETUP_TIMEOUT_S,
+    cpu_seconds,
+    expect,
+    load_average,
+    log_anomalies,
+    machine_busy_seconds,
+    peak_cpu_pct,
+    progress,
+    rss_mib,
+    sleep_until,
+)
 
 import ifrt
 from coordinator.cluster import ClusterConfig
@@ -75,17 +93,7 @@ DEVICES = 8
 PROCESSES_PER_DRIVER = 4096
 """Default load of one driver process: with more, its gRPC core may answer the coordinator's pings too late while
 thousands of sessions attach on two shared cores."""
-SESSION_HEARTBEAT_TIMEOUT_S = 10.0
 DETECTION_HEARTBEAT_TIMEOUT_S = 1.0
-SETTLE_S = 3.0
-"""Pause between the last attach and the measured window (lets the attach burst drain)."""
-DRIVER_MAX_RSS_MIB = 4096
-"""A driver past this much resident memory exits (a storm of reconnects once grew one to 15 GB here)."""
-SETUP_TIMEOUT_S = 150.0
-"""Longest the drivers may take to register every simulated process and attach every session (plus SETUP_PER_S)."""
-SETUP_PER_PROCESS_S = 0.02
-EVENT_TIMEOUT_S = 15.0
-"""Longest an observer may wait for the event under test."""
 CLUSTER_TIMEOUT_S = 60.0
 """Longest the three processes of a detection run may take to discover and attach."""
 REGISTER_WAIT_MS = 30_000
@@ -97,43 +105,6 @@ def emit(record: dict[str, Any]) -> None:
     """One measurement as one JSON line on stdout."""
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()
-
-
-def progress(message: str) -> None:
-    """A progress line on stderr."""
-    print(f"[liveness {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads) in seconds, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    """Resident set size of ``pid`` in MiB, from VmRSS in /proc/<pid>/status."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds all cores spent busy (not idle, not waiting for I/O) since boot, from /proc/stat."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def load_average() -> float:
-    """The 1-minute load average."""
-    return os.getloadavg()[0]
-
-
-def log_anomalies(coordinator: LocalCoordinator, expected: tuple[str, ...] = ()) -> list[str]:
-    """Lines of the coordinator's log that are warnings, errors or tracebacks, except those containing ``expected``."""
-    marks = ("WARNING", "ERROR", "CRITICAL", "Traceback", "Exception")
-    return [line for line in coordinator.log.splitlines()
-            if any(m in line for m in marks) and not any(e in line for e in expected)]
 
 
 # Session cost: the driver processes.
@@ -300,32 +271,6 @@ def driver_main(address: str, ids: list[int], num_processes: int, inbox: MpQueue
 
 
 # Session cost: the orchestrator.
-def expect(outbox: MpQueue, key: str, timeout_s: float) -> dict[str, Any]:
-    """The next report of a driver, which must have ``key``."""
-    report = outbox.get(timeout=timeout_s)
-    if key not in report:
-        raise RuntimeError(f"a driver reported {report}, expected {key!r}")
-    return report
-
-
-def sleep_until(moment: float) -> None:
-    """Sleeps until time.monotonic() reaches ``moment``."""
-    time.sleep(max(0.0, moment - time.monotonic()))
-
-
-def peak_cpu_pct(pid: int, until: float) -> float:
-    """Samples the CPU of ``pid`` every second until ``until``; returns the busiest second's % of one core."""
-    peak = 0.0
-    cpu, at = cpu_seconds(pid), time.monotonic()
-    while at < until - 0.5:
-        sleep_until(min(at + 1.0, until))
-        now_cpu, now = cpu_seconds(pid), time.monotonic()
-        peak = max(peak, 100 * (now_cpu - cpu) / (now - at))
-        cpu, at = now_cpu, now
-    sleep_until(until)
-    return peak
-
-
 def session_cost(drivers: int, num_processes: int, window_s: float, legacy: bool) -> dict[str, Any]:
     """Measures the coordinator's CPU and RSS while ``num_processes`` sessions stay attached (and heartbeat every
     quarter timeout if ``legacy``)."""
@@ -554,8 +499,6 @@ def main() -> int:
     ok = True
     for n in (int(x) for x in args.processes.split(",") if x.strip()):
         if args.by == "agent":
-            import liveness_hosts
-
             profile = args.profile and args.profile.with_name(f"{args.profile.name}-{n}")
             ok &= measured("host_sessions", lambda n=n, p=profile: liveness_hosts.measure(
                 n, args.processes_per_host, args.window, args.drivers, p))

@@ -28,7 +28,7 @@ from typing import Any
 import profiled
 from content import Cluster
 from ifrt_driver import guard_memory
-from liveness import (
+from liveness_readings import (
     DRIVER_MAX_RSS_MIB,
     EVENT_TIMEOUT_S,
     SESSION_HEARTBEAT_TIMEOUT_S,
