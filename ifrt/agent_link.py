@@ -1,8 +1,10 @@
-"""``AgentConnection``: a worker's Register and Session through its ``ifrt run`` agent (``IFRT_AGENT_SOCKET``).
+"""``AgentConnection``: a worker's calls through its ``ifrt run`` agent (``IFRT_AGENT_SOCKET``).
 
 The agent serves them on a Unix socket in a directory only the job's user may enter: plaintext, the token and the
 process secret on every call as to the coordinator (the agent proves the worker's registration with the secret's
-hash). Every other call of the worker goes to the coordinator itself, on the worker's own ``Connection``.
+hash). Register and Session go in the host's one registration and one session; every other call (key-values,
+barriers, ...) is forwarded on the agent's own connection, one attempt each: the worker's retry loop here rides out
+a failover, and a coordinator the agent cannot reach comes back as CoordinatorUnavailable, retried.
 
 A worker's link to the coordinator is its agent: once the agent has answered, losing it ends the worker
 (``EXIT_AGENT_GONE``, one line on stderr naming the agent's socket), as the agent's own stop would have. An agent
@@ -137,7 +139,7 @@ class AgentConnection(Connection):
         if refused_for_load(error):
             return Overloaded(f"this host's ifrt run agent ({self.socket_path}) refused the call for load "
                               f"({_details(error)}): retrying")
-        return from_rpc_error(error, target)
+        return from_rpc_error(error, f"{self.where} (through this host's ifrt run agent)")
 
     def _lost(self, details: str) -> None:
         """The agent's link that worked broke: ends the process now if nothing listens on the socket any more, else

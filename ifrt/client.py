@@ -67,7 +67,9 @@ class Client(KeyValueCalls):
         """Sent on every call: only this client may act for the process it registers (never logged or shown)."""
         self._connection = Connection(self.settings, self.process_secret, config)
         self._link: Connection = self._connection
-        """Where Register and Session go: the coordinator, or this host's ``ifrt run`` agent (IFRT_AGENT_SOCKET)."""
+        """Where every call goes: the coordinator, or this host's ``ifrt run`` agent (IFRT_AGENT_SOCKET), which
+        registers the host's workers in one call, carries their sessions on one and forwards their other calls on its
+        own connection."""
         if self.settings.agent_socket:
             self._link = AgentConnection(self.settings, self.process_secret, self.settings.agent_socket, config)
         self.topology: Topology | None = None
@@ -259,10 +261,10 @@ class Client(KeyValueCalls):
 
     def _leave(self, done: str | None = None) -> None:
         """One Leave call (a coordinator that is not there has nobody to tell); logs ``done`` or why it failed."""
-        target = self._connection.current()
+        target = self._link.current()
         try:
-            self._connection.stub(target).Leave(pb.LeaveRequest(client_uid=self.client_uid),
-                                                timeout=self.config.leave_timeout_s)
+            self._link.stub(target).Leave(pb.LeaveRequest(client_uid=self.client_uid),
+                                          timeout=self.config.leave_timeout_s)
         except grpc.RpcError as e:
             log.info("could not tell the coordinator this process leaves: %s", from_rpc_error(e, target))
         else:
@@ -366,9 +368,10 @@ class Client(KeyValueCalls):
                what: str = "", give_up: Callable[[IfrtError | None], IfrtError] | None = None) -> Any:
         """Calls ``method``, retrying what retrying can fix until ``deadline`` (plus ``slack`` for the answer), and
         riding through a failover: while no replica leads, up to the failover window, also past ``deadline``
-        (``what`` names what the call waited for in the error past it)."""
-        return self._connection.call(method, request, deadline, slack=slack, give_up=give_up, failover=True,
-                                     what=f"{method} ({what})" if what else method)
+        (``what`` names what the call waited for in the error past it). Through an agent, this loop does the waiting:
+        the agent forwards each attempt once."""
+        return self._link.call(method, request, deadline, slack=slack, give_up=give_up, failover=True,
+                               what=f"{method} ({what})" if what else method)
 
     def current_coordinator(self) -> str:
         """The coordinator replica this client's calls go to now."""

@@ -24,7 +24,7 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.errors import CertificateRejected, CoordinatorUnavailable, IfrtError, TransportMismatch, from_rpc_error
 from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
-from ifrt.security import open_channel, transport_mismatch
+from ifrt.security import plain_channel, transport_mismatch, with_identity
 from ifrt.settings import Settings, failover_window
 
 
@@ -58,6 +58,7 @@ class Connection:
         self._secret = process_secret
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._plain: dict[str, grpc.Channel] = {}  # the same connections, without this process's identity
         self._stubs: dict[str, CoordinatorStub] = {}
         self._current = 0
         self._answered: set[str] = set()  # replicas that answered: their transport is known to match
@@ -95,11 +96,18 @@ class Connection:
         with self._lock:
             return self._channel(target)
 
+    def bare_channel(self, target: str) -> grpc.Channel:
+        """The connection to ``target`` without this process's token and secret: an agent forwards its workers'
+        calls on it, each with the worker's own (``ifrt.run.forward``)."""
+        with self._lock:
+            self._channel(target)
+            return self._plain[target]
+
     def _channel(self, target: str) -> grpc.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = self._channels[target] = open_channel(target, self.settings, self._secret,
-                                                            self.config.channel_options)
+            plain = self._plain[target] = plain_channel(target, self.settings, self.config.channel_options)
+            channel = self._channels[target] = with_identity(plain, self.settings, self._secret)
         return channel
 
     def answered(self, target: str) -> None:
@@ -206,6 +214,7 @@ class Connection:
         with self._lock:
             channels = list(self._channels.values())
             self._channels.clear()
+            self._plain.clear()
             self._stubs.clear()
         for channel in channels:
             channel.close()

@@ -25,23 +25,31 @@ def new_process_secret() -> str:
     return secrets.token_hex(16)
 
 
-def open_channel(target: str, settings: Settings, process_secret: str,
-                 options: Sequence[tuple[str, Any]]) -> grpc.Channel:
-    """A channel to ``target`` (TLS when the settings name a CA or client certificate) whose every call carries the
-    token and the process secret. It dials ``target`` directly, whatever proxy the environment names, unless the
-    settings ask for the proxy (IFRT_USE_PROXY=1): a proxy meant for other traffic must not carry the job's."""
+def plain_channel(target: str, settings: Settings, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    """A channel to ``target`` (TLS when the settings name a CA or client certificate) that adds nothing to a call. It
+    dials ``target`` directly, whatever proxy the environment names, unless the settings ask for the proxy
+    (IFRT_USE_PROXY=1): a proxy meant for other traffic must not carry the job's."""
     options = (*options, ("grpc.enable_http_proxy", int(settings.use_proxy)))
     if settings.tls:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=_read(settings.tls_ca), private_key=_read(settings.tls_key),
             certificate_chain=_read(settings.tls_cert))
-        channel = grpc.secure_channel(target, credentials, options=options)
-    else:
-        channel = grpc.insecure_channel(target, options=options)
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)
+
+
+def with_identity(channel: grpc.Channel, settings: Settings, process_secret: str) -> grpc.Channel:
+    """``channel`` with the token and ``process_secret`` on its every call (the same connection underneath)."""
     metadata = [(SECRET_METADATA, process_secret)]
     if settings.token:
         metadata.append((TOKEN_METADATA, settings.token))
     return grpc.intercept_channel(channel, _WithMetadata(tuple(metadata)))
+
+
+def open_channel(target: str, settings: Settings, process_secret: str,
+                 options: Sequence[tuple[str, Any]]) -> grpc.Channel:
+    """A channel to ``target`` whose every call carries the token and the process secret (see ``plain_channel``)."""
+    return with_identity(plain_channel(target, settings, options), settings, process_secret)
 
 
 def local_channel(target: str, settings: Settings, process_secret: str,

@@ -1,7 +1,8 @@
 """The agent's local server (``ifrt run --worker-link agent``): Coordinator.Register and Coordinator.Session for the
 host's workers, on a Unix socket in a directory only the job's user may enter, named to each worker as
 ``IFRT_AGENT_SOCKET``. The workers' registrations go to the coordinator as one per host, their sessions ride on the
-host's one session; every other call of a worker goes to the coordinator itself.
+host's one session, and their other calls (key-values, barriers, ...) are forwarded on the agent's own connection
+(``ifrt.run.forward``): the host holds one connection to the coordinator.
 
 Who may call: whoever can reach the socket, which is the job's user (the directory is 0700, the socket 0600). A
 worker proves who it is with its process secret as it would to the coordinator: its session must carry the secret
@@ -10,7 +11,8 @@ pending registrations per worker (``host_rules.PENDING_PER_WORKER``), the job ev
 (``host_rules.EVENTS_KEPT``), what one session leaves unread, and calls (``Slots``): each registered worker's calls
 and each local rank's registrations have slots of their own, so a caller that proves nothing (no registered
 worker's secret) cannot keep a worker out; it holds at most ``UNPROVEN_CALLS`` calls at once, each for at most
-``FIRST_MESSAGE_S`` if it sends nothing. A refusal for load is ``Overloaded``, which the worker retries.
+``FIRST_MESSAGE_S`` if it sends nothing, and ``STRANGER_CALLS`` forwarded calls. A refusal for load is ``Overloaded``,
+which the worker retries.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.agent_link import HEARTBEAT_TIMEOUT_METADATA
+from ifrt.connection import Connection
 from ifrt.errors import (
     ERROR_TRAILER,
     CoordinatorUnavailable,
@@ -41,6 +44,7 @@ from ifrt.errors import (
     UnknownClient,
 )
 from ifrt.protocol import SECRET_METADATA, proof_of
+from ifrt.run.forward import FORWARDED, SERVICE, Forwarder, Refusal
 from ifrt.run.host_register import HostRegistrar, Refused
 from ifrt.run.host_rules import PENDING_PER_WORKER
 from ifrt.run.host_session import HostSession
@@ -48,12 +52,12 @@ from ifrt.run.worker_stream import Ended, WorkerStream
 
 log = logging.getLogger("ifrt.run")
 
-SERVICE = "ifrt.topology.v1.Coordinator"
 SOCKET_NAME = "agent.sock"
 MAX_SOCKET_PATH = 107
 """The longest path a Unix socket may have (the kernel's sun_path holds 108 bytes, its terminating NUL included)."""
-MAX_REQUEST_BYTES = 4 << 20
-"""The largest message a worker may send its agent (gRPC's own default)."""
+MAX_REQUEST_BYTES = 16 << 20
+"""The largest message a worker may send its agent: the coordinator's default ``--max-request-bytes``, so that a
+forwarded call (a key-value multi-set) passes whole as far as the coordinator takes it."""
 DETACH_DELAY_S = 0.05
 """How long a worker's ended session waits before the agent detaches it: where the worker died, the agent's waitpid
 reports the exit first, and the coordinator fails it at once, naming how it ended."""
@@ -67,10 +71,17 @@ UNPROVEN_CALLS = 4
 """Calls at once, past ``BUSY_GRACE_S``, that wait for their first message without a registered worker's secret."""
 PROVEN_CALLS = 4
 """Calls at once of each registered worker (its session, a registration again, a session that reconnects)."""
+FORWARDED_CALLS = 16
+"""Forwarded calls at once of each registered worker, beside its ``PROVEN_CALLS``: waits (a get that waits for a key, a
+barrier) hold theirs while they wait, and a start-up's few concurrent waits stay well inside."""
+STRANGER_CALLS = 4
+"""Forwarded calls at once, all together, that no registered worker's secret proves (a process that did not register
+through this agent: the coordinator decides what it may do, as for a direct call)."""
 SPARE_THREADS = 4
 """Threads beyond the slots: for calls during their ``BUSY_GRACE_S`` and refusals."""
-UNPROVEN = ("unproven",)
-_LIMITS = {"worker": PROVEN_CALLS, "rank": PENDING_PER_WORKER, "unproven": UNPROVEN_CALLS}
+UNPROVEN, STRANGER = ("unproven",), ("stranger",)
+_LIMITS = {"worker": PROVEN_CALLS, "calls": FORWARDED_CALLS, "rank": PENDING_PER_WORKER, "unproven": UNPROVEN_CALLS,
+           "stranger": STRANGER_CALLS}
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 
 
@@ -96,9 +107,10 @@ def keepalive_options(heartbeat_timeout_s: float) -> list[tuple[str, int]]:
 
 class Slots:
     """The calls the local server holds, by whose they are: ``("worker", proof)`` a registered worker's (at most
-    ``PROVEN_CALLS``), ``("rank", r)`` the registrations of local rank ``r`` (``PENDING_PER_WORKER``; -1 for a rank
-    the agent does not run), ``UNPROVEN`` the calls waiting for a first message that prove nothing
-    (``UNPROVEN_CALLS``)."""
+    ``PROVEN_CALLS``) and ``("calls", proof)`` its forwarded ones (``FORWARDED_CALLS``), ``("rank", r)`` the
+    registrations of local rank ``r`` (``PENDING_PER_WORKER``; -1 for a rank the agent does not run), ``UNPROVEN`` the
+    calls waiting for a first message that prove nothing (``UNPROVEN_CALLS``), ``STRANGER`` the forwarded calls that
+    prove nothing (``STRANGER_CALLS``)."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -108,7 +120,8 @@ class Slots:
     @staticmethod
     def threads(workers: int) -> int:
         """Threads for every slot of ``workers`` workers at once, and the spare ones: no call that has a slot waits."""
-        return workers * (PROVEN_CALLS + PENDING_PER_WORKER) + PENDING_PER_WORKER + UNPROVEN_CALLS + SPARE_THREADS
+        return (workers * (PROVEN_CALLS + FORWARDED_CALLS + PENDING_PER_WORKER) + PENDING_PER_WORKER + UNPROVEN_CALLS
+                + STRANGER_CALLS + SPARE_THREADS)
 
     def rank(self, local_rank: int) -> tuple[str, int]:
         """The key of local rank ``local_rank``'s registrations."""
@@ -192,10 +205,13 @@ class _Held:
 
 
 class LocalServer:
-    """Serves the host's workers on ``path`` until ``close()``, which removes the socket and its directory."""
+    """Serves the host's workers on ``path`` until ``close()``, which removes the socket and its directory; their
+    other calls are forwarded on ``coordinator``, the agent's connection (None: not served, UNIMPLEMENTED)."""
 
-    def __init__(self, registrar: HostRegistrar, host: HostSession, workers: int, heartbeat_timeout_s: float) -> None:
+    def __init__(self, registrar: HostRegistrar, host: HostSession, workers: int, heartbeat_timeout_s: float,
+                 coordinator: Connection | None = None) -> None:
         self._registrar, self._host = registrar, host
+        self._forwarder = None if coordinator is None else Forwarder(coordinator)
         self._heartbeat_ms = str(round(heartbeat_timeout_s * 1000))
         self.slots = Slots(workers)
         """Whose calls the server holds now."""
@@ -210,10 +226,13 @@ class LocalServer:
                                    options=[*keepalive_options(heartbeat_timeout_s),
                                             ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                                             ("grpc.max_send_message_length", -1)])
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        methods = {
             "Register": grpc.stream_unary_rpc_method_handler(self._register),  # one message: read with a bound
             "Session": grpc.stream_stream_rpc_method_handler(self._session),
-        }),))
+        }
+        if self._forwarder is not None:  # unary calls, read as Register is
+            methods.update({name: grpc.stream_unary_rpc_method_handler(self._forward(name)) for name in FORWARDED})
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
         mask = os.umask(0o177)  # the socket is created 0600
         try:
             if not self._server.add_insecure_port(f"unix:{self.path}"):
@@ -255,6 +274,26 @@ class LocalServer:
         finally:
             requests.release()
 
+    def _forward(self, method: str) -> Callable[[Iterator[bytes], grpc.ServicerContext], bytes]:
+        """The handler of ``method``: the worker's call forwarded to the coordinator, its answer or refusal as given."""
+        def forward(raw: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+            assert self._forwarder is not None
+            requests = _Requests(raw)
+            try:
+                with self._opened(requests, context, forwarded=True) as (first, _):
+                    if first is None:
+                        _abort(context, InvalidArgument(f"the call carried no {method} request"))
+                    try:
+                        answer, trailers = self._forwarder.forward(method, first, context)
+                    except Refusal as r:
+                        context.set_trailing_metadata(r.trailers)
+                        context.abort(r.code, r.details)
+                    context.set_trailing_metadata(trailers)
+                    return answer
+            finally:
+                requests.release()
+        return forward
+
     def _session(self, raw: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         requests = _Requests(raw)
         try:
@@ -294,17 +333,22 @@ class LocalServer:
             detach.start()
 
     @contextlib.contextmanager
-    def _opened(self, requests: _Requests, context: grpc.ServicerContext) -> Iterator[tuple[bytes | None, bool]]:
+    def _opened(self, requests: _Requests, context: grpc.ServicerContext,
+                forwarded: bool = False) -> Iterator[tuple[bytes | None, bool]]:
         """The call's first message (None: its stream ended without one) and whether a registered worker's secret
-        proves the call, while the call holds its slot. A call that sends nothing within FIRST_MESSAGE_S is ended;
-        one that finds its slots held is refused for load (Overloaded), the caller retries."""
+        proves the call, while the call holds its slot (a ``forwarded`` call one of its worker's forwarded calls, or
+        of the strangers'). A call that sends nothing within FIRST_MESSAGE_S is ended; one that finds its slots held
+        is refused for load (Overloaded), the caller retries."""
         began = time.monotonic()
         proof = _proof(context)
         proven = any(hmac.compare_digest(proof, r.proof) for r in list(self._registrar.registered.values()))
         held = _Held(self.slots)
         context.add_callback(held.give_all)  # the call ended: at once, whenever its handler is done with it
         try:
-            if proven:
+            if proven and forwarded:
+                held.take(context, ("calls", proof), f"this worker has {FORWARDED_CALLS} calls forwarded by its agent "
+                                                     "open already")
+            elif proven:
                 held.take(context, ("worker", proof), f"this worker has {PROVEN_CALLS} calls open with its agent "
                                                       "already")
             elif not requests.wait(BUSY_GRACE_S):  # a worker's first call brings its message along
@@ -315,6 +359,9 @@ class LocalServer:
                                                        f"{FIRST_MESSAGE_S:g}s (a worker sends its request with the "
                                                        "call)"))
             held.give(UNPROVEN)  # it showed its message: it waits no more
+            if forwarded and not proven:
+                held.take(context, STRANGER, f"{STRANGER_CALLS} forwarded calls that no registered worker's secret "
+                                             "proves are open already")
             yield requests.first, proven
         finally:
             held.give_all()

@@ -1,6 +1,7 @@
 """How an ``ifrt run`` agent links its workers to the coordinator (``--worker-link``): ``direct``, each worker on its
 own connection, registration and session; or ``agent``, each worker through its agent's local server, the host on
-one registration call and one session (``ifrt.run.local_server``)."""
+one registration call and one session, and every other call of its workers on the agent's connection
+(``ifrt.run.local_server``)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class AgentLink:
         self.host = HostSession(link.connection, link.agent_uid, cpu=self._cpu)
         self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, link.workers, expected,
                                        self.host.open, ids_known)
-        self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link))
+        self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link), link.connection)
         self._attempt: int | None = None
         log.info("serving this host's workers on %s", self.server.path)
 
