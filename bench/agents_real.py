@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from liveness_readings import load_average, rss_mib
+from proc_sockets import connections_to, sockets_of
 
 from coordinator.local import LocalCoordinator
 
@@ -139,46 +140,14 @@ def wait_until(ready: Callable[[], bool], what: str, timeout: float, agents: lis
         time.sleep(0.01)
 
 
-def sockets_to(port: int) -> tuple[set[int], int]:
-    """Inodes of the established TCP sockets whose peer is ``port`` (clients' ends), and how many have ``port`` as
-    their own (the server's ends), from /proc/net/tcp and tcp6."""
-    clients, served = set(), 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            f = row.split()
-            if f[3] != "01":  # ESTABLISHED
-                continue
-            if int(f[2].rsplit(":", 1)[1], 16) == port:
-                clients.add(int(f[9]))
-            elif int(f[1].rsplit(":", 1)[1], 16) == port:
-                served += 1
-    return clients, served
-
-
-def socket_inodes(pid: int) -> set[int]:
-    """The socket inodes among ``pid``'s open descriptors."""
-    found = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                found.add(int(target[8:-1]))
-    except OSError:
-        pass
-    return found
-
-
 def connections(port: int, agents: list[Agent], workers: dict[int, Worker]) -> dict[str, Any]:
     """Established connections to the coordinator in the steady state, by owner: per host, its agent's and its
     workers'; ``unattributed``: clients' ends owned by none of them (must be 0)."""
-    clients, served = sockets_to(port)
-    per_host = [{"agent": len(socket_inodes(a.process.pid) & clients), "workers": 0} for a in agents]
-    attributed = set().union(*(socket_inodes(a.process.pid) for a in agents))
+    clients, served = connections_to(port)
+    per_host = [{"agent": len(sockets_of(a.process.pid) & clients), "workers": 0} for a in agents]
+    attributed = set().union(*(sockets_of(a.process.pid) for a in agents))
     for pid, w in workers.items():
-        mine = socket_inodes(pid) & clients
+        mine = sockets_of(pid) & clients
         per_host[w.host]["workers"] += len(mine)
         attributed |= mine
     return {"per_host": per_host, "coordinator_side": served, "unattributed": len(clients - attributed)}

@@ -31,11 +31,12 @@ from typing import IO
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from proc_sockets import connections_to, sockets_of  # noqa: E402
+
 from coordinator.local import LocalCoordinator  # noqa: E402
 
 WORKERS = {"torch": [str(ROOT / "tests" / "torch_worker.py")], "jax": [str(ROOT / "tests" / "jax_worker.py"), "mesh"]}
 HOSTS, PER_HOST = 2, 2
-ESTABLISHED = "01"
 TIMEOUT_S = 300.0
 
 
@@ -49,43 +50,6 @@ def runtime_env(runtime: str, address: str) -> dict[str, str]:
     else:
         env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="2", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     return env
-
-
-def connections_to(port: int) -> tuple[set[int], int]:
-    """The socket inodes of the client ends of established TCP connections to ``port``, and how many server ends
-    ``port`` holds (the coordinator's count)."""
-    clients, served = set(), 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] != ESTABLISHED:
-                continue
-            if int(fields[2].rsplit(":", 1)[1], 16) == port:
-                clients.add(int(fields[9]))
-            elif int(fields[1].rsplit(":", 1)[1], 16) == port:
-                served += 1
-    return clients, served
-
-
-def sockets_of(pid: int) -> set[int]:
-    """The socket inodes process ``pid`` holds (none once it is gone)."""
-    found = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                found.add(int(link[8:-1]))
-    except OSError:
-        pass
-    return found
 
 
 def children() -> dict[int, list[int]]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from coordinator import journal
 from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import DEFAULT_LIMITS, Limits
-from coordinator.retries import Answer, Deleted, RetryAnswers, Swapped, Written
+from coordinator.retries import Answer, Deleted, RetryAnswers, Stored
 
 MIN_BYTES = 32 << 20
 """Superseded journal bytes below which no compaction runs (the journal is then small anyway)."""
@@ -134,10 +134,8 @@ def _answer(entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped 
     match entry:
         case journal.KeyIncremented(value=value):
             return value, 0
-        case journal.KeySwapped(value=value):
-            return Swapped.of(value), len(value)
-        case journal.KeySet(value=value):
-            return Written.of(value), len(value)
+        case journal.KeySwapped(value=value) | journal.KeySet(value=value):
+            return Stored.of(value), len(value)
         case journal.KeysDeleted(count=count):
             return Deleted(count), 0
     raise AssertionError(f"not a remembered call: {entry!r}")

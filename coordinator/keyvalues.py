@@ -9,10 +9,10 @@ from coordinator import journal
 from coordinator.effects import Effect, KeyChanged
 from coordinator.kv import KeyValueStore
 from coordinator.limits import FLAGS, Limits, check_call_id, shown
-from coordinator.retries import FORGOTTEN, Answer, Deleted, RetryAnswers, Swapped, Written
+from coordinator.retries import FORGOTTEN, Answer, Deleted, RetryAnswers, Stored
 from ifrt.errors import InvalidArgument
 
-_CALLS = {int: "an increment", Swapped: "a swap", Written: "a set", Deleted: "a deletion"}
+_CALLS = {int: "an increment", Stored: "a swap or a set", Deleted: "a deletion"}
 
 
 class KeyValues:
@@ -34,7 +34,7 @@ class KeyValues:
         if not self.store.set(key, value, allow_overwrite):
             return []
         self._record(journal.KeySet(key, value, *_call(client_uid, request_id)))
-        self.retries.remember(client_uid, request_id, key, Written.of(value), len(value))
+        self.retries.remember(client_uid, request_id, key, Stored.of(value), len(value))
         return [KeyChanged(key, value)]
 
     def set_many(self, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool, client_uid: str = "",
@@ -44,7 +44,7 @@ class KeyValues:
         is answered as done (its entries were journaled together)."""
         if request_id:
             check_call_id("request_id", request_id, self.limits)
-            if any(self._retried(client_uid, request_id, key, Written) is not None for key, _ in entries):
+            if any(self._retried(client_uid, request_id, key, Stored) is not None for key, _ in entries):
                 return []
         self.store.check_many(entries, allow_overwrite)
         effects: list[Effect] = []
@@ -57,9 +57,9 @@ class KeyValues:
         if not request_id:
             return False
         check_call_id("request_id", request_id, self.limits)
-        if (answer := self._retried(client_uid, request_id, key, Written)) is None:
+        if (answer := self._retried(client_uid, request_id, key, Stored)) is None:
             return False
-        if answer != Written.of(value):
+        if answer != Stored.of(value):
             raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} set another value: a retry "
                                   "repeats its call, a new call takes a new request_id")
         return True
@@ -83,8 +83,8 @@ class KeyValues:
         ``request_id`` on the same key, with the same ``desired``, from the same client) is answered as the swap
         was, not applied again. ``agent`` changes nothing (see ``increment``)."""
         check_call_id("request_id", request_id, self.limits)
-        if (answer := self._retried(client_uid, request_id, key, Swapped)) is not None:
-            if answer != Swapped.of(desired):
+        if (answer := self._retried(client_uid, request_id, key, Stored)) is not None:
+            if answer != Stored.of(desired):
                 raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was a swap to another "
                                       "value: a retry repeats its call, a new call takes a new request_id")
             return desired, []
@@ -92,7 +92,7 @@ class KeyValues:
         if not changed:  # nothing to remember: a retry compares again, as if this call never happened
             return value, []
         self._record(journal.KeySwapped(key, desired, client_uid, request_id))
-        self.retries.remember(client_uid, request_id, key, Swapped.of(desired), len(desired))
+        self.retries.remember(client_uid, request_id, key, Stored.of(desired), len(desired))
         return value, [KeyChanged(key, desired)]
 
     def _retried(self, client_uid: str, request_id: str, key: str, kind: type) -> Answer | None:
@@ -130,13 +130,13 @@ class KeyValues:
         match entry:
             case journal.KeySet(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, value)
-                self.retries.remember(uid, request_id, key, Written.of(value), len(value))
+                self.retries.remember(uid, request_id, key, Stored.of(value), len(value))
             case journal.KeyIncremented(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, str(value).encode())
                 self.retries.remember(uid, request_id, key, value, 0)
             case journal.KeySwapped(key=key, value=value, client_uid=uid, request_id=request_id):
                 self.store.restore(key, value)
-                self.retries.remember(uid, request_id, key, Swapped.of(value), len(value))
+                self.retries.remember(uid, request_id, key, Stored.of(value), len(value))
             case journal.KeysDeleted(key=key, prefix=prefix, client_uid=uid, request_id=request_id, count=count):
                 self.store.delete(key, prefix)
                 self.retries.remember(uid, request_id, key, Deleted(count), 0)

@@ -24,13 +24,13 @@ from coordinator.limits import ANSWER_OVERHEAD_BYTES, DEFAULT_LIMITS, Limits
 
 
 @dataclass(frozen=True)
-class Swapped:
-    """A swap's answer: the digest of the value it stored (a retry carries the value)."""
+class Stored:
+    """A swap's or a set's answer: the digest of the value it stored (a retry carries the value)."""
 
     digest: bytes
 
     @classmethod
-    def of(cls, value: bytes) -> Swapped:
+    def of(cls, value: bytes) -> Stored:
         return cls(hashlib.sha256(value).digest())
 
 
@@ -42,17 +42,6 @@ class _Forgotten:
 
 
 @dataclass(frozen=True)
-class Written:
-    """A set's answer: the digest of the value it stored (a retry carries the value)."""
-
-    digest: bytes
-
-    @classmethod
-    def of(cls, value: bytes) -> Written:
-        return cls(hashlib.sha256(value).digest())
-
-
-@dataclass(frozen=True)
 class Deleted:
     """A deletion's answer: how many keys it deleted."""
 
@@ -60,7 +49,7 @@ class Deleted:
 
 
 FORGOTTEN = _Forgotten()
-Answer = int | Swapped | Written | Deleted
+Answer = int | Stored | Deleted
 """An increment's sum, a swap's or a set's digest, a deletion's count."""
 Call = tuple[str, str, str]
 """(client uid, request id, key): a request id names a call on one key; the same id on another key is another call."""

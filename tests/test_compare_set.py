@@ -182,7 +182,7 @@ def test_a_request_id_reused_on_the_same_key_for_another_call_is_refused_and_cha
     s.take_journal()
     with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap to another value"):
         s.current.keys.compare_set("p0", "k", b"A", b"C", "r1")
-    with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap, not an increment"):
+    with pytest.raises(InvalidArgument, match="request_id 'r1' on key 'k' was a swap or a set, not an increment"):
         s.current.keys.increment("p0", "k", 1, "r1")
     assert s.current.keys.get("p1", "k") == b"A" and s.take_journal() == []
 
