@@ -50,6 +50,13 @@ class Takeover:
 
 
 @dataclass(frozen=True)
+class Attaching:
+    """The claim's holder was answered with the topology and its session is on its way: the newcomer waits."""
+
+    holder: Member
+
+
+@dataclass(frozen=True)
 class NextRun:
     """The claim's process left on purpose, or the run is finishing: the registration waits for the next run."""
 
@@ -92,7 +99,7 @@ class Admission:
         return len(self.holder)
 
     def admit(self, r: Registration, now: float, attempt: int, *,
-              restoring: bool = False) -> Retry | Takeover | NextRun | Joined:
+              restoring: bool = False) -> Retry | Takeover | NextRun | Attaching | Joined:
         """Decides what a registration is (``attempt``: the job's current one); a new member is admitted here, a
         takeover is left to ``take_over``. ``restoring``: replayed from the journal, where it was admitted under
         the limits of its time (none is checked again)."""
@@ -115,6 +122,8 @@ class Admission:
         if holder_uid is not None:
             holder = self.members[holder_uid]
             if holder.live and not restoring and self._answering(holder, now):  # a replay was admitted then
+                if holder.attaching and not holder.calls and not holder.sessions:
+                    return Attaching(holder)
                 raise _taken(r, holder, now - self.held_since.get(claim, now), now)
             if self.topology is not None:
                 if holder.status is Status.LEFT or self.finishing():

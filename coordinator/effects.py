@@ -130,5 +130,19 @@ class WaitingForNextRun:
                 f"{self.live} of its processes {'is' if self.live == 1 else 'are'} still live: {named}")
 
 
+@dataclass(frozen=True)
+class WaitingForHolder:
+    """A registration's answer: its id's process was answered with the topology and has not attached its session
+    yet, so it is neither a second launch to refuse nor a crash to take over: the call waits (nothing is admitted)
+    until that process attaches (then ProcessIdTaken) or is declared failed (then a restart takes its id)."""
+
+    process: str
+    answered_s: float
+
+    def describe(self) -> str:
+        return (f"waiting for process {self.process}, answered {self.answered_s:.1f}s ago, to attach its session "
+                "(then this registration is refused: ProcessIdTaken) or to be declared failed (then it takes its id)")
+
+
 Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | LeftOut
           | PreemptionResolved | AttemptStarted | AttemptsExhausted | AttemptProcessFailed | RunStarted | RunEnded)

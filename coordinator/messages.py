@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.effects import WaitingForNextRun
+from coordinator.effects import WaitingForHolder, WaitingForNextRun
 from coordinator.history import Numbered, Snapshot
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
@@ -59,6 +59,14 @@ def progress_answer(p: Progress, most_hosts: int) -> bytes:
     return pb.RegisterResponse(progress=pb.Progress(
         registered=p.registered, expected=p.expected, missing_process_ids=p.missing_process_ids,
         registered_hosts=p.registered_hosts[:most_hosts], waited_seconds=p.waited_seconds,
+    )).SerializeToString()
+
+
+def waiting_answer(w: WaitingForHolder, expected: int, waited_s: float) -> bytes:
+    """A Register answer for a registration that waits for its id's holder to attach or fail: not registered, and
+    what it waits for (in the hosts' place, where every client shows it)."""
+    return pb.RegisterResponse(progress=pb.Progress(
+        registered=0, expected=expected, registered_hosts=[w.describe()], waited_seconds=waited_s,
     )).SerializeToString()
 
 

@@ -20,7 +20,16 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from coordinator import journal, runs
-from coordinator.admission import FIRST_GENERATION, Admission, Joined, NextRun, Retry, Takeover, check_usable
+from coordinator.admission import (
+    FIRST_GENERATION,
+    Admission,
+    Attaching,
+    Joined,
+    NextRun,
+    Retry,
+    Takeover,
+    check_usable,
+)
 from coordinator.agreement import LiveSets, Members
 from coordinator.attempts import Attempts
 from coordinator.barriers import BarrierResolved, Barriers
@@ -35,6 +44,7 @@ from coordinator.effects import (
     Published,
     Republish,
     Waiting,
+    WaitingForHolder,
     WaitingForNextRun,
 )
 from coordinator.history import CatchUp, GenerationPublished, History
@@ -110,16 +120,20 @@ class Run:
                 self._preemption.sync_step = step
 
     # Registration.
-    def register(self, r: Registration, now: float, *,
-                 restoring: bool = False) -> tuple[Waiting | Published | WaitingForNextRun, list[Effect]]:
+    def register(self, r: Registration, now: float, *, restoring: bool = False
+                 ) -> tuple[Waiting | Published | WaitingForNextRun | WaitingForHolder, list[Effect]]:
         """Admits a process, recognizes its retry, takes over the id of a dead one (a restart), or tells it to wait
-        for the next run (its id left the run)."""
+        for the next run (its id left the run) or for its id's holder to attach or fail."""
         admission = self.admission
         decision = admission.admit(r, now, self.attempt, restoring=restoring)
         if isinstance(decision, Retry):
             return admission.answer(r), []
         if isinstance(decision, NextRun):
             return runs.waiting(admission, self.number), []
+        if isinstance(decision, Attaching):
+            holder = decision.holder
+            return WaitingForHolder(admission.describe_process(admission.process_id(holder)),
+                                    now - holder.last_seen), []
         replacing = self._attempts.replacing
         if isinstance(decision, Takeover) and (pid := admission.process_id(decision.holder)) in replacing:
             check_devices(r, decision.holder.registration, pid)  # a decided replacement: refused, nothing changed

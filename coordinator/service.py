@@ -32,19 +32,20 @@ from coordinator.effects import (
     RunEnded,
     RunStarted,
     Waiting,
+    WaitingForHolder,
     WaitingForNextRun,
 )
 from coordinator.history import Numbered
 from coordinator.host_register import HostRegister
 from coordinator.host_sessions import HostSessions
 from coordinator.job_records import AttemptStarted, JobView
-from coordinator.messages import PublishedGeneration, event_message, next_run_answer, progress_answer
+from coordinator.messages import PublishedGeneration, event_message, next_run_answer, progress_answer, waiting_answer
 from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
 from coordinator.replies import PendingReplies
 from coordinator.rpcs import RPCS, Call, Rpc, Wait, answers
 from coordinator.sessions import Sessions
-from coordinator.state import ClusterState
+from coordinator.state import Admitted, ClusterState
 from coordinator.store import Store
 from coordinator.waiters import PUBLISHED, WOKEN, Waiters, resolved_within
 from coordinator.waits import progress_stale, wait_s
@@ -59,6 +60,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 NEXT_RUN = ("next-run",)
 """What a Register call waits for while its id waits for the job's next run (``coordinator.runs``)."""
 NEXT_RUN_LOG_S = 3.0
+HOLDER_POLL_S = 0.05
+"""How often a registration waiting for its id's holder to attach or fail looks again (a holder attaches within
+milliseconds of its answer, or is declared failed by the tick)."""
 """How often the log says which processes of a finishing run registrations for the next one wait for."""
 _CALL_ATTEMPT: ContextVar[int | None] = ContextVar("call_attempt", default=None)
 """The job attempt the current call began in (set by its first ``serving``)."""
@@ -283,6 +287,10 @@ class CoordinatorService(HostRegister):
                 outcome, effects = state.register(registration, self.clock())
         except IfrtError as e:
             await abort(context, e, what)
+        if isinstance(outcome, WaitingForHolder):
+            outcome, effects = await self._wait_for_holder(registration, outcome, until, context, what, epoch)
+            if isinstance(outcome, WaitingForHolder):
+                return waiting_answer(outcome, state.config.num_processes, self.clock() - began)
         if isinstance(outcome, WaitingForNextRun):
             outcome, effects = await self._wait_for_next_run(registration, outcome, until, context, what, epoch)
             if isinstance(outcome, WaitingForNextRun):
@@ -340,6 +348,24 @@ class CoordinatorService(HostRegister):
                 return outcome, effects
         self._log_next_run(outcome)
         return outcome, []
+
+    async def _wait_for_holder(self, r: reg.Registration, outcome: WaitingForHolder, until: float,
+                               context: grpc.aio.ServicerContext, what: str,
+                               epoch: int) -> tuple[Admitted, list[Effect]]:
+        """Holds a registration whose id's holder was answered and has not attached yet, looking again until it is
+        refused (the holder attached: ProcessIdTaken), admitted (the holder was declared failed: a restart), or the
+        call's wait is over (its client asks again)."""
+        log.info("a registration from %s %s", r.describe(), outcome.describe(),
+                 extra={"event": "waiting_for_holder", "process": outcome.process})
+        while isinstance(outcome, WaitingForHolder) and (remaining := until - self.clock()) > 0:
+            await asyncio.sleep(min(HOLDER_POLL_S, remaining))
+            await self.serving(context, "registration", epoch)
+            try:
+                with wire.gc_paused():
+                    outcome, effects = self.state.register(r, self.clock())
+            except IfrtError as e:
+                await abort(context, e, what)
+        return (outcome, effects) if not isinstance(outcome, WaitingForHolder) else (outcome, [])
 
     def _log_next_run(self, outcome: WaitingForNextRun) -> None:
         now = self.clock()

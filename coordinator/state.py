@@ -25,7 +25,7 @@ from coordinator import journal, runs
 from coordinator.admission import Admission
 from coordinator.attempts import Attempts
 from coordinator.cluster import ClusterConfig
-from coordinator.effects import Effect, Published, RunEnded, RunStarted, Waiting, WaitingForNextRun
+from coordinator.effects import Effect, Published, RunEnded, RunStarted, Waiting, WaitingForHolder, WaitingForNextRun
 from coordinator.host_calls import check_agent_named, check_batch, check_carried, check_host, own_worker
 from coordinator.job_records import Agent, AttemptStarted, Host, HostTakenOver, JobView, NextAttempt
 from coordinator.kv import AGENT_KEY_PREFIX
@@ -39,7 +39,7 @@ from coordinator.takeover import decide as decide_takeover
 from ifrt.errors import IfrtError, StaleSession
 from ifrt.records import TopologyContent
 
-Admitted = Waiting | Published | WaitingForNextRun
+Admitted = Waiting | Published | WaitingForNextRun | WaitingForHolder
 
 
 class ClusterState:

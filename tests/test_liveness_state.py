@@ -4,10 +4,11 @@ from dataclasses import replace
 
 import pytest
 
+from coordinator import journal
 from coordinator.barriers import BarrierResolved
 from coordinator.cluster import ClusterConfig, FailurePolicy
 from coordinator.config import CoordinatorConfig
-from coordinator.effects import Evict, Forgotten, Notify, Republish
+from coordinator.effects import Evict, Forgotten, Notify, Republish, WaitingForHolder
 from coordinator.limits import Limits
 from coordinator.state import ClusterState
 from ifrt.errors import (
@@ -288,9 +289,12 @@ def test_a_process_answered_and_not_attached_yet_is_not_taken_over_by_a_second_l
     for i in range(2):
         s.current.call_ended(f"p{i}", 0.01)  # both answered with the topology; neither has opened its session yet
     s.current.attach("p0", 0.02)
-    with pytest.raises(ProcessIdTaken, match=r"h1 .* was answered 0\.0[34]s ago and has not attached its session"):
-        s.register(reg("second-launch", host="h1"), 0.05)
-    s.current.attach("p1", 0.06)  # the first launch's process was never disturbed
+    outcome, effects = s.register(reg("second-launch", host="h1"), 0.05)  # it waits: nothing admitted or journaled
+    assert outcome == WaitingForHolder("1 (h1 (10.0.0.1) local rank 0)", pytest.approx(0.04)) and effects == []
+    assert s.take_journal()[-1] != journal.Registered(reg("second-launch", host="h1"), 0.05)
+    s.current.attach("p1", 0.06)  # the first launch's process attaches: the second launch's is refused by name
+    with pytest.raises(ProcessIdTaken, match=r"process \(held by a live process on h1"):
+        s.register(reg("second-launch", host="h1"), 0.07)
     assert s.current.process_id_of("p1") == 1 and s.topology.generation == 1
 
 
@@ -300,6 +304,7 @@ def test_a_process_that_never_attaches_is_taken_over_once_it_is_declared_failed(
         admit(s, replace(reg(f"p{i}", host=f"h{i}"), opens_session=True), 0.0)
         s.current.call_ended(f"p{i}", 0.0)
     s.current.attach("p0", 0.0)
+    assert isinstance(s.register(reg("p1-restarted", host="h1"), 0.5)[0], WaitingForHolder)  # killed, or attaching
     assert failures(s.tick(TIMEOUT + 0.1)) == [ProcessFailed(1, f"lost its connection and did not come back within "
                                                                 f"{TIMEOUT:g}s")]
     outcome, _ = s.register(reg("p1-restarted", host="h1"), TIMEOUT + 0.2)
