@@ -356,7 +356,7 @@ class CoordinatorService(HostRegister):
         refused (the holder attached: ProcessIdTaken), admitted (the holder was declared failed: a restart), or the
         call's wait is over (its client asks again)."""
         log.info("a registration from %s %s", r.describe(), outcome.describe(),
-                 extra={"event": "waiting_for_holder", "process": outcome.process})
+                 extra={"event": "waiting_for_holder", "holder": outcome.process})
         while isinstance(outcome, WaitingForHolder) and (remaining := until - self.clock()) > 0:
             await asyncio.sleep(min(HOLDER_POLL_S, remaining))
             await self.serving(context, "registration", epoch)

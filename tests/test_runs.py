@@ -15,11 +15,12 @@ import time
 import grpc
 import pytest
 
+import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import ERROR_TRAILER
 from ifrt.protocol import SECRET_METADATA
-from tests.helpers import clients, discover_process, finish, register_request, status_json
+from tests.helpers import clients, discover_process, finish, in_thread, register_request, status_json
 from tests.replicas import Replicas
 
 HEARTBEAT_TIMEOUT = "2"
@@ -210,4 +211,29 @@ def test_runs_and_attempts_are_typed_fields_and_event_numbers_never_go_back(star
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert dict(refused.value.trailing_metadata())[ERROR_TRAILER] == "StaleSession"
     assert "run 1 of attempt 0 of the job, which ended: the job is in run 2" in refused.value.details()
+    channel.close()
+
+
+def test_a_restart_of_a_process_killed_before_its_session_attached_waits_and_takes_its_id(start_coordinator):
+    """Killed between its answer and its session: its restart is neither refused nor taken for a second launch's
+    eviction of a live process; it waits until the coordinator declares the old one failed, then takes its id."""
+    coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2)
+    channel = grpc.insecure_channel(coordinator.address)
+    stub = CoordinatorStub(channel)
+
+    def register(uid: str) -> pb.RegisterResponse:
+        request = register_request(0, client_uid=uid, num_processes=2, opens_session=True, wait_ms=20_000)
+        return stub.Register(request, metadata=((SECRET_METADATA, uid),), timeout=30)
+
+    answered = in_thread(lambda: register("killed-before-attaching"))  # it never opens its session (killed then)
+    with ifrt.Client(coordinator.address, process_id=1, num_processes=2, transfer=False, timeout=30) as survivor:
+        survivor.discover()
+        first = answered.get(timeout=30)
+        started = time.monotonic()
+        again = register("its-restart")
+        waited = time.monotonic() - started
+        assert (again.process_id, again.fingerprint, again.run) == (0, first.fingerprint, first.run)  # same run
+        assert 0.5 < waited < 20  # held until the old one was declared failed (about the 1 s heartbeat timeout)
+        coordinator.wait_for_log("waiting for process 0")
+        coordinator.wait_for_log("restarted")
     channel.close()
