@@ -8,20 +8,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import ERROR_CLASSES, CoordinatorUnavailable, IfrtError
-from ifrt.run.host_rules import Batcher, Ranks, Ticket, batch_window
+from ifrt.run.host_rules import Batcher, Ranks, Ticket
 
 log = logging.getLogger("ifrt.run")
 
 ANSWER_MARGIN_S = 0.1
 """Kept of a worker's call for the agent's answer after the coordinator's."""
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_PROGRESS = pb.RegisterResponse(process_id=-1).SerializeToString()
+"""What precedes the shared bytes of a progress answer in each worker's (no id is an answer until every one is)."""
 
 
 class Refused(Exception):
@@ -46,19 +48,18 @@ class Registered:
     process_id: int
 
 
-@dataclass
-class _Outcome:
-    done: threading.Event = field(default_factory=threading.Event)
-    answers: dict[str, bytes | Refused] = field(default_factory=dict)
-    error: IfrtError | None = None
-
-
 class HostRegistrar:
     """Gathers the workers' registrations and sends them as ``RegisterHost`` calls of at most ``per_call`` (the
     workers the agent runs), each in a thread of its own. ``expected()``: how many workers the agent runs now (the
     registrations go once each has asked); ``published(generation, position, run, attempt)``: called when an answer
     carries the topology, before any worker hears it; ``ids_known``: with the process ids by local rank it carried
-    (the agent needs no Status to learn them). ``workers`` bounds what may be pending (spares included)."""
+    (the agent needs no Status to learn them). ``workers`` bounds what may be pending (spares included).
+
+    A worker's re-poll that a call in flight carries sends nothing: every call carries each registration still asking
+    within its wait, and each ask is answered by the first call carrying it that comes back, with what the coordinator
+    said of that registration in it (so a refused, failed or replaced worker hears its own answer, never another's),
+    or, once its own wait is over, with the host's latest progress answer. A registration nothing in flight carries
+    (news, or a re-poll after its calls came back) is sent as before. Every ask waits at most until its deadline."""
 
     def __init__(self, connection: Connection, agent_uid: str, workers: int, per_call: int,
                  expected: Callable[[], int], published: Callable[[int, int, int, int], None],
@@ -75,85 +76,107 @@ class HostRegistrar:
 
     def register(self, request: pb.RegisterRequest, proof: str, deadline: float) -> bytes:
         """The worker's answer: ``RegisterResponse`` bytes; ``Refused`` as its own Register would have been."""
+        now = self._clock()
+        answer_by = deadline - ANSWER_MARGIN_S
+        wait_until = min(answer_by, now + request.wait_ms / 1000)
         with self._cond:
             try:
-                ticket = self._batcher.join(request.client_uid, pb.HostProcess(request=request, proof=proof),
-                                            self._clock())
+                ticket = self._batcher.join(request.client_uid, pb.HostProcess(request=request, proof=proof), now,
+                                            wait_until, deadline, proof)
             except IfrtError as e:
                 raise Refused(e, e.code) from None
-            ticket.deadline = max(ticket.deadline, deadline)
             self._cond.notify_all()
-            while ticket.round is None:
-                now = self._clock()
-                if self._batcher.due(now, self._expected()):
-                    outcome = _Outcome()
-                    taken = self._batcher.take(self._per_call, outcome)
-                    threading.Thread(target=self._send, args=(taken, outcome), daemon=True,
-                                     name="ifrt-run-register-host").start()
-                    continue
-                if now >= deadline:
-                    raise _late()
-                self._cond.wait(min(self._batcher.wait(now), deadline - now))
-            outcome = ticket.round
-        if not outcome.done.wait(max(0.0, deadline - self._clock())):
-            raise _late()
-        if outcome.error is not None:
-            raise Refused(outcome.error, outcome.error.code)
-        answer = outcome.answers[request.client_uid]
+            try:
+                while ticket.answer is None:
+                    now = self._clock()
+                    if self._batcher.due(now, self._expected()):
+                        self._start(now)
+                        continue
+                    if now >= wait_until and (kept := self._batcher.kept(ticket, now)) is not None:
+                        return kept  # its call rides on with the host's next one
+                    if now >= deadline:
+                        raise _late()
+                    wake = deadline if now >= wait_until else wait_until
+                    self._cond.wait(min(self._batcher.wait(now), wake - now))
+            finally:
+                self._batcher.leave(ticket)
+        answer = ticket.answer
         if isinstance(answer, Refused):
             raise answer
+        if isinstance(answer, IfrtError):
+            raise Refused(answer, answer.code)
         return answer
 
-    def _send(self, taken: list[Ticket[pb.HostProcess]], outcome: _Outcome) -> None:
+    def _start(self, now: float) -> None:
+        """Takes the due registrations, and every other still asking, as one call sent in a thread of its own (the
+        caller holds the lock)."""
+        call = object()
+        taken = self._batcher.take(self._per_call, call, now)
+        deadline, wait_s = self._batcher.window(taken, now)
+        threading.Thread(target=self._send, args=(taken, deadline, wait_s, self._batcher.epoch), daemon=True,
+                         name="ifrt-run-register-host").start()
+
+    def _send(self, taken: list[Ticket[pb.HostProcess]], deadline: float, wait_s: float, epoch: int) -> None:
         entries = [t.entry for t in taken]
-        deadline, wait_ms = batch_window((t.deadline, t.entry.request.wait_ms) for t in taken)
         request = pb.RegisterHostRequest(agent_uid=self.agent_uid, processes=entries)
-        slack = max(ANSWER_MARGIN_S, (deadline - self._clock()) - wait_ms / 1000)
+        slack = max(ANSWER_MARGIN_S, (deadline - self._clock()) - wait_s)
 
         def attempt(remaining: float) -> pb.RegisterHostRequest:
-            request.wait_ms = max(0, min(wait_ms, int((remaining - ANSWER_MARGIN_S) * 1000)))
+            request.wait_ms = max(0, int(min(wait_s, remaining - ANSWER_MARGIN_S) * 1000))
             return request
 
+        answers: dict[str, bytes | Refused] | None = None
+        progress: bytes | None = None
+        failed: IfrtError | None = None
         try:
             response = self._connection.call("RegisterHost", attempt, deadline - ANSWER_MARGIN_S,
-                                              timeout=lambda r: min(r, wait_ms / 1000 + slack), wait_for_ready=False)
-            self._answered(entries, response, outcome)
+                                              timeout=lambda r: min(r, wait_s + slack), wait_for_ready=False)
+            answers, progress = self._answered(entries, response)
         except IfrtError as e:
-            outcome.error = e
+            failed = e
         except Exception as e:  # a bug: the workers must hear of it, not hang
             log.exception("registering this host's workers failed")
-            outcome.error = IfrtError(f"this host's agent failed to register its workers: {type(e).__name__}: {e}")
+            failed = IfrtError(f"this host's agent failed to register its workers: {type(e).__name__}: {e}")
         finally:
             with self._cond:
-                self._batcher.answered(taken)
+                if progress is not None:
+                    self._batcher.keep(progress, self._clock(), epoch)
+                elif answers is not None:  # a topology: the progress kept so far is over
+                    self._batcher.forget()
+                self._batcher.answered(taken, answers, failed)
                 self._cond.notify_all()
-            outcome.done.set()
 
-    def _answered(self, entries: list[pb.HostProcess], response: pb.RegisterHostResponse, outcome: _Outcome) -> None:
+    def _answered(self, entries: list[pb.HostProcess], response: pb.RegisterHostResponse
+                  ) -> tuple[dict[str, bytes | Refused], bytes | None]:
+        """Each registration's answer by client uid, as its own Register would have had it; and a progress answer's
+        bytes as a worker gets them (None: the answer carries the topology)."""
         if len(response.processes) != len(entries):
             raise IfrtError(f"the coordinator answered {len(response.processes)} results for this host's "
                             f"{len(entries)} registrations: expected one each")
         answer = pb.RegisterResponse.FromString(response.answer)
+        answers: dict[str, bytes | Refused] = {}
         with self._cond:
             for entry, result in zip(entries, response.processes, strict=True):
                 uid = entry.request.client_uid
                 if result.code:
                     cls = ERROR_CLASSES.get(result.error, IfrtError)
-                    outcome.answers[uid] = Refused(cls(result.message), _STATUS.get(result.code,
-                                                                                    grpc.StatusCode.UNKNOWN))
+                    answers[uid] = Refused(cls(result.message), _STATUS.get(result.code, grpc.StatusCode.UNKNOWN))
                     continue
                 self.registered[uid] = Registered(entry.proof, entry.request.local_rank, result.process_id)
                 self._ranks.registered(entry.request.local_rank, uid)
-                outcome.answers[uid] = pb.RegisterResponse(process_id=result.process_id).SerializeToString() \
-                    + response.answer
-        if answer.topology:
-            self._published(answer.generation, answer.event_position, answer.run, answer.attempt)
-            self._ids_known({entry.request.local_rank: result.process_id
-                             for entry, result in zip(entries, response.processes, strict=True) if not result.code})
+                answers[uid] = pb.RegisterResponse(process_id=result.process_id).SerializeToString() + response.answer
+        if not answer.topology:
+            return answers, _PROGRESS + response.answer
+        self._published(answer.generation, answer.event_position, answer.run, answer.attempt)
+        self._ids_known({entry.request.local_rank: result.process_id
+                         for entry, result in zip(entries, response.processes, strict=True) if not result.code})
+        return answers, None
 
     def started(self, local_rank: int) -> int:
-        """A worker starts (or a spare takes over) for ``local_rank``: its serial, which its exit names."""
+        """A worker starts (or a spare takes over) for ``local_rank``: its serial, which its exit names. Its answers,
+        and from now on every worker's, come from the coordinator (no progress answer kept so far is handed out)."""
         with self._cond:
+            self._batcher.forget()
             return self._ranks.started(local_rank)
 
     def exited(self, local_rank: int, serial: int) -> tuple[str, str] | None:
@@ -161,4 +184,6 @@ class HostRegistrar:
         with self._cond:
             uid = self._ranks.exited(local_rank, serial)
             registered = None if uid is None else self.registered.get(uid)
+            if uid is not None:
+                self._batcher.drop(uid)  # no call carries it any more
         return None if uid is None or registered is None else (uid, registered.proof)

@@ -1,19 +1,25 @@
 """The pure decisions of an ``ifrt run`` agent that carries its host's workers (``--worker-link agent``): when the
-host's pending registrations go to the coordinator as one ``RegisterHost``, which job events a worker's session
-still lacks, which worker stopped answering (or is busy), which reports await the coordinator's acknowledgement, and
-who watches a key. No threads, clocks, sockets or gRPC here."""
+host's pending registrations go to the coordinator as one ``RegisterHost`` and which call answers a worker's ask,
+which job events a worker's session still lacks, which worker stopped answering (or is busy), which reports await the
+coordinator's acknowledgement, and who watches a key. No threads, clocks, sockets or gRPC here."""
 
 from __future__ import annotations
 
+import hmac
+import math
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ifrt.errors import ResourceExhausted
+from ifrt.errors import PermissionDenied, ResourceExhausted
 
 BATCH_WAIT_S = 0.2
 """How long the first unsent registration waits for the host's other workers: a slow one does not hold it back."""
+PROGRESS_KEPT_S = 8.0
+"""How long the host's latest progress answer may answer a worker whose registration rides on a call that outlives
+the worker's own wait: while its workers wait, a host's calls come back at least every long poll (5 s); an older one
+means none came back (a coordinator out of reach), and the worker waits for its call or its own deadline."""
 PENDING_PER_WORKER = 4
 """Registrations (client uids) a host may have pending per worker its agent started: a worker that loops on new
 clients cannot make its agent hold more."""
@@ -32,39 +38,80 @@ E = TypeVar("E")
 
 @dataclass(eq=False)
 class Ticket(Generic[E]):
-    """One client uid's registration waiting to be sent; ``round`` is set to what it was sent with."""
+    """One client uid's registration and the asks (its worker's Register calls to the agent) waiting on it until a
+    call that carries the uid comes back; ``answer`` is what that call said of this uid."""
 
     uid: str
     entry: E
     round: Any = None
+    """The latest call it went with."""
     deadline: float = 0.0
-    """When the worker's own call ends (its latest ask's)."""
+    """When its asks' calls end (the latest's)."""
+    wait_until: float = math.inf
+    """When the coordinator would have answered its latest ask's own call (that call's ``wait_ms``)."""
+    asks: int = 0
+    answer: Any = None
+    owner: str = ""
+    """The proof of the process secret its asks carry."""
 
 
 class Batcher(Generic[E]):
-    """The host's registrations waiting to be sent (in the order they came), and those in flight."""
+    """The host's registrations: those waiting to be sent (in the order they came), those in flight, and the latest
+    progress answer. A uid that a call in flight carries sends no call of its own: its ask waits for a call that
+    carries it (each call carries every uid still asking within its wait) and gets what that call says of it, or,
+    once its own wait is over, the host's latest progress answer."""
 
-    def __init__(self, workers: int, wait_s: float = BATCH_WAIT_S) -> None:
+    def __init__(self, workers: int, wait_s: float = BATCH_WAIT_S, kept_s: float = PROGRESS_KEPT_S) -> None:
         self.limit = max(1, workers) * PENDING_PER_WORKER
-        self.wait_s = wait_s
+        self.wait_s, self.kept_s = wait_s, kept_s
         self.unsent: dict[str, Ticket[E]] = {}
+        self.asking: dict[str, Ticket[E]] = {}
+        """The unanswered ticket of each uid whose asks wait (unsent ones included): one per uid."""
+        self.epoch = 0
+        """One more at each ``forget``: a progress answer to a call taken before is kept no more."""
         self._first_at = 0.0
         self._in_flight: Counter[str] = Counter()
+        self._owners: dict[str, str] = {}  # uid -> the proof it is in flight with
+        self._progress: tuple[Any, float] | None = None
 
-    def join(self, uid: str, entry: E, now: float) -> Ticket[E]:
-        """``uid``'s registration, unsent (a uid that asks again before it was sent replaces its entry);
-        ResourceExhausted, changing nothing, when the host already has as many pending as its workers may."""
-        if (ticket := self.unsent.get(uid)) is not None:
-            ticket.entry = entry
-            return ticket
-        if uid not in self._in_flight and self.pending() >= self.limit:
-            raise ResourceExhausted(f"this host's agent holds {self.pending()} pending registrations already: "
-                                    f"expected at most {PENDING_PER_WORKER} per worker it started ({self.limit}); "
-                                    "a worker registers once per client")
-        if not self.unsent:
-            self._first_at = now
-        ticket = self.unsent[uid] = Ticket(uid, entry)
+    def join(self, uid: str, entry: E, now: float, wait_until: float = math.inf, deadline: float = 0.0,
+             owner: str = "") -> Ticket[E]:
+        """An ask of ``uid``'s registration, carrying the proof ``owner``: the ticket it waits on. A uid asking already
+        shares its ticket (its entry replaced); one that a call in flight carries waits on that call, sending nothing;
+        any other is unsent. Changing nothing, PermissionDenied when another proof asks or is in flight for ``uid`` (it
+        would get another process's answer), ResourceExhausted when the host already has as many pending as its
+        workers may."""
+        ticket = self.asking.get(uid)
+        held_by = ticket.owner if ticket is not None else self._owners.get(uid)
+        if held_by is not None and not hmac.compare_digest(held_by, owner):
+            raise PermissionDenied(f"client {uid!r} is another process's: this call's process secret is not the one "
+                                   "its registration carried")
+        if ticket is None:
+            if uid not in self._in_flight and uid not in self.unsent and self.pending() >= self.limit:
+                raise ResourceExhausted(f"this host's agent holds {self.pending()} pending registrations already: "
+                                        f"expected at most {PENDING_PER_WORKER} per worker it started ({self.limit}); "
+                                        "a worker registers once per client")
+            ticket = self.asking[uid] = Ticket(uid, entry, wait_until=wait_until, owner=owner)
+            if uid not in self._in_flight:  # news, or a re-poll that no call in flight carries
+                if not self.unsent:
+                    self._first_at = now
+                self.unsent[uid] = ticket
+        ticket.entry = entry
+        ticket.asks += 1
+        ticket.deadline = max(ticket.deadline, deadline)
+        ticket.wait_until = max(ticket.wait_until, wait_until) if ticket.asks > 1 else wait_until
         return ticket
+
+    def leave(self, ticket: Ticket[E]) -> None:
+        """An ask of ``ticket`` stops waiting (answered, or its own time is over); an unsent ticket still goes."""
+        ticket.asks -= 1
+        if ticket.asks <= 0 and self.asking.get(ticket.uid) is ticket:
+            del self.asking[ticket.uid]
+
+    def drop(self, uid: str) -> None:
+        """``uid``'s worker exited: its registration is neither sent nor carried any more."""
+        self.asking.pop(uid, None)
+        self.unsent.pop(uid, None)
 
     def pending(self) -> int:
         """Distinct client uids unsent or in flight."""
@@ -78,22 +125,85 @@ class Batcher(Generic[E]):
         return self.pending() >= expected or now >= self._first_at + self.wait_s
 
     def wait(self, now: float) -> float:
-        """Seconds until the unsent registrations are due by time alone."""
-        return max(0.0, self._first_at + self.wait_s - now) if self.unsent else self.wait_s
+        """Seconds until the unsent registrations are due by time alone (none unsent: never)."""
+        return max(0.0, self._first_at + self.wait_s - now) if self.unsent else math.inf
 
-    def take(self, most: int, round_: Any) -> list[Ticket[E]]:
+    def take(self, most: int, round_: Any, now: float | None = None) -> list[Ticket[E]]:
         """The first ``most`` unsent registrations (one call may carry no more than the workers the agent runs),
-        now in flight with ``round_``; the others stay unsent, as due as they were."""
+        now in flight with ``round_``; the others stay unsent, as due as they were. Given ``now``, the call also
+        carries, up to ``most`` in all, every other uid still asking within its wait (its ask waits on an earlier
+        call): the host's asks are answered together, by the first of their calls to come back."""
         taken = [self.unsent.pop(uid) for uid in list(self.unsent)[:max(1, most)]]
+        if now is not None:
+            sent = {t.uid for t in taken}
+            carried = [t for uid, t in self.asking.items()
+                       if uid not in sent and uid not in self.unsent and t.wait_until > now]
+            taken += carried[:max(0, most - len(taken))]
         for ticket in taken:
             ticket.round = round_
+            self._owners[ticket.uid] = ticket.owner
         self._in_flight.update(t.uid for t in taken)
         return taken
 
-    def answered(self, taken: list[Ticket[E]]) -> None:
-        """``taken``'s call returned (answered or failed)."""
+    def window(self, taken: list[Ticket[E]], now: float) -> tuple[float, float]:
+        """A call's ``(deadline, wait_s)``: retried until its asks' latest deadline (one worker's short call does not
+        cut the others' short) and answered within their shortest wait; or, while the host's latest progress answer
+        stays fresh, up to their longest: an ask whose wait ends first gets that answer then and asks again on the
+        same call, so that the host's workers come back together."""
+        deadline = max(t.deadline for t in taken)
+        ends = [min(t.wait_until, t.deadline) for t in taken]
+        ends_at = min(ends)
+        if self._progress is not None:
+            ends_at = max(ends_at, min(max(ends), self._progress[1] + self.kept_s))
+        return deadline, max(0.0, ends_at - now)
+
+    def covered(self, uid: str) -> bool:
+        """Whether a call in flight carries ``uid``."""
+        return uid in self._in_flight
+
+    def answered(self, taken: list[Ticket[E]], answers: Mapping[str, Any] | None = None,
+                 failed: Any = None) -> list[Ticket[E]]:
+        """``taken``'s call came back, with ``answers`` by uid or ``failed``. The tickets it answers, no longer asking:
+        its uids' asking tickets, whenever they asked, each with what the call says of its uid (the coordinator's
+        answer to that very registration); ``failed`` only those that no other call in flight carries (the others
+        wait for that one)."""
         self._in_flight.subtract(t.uid for t in taken)
         self._in_flight = +self._in_flight
+        for gone in {t.uid for t in taken} - self._in_flight.keys():
+            self._owners.pop(gone, None)
+        done = []
+        for uid in dict.fromkeys(t.uid for t in taken):
+            ticket = self.asking.get(uid)
+            if ticket is None or uid in self.unsent:
+                continue
+            if answers is not None and uid in answers:
+                ticket.answer = answers[uid]
+            elif failed is not None and uid not in self._in_flight:
+                ticket.answer = failed
+            else:
+                continue
+            del self.asking[uid]
+            done.append(ticket)
+        return done
+
+    def keep(self, progress: Any, now: float, epoch: int) -> None:
+        """The latest progress answer, of a call taken in ``epoch`` (one taken before the last ``forget`` is not)."""
+        if epoch == self.epoch:
+            self._progress = (progress, now)
+
+    def forget(self) -> None:
+        """No progress answer kept so far answers anyone: a topology came (what follows is another generation, run or
+        attempt), or a worker started (its answers come from the coordinator)."""
+        self._progress = None
+        self.epoch += 1
+
+    def kept(self, ticket: Ticket[E], now: float) -> Any | None:
+        """What answers an ask of ``ticket`` whose own wait is over while a call in flight still carries its uid: the
+        host's latest progress answer while fresh; None (the ask waits on) otherwise."""
+        if self._progress is None or ticket.uid not in self._in_flight or ticket.uid in self.unsent:
+            return None
+        progress, at = self._progress
+        return progress if now - at <= self.kept_s else None
 
 
 def batch_window(asks: Iterable[tuple[float, int]]) -> tuple[float, int]:
