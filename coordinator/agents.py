@@ -99,7 +99,7 @@ class JobAgentsService:
                               request.spare_host)
                 budget = request.max_restarts if request.HasField("max_restarts") else None
                 await service.command(context, what, lambda: (None, service.state.join_agent(
-                    agent, budget, self._absent(), request.recover)))
+                    agent, budget, self._absent(), request.recover, frozenset(self._watching) - {uid})))
             await service.commit(context, what)  # only durable state is sent
             if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until counted
                 await abort(context, refused, what)

@@ -105,11 +105,13 @@ class Attempts:
 
     # Agents.
     def join(self, agent: Agent, max_restarts: int | None, num_processes: int, limits: Limits,
-             absent: frozenset[str] = frozenset(), recover: str = "") -> journal.AgentJoined | None:
+             absent: frozenset[str] = frozenset(), recover: str = "",
+             watching: frozenset[str] = frozenset()) -> journal.AgentJoined | None:
         """The entry that makes ``agent`` one of the job's (to journal and ``apply_joined``); None when it is one
         already, as it is. ``absent``: the agents that have not watched the job for a while (gone, as far as the
-        coordinator can tell). A new agent starts a new run of the job when the restarts are exhausted or every agent
-        of the job is absent; it takes the place of absent agents, then of agents on its own host (a restart), when
+        coordinator can tell); ``watching``: those whose job watch is open now. A new agent starts a new run of the job
+        when the restarts are exhausted or every agent of the job is absent; it takes the place of absent agents, then
+        of agents on its own host that do not watch now (a restart: a live agent there is never taken for it), when
         the job's agents would otherwise run more than ``num_processes`` workers. ``recover``: the ``--recover`` mode
         it states ("": none), which must be the job's. A spare host (``agent.spare``) runs no worker: it counts
         against no process, starts no run, and takes the place of absent spare hosts (at most ``--max-agents`` of
@@ -141,7 +143,8 @@ class Attempts:
             running_agents = [a for a in self._agents.values() if not a.spare] if (
                 running + agent.workers > num_processes) else []  # a spare host runs nothing yet
             places = [*(a for a in running_agents if a.uid in absent),
-                      *(a for a in running_agents if a.where == agent.where and a.uid not in absent)]
+                      *(a for a in running_agents
+                        if a.where == agent.where and a.uid not in absent and a.uid not in watching)]
             for old in places:
                 if running + agent.workers <= num_processes:
                     break

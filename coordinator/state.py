@@ -148,11 +148,12 @@ class ClusterState:
 
     # Attempts: ifrt run's agents joining, NextAttempt's decisions.
     def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset(),
-                   recover: str = "") -> list[Effect]:
+                   recover: str = "", watching: frozenset[str] = frozenset()) -> list[Effect]:
         """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already); ``absent``: the agents the
-        shell has not seen watching for a while. A new run of the job (see coordinator.attempts) starts a new attempt
-        with a new Run."""
-        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent, recover)
+        shell has not seen watching for a while, ``watching``: those watching now. A new run of the job (see
+        coordinator.attempts) starts a new attempt with a new Run."""
+        entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent, recover,
+                                   watching)
         if entry is None:
             return []
         self._journal.append(entry)

@@ -314,3 +314,11 @@ def test_a_host_session_that_drops_a_prefix_frees_its_watch(wire_host):
     wire_host.send(unwatch=pb.WatchKeys(prefix="a/"))
     wire_host.send(watch=pb.WatchKeys(prefix="b/"))
     assert wire_host.next("watching").watching.prefix == "b/"
+
+
+def test_a_host_session_that_opens_again_asks_each_watched_prefix_once():
+    watches = Watches()
+    watches.add("w0", "start/join/")
+    watches.add("w1", "start/join/")
+    assert watches.reopened() == ["start/join/"]  # a new stream after a failover
+    assert watches.acknowledge("start/join/") == {"w0", "w1"}  # answered once: both workers hear it

@@ -411,6 +411,21 @@ def test_the_jobs_agents_are_bounded_by_its_processes_and_a_restarted_agent_take
     assert s.next_attempt(next_attempt(0, agent_uid=restarted.uid), restarted.secret_hash)[0].attempt == 1
 
 
+def test_a_restarted_agent_never_takes_the_place_of_a_live_agent_on_the_same_host_and_address():
+    # Several agents of one job on one machine (same hostname and address): host 1's agent is killed and restarted
+    # before the heartbeat timeout makes it absent; host 0's agent watches all along and keeps its place.
+    s = published(n=2)
+    live, killed = (Agent(f"agent-{rank}", "vm", "127.0.0.1", proof_of(f"s{rank}"), 1) for rank in range(2))
+    s.join_agent(live, None)
+    s.join_agent(killed, None)
+    restarted = Agent("agent-1-again", "vm", "127.0.0.1", proof_of("again"), 1)
+    s.join_agent(restarted, None, watching=frozenset({live.uid}))  # the killed one's watch ended with it
+    assert restarted.uid in s.attempts.agents and live.uid in s.attempts.agents and killed.uid not in s.attempts.agents
+    with pytest.raises(ClusterMismatch, match="would exceed the job's 2 processes"):  # both watch: no place is free
+        s.join_agent(Agent("agent-third", "vm", "127.0.0.1", proof_of("3"), 1), None,
+                     watching=frozenset({live.uid, restarted.uid}))
+
+
 def test_the_restart_budget_is_the_coordinators_or_the_first_agents_and_another_is_refused():
     s = with_agent(published(n=2), max_restarts=2)
     other = Agent("agent-h0", "h0", "10.0.0.1", proof_of("h0"), 1)

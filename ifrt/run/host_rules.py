@@ -401,7 +401,7 @@ class Watches:
     def reopened(self) -> list[str]:
         """A new stream of the host's session: the prefixes it asks for, each once (nothing is acknowledged on it)."""
         self.acknowledged.clear()
-        self._asked = Counter(self._by_prefix)
+        self._asked = Counter(self._by_prefix.keys())  # one ask of each prefix
         return self.prefixes()
 
     def acknowledge(self, prefix: str) -> set[str]:
