@@ -16,6 +16,8 @@ from linearizable import EXISTS, INVALID, OK, UNKNOWN, Op, check, linearizable
 JOB_EVENTS = ("ProcessFailed", "ProcessRestarted", "ProcessLeft", "TopologyChanged", "JobWhole", "PreemptionNotice")
 """The events every process of the job is sent alike; CoordinatorLost and CoordinatorRestored are each process's
 own."""
+OWN_KINDS = ("ProcessFailed", "ProcessRestarted", "ProcessLeft")
+"""A process's events about itself: not sent to its own later incarnations."""
 
 
 def lines(path: Path) -> Iterable[dict[str, Any]]:
@@ -111,9 +113,13 @@ def identity(event: dict[str, Any]) -> tuple:
     return kind, event["process_id"]
 
 
-def delivery(streams: dict[int, list[dict[str, Any]]], victim: int, kills: int, restarts: int) -> dict[str, Any]:
-    """Whether every observer received the same job events, each once, in order, and whether they are the events the
-    soak caused: a ProcessFailed of the victim per kill and a ProcessRestarted per restart, alternating."""
+def delivery(streams: dict[int, list[dict[str, Any]]], expected: dict[int, tuple[int, int]],
+             partial: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Whether every observer (a process never killed) received the same job events, each once, in order; whether they
+    are the events the soak caused: for each killed process (``expected``: its kills and restarts), a ProcessFailed
+    per kill and a ProcessRestarted per restart, alternating, each restart's incarnation one past the last (a
+    replacement registered twice shows as a second ProcessRestarted or a skipped incarnation); and whether each
+    killed incarnation's events (``partial``, by name) came in the observers' order, none twice."""
     seqs = {p: [identity(e) for e in s if e["event"] in JOB_EVENTS] for p, s in streams.items()}
     tally = Counter(tuple(s) for s in seqs.values())
     reference = list(max(tally, key=lambda s: (tally[s], len(s)))) if tally else []
@@ -127,13 +133,50 @@ def delivery(streams: dict[int, list[dict[str, Any]]], victim: int, kills: int, 
             reordered.append(p)
     unique = Counter(e for e in reference if e[0] != "ProcessFailed")  # the rest carry an incarnation or generation
     duplicated += sum(n - 1 for n in unique.values())
-    victim_seq = [e[0] for e in reference if e[0] in ("ProcessFailed", "ProcessRestarted") and e[1] == victim]
-    alternating = all(kind == ("ProcessFailed", "ProcessRestarted")[i % 2] for i, kind in enumerate(victim_seq))
-    others = sorted({e for e in reference if e[0] in ("ProcessFailed", "ProcessLeft") and e[1] != victim})
+    killed = {p: killed_events(reference, p, kills, restarts) for p, (kills, restarts) in sorted(expected.items())}
+    others = sorted({e for e in reference if e[0] in ("ProcessFailed", "ProcessLeft") and e[1] not in expected})
+    out_of_order = [name for name, s in partial.items()
+                    if not in_order([identity(e) for e in s if e["event"] in JOB_EVENTS],
+                                    caught_up(reference, int(name.split("/")[0])))]
     return {"observers": len(streams), "job_events": len(reference), "same_at_every_observer": len(tally) <= 1,
-            "lost": lost, "duplicated": duplicated, "reordered_at": reordered,
-            "victim_kills": kills, "victim_failed_events": victim_seq.count("ProcessFailed"),
-            "victim_restarts": restarts, "victim_restarted_events": victim_seq.count("ProcessRestarted"),
-            "victim_events_alternate": alternating, "others_declared_failed_or_left": [list(e) for e in others],
+            "lost": lost, "duplicated": duplicated, "reordered_at": reordered, "killed": killed,
+            "failed_events_match_kills": all(k["failed_events"] == k["kills"] for k in killed.values()),
+            "restarted_events_match_restarts": all(k["restarted_events"] == k["restarts"] for k in killed.values()),
+            "alternate": all(k["alternate"] for k in killed.values()),
+            "replacements_registered_more_than_once": sum(k["registered_more_than_once"] for k in killed.values()),
+            "others_declared_failed_or_left": [list(e) for e in others],
+            "killed_incarnations": len(partial), "killed_incarnations_out_of_order": out_of_order,
             "coordinator_lost_per_observer": {p: sum(e["event"] == "CoordinatorLost" for e in s)
                                               for p, s in streams.items()}}
+
+
+def killed_events(reference: list[tuple], process_id: int, kills: int, restarts: int) -> dict[str, Any]:
+    """A killed process's ProcessFailed and ProcessRestarted among the reference's events, against its kills and
+    restarts."""
+    seq = [e for e in reference if e[0] in ("ProcessFailed", "ProcessRestarted") and e[1] == process_id]
+    incarnations = [e[2] for e in seq if e[0] == "ProcessRestarted"]
+    steps = [b - a for a, b in zip([0, *incarnations], incarnations, strict=False)]
+    return {"kills": kills, "failed_events": sum(e[0] == "ProcessFailed" for e in seq), "restarts": restarts,
+            "restarted_events": len(incarnations),
+            "alternate": all(e[0] == ("ProcessFailed", "ProcessRestarted")[i % 2] for i, e in enumerate(seq)),
+            "registered_more_than_once": max(0, len(incarnations) - restarts) + sum(step > 1 for step in steps)}
+
+
+def caught_up(reference: list[tuple], process_id: int) -> list[tuple]:
+    """The reference's events as an incarnation of ``process_id`` is sent them: its own failures and restarts left
+    out, and itself out of each JobWhole's replaced processes (as the coordinator leaves them out of a process's own
+    catch-up; what it hears after its start is the same less itself)."""
+    out = []
+    for e in reference:
+        if e[0] in OWN_KINDS and e[1] == process_id:
+            continue
+        if e[0] == "JobWhole":
+            e = (e[0], e[1], tuple(r for r in e[2] if r[0] != process_id))
+        out.append(e)
+    return out
+
+
+def in_order(seq: list[tuple], reference: list[tuple]) -> bool:
+    """Whether ``seq`` is a subsequence of ``reference``: its events all there, in that order, none twice."""
+    rest = iter(reference)
+    return all(any(e == r for r in rest) for e in seq)

@@ -2,23 +2,31 @@
 threads that record each call, and takes part in start-up exchanges when told.
 
     soak_worker.py --address A,B,C --process-id 0 --num-processes 4 --ops FILE [--threads 2] [--seed 1]
+    ifrt run ... -- python soak_worker.py --control DIR [--threads 2] [--seed 1]     # a worker of an ifrt run agent
 
-Stdout, one JSON object per line: ``{"ready": ...}`` once discovered, ``{"event": ...}`` per event,
-``{"startup": round, "ok": ...}`` per start-up, ``{"store": ...}`` per inspection. Stdin, one command per line:
+Records, one JSON object per line: ``{"started": pid}`` at once, ``{"ready": ...}`` once discovered, ``{"event": ...}``
+per event, ``{"startup": round, "ok": ...}`` per start-up, ``{"store": ...}`` per inspection. Commands, one per line:
 ``startup ROUND SECONDS``, ``inspect``, ``stop``. Each key-value call is two lines in ``--ops``: its call (written
 before it is sent) and its return; a call with no return was in flight when the process was killed.
+
+Records go to stdout and commands come on stdin, or with ``--control DIR`` (under ``ifrt run``, whose agent holds the
+worker's stdio) records go to ``DIR/rec-P-PID.jsonl`` and calls to ``DIR/ops-P-PID.jsonl`` (P: the process id the
+agent gave, ``IFRT_PROCESS_ID``; PID: this process's), and commands are read from ``DIR/cmd-P.txt`` as they are
+appended, from its length when this process started on: a replacement never runs its predecessor's commands.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 
@@ -56,8 +64,9 @@ def definite(status: str, details: str) -> bool:
 
 def record_attempts(client: ifrt.Client) -> bool:
     """Notes every failed attempt of the client's calls in ``_attempts`` (its retry loop hides them); False when the
-    client has no such hook, and then every failure counts as of unknown outcome."""
-    connection = getattr(client, "_connection", None)
+    client has no such hook, and then every failure counts as of unknown outcome. The hook sits on the client's link:
+    its own connection, or under ``ifrt run`` the connection to its agent, which forwards each attempt once."""
+    connection = getattr(client, "_link", None) or getattr(client, "_connection", None)
     failed = getattr(connection, "failed", None)
     if failed is None:
         return False
@@ -73,15 +82,17 @@ def record_attempts(client: ifrt.Client) -> bool:
 
 
 class Out:
-    """Stdout and the ops file, one JSON line at a time from any thread."""
+    """The records (stdout or a file) and the ops file, one JSON line at a time from any thread."""
 
-    def __init__(self, ops: Path) -> None:
+    def __init__(self, ops: Path, records: TextIO = sys.stdout) -> None:
         self._lock = threading.Lock()
         self._ops = ops.open("a", buffering=1)
+        self._records = records
 
     def say(self, record: dict[str, Any]) -> None:
         with self._lock:
-            print(json.dumps(record), flush=True)
+            self._records.write(json.dumps(record) + "\n")
+            self._records.flush()
 
     def op(self, record: dict[str, Any]) -> None:
         with self._lock:
@@ -133,7 +144,7 @@ def kv_call(client: ifrt.Client, kind: str, key: str, args: list[Any], timeout: 
     return client.kv_delete(key, timeout=timeout)
 
 
-def kv_thread(client: ifrt.Client, out: Out, name: str, keys: list[str], seed: int, timeout: float, pause: float,
+def kv_thread(client: ifrt.Client, out: Out, name: str, keys: list[str], seed: str, timeout: float, pause: float,
               stop: threading.Event, hooked: bool) -> None:
     """Random calls on ``keys`` until ``stop``, each recorded with its call and return times and its outcome."""
     rng = random.Random(seed)
@@ -184,12 +195,38 @@ def inspect(client: ifrt.Client, generation: int) -> dict[str, Any]:
             "ready": f"{prefix}/{nonce}/ready" in keys}
 
 
+def commands(path: Path | None, stop: threading.Event) -> Iterator[str]:
+    """Command lines from stdin, or those appended to ``path`` after this call (its length is read now; the file is
+    polled every 50 ms)."""
+    if path is None:
+        return iter(sys.stdin)
+    return appended(path, path.stat().st_size if path.exists() else 0, stop)
+
+
+def appended(path: Path, offset: int, stop: threading.Event) -> Iterator[str]:
+    """The lines appended to ``path`` past ``offset``, as they come, until ``stop``."""
+    pending = b""
+    while not stop.is_set():
+        try:
+            with path.open("rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        offset += len(chunk)
+        *complete, pending = (pending + chunk).split(b"\n")
+        yield from (line.decode() for line in complete)
+        if not chunk:
+            stop.wait(0.05)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", required=True)
-    p.add_argument("--process-id", type=int, required=True)
-    p.add_argument("--num-processes", type=int, required=True)
-    p.add_argument("--ops", type=Path, required=True)
+    p.add_argument("--address", help="the replicas (default: IFRT_COORDINATOR, as ifrt run sets it)")
+    p.add_argument("--process-id", type=int, help="default: IFRT_PROCESS_ID, as ifrt run sets it")
+    p.add_argument("--num-processes", type=int, help="default: IFRT_NUM_PROCESSES, as ifrt run sets it")
+    p.add_argument("--ops", type=Path, help="where each key-value call is recorded (required without --control)")
+    p.add_argument("--control", type=Path, help="records, ops and commands as files in this directory")
     p.add_argument("--name", default="")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--keys", type=int, default=3)
@@ -197,23 +234,30 @@ def main() -> int:
     p.add_argument("--op-timeout", type=float, default=20.0)
     p.add_argument("--pause", type=float, default=0.05, help="longest pause between one thread's calls")
     args = p.parse_args()
-    out = Out(args.ops)
-    client = ifrt.Client(args.address, process_id=args.process_id, num_processes=args.num_processes, timeout=120,
+    process_id = args.process_id if args.process_id is not None else int(os.environ["IFRT_PROCESS_ID"])
+    tag = f"{process_id}-{os.getpid()}"
+    control = None if args.control is None else args.control / f"cmd-{process_id}.txt"
+    stop = threading.Event()
+    lines = commands(control, stop)  # from the file's length now: a predecessor's commands are not ours
+    out = Out(args.ops or args.control / f"ops-{tag}.jsonl",
+              sys.stdout if args.control is None else (args.control / f"rec-{tag}.jsonl").open("a"))
+    out.say({"started": os.getpid(), "process_id": process_id, "t": time.monotonic()})
+    client = ifrt.Client(args.address, process_id=process_id, num_processes=args.num_processes, timeout=120,
                          transfer=False)
     topology = client.discover()
     client.on_event(lambda e: out.say(event_record(e)), since_topology=True)
     hooked = record_attempts(client)
-    out.say({"ready": args.process_id, "generation": topology.generation, "t": time.monotonic(), "hooked": hooked})
-    stop = threading.Event()
+    out.say({"ready": process_id, "generation": topology.generation, "t": time.monotonic(), "hooked": hooked,
+             "pid": os.getpid(), "via": "agent" if os.environ.get("IFRT_AGENT_SOCKET") else "direct"})
     keys = [f"soak/k{i}" for i in range(args.keys)]
     threads = [threading.Thread(target=kv_thread, daemon=True,
-                                args=(client, out, f"{args.name or args.process_id}.{i}", keys,
-                                      args.seed * 1000 + args.process_id * 10 + i, args.op_timeout, args.pause, stop,
+                                args=(client, out, f"{args.name or tag}.{i}", keys,
+                                      f"{args.seed}/{args.name or tag}/{i}", args.op_timeout, args.pause, stop,
                                       hooked))
                for i in range(args.threads)]
     for t in threads:
         t.start()
-    for line in sys.stdin:
+    for line in lines:
         command = line.split()
         if not command or command[0] == "stop":
             break
@@ -234,7 +278,7 @@ def main() -> int:
     for t in threads:
         t.join(args.op_timeout + 10)
     client.close()
-    out.say({"stopped": args.process_id})
+    out.say({"stopped": process_id})
     return 0
 
 
