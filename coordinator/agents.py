@@ -18,7 +18,7 @@ import time
 
 import grpc
 
-from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
+from coordinator.calls import abort, caller_proof, internal_errors, metadata_value, parse, peer_host
 from coordinator.effects import Effect
 from coordinator.job_records import (
     UNKNOWN_PROCESS,
@@ -37,7 +37,8 @@ from coordinator.limits import FLAGS, Limits, shown
 from coordinator.outbox import Outbox
 from coordinator.service import CoordinatorService
 from ifrt._generated import coordinator_pb2 as pb
-from ifrt.errors import CoordinatorUnavailable, IfrtError, InvalidArgument, ResourceExhausted
+from ifrt.agent_credential import AGENT_CREDENTIAL_METADATA, credential_holds
+from ifrt.errors import CoordinatorUnavailable, IfrtError, InvalidArgument, PermissionDenied, ResourceExhausted
 
 log = logging.getLogger("ifrt.coordinator")
 
@@ -64,8 +65,10 @@ class JobAgentsService:
         self._watching: dict[str, int] = {}  # agent uid -> its watches open on this replica
         self._gone_since: dict[str, float] = {}  # agent uid -> when its last watch here ended
         self._epoch, self._since = -1, 0.0  # the state watched, and since when this replica serves it
+        self._declared_at: dict[int, float] = {}  # process id -> when it was declared failed in this attempt
         service.effect_listeners.append(self._on_effects)
         service.step_down_listeners.append(self._on_step_down)
+        service.agents_watching = lambda: frozenset(self._watching)
 
     @property
     def watching(self) -> int:
@@ -91,12 +94,19 @@ class JobAgentsService:
         await service.serving(context, what)
         if (refused := self._check_room(len(self._watches))) is not None:  # before it joins: nothing changes
             await abort(context, refused, what)
-        uid = request.agent_uid
-        self._watching[uid] = self._watching.get(uid, 0) + 1  # present from now: no newcomer takes its place
+        uid, proof = request.agent_uid, caller_proof(context)
+        if request.workers and (refused := self._not_the_host(request.host, context)) is not None:
+            await abort(context, refused, what)
+        # Present from now (no newcomer takes its place), but only with the agent's own secret: naming an agent's id
+        # is no proof of it (a newcomer's join checks its secret, or makes it the agent with this one).
+        present = (request.workers > 0 and uid not in service.state.attempts.agents) or service.state.attempts.proves(
+            uid, proof)
+        if present:
+            self._watching[uid] = self._watching.get(uid, 0) + 1
         try:
             if request.workers:  # an agent of the job: it joins (journaled) before it is told anything
-                agent = Agent(uid, request.host, peer_host(context.peer()), caller_proof(context), request.workers,
-                              request.spare_host)
+                agent = Agent(uid, request.host, peer_host(context.peer()), proof, request.workers,
+                              request.spare_host, max(0.0, request.replace_timeout_s), time.time())
                 budget = request.max_restarts if request.HasField("max_restarts") else None
                 await service.command(context, what, lambda: (None, service.state.join_agent(
                     agent, budget, self._absent(), request.recover, frozenset(self._watching) - {uid})))
@@ -122,11 +132,33 @@ class JobAgentsService:
                 self._watches.discard(outbox)
                 service.sessions.backlogs.remove(outbox)
         finally:
-            self._watching[uid] -= 1
-            if not self._watching[uid]:
-                del self._watching[uid]
-                if uid in service.state.attempts.agents:  # bounded: the job's agents only
-                    self._gone_since[uid] = time.monotonic()
+            if present:
+                self._watching[uid] -= 1
+                if not self._watching[uid]:
+                    del self._watching[uid]
+                    if uid in service.state.attempts.agents:  # bounded: the job's agents only
+                        self._gone_since[uid] = time.monotonic()
+
+    def _not_the_host(self, host: str, context: grpc.aio.ServicerContext) -> PermissionDenied | None:
+        """Why a caller may not join as the agent of ``host``: where the coordinator binds agents to hosts (an agent
+        key), it must carry ``host``'s credential; with a token and no agent key, no caller may (the token says
+        nothing about hosts). None: it may."""
+        config = self._service.config
+        if config.agent_key is None and config.token is None:
+            return None  # an open coordinator: every caller is the job's
+        if config.agent_key is not None and credential_holds(config.agent_key, host, metadata_value(
+                context, AGENT_CREDENTIAL_METADATA)):
+            return None
+        holders = [f"agent {shown(a.uid)} ({a.address}, watching {'now' if a.uid in self._watching else 'no more'})"
+                   for a in self._service.state.attempts.listed() if a.host == host]
+        held = f"; the job's agent on {shown(host)} is {', '.join(holders)}" if holders else ""
+        if config.agent_key is None:
+            return PermissionDenied(f"this coordinator has a token but no agent key (--agent-key-file), so no caller "
+                                    f"may join as the agent of {shown(host)}{held}: start it with --agent-key-file "
+                                    "and give each host's `ifrt run` its credential")
+        return PermissionDenied(f"this call claims host {shown(host)} without its credential (metadata "
+                                f"{AGENT_CREDENTIAL_METADATA}){held}: an agent acts only for the host its credential "
+                                "names (`ifrt run --agent-credential-file`, or --agent-key-file to derive it)")
 
     def _absent(self) -> frozenset[str]:
         """The job's agents that no watch on this replica has shown for longer than the heartbeat timeout (counted
@@ -135,12 +167,18 @@ class JobAgentsService:
         if service.replica.epoch != self._epoch:
             self._epoch, self._since = service.replica.epoch, now
             self._gone_since.clear()
+            self._declared_at.clear()
         agents, grace = service.state.attempts.agents, service.replica.config.heartbeat_timeout_s
         if self._gone_since:
             for uid in self._gone_since.keys() - agents:  # no longer an agent of the job
                 del self._gone_since[uid]
         unwatched = agents.difference(self._watching)  # in C: most rounds find every agent watching
         return frozenset(uid for uid in unwatched if now - self._gone_since.get(uid, self._since) > grace)
+
+    def _waited(self, process_id: int) -> float:
+        """Seconds since the coordinator declared ``process_id`` failed in this attempt (counted from when this
+        replica began serving, for a declaration it did not see)."""
+        return time.monotonic() - self._declared_at.get(process_id, self._since)
 
     async def watch_hosts_every(self, interval_s: float) -> None:
         """Hands a lost host's process ids to a spare host once (coordinator.takeover); without one, says every
@@ -183,11 +221,12 @@ class JobAgentsService:
                            request.replace, tuple(request.shrink))
         service, proof = self._service, caller_proof(context)
         if call.shrink:
+            absent = self._absent()
             answer = await service.command(context, f"NextAttempt (shrink) in attempt {request.ended_attempt} from "
                                            f"agent {shown(request.agent_uid)}",
-                                           lambda: service.state.shrink(call, proof))
-            return pb.NextAttemptResponse(state=_job_state(answer.view),
-                                          shrink_refused=answer.refused).SerializeToString()
+                                           lambda: service.state.shrink(call, proof, self._waited, absent))
+            return pb.NextAttemptResponse(state=_job_state(answer.view), shrink_refused=answer.refused,
+                                          shrink_wait_s=answer.wait_s).SerializeToString()
         view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt} from agent "
                                      f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(call, proof))
         return pb.NextAttemptResponse(state=_job_state(view)).SerializeToString()
@@ -196,10 +235,13 @@ class JobAgentsService:
         for effect in effects:
             match effect:
                 case AttemptProcessFailed(failure=failure) if failure.attempt == self._service.state.attempts.current:
+                    self._declared_at.setdefault(failure.process_id, time.monotonic())
                     event = pb.JobEvent(process_failed=_failure(failure))
                 case AttemptStarted(view=view):
+                    self._declared_at.clear()
                     event = pb.JobEvent(attempt_started=_job_state(view))
                 case ProcessReplaced(failure=failure, view=view):
+                    self._declared_at.pop(failure.process_id, None)
                     log.warning("process %d is replaced by its agent (replacement %d of this run, restart budget %d): "
                                 "%s", failure.process_id, view.replacements, view.max_restarts, shown(failure.reason),
                                 extra={"event": "process_replaced", "process_id": failure.process_id})

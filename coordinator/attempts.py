@@ -157,7 +157,8 @@ class Attempts:
                                       f"{num_processes} processes: it is no agent of this job (an agent restarted on "
                                       "its host, or one that comes once an agent is gone, takes its place)")
         return journal.AgentJoined(agent.uid, agent.host, agent.address, agent.secret_hash, agent.workers,
-                                   max_restarts, new_run, tuple(replaced), recover, agent.spare)
+                                   max_restarts, new_run, tuple(replaced), recover, agent.spare,
+                                   agent.replace_timeout_s, agent.joined_unix_s)
 
     def apply_joined(self, entry: journal.AgentJoined) -> AttemptStarted | HostTakenOver | None:
         """Records an agent (joined now, or replayed); returns AttemptStarted when it started a new run of the job,
@@ -172,7 +173,8 @@ class Attempts:
         for uid in entry.replaced:
             self._agents.pop(uid, None)
         self._agents[entry.agent_uid] = Agent(entry.agent_uid, entry.host, entry.host_address, entry.secret_hash,
-                                              entry.workers, entry.spare)
+                                              entry.workers, entry.spare, entry.replace_timeout_s,
+                                              entry.joined_unix_s)
         self._agents_seen = None
         if entry.max_restarts is not None and self._stated is None:
             self._stated, self._stated_by = entry.max_restarts, entry.host
@@ -205,6 +207,21 @@ class Attempts:
                                    "which joins with WatchJob and its own secret) may end an attempt")
         _check_secret(known, proof)
         return known
+
+    def deciding_agent(self, uid: str, proof: str) -> Agent:
+        """The agent ``uid`` (as ``agent``) where it may decide about the job: a spare host decides nothing until it
+        has taken over a host (it runs no worker of the job); PermissionDenied otherwise, changing nothing."""
+        known = self.agent(uid, proof)
+        if known.spare:
+            raise PermissionDenied(f"agent {shown(uid)} on {shown(known.host)} is a spare host: it runs no worker of "
+                                   "the job, so it may not end an attempt, replace or shrink until the coordinator "
+                                   "hands it a lost host's processes")
+        return known
+
+    def proves(self, uid: str, proof: str) -> bool:
+        """Whether ``proof`` is the secret hash of the job's agent ``uid`` (a watch counts as its presence only so)."""
+        known = self._agents.get(uid)
+        return known is not None and hmac.compare_digest(known.secret_hash, proof)
 
     # Decisions.
     def decide(self, call: NextAttempt, limits: Limits, agent: Agent,
@@ -331,6 +348,9 @@ class Attempts:
         if pid == UNKNOWN_PROCESS:
             raise InvalidArgument("a replacement names the process to replace: expected failure.process_id >= 0 (an "
                                   "agent that does not know its worker's id asks for the next attempt instead)")
+        if pid in self.shrunk:
+            raise ClusterMismatch(f"process {pid} was dropped by a shrink in attempt {self.current}: the job goes on "
+                                  "without it until its next attempt, so it is not replaced")
         where = where_of(pid)
         if where is not None and where != agent.where:
             raise PermissionDenied(

@@ -38,8 +38,13 @@ def peer_host(peer: str) -> str:
 
 def caller_proof(context: grpc.aio.ServicerContext) -> str:
     """The hash of the process secret the call carries ("" without one): what the state machine compares."""
-    secret = next((v for k, v in context.invocation_metadata() or () if k == SECRET_METADATA), "")
-    return proof_of(secret if isinstance(secret, str) else secret.decode(errors="replace"))
+    return proof_of(metadata_value(context, SECRET_METADATA) or "")
+
+
+def metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    """The call's metadata ``key`` as text (None: not sent)."""
+    value = next((v for k, v in context.invocation_metadata() or () if k == key), None)
+    return value if value is None or isinstance(value, str) else value.decode(errors="replace")
 
 
 async def parse(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -> M:

@@ -79,6 +79,9 @@ class CoordinatorConfig:
     """If set, "host:port" is written here once the server accepts calls (for scripts and tests)."""
     token: str | None = field(default=None, repr=False)
     """If set, every Coordinator call must carry this shared secret (read from --token-file; never logged)."""
+    agent_key: str | None = field(default=None, repr=False)
+    """If set, an agent joins only with its host's credential under this key (``ifrt.agent_credential``; read from
+    --agent-key-file; never logged). With a token and no agent key, no agent may join."""
     tls_cert: str | None = None
     """PEM certificate (and tls_key its key) to serve TLS with; None serves plaintext."""
     tls_key: str | None = None

@@ -3,13 +3,15 @@ whatever a caller sends it costs kilobytes: short names, a deadline for the requ
 
 Check and Watch are served stream-shaped (wire-compatible with unary requests) so that the request is read under
 a deadline: a caller that opens a call and never sends its request holds nothing past ``--first-message-timeout``.
+With a token, a watch from a connection that made no call with it (a stranger's) counts against
+``--max-stranger-health-watches`` and ends after ``--max-connection-idle``: it cannot keep a connection busy for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -17,7 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from coordinator.limits import FLAGS, Limits
 from coordinator.noise import noisy
-from ifrt.errors import ERROR_TRAILER, IfrtError, InvalidArgument
+from ifrt.errors import ERROR_TRAILER, IfrtError, InvalidArgument, ResourceExhausted
 
 SERVICE = "grpc.health.v1.Health"
 METHODS = (f"/{SERVICE}/Check", f"/{SERVICE}/Watch")
@@ -30,14 +32,19 @@ class HealthService:
     """Serves the status of each name ``set`` was called for; other names are NOT_FOUND (Check) or SERVICE_UNKNOWN
     (Watch), as in gRPC's reference servicer."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, trusted: Callable[[str], bool] | None = None) -> None:
+        """``trusted`` tells whether a peer's connection made a call with the token (None: every caller is the
+        job's, as without a token)."""
         self._limits = limits
+        self._trusted = trusted
         self._status: dict[str, ServingStatus] = {"": health_pb2.HealthCheckResponse.SERVING}
         self._changed = asyncio.Event()  # replaced by a new one at every change
         self._shutting_down = False
         self._watches: Counter[str] = Counter()  # peer (one per connection) -> its open watches
         self.watching = 0
         """Watches open now, over all connections."""
+        self.strangers_watching = 0
+        """Of them, watches from connections that made no call with the token."""
 
     async def set(self, name: str, status: ServingStatus) -> None:
         """Sets the status served for ``name`` (ignored once shutting down)."""
@@ -81,22 +88,40 @@ class HealthService:
             await _refuse(context, InvalidArgument(
                 f"the coordinator holds {self.watching} health watches: expected at most {limits.health_watches} "
                 f"(the coordinator's {FLAGS['health_watches']})"), "health watch")
+        stranger = self._trusted is not None and not self._trusted(peer)
+        if stranger and self.strangers_watching >= limits.stranger_health_watches:
+            await _refuse(context, ResourceExhausted(
+                f"callers without the cluster token hold {self.strangers_watching} health watches: expected at most "
+                f"{limits.stranger_health_watches} (the coordinator's {FLAGS['stranger_health_watches']})"),
+                "health watch")
         self._watches[peer] += 1
         self.watching += 1
+        self.strangers_watching += stranger
         try:
-            last = None
-            while True:
-                changed = self._changed
-                status = self._status.get(name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-                if status != last:
-                    await context.write(health_pb2.HealthCheckResponse(status=status).SerializeToString())
-                    last = status
-                await changed.wait()
+            if stranger:  # ends cleanly; a watcher that wants more watches again, within the limits above
+                async with asyncio.timeout(limits.connection_idle_seconds):
+                    await self._send_changes(name, context)
+            else:
+                await self._send_changes(name, context)
+        except TimeoutError:
+            return
         finally:
             self.watching -= 1
+            self.strangers_watching -= stranger
             self._watches[peer] -= 1
             if not self._watches[peer]:
                 del self._watches[peer]
+
+    async def _send_changes(self, name: str, context: grpc.aio.ServicerContext) -> None:
+        """Writes the status of ``name`` now and at every change, until cancelled."""
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(name, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status).SerializeToString())
+                last = status
+            await changed.wait()
 
     async def _name(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext, what: str) -> str:
         """The service name of the call's one request, read within the first-message deadline and checked."""

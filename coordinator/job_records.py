@@ -46,6 +46,10 @@ class Agent:
     workers: int
     spare: bool = False
     """A spare host (``ifrt run --spare-host``): it runs no worker until it takes over a lost host's ids."""
+    replace_timeout_s: float = 0.0
+    """Its ``--replace-timeout``: a shrink of its own workers waits as long after their failure."""
+    joined_unix_s: float = 0.0
+    """When it joined, by the leader's clock."""
 
     @property
     def where(self) -> Host:

@@ -151,6 +151,10 @@ class AgentJoined:
     """The ``ifrt run --recover`` mode it stated ("": none)."""
     spare: bool = False
     """A spare host (``ifrt run --spare-host``): no worker until it takes over a lost host's ids."""
+    replace_timeout_s: float = 0.0
+    """Its ``--replace-timeout``: a shrink of its own workers waits as long (``coordinator.shrink``)."""
+    joined_unix_s: float = 0.0
+    """When it joined, by the leader's clock (``ifrt status``)."""
 
 
 @dataclass(frozen=True)

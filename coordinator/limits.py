@@ -28,9 +28,11 @@ FLAGS = {
     "health_name_bytes": "--max-health-name-bytes",
     "health_watches_per_connection": "--max-health-watches-per-connection",
     "health_watches": "--max-health-watches",
+    "stranger_health_watches": "--max-stranger-health-watches",
     "first_message_seconds": "--first-message-timeout",
     "connection_idle_seconds": "--max-connection-idle",
     "connections": "--max-connections",
+    "stranger_connections": "--max-stranger-connections",
     "event_history": "--max-event-history",
     "agents": "--max-agents",
     "kv_bytes": "--kv-max-bytes",
@@ -87,6 +89,9 @@ class Limits:
     """Health watches one connection may hold open (the health service needs no token)."""
     health_watches: int = 1024
     """Health watches held open at once, over all connections: a watching connection is never idle."""
+    stranger_health_watches: int = 16
+    """Health watches held open at once by callers whose connection made no call with the token (with
+    --token-file): probes check, they do not watch; each such watch ends after --max-connection-idle."""
     first_message_seconds: int = 10
     """How long a Session or health call may take to send its first message before it is ended."""
     connection_idle_seconds: int = 30
@@ -96,6 +101,10 @@ class Limits:
     """Most connections at once; further ones are refused at accept. 0: what the job needs, a connection for each
     process and each host's agent and SPARE_CONNECTIONS twice, within the descriptor limit less the descriptors the
     coordinator keeps for itself (see ``connection_cap``)."""
+    stranger_connections: int = 64
+    """With --token-file, connections of callers that made no call with the token (probes, strangers) held at
+    once: past it, the oldest are closed (see ``coordinator.door``), and gRPC accepts twice this many connections
+    beyond the job's --max-connections, so strangers never take the job's slots."""
     event_history: int = 1 << 16
     """Job events (failures, departures, restarts, generations, a preemption notice) kept for sessions that attach
     or reconnect late: four for each of 2**14 processes. A session further behind gets a snapshot of each process's
@@ -197,6 +206,14 @@ def connection_cap(limits: Limits, descriptor_limit: int, num_processes: int) ->
     job's size bounds what strangers make the coordinator hold."""
     derived = max(1, descriptor_limit - FD_RESERVE)
     return min(limits.connections or jobs_connections(num_processes), derived)
+
+
+def accept_cap(limits: Limits, descriptor_limit: int, num_processes: int) -> int:
+    """The connections gRPC accepts at once where strangers' connections are closed past their budget: the job's
+    ``connection_cap``, the strangers' --max-stranger-connections and as many again for a burst of newcomers (a
+    stranger's connection is closed only once its grace is over), within the descriptor limit less FD_RESERVE."""
+    derived = max(1, descriptor_limit - FD_RESERVE)
+    return min(connection_cap(limits, descriptor_limit, num_processes) + 2 * limits.stranger_connections, derived)
 
 
 def jobs_connections(num_processes: int) -> int:

@@ -16,6 +16,7 @@ from coordinator.limits import FLAGS as LIMIT_FLAGS
 from coordinator.limits import Limits
 from coordinator.server import BindError, serve
 from coordinator.store import EtcdAccess, open_store
+from ifrt.agent_credential import AGENT_KEY_FILE_ENV, read_agent_key
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES, MAX_PROCESSES, MAX_PROCESSES_INT64
 from ifrt.protocol import read_secret_file
@@ -143,6 +144,11 @@ def parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-health-watches", dest="health_watches", type=int, default=default.health_watches,
                         metavar="N", help="health watches held open at once over all connections (default "
                                           "%(default)s)")
+    limits.add_argument("--max-stranger-health-watches", dest="stranger_health_watches", type=int,
+                        default=default.stranger_health_watches, metavar="N",
+                        help="with --token-file: health watches held open at once by callers whose connection made "
+                             "no call with the token; further ones are refused with RESOURCE_EXHAUSTED, and each "
+                             "ends after --max-connection-idle (default %(default)s)")
     limits.add_argument("--first-message-timeout", dest="first_message_seconds", type=int,
                         default=default.first_message_seconds, metavar="SECONDS",
                         help="how long a Session or health call may take to send its first message before it is "
@@ -163,6 +169,12 @@ def parser() -> argparse.ArgumentParser:
                              "within the descriptor limit, raised to its hard limit at start, less 64 the "
                              "coordinator keeps for itself; a job needs a descriptor limit of at least "
                              "--num-processes + 128, and the coordinator warns at start when it is lower)")
+    limits.add_argument("--max-stranger-connections", dest="stranger_connections", type=int,
+                        default=default.stranger_connections, metavar="N",
+                        help="with --token-file: connections held at once by callers that made no call with the "
+                             "token (probes, strangers); past it the oldest of them, a second or more old, are "
+                             "closed, and gRPC accepts twice N connections beyond --max-connections, so strangers "
+                             "never take the job's share (default %(default)s)")
     limits.add_argument("--max-agents", dest="agents", type=int, default=default.agents, metavar="N",
                         help="job watches (WatchJob, one per `ifrt run` agent) held open at once; further ones are "
                              "refused with RESOURCE_EXHAUSTED (default %(default)s)")
@@ -213,6 +225,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="PATH",
                    help="require this file's content (a shared secret) on every call: clients send it from "
                         "IFRT_TOKEN_FILE or IFRT_TOKEN; calls without it get UNAUTHENTICATED (default: no token)")
+    p.add_argument("--agent-key-file", metavar="PATH", default=os.environ.get(AGENT_KEY_FILE_ENV),
+                   help="bind `ifrt run` agents to their hosts: an agent joins only with its host's credential, the "
+                        "HMAC of the host's name under this file's key (`ifrt agent-credential --host H` prints it; "
+                        "an agent given the key file derives its own). Required for agents when --token-file is "
+                        "set: a token holder alone may register processes, never act as an agent "
+                        f"(${AGENT_KEY_FILE_ENV}; default: none)")
     p.add_argument("--tls-cert", metavar="PEM",
                    help="serve TLS with this certificate (needs --tls-key); clients then need IFRT_TLS_CA")
     p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
@@ -270,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.attempt < 0:
             raise InvalidArgument(f"--attempt {args.attempt} is out of range: expected an integer >= 0")
         token = read_secret_file(args.token_file, "--token-file") if args.token_file else None
+        agent_key = read_agent_key(args.agent_key_file, "--agent-key-file") if args.agent_key_file else None
         if bool(args.tls_cert) != bool(args.tls_key):
             raise InvalidArgument("--tls-cert and --tls-key go together: give both, or neither for plaintext")
         if args.tls_client_ca and not args.tls_cert:
@@ -303,14 +322,18 @@ def main(argv: list[str] | None = None) -> int:
                                progress_interval_s=args.progress_interval, ready_file=args.ready_file,
                                store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise,
                                metrics_port=args.metrics_port, metrics_bind=args.metrics_bind,
-                               metrics_token=args.metrics_token, token=token,
+                               metrics_token=args.metrics_token, token=token, agent_key=agent_key,
                                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
                                etcd_access=etcd_access)
     if token is None:
         logging.getLogger("ifrt.coordinator").warning(
-            "no cluster token (--token-file): any client that reaches %s may call the coordinator, and transfers "
-            "between the job's processes are unauthenticated (an endpoint only checks that a peer connects from "
-            "the address of the process it claims to be)", args.bind)
+            "no cluster token (--token-file): any client that reaches %s may call the coordinator, register "
+            "processes and read every key-value (transfers still prove each sender with its own process's key)",
+            args.bind)
+    if token is not None and agent_key is None:
+        logging.getLogger("ifrt.coordinator").warning(
+            "no agent key (--agent-key-file): `ifrt run` agents cannot join this job, since the token alone does "
+            "not say which host an agent acts for")
     gc.freeze()  # what start-up allocated is never garbage: keep the collector off it under load
     try:
         asyncio.run(serve(config))

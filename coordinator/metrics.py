@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator import health, status_page
@@ -26,6 +26,7 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.protocol import TOKEN_METADATA
 
 if TYPE_CHECKING:
+    from coordinator.door import Door
     from coordinator.service import CoordinatorService
 
 RPC_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -78,6 +79,10 @@ class Metrics:
         self.registry.register(_StateCollector(service, loop))
         page_view = _PageView(service, token, tls)
         self._read_view = lambda: asyncio.run_coroutine_threadsafe(page_view.read(), loop).result(SCRAPE_TIMEOUT_S)
+
+    def watch_door(self, door: Door) -> None:
+        """Gauges of the connections ``door`` saw at its last full scan, and a count of strangers' it closed."""
+        self.registry.register(_DoorCollector(door))
 
     def serve(self, host: str, port: int, token: str | None = None) -> int:
         """Serves ``/metrics``, and the status page at ``/`` (``/status``, ``/status.json``), over HTTP on
@@ -228,6 +233,25 @@ class _StateCollector(Collector):
         service = self._service
         return _Snapshot(service.replica.serving, service.replica.config.num_processes, service.report(),
                          service.time_to_publish_s)
+
+
+class _DoorCollector(Collector):
+    """The door's counts (plain ints, read as they are: a scrape may see one sweep's numbers half-way)."""
+
+    def __init__(self, door: Door) -> None:
+        self._door = door
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        door = self._door
+        yield _gauge("ifrt_connections", "Connections to the coordinator's gRPC port at the door's last full scan",
+                     door.connections)
+        yield _gauge("ifrt_stranger_connections", "Of them, connections that made no call with the token",
+                     door.strangers)
+        yield CounterMetricFamily("ifrt_stranger_connections_closed", "Connections of callers without the token "
+                                  "closed past --max-stranger-connections", value=door.closed)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

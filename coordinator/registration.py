@@ -130,6 +130,10 @@ def _fits(row: _DeviceRow, limits: Limits) -> bool:
 
 def _devices(request: pb.RegisterRequest, limits: Limits) -> tuple[LocalDevice, ...]:
     """The request's devices, checked and sorted by local id; equal devices are shared between registrations."""
+    if not request.devices:
+        raise InvalidArgument("a registration with no devices: expected at least 1 (a process of the topology owns "
+                              "devices; a process that only uses the key-value store or barriers needs no "
+                              "registration of its own)")
     if len(request.devices) > limits.devices_per_process:
         raise InvalidArgument(f"{len(request.devices)} devices in one process: expected at most "
                               f"{limits.devices_per_process} (the coordinator's {FLAGS['devices_per_process']})")

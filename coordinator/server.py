@@ -16,12 +16,13 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2
 
+from coordinator import door as doors
 from coordinator import noise
 from coordinator.agents import AGENTS_SERVICE, JobAgentsService
 from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
 from coordinator.health import HealthService
-from coordinator.limits import SPARE_CONNECTIONS, Limits, connection_cap, descriptors_needed
+from coordinator.limits import FLAGS, SPARE_CONNECTIONS, Limits, accept_cap, connection_cap, descriptors_needed
 from coordinator.metrics import Metrics, MetricsBindError
 from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import Store, open_store
@@ -40,17 +41,19 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s, config.etcd_access,
                                 attempt=config.cluster.attempt)
     metrics = Metrics() if config.metrics_port is not None else None
-    interceptors = ([TokenCheck(config.token, SERVICE), TokenCheck(config.token, AGENTS_SERVICE)] if config.token
-                    else [])
+    limits = config.cluster.limits
+    door = _door(config)
+    trust = door.trust if door is not None else None
+    interceptors = ([TokenCheck(config.token, SERVICE, trust), TokenCheck(config.token, AGENTS_SERVICE, trust)]
+                    if config.token else [])
     if metrics is not None:
         interceptors.insert(0, metrics.interceptor())  # counts refused calls too
-    limits = config.cluster.limits
     server = grpc.aio.server(interceptors=interceptors,
                              options=[*config.grpc_options, *config.keepalive_options,
                                       ("grpc.max_receive_message_length", limits.request_bytes),
                                       ("grpc.max_send_message_length", -1),
                                       *_stream_limit(limits.concurrent_streams),
-                                      *_connection_limits(limits, config.cluster.num_processes)])
+                                      *_connection_limits(limits, config.cluster.num_processes, door is not None)])
     try:
         if config.tls_cert and config.tls_key:
             credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -64,7 +67,9 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     address = f"{config.bind.rpartition(':')[0]}:{port}"
     advertise = config.advertise or (address if not address.startswith("0.0.0.0:")
                                      else f"{socket.gethostname()}:{port}")
-    health = HealthService(limits)
+    health = HealthService(limits, door.trusted if door is not None else None)
+    if door is not None:
+        door.listen(port)
 
     async def report(serving: bool) -> None:
         """The standard gRPC health service says SERVING exactly while this replica leads with its state."""
@@ -78,6 +83,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     server.add_generic_rpc_handlers((service.handlers(), agents.handlers(), health.handlers()))
     if metrics is not None:
         metrics.watch(service, token=config.token, tls=bool(config.tls_cert))
+        if door is not None:
+            metrics.watch_door(door)
         try:
             metrics_port = metrics.serve(config.metrics_bind, config.metrics_port or 0,
                                          token=config.token if config.metrics_token else None)
@@ -100,6 +107,8 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
                   asyncio.create_task(agents.watch_hosts_every(config.tick_s)),
                   asyncio.create_task(noise.flush_every()),
                   asyncio.create_task(_collect_young_garbage_every(config.gc_interval_s))]
+    if door is not None:
+        background.append(asyncio.create_task(door.guard()))
     try:
         await stop.wait()
     finally:
@@ -175,10 +184,24 @@ def _libc_trim() -> Callable[[], object]:
 _trim = _libc_trim()
 
 
-def _connection_limits(limits: Limits, num_processes: int) -> list[tuple[str, int]]:
+def _door(config: CoordinatorConfig) -> doors.Door | None:
+    """The door that keeps strangers' connections within their budget: only with a token (without one every
+    caller is the job's), and only where /proc lists connections (else a warning, and one cap for everyone)."""
+    if not config.token:
+        return None
+    missing = doors.available()
+    if missing is not None:
+        log.warning("cannot tell the job's connections from strangers' (%s): callers without the token share the "
+                    "--max-connections cap with the job, and can hold it", missing)
+        return None
+    return doors.Door(config.cluster.limits.stranger_connections)
+
+
+def _connection_limits(limits: Limits, num_processes: int, door: bool = False) -> list[tuple[str, int]]:
     """gRPC options that bound connections: idle ones (no call in flight) and unfinished handshakes are closed
     after --max-connection-idle, and accepting stops below the descriptor limit (raised to its hard limit here),
-    so a flood of connections can neither hold descriptors forever nor starve the coordinator's own."""
+    so a flood of connections can neither hold descriptors forever nor starve the coordinator's own. With a
+    ``door``, gRPC accepts the strangers' budget twice beyond the job's share (``accept_cap``)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -191,6 +214,13 @@ def _connection_limits(limits: Limits, num_processes: int) -> list[tuple[str, in
         log.warning("the descriptor limit (ulimit -n) is %d, so at most %d connections are accepted at once: a "
                     "job of %d processes needs at least %d; raise the limit (or --max-connections)", soft, cap,
                     num_processes, descriptors_needed(num_processes))
+    if door:
+        job_share, cap = cap, accept_cap(limits, soft, num_processes)
+        if cap < job_share + 2 * limits.stranger_connections:
+            log.warning("the descriptor limit (ulimit -n) is %d, so at most %d connections are accepted at once: "
+                        "callers without the token may take the job's slots until their connections are closed "
+                        "(%s %d needs %d); raise the limit", soft, cap, FLAGS["stranger_connections"],
+                        limits.stranger_connections, job_share + 2 * limits.stranger_connections + 64)
     idle_ms = limits.connection_idle_seconds * 1000
     return [("grpc.max_connection_idle_ms", idle_ms), ("grpc.server_handshake_timeout_ms", idle_ms),
             ("grpc.max_allowed_incoming_connections", cap)]

@@ -47,6 +47,7 @@ from coordinator.rpcs import RPCS, Call, Rpc, Wait, answers
 from coordinator.sessions import Sessions
 from coordinator.state import Admitted, ClusterState
 from coordinator.store import Store
+from coordinator.transfer_keys import transfer_key_handler
 from coordinator.waiters import PUBLISHED, WOKEN, Waiters, resolved_within
 from coordinator.waits import progress_stale, wait_s
 from ifrt import wire
@@ -98,6 +99,13 @@ class CoordinatorService(HostRegister):
         """Called with the effects of every command once durable (after this service carried them out)."""
         self.step_down_listeners: list[Callable[[str], None]] = []
         """Called with the reason when this replica steps down."""
+        self.agents_watching: Callable[[], frozenset[str]] = frozenset
+        """The ids of the job's agents whose watch is open here (set by the JobAgents service)."""
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        """How this coordinator was started (its token and agent key among it)."""
+        return self._config
 
     @property
     def state(self) -> ClusterState:
@@ -210,6 +218,7 @@ class CoordinatorService(HostRegister):
         methods["Register"] = unary(self.register, "Register")
         methods["RegisterHost"] = unary(self.register_host, "RegisterHost")
         methods["Status"] = unary(self.status_rpc, "Status")
+        methods["TransferKey"] = unary(transfer_key_handler(self), "TransferKey")
         methods["Session"] = grpc.stream_stream_rpc_method_handler(internal_errors(self.sessions.serve, "Session"))
         methods["HostSession"] = grpc.stream_stream_rpc_method_handler(
             internal_errors(self.host_sessions.serve, "HostSession"))
@@ -495,7 +504,8 @@ class CoordinatorService(HostRegister):
         return status_view.leader_answer(self.state.current.report(self.clock()), fingerprint=generation.fingerprint,
                                          replica=self._advertise, leader=replica.store.leader or self._advertise,
                                          store=replica.store.description, time_to_publish_s=self.time_to_publish_s,
-                                         attempt=self.state.attempts.current)
+                                         attempt=self.state.attempts.current, agents=self.state.attempts.listed(),
+                                         watching=self.agents_watching())
 
     def report(self) -> status_view.StatusReport | None:
         """The state machine's report as of now (for metrics); None while this replica does not serve."""

@@ -12,38 +12,56 @@ publishes; the attempt goes on. Otherwise it refuses, changing nothing, and the 
         ├─(--min-processes M, >= M remain)──▶ journal.Shrunk: a new generation without ids; the attempt goes on
         └─(no --min-processes, or too few remain)──▶ refused: the agents ask for the next attempt (whole restart)
 
-Authority: only the job's agents (their secrets) may ask, and only for processes the coordinator itself declared
-failed in this attempt and that no replacement or takeover claims since (``Attempts.declared``); anything else is
-PermissionDenied, changing nothing. A shrink restarts nothing, so it spends no restart budget: it is bounded by the
-job's size (at most ``num_processes - M`` processes are ever dropped). A shrunk job does not grow back in this
-attempt: the dropped ids' processes, should they return, are not in any later generation of it.
+Authority: only the job's agents (their secrets) may ask, never a spare host, and only for processes the coordinator
+itself declared failed in this attempt and that no replacement or takeover claims since (``Attempts.declared``);
+anything else is PermissionDenied, changing nothing. A shrink never races a replacement: while a named process's own
+agent (the one on the host it registered from) still watches the job and its ``--replace-timeout`` has not passed
+since the coordinator declared the process failed, the answer is to wait (``Wait``: ask again after the rest of it);
+a process a shrink dropped is not replaced later in the attempt (``Attempts``). A shrink restarts nothing, so it
+spends no restart budget: it is bounded by the job's size (at most ``num_processes - M`` processes are ever
+dropped). A shrunk job does not grow back in this attempt: the dropped ids' processes, should they return, are not
+in any later generation of it.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator import journal
 from coordinator.attempts import Attempts, check_call
-from coordinator.job_records import JobView, NextAttempt
+from coordinator.job_records import Host, JobView, NextAttempt
 from coordinator.limits import Limits
 from ifrt.errors import InvalidArgument, PermissionDenied
 
 
 @dataclass(frozen=True)
 class ShrinkAnswer:
-    """NextAttempt's answer to a shrink: the job's state, and why it was refused ("": shrunk, now or before)."""
+    """NextAttempt's answer to a shrink: the job's state, why it was refused ("": shrunk, now or before), and how
+    long to wait before asking again (0: decided)."""
 
     view: JobView
     refused: str = ""
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Not decided yet: a named process's own agent may still replace it for ``seconds``."""
+
+    seconds: float
 
 
 def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allowed: bool, min_processes: int,
-           num_processes: int, limits: Limits) -> journal.Shrunk | str | None:
-    """The shrink ``call`` asks for, to journal; a refusal (why, changing nothing); or None when it changes nothing
-    (a retry, ids a shrink dropped already, an attempt that ended, restarts exhausted): the caller gets the job's
-    state. InvalidArgument or PermissionDenied, changing nothing, for malformed ids or ids the coordinator did not
-    declare failed."""
+           num_processes: int, limits: Limits, where_of: Callable[[int], Host | None] = lambda pid: None,
+           waited: Callable[[int], float] = lambda pid: math.inf,
+           absent: frozenset[str] = frozenset()) -> journal.Shrunk | str | Wait | None:
+    """The shrink ``call`` asks for, to journal; a refusal (why, changing nothing); a Wait while a named process's
+    own agent may still replace it (``where_of``: where a process registered from, ``waited``: seconds since it was
+    declared failed, ``absent``: agents gone); or None when it changes nothing (a retry, ids a shrink dropped
+    already, an attempt that ended, restarts exhausted): the caller gets the job's state. InvalidArgument or
+    PermissionDenied, changing nothing, for malformed ids or ids the coordinator did not declare failed."""
     check_call(call, limits)
     ids = call.shrink
     if len(ids) > num_processes or len(set(ids)) != len(ids) or any(not 0 <= pid < num_processes for pid in ids):
@@ -62,6 +80,9 @@ def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allo
     if undeclared:
         raise PermissionDenied(f"process {undeclared[0]} is not a failure the coordinator declared in attempt "
                                f"{attempts.current} and that nothing replaces: a shrink drops only such processes")
+    wait = max((_replace_time_left(pid, attempts, where_of, waited, absent) for pid in rest), default=0.0)
+    if wait > 0:
+        return Wait(wait)
     if not allowed:
         return ("the coordinator runs without --min-processes: this job does not shrink (start the coordinator with "
                 "--min-processes M to let the survivors go on without failed processes)")
@@ -70,3 +91,13 @@ def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allo
         return (f"only {remain} processes would remain without processes {', '.join(map(str, sorted(rest)))}, fewer "
                 f"than --min-processes {min_processes}")
     return journal.Shrunk(attempts.current, tuple(sorted(rest)), call.request_id)
+
+
+def _replace_time_left(pid: int, attempts: Attempts, where_of: Callable[[int], Host | None],
+                       waited: Callable[[int], float], absent: frozenset[str]) -> float:
+    """How long ``pid``'s own agent (on the host it registered from, watching still) may yet replace it: the rest of
+    its --replace-timeout since the coordinator declared ``pid`` failed; 0 when none may."""
+    where = where_of(pid)
+    own = [a for a in attempts.listed() if where is not None and a.where == where and not a.spare
+           and a.uid not in absent]
+    return max((a.replace_timeout_s - waited(pid) for a in own), default=0.0)

@@ -18,7 +18,8 @@ byte-identical topologies, on this coordinator or on the one that takes over.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from coordinator import journal, runs
@@ -32,7 +33,7 @@ from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import shown
 from coordinator.registration import Registration
 from coordinator.run import Run
-from coordinator.shrink import ShrinkAnswer
+from coordinator.shrink import ShrinkAnswer, Wait
 from coordinator.shrink import decide as decide_shrink
 from coordinator.takeover import LostHost, find_lost
 from coordinator.takeover import decide as decide_takeover
@@ -164,7 +165,7 @@ class ClusterState:
         the job's current attempt once (journaled) and starts the next with a new Run, or marks the restarts
         exhausted; a retry or a later caller is answered the same, changing nothing. PermissionDenied for a caller
         that is no agent of the job, or a cause it may not give (see coordinator.attempts)."""
-        agent = self.attempts.agent(call.agent_uid, proof)
+        agent = self.attempts.deciding_agent(call.agent_uid, proof)
         entry = self.attempts.decide(call, self.config.limits, agent, self._registered_from)
         if entry is None:
             return self.attempts.view(), []
@@ -225,16 +226,21 @@ class ClusterState:
             return [replace(effect, explicit_ids=admission.names_ids)]
         return [effect]
 
-    def shrink(self, call: NextAttempt, proof: str = "") -> tuple[ShrinkAnswer, list[Effect]]:
+    def shrink(self, call: NextAttempt, proof: str = "", waited: Callable[[int], float] = lambda pid: math.inf,
+               absent: frozenset[str] = frozenset()) -> tuple[ShrinkAnswer, list[Effect]]:
         """NextAttempt with ``shrink`` from the agent ``call.agent_uid`` (``proof``: the hash of its call's secret):
-        drops the named failed processes once (journaled) and publishes a new generation over the survivors, or
-        refuses (see coordinator.shrink). PermissionDenied for a caller that is no agent of the job."""
-        self.attempts.agent(call.agent_uid, proof)
+        drops the named failed processes once (journaled) and publishes a new generation over the survivors, refuses,
+        or says how long to wait while a process's own agent may still replace it (see coordinator.shrink;
+        ``waited``: seconds since the coordinator declared a process failed, ``absent``: agents gone).
+        PermissionDenied for a caller that is no agent of the job, or a spare host."""
+        self.attempts.deciding_agent(call.agent_uid, proof)
         config = self.config
         in_topology = self.current.admission.in_topology if self.current.topology is not None else set()
         decision = decide_shrink(call, self.attempts, in_topology, allowed=config.shrink,
                                  min_processes=config.min_processes, num_processes=config.num_processes,
-                                 limits=config.limits)
+                                 limits=config.limits, where_of=self._registered_from, waited=waited, absent=absent)
+        if isinstance(decision, Wait):
+            return ShrinkAnswer(self.attempts.view(), wait_s=decision.seconds), []
         if isinstance(decision, str) or decision is None:
             return ShrinkAnswer(self.attempts.view(), decision or ""), []
         self._journal.append(decision)
@@ -248,7 +254,7 @@ class ClusterState:
         """The job's agent ``agent_uid``, proven by ``proof`` (the hash of the secret its call carries);
         PermissionDenied otherwise: only an agent that joined the job with WatchJob carries a host."""
         check_agent_named(agent_uid)
-        return self.attempts.agent(agent_uid, proof)
+        return self.attempts.deciding_agent(agent_uid, proof)
 
     def register_host(self, agent: Agent, registrations: Sequence[Registration | IfrtError],
                       now: float) -> tuple[list[Admitted | IfrtError], list[Effect]]:

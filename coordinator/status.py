@@ -3,8 +3,10 @@ wire form (``StatusResponse``)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from coordinator.job_records import Agent
 from ifrt._generated import coordinator_pb2 as pb
 
 WAITING = "waiting"
@@ -79,8 +81,10 @@ _PROCESS_PHASES = {"joining": pb.PROCESS_PHASE_JOINING, "alive": pb.PROCESS_PHAS
 
 
 def leader_answer(report: StatusReport, *, fingerprint: str, replica: str, leader: str, store: str,
-                  time_to_publish_s: float | None, attempt: int) -> pb.StatusResponse:
-    """The Status answer of the replica that leads."""
+                  time_to_publish_s: float | None, attempt: int, agents: Iterable[Agent] = (),
+                  watching: Collection[str] = ()) -> pb.StatusResponse:
+    """The Status answer of the replica that leads (``agents``: the job's, ``watching``: the ids of those whose
+    watch is open on it)."""
     return pb.StatusResponse(
         cluster_id=report.cluster_id, state=_CLUSTER_PHASES[report.state], generation=report.generation,
         fingerprint=fingerprint, registered=report.registered, expected=report.expected,
@@ -88,7 +92,9 @@ def leader_answer(report: StatusReport, *, fingerprint: str, replica: str, leade
         processes=[_process(p) for p in report.processes], leader=leader, replica=replica, store=store,
         waited_seconds=report.waited_s, time_to_publish_seconds=time_to_publish_s or 0.0,
         sessions_open=report.sessions_open, heartbeat_timeout_seconds=report.heartbeat_timeout_s, attempt=attempt,
-        slow_after_seconds=report.slow_after_s)
+        slow_after_seconds=report.slow_after_s,
+        agents=[pb.AgentStatus(host=a.host, address=a.address, workers=a.workers, spare=a.spare,
+                               joined_unix_s=a.joined_unix_s, watching=a.uid in watching) for a in agents])
 
 
 def standby_answer(*, cluster_id: str, expected: int, replica: str, leader: str | None, store: str,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from html import escape
 from typing import Any
 
-from ifrt import status_svg
+from ifrt import status_svg, status_view
 from ifrt.safe_text import safe
 
 REFRESH_S = 2.0
@@ -61,6 +61,7 @@ def fragment(view: dict[str, Any]) -> str:
         return "".join(parts)
     parts.append(f"<div class=\"picture\">{status_svg.svg(view)}</div>")
     parts.append(_listed("Processes in trouble", list(status_svg.trouble(view)), "failed"))
+    parts.append(_listed("Agents", status_view.agent_lines(view), ""))
     parts.append(_listed("Last events", events(view), ""))
     return "".join(parts)
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 from ifrt import render, variables, waiting
+from ifrt.agent_credential import AGENT_KEY_FILE_ENV, host_credential, read_agent_key
 from ifrt.client import Client
 from ifrt.errors import IfrtError
 from ifrt.mesh import network_lines
@@ -108,6 +109,14 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--token-file", metavar="PATH",
                     help="file holding the cluster's token (default $IFRT_TOKEN_FILE or $IFRT_TOKEN; TLS from "
                          "$IFRT_TLS_CA, $IFRT_TLS_CERT, $IFRT_TLS_KEY)")
+    ac = commands.add_parser(
+        "agent-credential", help="print a host's `ifrt run` credential, for the coordinator's --agent-key-file",
+        description="Prints the credential an `ifrt run` agent on HOST presents (the HMAC of HOST under the agent "
+                    "key): hand it to that host only (e.g. into the file its --agent-credential-file names), so its "
+                    "agent can act for HOST and no other host. HOST is the agent's hostname as `ifrt env` shows it.")
+    ac.add_argument("--host", required=True, metavar="HOST", help="the host the credential is for")
+    ac.add_argument("--key-file", metavar="PATH", default=os.environ.get(AGENT_KEY_FILE_ENV),
+                    help=f"the agent key (the coordinator's --agent-key-file; default ${AGENT_KEY_FILE_ENV})")
     from ifrt.run.shell import add_arguments as run_arguments
 
     run_arguments(commands.add_parser(
@@ -121,6 +130,18 @@ def parser() -> argparse.ArgumentParser:
                     "settings; 69 when the coordinator stayed out of reach; the workers' status after SIGTERM or "
                     "SIGINT (see docs/failures.md)."))
     return p
+
+
+def _agent_credential(host: str, key_file: str | None) -> int:
+    if not key_file:
+        print(f"ifrt agent-credential: no agent key: give --key-file or set {AGENT_KEY_FILE_ENV}", file=sys.stderr)
+        return 2
+    try:
+        print(host_credential(read_agent_key(key_file, "--key-file"), host))
+    except IfrtError as e:
+        print(f"ifrt agent-credential: {safe(e)}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _plugins(as_json: bool) -> int:
@@ -289,6 +310,8 @@ def _run(args: argparse.Namespace) -> int:
         from ifrt.run.shell import main as run_agent  # imports grpc: only for this command
 
         return run_agent(args)
+    if args.command == "agent-credential":
+        return _agent_credential(args.host, args.key_file)
     if args.command == "status":
         return _status(args)
     if args.command == "plugins":

@@ -39,6 +39,7 @@ from ifrt.session import Session
 from ifrt.settings import ProcessOptions, Settings, preflight_timeout, resolve
 from ifrt.topology import Topology
 from ifrt.transfer import Channels, Endpoint, local_address_toward
+from ifrt.transfer_keys import TransferKeys
 
 log = logging.getLogger("ifrt.client")
 
@@ -141,13 +142,21 @@ class Client(KeyValueCalls):
 
     def _bind_endpoint(self) -> Endpoint:
         bind = self.settings.transfer_bind
+        keys = TransferKeys(self.process_secret, self.transfer_key)  # peers' frames are bound to their own secrets
         if bind is None:
             here = local_address_toward(self.settings.coordinators)
-            return Endpoint(join_host_port(here, 0), token=self.settings.token)
+            return Endpoint(join_host_port(here, 0), token=self.settings.token, keys=keys)
         host = split_host_port(bind)[0]
         wildcard = host in ("", "0.0.0.0", "::")
         return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None,
-                        token=self.settings.token)
+                        token=self.settings.token, keys=keys)
+
+    def transfer_key(self, peer_process_id: int, timeout: float = 30.0) -> bytes:
+        """The key this process proves itself with to ``peer_process_id``'s transfer endpoint: one ``TransferKey``
+        call (the endpoint's ``TransferKeys`` caches it per peer; see ``ifrt.transfer_keys``)."""
+        return self._unary("TransferKey", lambda _: pb.TransferKeyRequest(
+            client_uid=self.client_uid, peer_process_id=peer_process_id), time.monotonic() + timeout,
+            what=f"the transfer key toward process {peer_process_id}").key
 
     def wait_attached(self, timeout: float) -> bool:
         """Waits until the live session is attached (events flow); returns whether it is."""

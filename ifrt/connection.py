@@ -49,8 +49,10 @@ class Backoff:
 class Connection:
     """Stubs for each coordinator replica, which replica is current, and ``call``: the retry loop of every call."""
 
-    def __init__(self, settings: Settings, process_secret: str, config: ClientConfig = DEFAULTS) -> None:
+    def __init__(self, settings: Settings, process_secret: str, config: ClientConfig = DEFAULTS,
+                 extra_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.settings = settings
+        self._extra = extra_metadata
         self.config = config
         self.backoff = Backoff(config.backoff_first_s, config.backoff_cap_s)
         self.failover_window_s = failover_window(config.failover_window_s)
@@ -107,7 +109,7 @@ class Connection:
         channel = self._channels.get(target)
         if channel is None:
             plain = self._plain[target] = plain_channel(target, self.settings, self.config.channel_options)
-            channel = self._channels[target] = with_identity(plain, self.settings, self._secret)
+            channel = self._channels[target] = with_identity(plain, self.settings, self._secret, self._extra)
         return channel
 
     def answered(self, target: str) -> None:

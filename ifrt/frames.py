@@ -1,5 +1,5 @@
-"""The transfer protocol's bytes: frame headers, reading a frame, the token challenge, and the addresses a
-hello is checked against. ``ifrt.transfer`` builds the endpoint and the channels on them; ``ifrt.preflight`` probes
+"""The transfer protocol's bytes: frame headers, reading and checking a frame, the token challenge, and the addresses
+a hello is checked against. ``ifrt.transfer`` builds the endpoint and the channels on them; ``ifrt.preflight`` probes
 with them."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 import socket
 import struct
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,11 @@ MAX_DIMENSION = (1 << 63) - 1  # numpy's dimensions are signed 64-bit
 ALLOWED_KINDS = "biufc"  # bool, integers, floats, complex: plain bytes, nothing to unpickle
 CHUNK = 4 << 20
 CHALLENGE_BYTES = 32  # the token challenge, and its HMAC-SHA256 answer, are both this long
+PLAIN, KEYED = 0, 1
+"""A HELLO's sequence field: how the connection proves its sender. PLAIN: the cluster token's challenge, or the
+address it connects from (what a pre-flight probe sends); KEYED: the pair key's challenge (``ifrt.transfer_keys``)."""
+ADMITTED, REFUSED = b"\x01", b"\x00"
+"""An endpoint's verdict on a KEYED hello's answer: the sender fetches its key again after a REFUSED."""
 
 
 def recv_exactly(sock: socket.socket, buffer: memoryview, what: str, deadline: float | None = None) -> None:
@@ -51,10 +57,22 @@ def encode_header(kind: int, seq: int, src: int, dst: int, array: np.ndarray | N
             + struct.pack(f"!{array.ndim}Q", *array.shape))
 
 
-def read_frame(conn: socket.socket, hello: bool,
-               deadline: float | None = None) -> tuple[int, int, int, int, np.ndarray | None]:
-    """One frame from ``conn``: (kind, sequence, source, destination, array); a HELLO (``hello``) has no array.
-    TransferError for anything that is not the frame expected (bad magic, kind, dtype, shape or length)."""
+class Header(NamedTuple):
+    """A frame's header as read and checked: a HELLO has no dtype, an empty shape and no payload."""
+
+    kind: int
+    seq: int
+    src: int
+    dst: int
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] = ()
+    nbytes: int = 0
+
+
+def read_header(conn: socket.socket, hello: bool, deadline: float | None = None) -> Header:
+    """One frame's header from ``conn`` (by ``deadline``, when given): a HELLO (``hello``) or an ARRAY's, whose payload
+    ``read_payload`` reads next. TransferError for anything that is not the frame expected (bad magic, kind, dtype,
+    shape or length): a peer's header never raises anything else."""
     raw = bytearray(HEADER.size)
     recv_exactly(conn, memoryview(raw), "a frame header", deadline)
     magic, version, kind, ndim, dtype_len, seq, src, dst, nbytes = HEADER.unpack(raw)
@@ -64,29 +82,56 @@ def read_frame(conn: socket.socket, hello: bool,
     if kind != (HELLO if hello else ARRAY):
         raise TransferError(f"unexpected frame kind {kind}: expected {'HELLO' if hello else 'ARRAY'}")
     if hello:
-        return kind, seq, src, dst, None
+        if ndim or dtype_len or nbytes:
+            raise TransferError(f"bad hello: ndim {ndim}, dtype length {dtype_len}, {nbytes} payload bytes (expected "
+                                "none)")
+        return Header(kind, seq, src, dst)
     if ndim > MAX_NDIM or not 0 < dtype_len <= 16:
         raise TransferError(f"bad array header: ndim {ndim} (at most {MAX_NDIM}), dtype length {dtype_len}")
     meta = bytearray(dtype_len + 8 * ndim)
-    recv_exactly(conn, memoryview(meta), "an array header")
-    try:
-        dtype = np.dtype(meta[:dtype_len].decode())
-    except (TypeError, UnicodeDecodeError) as e:
-        raise TransferError(f"bad dtype {bytes(meta[:dtype_len])!r} in frame {seq}") from e
-    if dtype.kind not in ALLOWED_KINDS:
-        raise TransferError(f"dtype {dtype} in frame {seq} is not a plain numeric type")
+    recv_exactly(conn, memoryview(meta), "an array header", deadline)
+    dtype = plain_dtype(bytes(meta[:dtype_len]), seq)
     shape = struct.unpack(f"!{ndim}Q", meta[dtype_len:])
     if any(n > MAX_DIMENSION for n in shape):
         raise TransferError(f"frame {seq}'s shape {shape} has a dimension over {MAX_DIMENSION}: no array has it")
     if math.prod(shape) * dtype.itemsize != nbytes:  # exact: Python's integers do not wrap around
         raise TransferError(f"frame {seq} says {nbytes} payload bytes for shape {shape} of {dtype}")
+    return Header(kind, seq, src, dst, dtype, shape, nbytes)
+
+
+def plain_dtype(text: bytes, seq: int) -> np.dtype:
+    """The dtype ``text`` names, if it is a plain numeric one written as a sender writes it (``dtype.str``);
+    TransferError otherwise (subarray, structured, object or unparsable dtypes: numpy raises many kinds of errors
+    for text it does not take, and none of them may end the thread that reads a peer)."""
     try:
-        array = np.empty(shape, dtype=dtype)
+        name = text.decode("ascii")
+        dtype = np.dtype(name)
+    except Exception as e:  # TypeError, ValueError, SyntaxError, ...: all mean "not a dtype"
+        raise TransferError(f"bad dtype {text!r} in frame {seq}: {type(e).__name__}: {e}") from None
+    if (dtype.kind not in ALLOWED_KINDS or dtype.shape != () or dtype.fields is not None or dtype.hasobject
+            or dtype.itemsize == 0 or dtype.str != name):
+        raise TransferError(f"dtype {text!r} in frame {seq} is not a plain numeric type written as dtype.str")
+    return dtype
+
+
+def read_payload(conn: socket.socket, header: Header) -> np.ndarray:
+    """The array whose ``header`` was just read from ``conn``; TransferError if it cannot be held or the peer stops."""
+    seq, nbytes = header.seq, header.nbytes
+    try:
+        array = np.empty(header.shape, dtype=header.dtype)
     except (ValueError, MemoryError) as e:  # too big for this process, or for numpy
-        raise TransferError(f"frame {seq}'s array of shape {shape} of {dtype} ({nbytes} bytes) cannot be held "
-                            f"here: {type(e).__name__}: {e}") from e
+        raise TransferError(f"frame {seq}'s array of shape {header.shape} of {header.dtype} ({nbytes} bytes) cannot "
+                            f"be held here: {type(e).__name__}: {e}") from e
     recv_exactly(conn, memoryview(array.reshape(-1).view(np.uint8)), f"frame {seq}'s {nbytes}-byte payload")
-    return kind, seq, src, dst, array
+    return array
+
+
+def read_frame(conn: socket.socket, hello: bool,
+               deadline: float | None = None) -> tuple[int, int, int, int, np.ndarray | None]:
+    """One whole frame from ``conn``: (kind, sequence, source, destination, array); a HELLO (``hello``) has no
+    array. TransferError for anything that is not the frame expected."""
+    header = read_header(conn, hello, deadline)
+    return header.kind, header.seq, header.src, header.dst, None if hello else read_payload(conn, header)
 
 
 def ip_of(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

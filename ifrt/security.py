@@ -38,9 +38,11 @@ def plain_channel(target: str, settings: Settings, options: Sequence[tuple[str, 
     return grpc.insecure_channel(target, options=options)
 
 
-def with_identity(channel: grpc.Channel, settings: Settings, process_secret: str) -> grpc.Channel:
-    """``channel`` with the token and ``process_secret`` on its every call (the same connection underneath)."""
-    metadata = [(SECRET_METADATA, process_secret)]
+def with_identity(channel: grpc.Channel, settings: Settings, process_secret: str,
+                  extra: Sequence[tuple[str, str]] = ()) -> grpc.Channel:
+    """``channel`` with the token, ``process_secret`` and ``extra`` metadata on its every call (the same connection
+    underneath)."""
+    metadata = [(SECRET_METADATA, process_secret), *extra]
     if settings.token:
         metadata.append((TOKEN_METADATA, settings.token))
     return grpc.intercept_channel(channel, _WithMetadata(tuple(metadata)))

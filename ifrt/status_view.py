@@ -4,6 +4,7 @@ caller sent (cluster id, hosts, addresses, reasons) is escaped for the terminal 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ifrt._generated import coordinator_pb2 as pb
@@ -41,6 +42,8 @@ def to_dict(answer: pb.StatusResponse) -> dict[str, Any]:
         "heartbeat_timeout_s": answer.heartbeat_timeout_seconds,
         "slow_after_s": answer.slow_after_seconds or SLOW_SHARE * answer.heartbeat_timeout_seconds,
         "attempt": answer.attempt,
+        "agents": [{"host": a.host, "address": a.address, "workers": a.workers, "spare": a.spare,
+                    "joined_unix_s": round(a.joined_unix_s, 3), "watching": a.watching} for a in answer.agents],
     }
 
 
@@ -88,10 +91,21 @@ def render(view: dict[str, Any]) -> str:
     if view.get("attempt") is not None:
         lines.append(f"attempt:    {view['attempt']}")
     lines.append("replicas:   " + ", ".join(f"{r['address']} {r['role']}" for r in view["replicas"]))
+    lines.extend(f"agent:      {line}" for line in agent_lines(view))
     if view["processes"]:
         lines.append("")
         lines.append(_table(view["processes"], view.get("slow_after_s") or 0.0))
     return "\n".join(lines)
+
+
+def agent_lines(view: dict[str, Any]) -> list[str]:
+    """One line per agent of the job (``ifrt run``): host, address, workers, spare or not, since when."""
+    lines = []
+    for a in view.get("agents") or ():
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["joined_unix_s"])) if a["joined_unix_s"] else "?"
+        lines.append(f"{a['host']} ({a['address']}), {a['workers']} workers{', spare host' if a['spare'] else ''}, "
+                     f"since {since}{'' if a['watching'] else ', not watching'}")
+    return lines
 
 
 def _shown(value: Any) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,7 +42,7 @@ from ifrt.errors import IfrtError, InvalidArgument
 from ifrt.network import check_path, natural_key, path_key
 from ifrt.settings import COORDINATOR_ENV, network_position, own_variables, parse_coordinators
 from ifrt.torch_store import Store
-from ifrt.torchrun_state import check_state
+from ifrt.torchrun_state import CheckedStateBackend
 from ifrt.transfer import local_address_toward
 
 BACKEND = "ifrt"
@@ -80,8 +79,10 @@ def create_rendezvous_handler(params: RendezvousParameters) -> IfrtRendezvousHan
     prefix = f"{KEY_PREFIX}{params.run_id}/"
     store = Store(client, prefix=f"{prefix}store/", timeout=float(read_timeout))
     backend = IfrtRendezvousBackend(client, f"{prefix}state", timeout=read_timeout)
+    # torch's state holder unpickles what its backend returns: it reads through the check, never the stored bytes.
+    checked = CheckedStateBackend(backend, backend.key, params.max_nodes)
     handler = IfrtRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr, timeouts,
+        params.run_id, store, checked, params.min_nodes, params.max_nodes, params.local_addr, timeouts,
         keep_alive_interval=keep_alive_interval, keep_alive_max_attempt=keep_alive_max_attempt)
     host = HostKey(client.settings.hostname, params.local_addr or local_address_toward(coordinators),
                    agent_position(os.environ))
@@ -119,25 +120,30 @@ def endpoint_replicas(endpoint: str) -> tuple[str, ...]:
 
 
 class IfrtRendezvousBackend(RendezvousBackend):
-    """The rendezvous state as one key-value of ifrt's coordinator; its fencing token is the stored value itself.
+    """The rendezvous state as one key-value of ifrt's coordinator: opaque bytes, as torch's backend contract says,
+    fenced by a token that is the stored value itself (compare-and-set, as torch's c10d backend does).
 
-    torch unpickles the state the backend returns: stored bytes reach it only once ``check_state`` found them to be
-    torch's rendezvous state and nothing else, as a pickle of that checked state (anything else is
-    RendezvousStateError). Each call retries across the coordinator's replicas for up to ``timeout`` seconds; then
-    RendezvousConnectionError, wrapping ifrt's error."""
+    Any token holder can write the key, so torch's state holder reads through ``ifrt.torchrun_state``'s
+    ``CheckedStateBackend``, never this backend alone (``create_rendezvous_handler``). An empty value reads as no
+    state (compare-and-set cannot tell it from none). Each call retries across the coordinator's replicas for up to
+    ``timeout`` seconds; then RendezvousConnectionError, wrapping ifrt's error."""
 
     def __init__(self, client: Client, key: str, timeout: float = READ_TIMEOUT_S) -> None:
         self._client, self._key, self._timeout = client, key, timeout
+
+    @property
+    def key(self) -> str:
+        """The key the state is stored at."""
+        return self._key
 
     @property
     def name(self) -> str:
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        """The state and its token, None before any agent wrote one; RendezvousStateError for stored bytes that
-        are not torch's rendezvous state (``ifrt.torchrun_state``)."""
+        """The stored bytes and their token, None before any agent wrote one."""
         value = self._call(self._client.kv_try_get, self._key, timeout=self._timeout)
-        return None if value is None else (self._checked(value), value)
+        return (value, value) if value else None
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
         """Writes ``state`` if the stored one is still ``token`` (None: if there is none); returns what is stored
@@ -152,12 +158,7 @@ class IfrtRendezvousBackend(RendezvousBackend):
         if not stored or stored == expected:  # the key is gone (compare_set answers nothing, or echoes): read it
             current = self.get_state()
             return None if current is None else (*current, False)
-        return self._checked(stored), stored, False
-
-    def _checked(self, stored: bytes) -> bytes:
-        """What torch may unpickle for ``stored``: the state checked without running anything, pickled again here,
-        so torch never unpickles a byte another caller wrote (the stored bytes stay the fencing token)."""
-        return pickle.dumps(check_state(stored, self._key))
+        return stored, stored, False
 
     def _call(self, method: Callable[..., Any], *args: object, **kwargs: object) -> Any:
         try:

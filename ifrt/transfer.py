@@ -6,28 +6,32 @@ first use and reused; a transfer between two devices of the same process never t
 
 A frame (its bytes: ``ifrt.frames``) is a fixed header (magic, version, sequence number, source and destination
 device, dtype, shape, payload length) followed by the raw array bytes. Sequence numbers run per (source,
-destination) pair, so a lost, repeated or reordered frame is an error, as is a bad header or a peer that goes
-away mid-frame. A sender numbers and writes a frame in one step under the lock of its destination process, so
-threads sending on the same pair put frames on the wire in sequence order. Every receive waits a finite time.
+destination) pair and connection, so a lost, repeated or reordered frame is an error, as is a bad header or a peer
+that goes away mid-frame. A sender numbers and writes a frame in one step under the lock of its destination process,
+so threads sending on the same pair put frames on the wire in sequence order. Every receive waits a finite time.
 
-With the cluster's token, a new connection is challenged before its first frame: the endpoint sends a random
-nonce and the connecting process answers with an HMAC of it under the token; a stranger is logged and closed.
-Without a token, the hello is bound to the topology instead: a connection that says it comes from process P must
-come from the address P advertised (each process connects from its own endpoint's host), so a stranger elsewhere
-cannot speak for a member. Either way a peer has ``HANDSHAKE_TIMEOUT_S`` from its connection to its first frame,
-at most ``MAX_HANDSHAKES`` connections wait in their handshake (a newer one closes the oldest), and running out of
-descriptors pauses accepting instead of ending it. Repeated refusals are counted, not each logged.
+Who may send (``ifrt.transfer_handshake``): an endpoint made by a ``Client`` holds transfer keys
+(``ifrt.transfer_keys``): a connection carries frames only once it proved, with the pair key only its process can
+get, which process it is. Without keys (an ``Endpoint`` used without a client), the cluster's token (an HMAC of a
+challenge) or, without a token, the address the process advertised is checked, as before keys existed. Either way a
+peer has ``HANDSHAKE_TIMEOUT_S`` from its connection to its first frame, at most ``MAX_HANDSHAKES`` connections wait
+in their handshake (a newer one closes the oldest), and running out of descriptors pauses accepting instead of ending
+it. Repeated refusals are counted, not each logged.
+
+What a connection sends is checked frame by frame: each frame's source device must be a device of the connection's
+process, its destination one of this process's devices, its header well formed (dtype, shape, length). A frame that
+breaks this fails that connection alone, at once: it is closed, logged (rate-limited), and the receives from its
+process fail at once, naming their pair, until the process connects again (``ifrt.arrivals``). What the endpoint
+holds for receives not made yet is bounded in bytes (``max_held_bytes``, 1 GiB by default).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hmac
 import logging
 import math
 import numbers
-import os
 import queue
 import socket
 import threading
@@ -37,24 +41,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
-from ifrt.frames import (
-    ALLOWED_KINDS,
-    ARRAY,
-    CHALLENGE_BYTES,
-    HEADER,
-    HELLO,
-    addresses_of,
-    connect,
-    encode_header,
-    ip_of,
-    read_frame,
-    recv_exactly,
-    token_proof,
-)
+from ifrt.arrivals import MAX_HELD_BYTES, Arrivals
+from ifrt.errors import IfrtError, InvalidArgument, TransferError, TransferTimeout
+from ifrt.frames import ALLOWED_KINDS, ARRAY, HEADER, connect, encode_header, read_header, read_payload
 from ifrt.hostport import check_address, check_host, join_host_port, split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.ratelimit import Throttled
+from ifrt.transfer_handshake import Admitted, Doorman, introduce
+from ifrt.transfer_keys import TransferKeys
 
 if TYPE_CHECKING:
     from ifrt.topology import Topology
@@ -83,20 +77,23 @@ def wait_seconds(timeout: float | None, default: float) -> float:
 
 
 class Endpoint:
-    """This process's transfer listener; incoming arrays wait in one queue per (source, destination) device."""
+    """This process's transfer listener; incoming arrays wait per (source, destination) device (``ifrt.arrivals``)."""
 
     _bound: ClassVar[dict[str, Endpoint]] = {}  # address -> endpoint, so Channels(topology) finds its own
     _bound_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, bind: str = "127.0.0.1:0", advertise_host: str | None = None,
-                 token: str | None = None, handshake_timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
-        """With ``token`` (the cluster's), a connecting peer must prove it holds the same token before any frame
-        is accepted, and this process proves it to the peers it connects to. Without one, a peer must connect
-        from the address of the process it says it is (see ``expect``)."""
+                 token: str | None = None, handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+                 keys: TransferKeys | None = None, max_held_bytes: int = MAX_HELD_BYTES) -> None:
+        """With ``keys`` (a ``Client``'s), a connecting peer proves which process it is with its pair key before any
+        frame, and this process proves itself so to the peers it connects to. Without keys, with ``token`` (the
+        cluster's) a peer must prove it holds the same token; without either, it must connect from the address of the
+        process it says it is (see ``expect``). ``max_held_bytes`` bounds what is held for receives not made yet."""
         check_address(bind, "the transfer endpoint's bind address", bind=True)
         if advertise_host is not None:
             check_host(advertise_host, "the transfer endpoint's advertised host")
         self.auth_key = token.encode() if token else None
+        self.keys = keys
         self.handshake_timeout = handshake_timeout
         host, port = split_host_port(bind)
         try:
@@ -104,19 +101,35 @@ class Endpoint:
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot bind the transfer endpoint to {bind!r}: {e}") from e
         self.address = join_host_port(advertise_host or host, self._listener.getsockname()[1])
-        self._queues: dict[tuple[int, int], queue.Queue] = {}
-        self._failed: dict[int, TransferError] = {}  # source process -> why its connection ended badly
+        self._arrivals = Arrivals(max_held_bytes)
         self._lock = threading.Lock()
         self._topology_known = threading.Condition(self._lock)
         self._topology: Topology | None = None
+        self._local: frozenset[int] = frozenset()  # this process's device ids in that topology
         self._peers: set[socket.socket] = set()  # admitted connections; each leaves when it closes
         self._handshaking: dict[socket.socket, None] = {}  # connections in their handshake, oldest first
         self._max_handshakes = MAX_HANDSHAKES
         self._noisy = Throttled(log)
+        self._doorman = Doorman(auth_key=self.auth_key, keys=keys, timeout=handshake_timeout, noisy=self._noisy,
+                                topology=self._wait_topology, hung_up=self._hung_up)
         self._closed = False
         threading.Thread(target=self._accept, name=f"ifrt-transfer-accept-{self.address}", daemon=True).start()
         with Endpoint._bound_lock:
             Endpoint._bound[self.address] = self
+
+    @property
+    def max_held_bytes(self) -> int:
+        """The most this endpoint holds in frames no receive has taken yet, over all pairs (``ifrt.arrivals``)."""
+        return self._arrivals.max_bytes
+
+    @max_held_bytes.setter
+    def max_held_bytes(self, value: int) -> None:
+        self._arrivals.max_bytes = value
+
+    @property
+    def held_bytes(self) -> int:
+        """What it holds now for receives not made yet (with each frame's overhead)."""
+        return self._arrivals.held_bytes
 
     def expect(self, topology: Topology) -> None:
         """Takes ``topology`` as the one whose processes may connect (a newer generation replaces it)."""
@@ -124,10 +137,11 @@ class Endpoint:
             if self._topology is not None and topology.generation < self._topology.generation:
                 return
             first, self._topology = self._topology is None, topology
+            self._local = frozenset(d.id for d in topology.local_devices)
             self._topology_known.notify_all()
         # Said once the endpoint serves a job, not by a discovery that failed; INFO: the coordinator, which has no
         # token either (else this process could not have registered), warns the operator once for the whole job.
-        if first and self.auth_key is None:
+        if first and self.auth_key is None and self.keys is None:
             log.info("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
                         "port from a member's address can send to this process; set IFRT_TOKEN (the coordinator's "
                         "--token-file) to require the token", self.address)
@@ -149,22 +163,9 @@ class Endpoint:
         return endpoint
 
     def receive(self, src: int, dst: int, src_process: int, timeout: float) -> np.ndarray:
-        """The next array sent from device ``src`` to device ``dst``; TransferTimeout after ``timeout`` seconds."""
-        timeout = wait_seconds(timeout, RECV_TIMEOUT_S)
-        arrivals = self._queue(src, dst)
-        with self._lock:
-            failure = self._failed.get(src_process)
-        if failure is not None and arrivals.empty():
-            raise failure  # the connection failed before this queue existed; later failures land in it
-        try:
-            item = arrivals.get(timeout=timeout)
-        except queue.Empty:
-            raise TransferTimeout(f"nothing arrived from device {src} (process {src_process}) for device {dst} "
-                                  f"within {timeout}s") from None
-        if isinstance(item, TransferError):
-            self._queue(src, dst).put(item)  # every later receive from that peer fails the same way
-            raise item
-        return item
+        """The next array sent from device ``src`` to device ``dst``; TransferTimeout after ``timeout`` seconds, and
+        at once the failure of ``src_process``'s latest connection while nothing is queued for the pair."""
+        return self._arrivals.take(src, dst, src_process, wait_seconds(timeout, RECV_TIMEOUT_S))
 
     def close(self) -> None:
         with self._lock:
@@ -181,10 +182,6 @@ class Endpoint:
         for peer in peers:
             with contextlib.suppress(OSError):  # wakes its reading thread, which closes it
                 peer.shutdown(socket.SHUT_RDWR)
-
-    def _queue(self, src: int, dst: int) -> queue.Queue:
-        with self._lock:
-            return self._queues.setdefault((src, dst), queue.Queue())
 
     def _accept(self) -> None:
         pause = ACCEPT_BACKOFF_S[0]
@@ -241,110 +238,90 @@ class Endpoint:
             _hang_up(conn)
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
-        src_process = -1
-        expected: dict[tuple[int, int], int] = {}
+        admitted = None
         try:
-            admitted = self._handshake(conn, peer)
+            admitted = self._doorman.admit(conn, peer)
             with self._lock:
                 if admitted is None or conn not in self._handshaking:  # refused, or closed meanwhile as the oldest
                     return
                 del self._handshaking[conn]
                 self._peers.add(conn)
-            src_process = admitted
-            while True:
-                header = conn.recv(HEADER.size, socket.MSG_PEEK)
-                if not header:
-                    return  # a clean close between frames
-                _, seq, src, dst, array = read_frame(conn, hello=False)
-                want = expected.get((src, dst), 0)
-                if seq != want:
-                    raise TransferError(f"frame {seq} from device {src} to device {dst}: expected frame {want} "
-                                        "(a frame was lost, repeated or reordered)")
-                expected[(src, dst)] = seq + 1
-                self._queue(src, dst).put(array)
-        except (TransferError, OSError) as e:
-            if self._closed:
-                return
-            error = e if isinstance(e, TransferError) else TransferError(f"connection error: {e}")
-            error = TransferError(f"transfer from process {src_process} failed: {error}")
-            log.warning("%s", error)
-            with self._lock:
-                self._failed[src_process] = error
-                queues = [q for (s, _), q in self._queues.items() if s >> LOCAL_ID_BITS == src_process]
-            for q in queues:
-                q.put(error)
+            if admitted.carries_frames:
+                self._arrivals.admitted(admitted.process, conn, lambda: _hang_up(conn))
+            self._read(conn, admitted)
+        except Exception as e:  # nothing a peer sends may end this thread unrecorded
+            if not self._closed:
+                self._failed(conn, peer, admitted, e)
         finally:
+            if admitted is not None:
+                self._arrivals.closed(admitted.process, conn)
             with self._lock:
                 self._handshaking.pop(conn, None)
                 self._peers.discard(conn)
             conn.close()
 
-    def _handshake(self, conn: socket.socket, peer: tuple) -> int | None:
-        """The process a new connection speaks for, once its hello is read and it is admitted (topology check or
-        token challenge) within the handshake timeout; None for a peer that is silent, malformed or not who it
-        says (logged, counted when repeated)."""
-        deadline = time.monotonic() + self.handshake_timeout
-        try:
-            _, _, src_process, dst_process, _ = read_frame(conn, hello=True, deadline=deadline)
-        except (TransferError, OSError) as e:
-            with self._lock:
-                hung_up = self._closed or conn not in self._handshaking  # closed as the oldest: logged then
-            if not hung_up:
-                self._noisy.warning("hello", "closed a transfer connection from %s: no valid hello within %gs: %s",
-                                    peer, self.handshake_timeout, e)
-            return None
-        why = self._not_a_member(peer, src_process, dst_process, deadline) if self.auth_key is None else None
-        if why is not None:
-            if not self._closed:
-                self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): %s",
-                                    peer, src_process, why)
-            return None
-        if self.auth_key is not None and not self._admit(conn, peer, src_process, deadline):
-            return None
-        conn.settimeout(None)
-        return src_process
+    def _read(self, conn: socket.socket, admitted: Admitted) -> None:
+        """Frames from an admitted connection until it closes cleanly; TransferError at the first bad one."""
+        process, expected = admitted.process, {}
+        while True:
+            if not conn.recv(HEADER.size, socket.MSG_PEEK):
+                return  # a clean close between frames
+            header = read_header(conn, hello=False)
+            if not admitted.carries_frames:
+                raise TransferError(f"a frame on a connection that did not prove process {process}'s transfer key "
+                                    "(a token or address hello, as a pre-flight probe sends): closed")
+            src, dst, seq = header.src, header.dst, header.seq
+            if src >> LOCAL_ID_BITS != process:
+                raise TransferError(f"frame {seq} says it comes from device {src}, which is not a device of process "
+                                    f"{process}, the process this connection proved")
+            if dst not in self._local:
+                raise TransferError(f"frame {seq} from device {src} is for device {dst}, which is not a device of "
+                                    "this process")
+            want = expected.get((src, dst), 0)
+            if seq != want:
+                raise TransferError(f"frame {seq} from device {src} to device {dst}: expected frame {want} "
+                                    "(a frame was lost, repeated or reordered)")
+            self._arrivals.reserve(process, conn, src, dst, seq, header.nbytes)
+            try:
+                array = read_payload(conn, header)
+            except BaseException:
+                self._arrivals.release(process, header.nbytes)
+                raise
+            expected[(src, dst)] = seq + 1
+            self._arrivals.put(process, src, dst, array)
 
-    def _not_a_member(self, peer: tuple, src_process: int, dst_process: int, deadline: float) -> str | None:
-        """Why a hello from ``peer`` that says it is process ``src_process`` is not believed, or None."""
+    def _failed(self, conn: socket.socket, peer: tuple, admitted: Admitted | None, e: Exception) -> None:
+        """Records (for its process's receives) and logs, rate-limited, why a connection ended badly."""
+        if isinstance(e, TransferError):
+            why = str(e)
+        elif isinstance(e, OSError):
+            why = f"connection error: {e}"
+        else:  # a bug, not the peer's doing: said as such, still confined to this connection
+            why = f"unexpected {type(e).__name__} reading its frames: {e}"
+        if admitted is None:
+            if not self._hung_up(conn):  # closed as the oldest in its handshake: logged then
+                self._noisy.warning("handshake", "closed a transfer connection from %s in its handshake: %s", peer,
+                                    why)
+            return
+        prefix = f"transfer from process {admitted.process} failed: "
+        error = e if isinstance(e, TransferError) and why.startswith(prefix) else TransferError(prefix + why)
+        if admitted.carries_frames:
+            self._arrivals.fail(admitted.process, conn, error)
+        self._noisy.warning("failed", "closed a transfer connection from %s (process %d%s): %s", peer,
+                            admitted.process, "" if admitted.proven else ", not proven by its key", error)
+
+    def _wait_topology(self, deadline: float) -> Topology | None:
+        """The topology this endpoint serves, waiting until ``deadline`` (monotonic) for one; None if none came."""
         with self._topology_known:
             self._topology_known.wait_for(lambda: self._topology is not None or self._closed,
                                           max(0.0, deadline - time.monotonic()))
-            topology = self._topology
-        if topology is None:
-            return f"this endpoint learnt no topology within {self.handshake_timeout:g}s"
-        if dst_process != topology.process_id:
-            return (f"it is addressed to process {dst_process}, this is process {topology.process_id} of topology "
-                    f"generation {topology.generation}")
-        try:
-            claimed = topology.process(src_process)
-        except KeyError:
-            return f"topology generation {topology.generation} has no process {src_process}"
-        host = split_host_port(claimed.address)[0]
-        if not host:
-            return f"process {src_process} advertised no transfer endpoint"
-        source = ip_of(str(peer[0]))
-        if source not in addresses_of(host):
-            return (f"it connects from {peer[0]}, but process {src_process} is at {host} in topology generation "
-                    f"{topology.generation}")
-        return None
+            return self._topology
 
-    def _admit(self, conn: socket.socket, peer: object, src_process: int, deadline: float) -> bool:
-        """Challenges a new connection to prove it holds the cluster's token; refuses (and logs) it if not."""
-        challenge = os.urandom(CHALLENGE_BYTES)
-        conn.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            conn.sendall(challenge)
-            answer = bytearray(CHALLENGE_BYTES)
-            recv_exactly(conn, memoryview(answer), "the answer to the token challenge", deadline)
-        except (OSError, TransferError) as e:
-            self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): no answer to "
-                                "the token challenge: %s", peer, src_process, e)
-            return False
-        if not hmac.compare_digest(bytes(answer), token_proof(self.auth_key, challenge)):  # type: ignore[arg-type]
-            self._noisy.warning("stranger", "refused a transfer connection from %s (says process %d): it does not "
-                                "hold the cluster's token", peer, src_process)
-            return False
-        return True
+    def _hung_up(self, conn: socket.socket) -> bool:
+        """Whether this endpoint closed ``conn`` during its handshake (as the oldest, or closing itself)."""
+        with self._lock:
+            return self._closed or conn not in self._handshaking
+
 
 class Channels:
     """Send and receive numpy arrays between devices of the topology; close it (or use ``with``) when done."""
@@ -364,7 +341,8 @@ class Channels:
         self._lock = threading.Lock()
 
     def send(self, array: np.ndarray, dst_device: int, src_device: int | None = None) -> None:
-        """Sends ``array`` from ``src_device`` (default: this process's first device) to ``dst_device``."""
+        """Sends ``array`` from ``src_device`` (default: this process's first device) to ``dst_device``. A send that
+        fails forgets its connection (the peer closed it): the next one to that process opens a new one."""
         src = self._local_device(src_device)
         dst = self.topology.device(dst_device)
         array = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
@@ -384,6 +362,7 @@ class Channels:
                 sock.sendall(encode_header(ARRAY, seq, src, dst.id, array))
                 sock.sendall(memoryview(array.reshape(-1).view(np.uint8)))
             except OSError as e:
+                self._drop(dst.process_id)
                 raise TransferError(f"sending to device {dst.id} (process {dst.process_id} at "
                                     f"{self.topology.process(dst.process_id).address}) failed: {e}") from e
 
@@ -442,26 +421,52 @@ class Channels:
         address = self.topology.process(process_id).address
         if not address:
             raise TransferError(f"process {process_id} advertised no transfer endpoint")
+        keys, token = self.endpoint.keys, self.endpoint.auth_key
         own = split_host_port(self.topology.process(self.topology.process_id).address)[0]
-        try:  # endpoints listen before their process registers: a refusal means the peer is gone
-            sock = connect(address, self._connect_timeout, own if self.endpoint.auth_key is None else None)
-        except (OSError, ValueError) as e:
-            raise TransferError(f"cannot connect to process {process_id} at {address}: {e}") from e
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.sendall(encode_header(HELLO, 0, self.topology.process_id, process_id))
-            if self.endpoint.auth_key is not None:
-                challenge = bytearray(CHALLENGE_BYTES)
-                recv_exactly(sock, memoryview(challenge), f"process {process_id}'s token challenge")
-                sock.sendall(token_proof(self.endpoint.auth_key, bytes(challenge)))
-        except (OSError, TransferError) as e:
+        for attempt in (1, 2):  # a refused key is fetched again once: the peer may have restarted with a new secret
+            key = None if keys is None else self._key(keys, process_id)
+            try:  # endpoints listen before their process registers: a refusal means the peer is gone
+                sock = connect(address, self._connect_timeout, own if keys is None and token is None else None)
+            except (OSError, ValueError) as e:
+                raise TransferError(f"cannot connect to process {process_id} at {address}: {e}") from e
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                admitted = introduce(sock, self.topology.process_id, process_id, key=key, token=token,
+                                     what=f"process {process_id} at {address}")
+            except (OSError, TransferError) as e:
+                sock.close()
+                how = "its pair-key" if key is not None else "the token"
+                raise TransferError(f"process {process_id} at {address} did not complete {how} handshake (does it run "
+                                    f"in this job, with the same cluster token?): {e}") from e
+            if admitted:
+                break
             sock.close()
-            raise TransferError(f"process {process_id} at {address} did not complete the token handshake (does it "
-                                f"run with the same cluster token?): {e}") from e
+            assert keys is not None
+            keys.forget(process_id)
+            if attempt == 2:
+                raise TransferError(f"process {process_id} at {address} refused this process's transfer key twice, "
+                                    "the second one fresh from the coordinator: is it the process the topology names?")
         sock.settimeout(None)
         with self._lock:
             self._out[process_id] = sock
         return sock
+
+    def _key(self, keys: TransferKeys, process_id: int) -> bytes:
+        """K(this process -> ``process_id``), from the cache or the coordinator."""
+        try:
+            return keys.outgoing(process_id)
+        except IfrtError as e:
+            raise TransferError(f"cannot get this process's transfer key toward process {process_id} from the "
+                                f"coordinator: {e}") from e
+
+    def _drop(self, process_id: int) -> None:
+        """Forgets a connection that failed: the next send opens another, numbering its frames from 0 again."""
+        with self._lock:
+            sock = self._out.pop(process_id, None)
+            for pair in [pair for pair in self._seq if pair[1] >> LOCAL_ID_BITS == process_id]:
+                del self._seq[pair]
+        if sock is not None:
+            sock.close()
 
 
 def _hang_up(conn: socket.socket) -> None:

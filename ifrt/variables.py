@@ -8,6 +8,7 @@ import threading
 from collections.abc import Mapping
 
 from ifrt import settings
+from ifrt.agent_credential import AGENT_ENV
 from ifrt.clusters.base import PORT_ENV
 from ifrt.spare import SPARE_ENV
 
@@ -16,6 +17,7 @@ READ = frozenset({
     *(value for name, value in vars(settings).items() if name.endswith("_ENV") and isinstance(value, str)),
     PORT_ENV,
     SPARE_ENV,  # a warm spare of `ifrt run --spare`
+    *AGENT_ENV,  # `ifrt run`'s host credential, and the coordinator's agent key
     "IFRT_CPU_DEVICE_COUNT", "IFRT_SIM_SPEC",  # the cpu and sim plugins
     "IFRT_ETCD_CA", "IFRT_ETCD_CERT", "IFRT_ETCD_KEY", "IFRT_ETCD_USER", "IFRT_ETCD_PASSWORD_FILE",  # the coordinator
     "IFRT_STORE", "IFRT_IMAGE", "IFRT_ETCD_IMAGE", "IFRT_BASE_IMAGE", "IFRT_BUILD_CONTEXT", "IFRT_CACHE_DIR",  # compose

@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -53,6 +54,13 @@ def free_ports(count: int) -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def secret_file(path: Path, text: str | None = None) -> Path:
+    """Writes ``text`` (random hex when None) to ``path``, readable by its owner only: a token or an agent key."""
+    path.write_text((text or secrets.token_hex(32)) + "\n")
+    path.chmod(0o600)
+    return path
 
 
 def free_port() -> int:
@@ -339,9 +347,9 @@ def ifrt_status(*args: str, env: dict[str, str] | None = None) -> subprocess.Com
                           env={**clean, **(env or {})})
 
 
-def status_json(address: str) -> dict:
-    """What `ifrt status --json` reports of the coordinator at ``address``."""
-    result = ifrt_status("--coordinator", address, "--json")
+def status_json(address: str, env: dict[str, str] | None = None) -> dict:
+    """What `ifrt status --json` reports of the coordinator at ``address`` (``env``: its IFRT_* settings)."""
+    result = ifrt_status("--coordinator", address, "--json", env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

@@ -28,7 +28,7 @@ from ifrt.run.host_register import HostRegistrar
 from ifrt.run.host_session import HostSession
 from ifrt.run.local_server import STRANGER_CALLS, LocalServer
 from ifrt.settings import resolve
-from tests.helpers import poll_until, rpc_calls
+from tests.helpers import poll_until, rpc_calls, secret_file
 from tests.replicas import Replicas, serving
 from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env
 from tests.tls import make_certs
@@ -309,12 +309,14 @@ def test_behind_the_token_and_tls_a_workers_calls_go_through_its_agent_and_a_wro
     token = tmp_path / "token"
     token.write_text("the job's token\n")
     token.chmod(0o600)
-    coordinator = start_coordinator("--token-file", str(token), "--tls-cert", str(certs / "server.pem"), "--tls-key",
-                                    str(certs / "server-key.pem"), num_processes=1, log_level="WARNING")
+    key = secret_file(tmp_path / "agent-key")
+    coordinator = start_coordinator("--token-file", str(token), "--agent-key-file", str(key), "--tls-cert",
+                                    str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
+                                    num_processes=1, log_level="WARNING")
     release = tmp_path / "release"
     a = agents("--grace-seconds", "1", "--", sys.executable, str(WORKER), "secured", env=loopback_env(
         coordinator.address, IFRT_TOKEN_FILE=str(token), IFRT_TLS_CA=str(certs / "ca.pem"),
-        AGENT_CALLS_RELEASE=str(release)))
+        IFRT_AGENT_KEY_FILE=str(key), AGENT_CALLS_RELEASE=str(release)))
     uid = a.wait_line(r"started process 0 pid \d+ uid (\w+)").group(1)
     watch = ConnectionWatch(int(coordinator.address.rsplit(":", 1)[1]), [a.process.pid])
     result = json.loads(a.wait_line(r"^\[0\] result 0 (.*)").group(1))

@@ -57,6 +57,7 @@ DOCUMENTED = {
     "KeyValueCompareSet": MEMBERS,
     "KeyValueDelete": MEMBERS,
     "Status": COMMON,
+    "TransferKey": MEMBERS,
 }
 METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name
 STREAMS = {"Session": pb.SessionRequest, "HostSession": pb.HostSessionRequest}

@@ -33,10 +33,11 @@ from coordinator.state import ClusterState
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
+from ifrt.agent_credential import host_credential
 from ifrt.errors import AttemptEnded, ClusterMismatch, InvalidArgument, PermissionDenied, from_rpc_error
 from ifrt.events import CoordinatorLost
 from ifrt.protocol import proof_of
-from tests.helpers import TIMEOUT, admit, lose_session, published, reg, register_request
+from tests.helpers import TIMEOUT, admit, lose_session, published, reg, register_request, secret_file
 from tests.replicas import LEADER_TTL, serving
 from tests.resources import rss_bytes
 from tests.wire_agent import WireAgent
@@ -353,7 +354,8 @@ def test_a_process_that_names_no_attempt_joins_the_current_one(start_coordinator
 def test_agents_need_the_cluster_token_like_processes(start_coordinator, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
-    coordinator = start_coordinator("--token-file", str(token_file), num_processes=1)
+    key = secret_file(tmp_path / "agent-key")
+    coordinator = start_coordinator("--token-file", str(token_file), "--agent-key-file", str(key), num_processes=1)
     with WireAgent(coordinator.address, "host-0") as agent:
         with pytest.raises(grpc.RpcError) as refused:
             agent.next(0)
@@ -361,7 +363,8 @@ def test_agents_need_the_cluster_token_like_processes(start_coordinator, tmp_pat
         with pytest.raises(grpc.RpcError) as watch_refused:
             agent.watch(timeout=30)
         assert watch_refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
-    with WireAgent(coordinator.address, "host-0", token="s3cret") as agent:
+    with WireAgent(coordinator.address, "host-0", token="s3cret",
+                   credential=host_credential(key.read_text().strip(), "host-0")) as agent:
         watch, first = agent.watch(timeout=30)
         assert first.state.attempt == 0
         watch.cancel()

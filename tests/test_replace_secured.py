@@ -19,7 +19,7 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from ifrt.security import _WithMetadata
-from tests.helpers import clients, poll_until
+from tests.helpers import clients, poll_until, secret_file
 from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env, started_lines
 from tests.tls import make_certs
 
@@ -38,9 +38,10 @@ def secured(tmp_path, certs) -> tuple[tuple[str, ...], dict[str, str]]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    return (("--token-file", str(token_file), "--tls-cert", str(certs / "server.pem"), "--tls-key",
-             str(certs / "server-key.pem")),
-            {"IFRT_TOKEN_FILE": str(token_file), "IFRT_TLS_CA": str(certs / "ca.pem")})
+    key = secret_file(tmp_path / "agent-key")
+    return (("--token-file", str(token_file), "--agent-key-file", str(key), "--tls-cert", str(certs / "server.pem"),
+             "--tls-key", str(certs / "server-key.pem")),
+            {"IFRT_TOKEN_FILE": str(token_file), "IFRT_TLS_CA": str(certs / "ca.pem"), "IFRT_AGENT_KEY_FILE": str(key)})
 
 
 @pytest.fixture

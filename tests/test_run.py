@@ -42,7 +42,7 @@ from ifrt.run.messages import (
 )
 from ifrt.run.workers import Worker, stop_all, worker_env
 from ifrt.settings import resolve
-from tests.helpers import BIN, poll_until
+from tests.helpers import BIN, poll_until, secret_file
 from tests.netns import Hosts, skip_without_netns
 from tests.replicas import Replicas
 from tests.requirements import require
@@ -321,8 +321,9 @@ def secured(tmp_path: Path, certs: Path, tls: bool) -> tuple[tuple[str, ...], di
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    flags: tuple[str, ...] = ("--token-file", str(token_file))
-    env: dict[str, str] = {}
+    key = secret_file(tmp_path / "agent-key")
+    flags: tuple[str, ...] = ("--token-file", str(token_file), "--agent-key-file", str(key))
+    env: dict[str, str] = {"IFRT_AGENT_KEY_FILE": str(key)}
     if tls:
         flags += ("--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"))
         env["IFRT_TLS_CA"] = str(certs / "ca.pem")

@@ -1,15 +1,20 @@
-"""torchrun's rendezvous state is read back without running anything (ifrt/torchrun_state.py): states torch makes
-pass, anything else is refused as RendezvousStateError naming the key and what was found; the backend, against a
-real coordinator, refuses a pickle planted at the state key before torch's own state holder unpickles it."""
+"""torchrun's rendezvous state is read back without running anything, in linear time (ifrt/torchrun_state.py):
+states torch makes pass, anything else is refused as RendezvousStateError naming the key and what was found (states
+built to cost quadratic time or huge integers included, in well under a second); torch's state holder, reading
+through the check against a real coordinator, never unpickles a pickle planted at the state key."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
+import time
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
@@ -24,7 +29,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 import ifrt
 from ifrt.torchrun import KEY_PREFIX, IfrtRendezvousBackend, host_entry
-from ifrt.torchrun_state import MAX_TUPLE_DEPTH, check_state
+from ifrt.torchrun_pickle import MAX_INT_BYTES, MAX_TUPLE_DEPTH
+from ifrt.torchrun_state import (
+    MAX_NODES,
+    MAX_SAME_HASH,
+    CheckedStateBackend,
+    check_state,
+    check_torch_layout,
+)
 
 KEY = f"{KEY_PREFIX}job/state"
 MODULE = _RendezvousState.__module__.encode()
@@ -53,9 +65,9 @@ def torch_state(nodes: int) -> _RendezvousState:
     return state
 
 
-def refusal(data: bytes) -> str:
+def refusal(data: bytes, max_nodes: int | None = None) -> str:
     with pytest.raises(RendezvousStateError) as caught:
-        check_state(data, KEY)
+        check_state(data, KEY, max_nodes)
     message = str(caught.value)
     assert KEY in message and "Nothing in it was run" in message, message
     return message
@@ -125,10 +137,11 @@ def test_opcodes_no_state_uses_are_refused(data, found):
 @pytest.mark.parametrize("value, found", [
     (b"s1", "its SETITEM at byte 0 takes more than the stack holds"),
     (pickle.dumps(_RendezvousState())[:-5], "no well-formed pickle"),
-    (pickle.dumps({"round": 1}), "it holds a value of type dict, not torch's _RendezvousState"),
+    (pickle.dumps({"round": 1}), "it holds a dict, not torch's _RendezvousState"),
     (b"", "no well-formed pickle"),
     (b"\x80\x04" + global_(b"datetime", b"datetime") + b"\x8a\x09" + (2**70).to_bytes(9, "little") + b"\x85R.",
-     "it does not load as one (OverflowError"),
+     f"its LONG1 at byte 23 is an integer of 9 bytes: a state holds none longer than {MAX_INT_BYTES}"),
+    (pickle.dumps(_RendezvousState()) + b"N.", "it goes on for 2 bytes after its STOP"),
 ])
 def test_bytes_that_are_no_state_are_refused(value, found):
     assert found in refusal(value)
@@ -137,13 +150,122 @@ def test_bytes_that_are_no_state_are_refused(value, found):
 def test_a_state_of_the_wrong_shape_is_refused_naming_the_field():
     state = torch_state(2)
     state.round = "3"
-    assert "its field 'round' holds str, expected an int" in refusal(pickle.dumps(state))
+    assert "its field 'round' holds str, expected an int from 0 to" in refusal(pickle.dumps(state))
     state = torch_state(2)
     state.wait_list = {_NodeDesc(("10.0.0.1",), 1, 0)}
-    assert "its field 'wait_list' holds set, expected a set of _NodeDesc" in refusal(pickle.dumps(state))
+    assert "a _NodeDesc of its field 'wait_list' has an addr that is no string" in refusal(pickle.dumps(state))
     state = torch_state(2)
-    state.extra = 1
-    assert "its fields are not those of torch's _RendezvousState ('extra')" in refusal(pickle.dumps(state))
+    state.participants[next(iter(state.participants))] = 7
+    assert "a rank in its field 'participants' holds the int 7, expected an int from 0 to 1" in refusal(
+        pickle.dumps(state), max_nodes=2)
+    assert "its field 'participants' holds 2 nodes, more than the job's 1 (--nnodes)" in refusal(
+        pickle.dumps(state), max_nodes=1)
+    state = torch_state(2)
+    deadline = state.deadline.__reduce__()[1][0]  # its 10 bytes; month 13
+    data = pickle.dumps(state).replace(deadline, deadline[:2] + b"\x0d" + deadline[3:], 1)
+    assert "a datetime of its field 'deadline' does not load as one (ValueError: month must be in 1..12)" in refusal(
+        data)
+    data = pickle.dumps(state).replace(deadline, deadline[:4] + b"\x63" + deadline[5:], 1)  # hour 99
+    assert "does not load as one (ValueError: hour must be in 0..23)" in refusal(data)
+
+
+def test_a_state_of_a_torch_of_another_layout_is_named_as_such_with_this_torchs_version():
+    state = torch_state(2)
+    state.extra = 1  # a field of a future torch
+    message = refusal(pickle.dumps(state))
+    assert f"its field 'extra' is no field of torch {torch.__version__}'s _RendezvousState (round, " in message
+    assert f"an agent of another torch than this one ({torch.__version__}) wrote it" in message
+    del state.extra, state.closed
+    assert f"it lacks the field 'closed' of torch {torch.__version__}'s _RendezvousState" in refusal(
+        pickle.dumps(state))
+    assert "it is a pickle of protocol 6; ifrt reads protocols 2 to 5" in refusal(b"\x80\x06N.")
+
+
+def test_an_installed_torch_of_another_layout_is_named_when_the_handler_is_made(monkeypatch):
+    check_torch_layout()  # the installed torch: known
+    init = _RendezvousState.__init__
+
+    def future_init(self) -> None:
+        init(self)
+        self.epoch = 0
+
+    monkeypatch.setattr(_RendezvousState, "__init__", future_init)
+    with pytest.raises(RendezvousStateError, match=re.escape(
+            f"does not know the rendezvous state of torch {torch.__version__} (_RendezvousState.epoch is new)")):
+        CheckedStateBackend(IfrtRendezvousBackend(None, KEY), KEY)
+
+
+# States made to cost an agent time: each is answered (a state or a refusal) in well under a second of CPU.
+def raw_state(pids: Iterable[int], local_ids: Iterable[int] | None = None) -> bytes:
+    """torch's state with one participant per pid, all on one address, as the opcodes pickle.dumps writes, written
+    here: making it of torch's objects would hash every node, quadratic for nodes that collide in the test itself."""
+    memo = [global_(MODULE, b"_NodeDesc"), short_str(b"addr"), short_str(b"10.0.0.1"), short_str(b"pid"),
+            short_str(b"local_id")]  # memo 0 to 4, each pushed, memoized and popped
+    out = [b"\x80\x04", *(item + b"\x940" for item in memo), global_(MODULE, b"_RendezvousState"), b")\x81}(",
+           short_str(b"round"), b"K\x03", short_str(b"complete"), b"\x89", short_str(b"deadline"), b"N",
+           short_str(b"closed"), b"\x89", short_str(b"participants"), b"}("]
+    for pid, local_id in zip(pids, local_ids if local_ids is not None else range(10**9), strict=False):
+        pid_op = b"J" + pid.to_bytes(4, "little") if pid < 2**31 else b"\x8a" + bytes(
+            [len(pickle.encode_long(pid))]) + pickle.encode_long(pid)
+        out.append(b"h\x00)\x81}(h\x01h\x02h\x03" + pid_op + b"h\x04J" + local_id.to_bytes(4, "little") + b"ubK\x00")
+    out += [b"u", short_str(b"wait_list"), b"\x8f", short_str(b"redundancy_list"), b"\x8f",
+            short_str(b"last_heartbeats"), b"}ub."]
+    return b"".join(out)
+
+
+def cpu_seconds(data: bytes, max_nodes: int | None = None) -> tuple[float, str]:
+    """The CPU time check_state takes for ``data``, and its refusal ("" for a state it accepts)."""
+    started = time.process_time()
+    try:
+        check_state(data, KEY, max_nodes)
+        found = ""
+    except RendezvousStateError as e:
+        found = str(e)
+    return time.process_time() - started, found
+
+
+def test_the_raw_state_is_the_state_pickle_makes():
+    state = pickle.loads(raw_state([11, 12], [0, 1]))
+    assert vars(check_state(raw_state([11, 12], [0, 1]), KEY)) == vars(state)
+    assert list(state.participants) == [_NodeDesc("10.0.0.1", 11, 0), _NodeDesc("10.0.0.1", 12, 1)]
+
+
+def test_nodes_whose_hashes_all_collide_are_answered_in_linear_time():
+    # hash(k * (2**61 - 1)) is 0 for every k: before, each node's insert compared it with every earlier one (4,000
+    # nodes: 2.5-6.5 s of CPU, in every agent on every read).
+    data = raw_state((k * (2**61 - 1) for k in range(1, 4001)), [0] * 4000)  # one address, local_id 0: one hash
+    seconds, found = cpu_seconds(data)
+    assert seconds < 0.1, seconds
+    assert f"is an integer of 9 bytes: a state holds none longer than {MAX_INT_BYTES}" in found  # k = 5
+
+
+def test_nodes_sharing_one_hash_are_refused_before_any_set_of_them_is_built(monkeypatch):
+    monkeypatch.setattr(_NodeDesc, "__hash__", lambda self: 0)  # what no seed gives an attacker, here by force
+    seconds, found = cpu_seconds(raw_state(range(1, 8001)), max_nodes=8000)  # before: 5.6 s of CPU here
+    assert seconds < 1.0, seconds
+    assert f"more than {MAX_SAME_HASH} of its 8000 nodes share one hash" in found
+    seconds, found = cpu_seconds(raw_state(range(1, 1 + MAX_SAME_HASH)))  # a few may: they cost little
+    assert found == ""
+
+
+def test_more_nodes_than_the_bound_are_refused_as_they_are_read():
+    data = raw_state(range(1, 33_001))
+    assert len(data) < 2**20  # within the coordinator's values
+    seconds, found = cpu_seconds(data)
+    assert seconds < 0.5, seconds
+    assert f"it holds more than {MAX_NODES} _NodeDesc (at byte" in found
+    assert f"more than {4 * 5000} _NodeDesc" in cpu_seconds(data, max_nodes=5000)[1]  # 4 x the job's, when more
+    seconds, found = cpu_seconds(raw_state(range(1, 4001)), max_nodes=4000)
+    assert found == "" and seconds < 1.0, seconds
+
+
+def test_a_round_of_4_MiB_is_refused_before_the_integer_is_built():
+    state = _RendezvousState()
+    state.round = 1 << (8 * 4 * 2**20 - 2)
+    data = pickle.dumps(state)
+    seconds, found = cpu_seconds(data)
+    assert seconds < 0.05, seconds
+    assert "its LONG4 at byte" in found and "is an integer of 4194304 bytes" in found
 
 
 def test_a_nodes_host_entry_that_is_not_what_agents_publish_is_refused_naming_the_key():
@@ -210,7 +332,8 @@ def test_torchs_state_holder_never_unpickles_a_state_planted_through_a_plain_cli
     with ifrt.Client(coordinator.address, session=False, transfer=False, token_file=str(token_file)) as attacker, \
             ifrt.Client(coordinator.address, session=False, transfer=False, token_file=str(token_file)) as agent:
         backend = IfrtRendezvousBackend(agent, KEY, timeout=10)
-        holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+        checked = CheckedStateBackend(backend, KEY, max_nodes=2)  # what the handler's state holder reads through
+        holder = _BackendRendezvousStateHolder(checked, settings, cache_duration=0)
         holder.sync()  # nothing stored yet: torch starts from an empty state
         attacker.kv_set(KEY, pickle.dumps(WritesMarker(marker)))
         with pytest.raises(RendezvousStateError, match=f"refused the rendezvous state at '{KEY}'.*system"):
@@ -221,6 +344,9 @@ def test_torchs_state_holder_never_unpickles_a_state_planted_through_a_plain_cli
         expected = torch_state(2)
         legit = pickle.dumps(expected)
         attacker.kv_set(KEY, legit, allow_overwrite=True)
-        state, token = backend.get_state()  # torch gets the checked state; the stored bytes stay the token
+        assert backend.get_state() == (legit, legit)  # the backend: opaque bytes, as torch's contract says
+        state, token = checked.get_state()  # torch gets the checked state; the stored bytes stay the token
         assert token == legit and vars(pickle.loads(state)) == vars(expected)
+        holder.sync()
+        assert vars(holder.state) == vars(expected)
     assert not marker.exists()

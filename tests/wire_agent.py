@@ -8,6 +8,7 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
+from ifrt.agent_credential import AGENT_CREDENTIAL_METADATA
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 
 
@@ -17,7 +18,8 @@ class WireAgent:
     runs process 1."""
 
     def __init__(self, address: str, host: str, *, workers: int = 1, max_restarts: int | None = 3,
-                 uid: str | None = None, secret: str | None = None, token: str | None = None) -> None:
+                 uid: str | None = None, secret: str | None = None, token: str | None = None,
+                 credential: str | None = None) -> None:
         self.channel = grpc.insecure_channel(address)
         self.coordinator, self.jobs = CoordinatorStub(self.channel), JobAgentsStub(self.channel)
         self.host, self.workers, self.max_restarts = host, workers, max_restarts
@@ -25,6 +27,8 @@ class WireAgent:
         self.metadata = [(SECRET_METADATA, secret or secrets.token_hex(16))]
         if token is not None:
             self.metadata.append((TOKEN_METADATA, token))
+        if credential is not None:
+            self.metadata.append((AGENT_CREDENTIAL_METADATA, credential))
 
     def watch(self, timeout: float = 120):
         """The job's watch, once it joined; and its first message (the JobState)."""

@@ -41,20 +41,22 @@ PROCESS_PHASE_FAILED: ProcessPhase
 PROCESS_PHASE_LEFT: ProcessPhase
 
 class WatchJobRequest(_message.Message):
-    __slots__ = ("host", "agent_uid", "workers", "max_restarts", "recover", "spare_host")
+    __slots__ = ("host", "agent_uid", "workers", "max_restarts", "recover", "spare_host", "replace_timeout_s")
     HOST_FIELD_NUMBER: _ClassVar[int]
     AGENT_UID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_FIELD_NUMBER: _ClassVar[int]
     SPARE_HOST_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     host: str
     agent_uid: str
     workers: int
     max_restarts: int
     recover: str
     spare_host: bool
-    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ..., workers: _Optional[int] = ..., max_restarts: _Optional[int] = ..., recover: _Optional[str] = ..., spare_host: _Optional[bool] = ...) -> None: ...
+    replace_timeout_s: float
+    def __init__(self, host: _Optional[str] = ..., agent_uid: _Optional[str] = ..., workers: _Optional[int] = ..., max_restarts: _Optional[int] = ..., recover: _Optional[str] = ..., spare_host: _Optional[bool] = ..., replace_timeout_s: _Optional[float] = ...) -> None: ...
 
 class AttemptFailure(_message.Message):
     __slots__ = ("attempt", "process_id", "host", "reason")
@@ -135,12 +137,14 @@ class NextAttemptRequest(_message.Message):
     def __init__(self, ended_attempt: _Optional[int] = ..., failure: _Optional[_Union[AttemptFailure, _Mapping]] = ..., max_restarts: _Optional[int] = ..., request_id: _Optional[str] = ..., agent_uid: _Optional[str] = ..., replace: _Optional[bool] = ..., shrink: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NextAttemptResponse(_message.Message):
-    __slots__ = ("state", "shrink_refused")
+    __slots__ = ("state", "shrink_refused", "shrink_wait_s")
     STATE_FIELD_NUMBER: _ClassVar[int]
     SHRINK_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     shrink_refused: str
-    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., shrink_refused: _Optional[str] = ...) -> None: ...
+    shrink_wait_s: float
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., shrink_refused: _Optional[str] = ..., shrink_wait_s: _Optional[float] = ...) -> None: ...
 
 class LocalDevice(_message.Message):
     __slots__ = ("local_id", "platform", "kind", "slice_key", "attributes", "coordinates")
@@ -814,7 +818,7 @@ class ProcessStatus(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt", "slow_after_seconds")
+    __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt", "slow_after_seconds", "agents")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -834,6 +838,7 @@ class StatusResponse(_message.Message):
     HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SLOW_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AGENTS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     state: ClusterPhase
     generation: int
@@ -853,4 +858,39 @@ class StatusResponse(_message.Message):
     heartbeat_timeout_seconds: float
     attempt: int
     slow_after_seconds: float
-    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ..., attempt: _Optional[int] = ..., slow_after_seconds: _Optional[float] = ...) -> None: ...
+    agents: _containers.RepeatedCompositeFieldContainer[AgentStatus]
+    def __init__(self, cluster_id: _Optional[str] = ..., state: _Optional[_Union[ClusterPhase, str]] = ..., generation: _Optional[int] = ..., fingerprint: _Optional[str] = ..., registered: _Optional[int] = ..., expected: _Optional[int] = ..., missing_process_ids: _Optional[_Iterable[int]] = ..., missing: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessStatus, _Mapping]]] = ..., leader: _Optional[str] = ..., replica: _Optional[str] = ..., store: _Optional[str] = ..., reason: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., time_to_publish_seconds: _Optional[float] = ..., sessions_open: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ..., attempt: _Optional[int] = ..., slow_after_seconds: _Optional[float] = ..., agents: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ...) -> None: ...
+
+class AgentStatus(_message.Message):
+    __slots__ = ("host", "address", "workers", "spare", "joined_unix_s", "watching")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_FIELD_NUMBER: _ClassVar[int]
+    JOINED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    WATCHING_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    address: str
+    workers: int
+    spare: bool
+    joined_unix_s: float
+    watching: bool
+    def __init__(self, host: _Optional[str] = ..., address: _Optional[str] = ..., workers: _Optional[int] = ..., spare: _Optional[bool] = ..., joined_unix_s: _Optional[float] = ..., watching: _Optional[bool] = ...) -> None: ...
+
+class TransferKeyRequest(_message.Message):
+    __slots__ = ("client_uid", "peer_process_id")
+    CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
+    PEER_PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    client_uid: str
+    peer_process_id: int
+    def __init__(self, client_uid: _Optional[str] = ..., peer_process_id: _Optional[int] = ...) -> None: ...
+
+class TransferKeyResponse(_message.Message):
+    __slots__ = ("key", "process_id", "peer_process_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    process_id: int
+    peer_process_id: int
+    def __init__(self, key: _Optional[bytes] = ..., process_id: _Optional[int] = ..., peer_process_id: _Optional[int] = ...) -> None: ...

@@ -156,6 +156,11 @@ class CoordinatorStub:
                 request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.TransferKey = channel.unary_unary(
+                '/ifrt.topology.v1.Coordinator/TransferKey',
+                request_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.TransferKeyRequest.SerializeToString,
+                response_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.TransferKeyResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -427,6 +432,25 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferKey(self, request, context):
+        """The key this process proves itself with when it opens a transfer
+        connection to process peer_process_id's endpoint (ifrt.transfer_keys):
+        HMAC-SHA256 under the sha256 of the peer's process secret, of the two
+        process ids. The peer derives the same key from its own secret; nobody
+        else but the coordinator can. One call per (process, peer) pair, cached by
+        the client. Answered only to a process of the published topology that
+        proves it with its own process secret, for a peer of the same run.
+        NOT_FOUND            the caller (client_uid) is not a registered process
+        of the published topology, or no process holds
+        peer_process_id in it.
+        PERMISSION_DENIED    the call does not carry the caller's process secret,
+        or a process registered without one.
+        FAILED_PRECONDITION  the caller was declared failed or has left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -529,6 +553,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.StatusResponse.SerializeToString,
+            ),
+            'TransferKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferKey,
+                    request_deserializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.TransferKeyRequest.FromString,
+                    response_serializer=ifrt_dot_topology_dot_v1_dot_coordinator__pb2.TransferKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1103,6 +1132,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def TransferKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ifrt.topology.v1.Coordinator/TransferKey',
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.TransferKeyRequest.SerializeToString,
+            ifrt_dot_topology_dot_v1_dot_coordinator__pb2.TransferKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class JobAgentsStub:
     """The per-host agents of `ifrt run`, which start, watch and restart the job's
@@ -1151,12 +1207,18 @@ class JobAgentsServicer:
         the end of the job's restarts. With `workers` > 0 the caller joins the job
         as one of its agents (journaled: its agent_uid, host, address, and the
         sha256 of the secret its calls carry in `ifrt-process-secret` metadata,
-        as a process's); with 0 it only watches. A new agent that joins a job whose
+        as a process's); with 0 it only watches, and counts as the agent's
+        presence only with that agent's secret. Where the coordinator binds agents
+        to hosts (--agent-key-file, required with --token-file), a joining agent
+        carries its host's credential in `ifrt-agent-credential` metadata: the
+        host it acts for is the one its credential names, never what it says.
+        A new agent that joins a job whose
         restarts are exhausted, or whose agents are all gone, starts the next run
         of it: the next attempt, with no failure and the whole budget.
         INVALID_ARGUMENT     the host or agent_uid is empty or too long, or an
         agent's call carries no secret.
-        PERMISSION_DENIED    agent_uid is another agent's (its secret differs).
+        PERMISSION_DENIED    agent_uid is another agent's (its secret differs),
+        or the call carries no valid credential for host.
         FAILED_PRECONDITION  max_restarts differs from the job's restart budget,
         or the job's agents already cover --num-processes
         workers (none of them is on the caller's host or

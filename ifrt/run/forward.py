@@ -1,5 +1,6 @@
-"""A worker's unary calls (key-values, barriers, LiveProcesses, preemption, Leave, Status) forwarded by its ``ifrt run``
-agent to the coordinator on the agent's own connection, so that a host holds one connection to the coordinator.
+"""A worker's unary calls (key-values, barriers, LiveProcesses, preemption, Leave, Status, TransferKey) forwarded by its
+``ifrt run`` agent to the coordinator on the agent's own connection, so that a host holds one connection to the
+coordinator.
 
 A call goes as it came: its bytes, the worker's token and process secret (the coordinator checks the worker's secret
 as on a direct call; the agent adds no authority of its own) and its deadline. Its answer comes back as the coordinator
@@ -23,7 +24,7 @@ from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 SERVICE = "ifrt.topology.v1.Coordinator"
 FORWARDED = ("Leave", "Barrier", "CancelBarrier", "KeyValueSet", "KeyValueGet", "KeyValueTryGet", "KeyValueDir",
              "KeyValueMultiGet", "KeyValueMultiSet", "KeyValueIncrement", "KeyValueCompareSet", "KeyValueDelete",
-             "LiveProcesses", "PreemptionNotice", "PreemptionSync", "Status")
+             "LiveProcesses", "PreemptionNotice", "PreemptionSync", "Status", "TransferKey")
 """The Coordinator's unary methods a worker's agent forwards (Register goes in the host's RegisterHost instead)."""
 PASSED = (SECRET_METADATA, TOKEN_METADATA)
 """The metadata of a worker's call that goes on with it: whose call it is, and the job's token."""

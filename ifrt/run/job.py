@@ -14,6 +14,7 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
+from ifrt.agent_credential import AGENT_CREDENTIAL_METADATA, agent_credential
 from ifrt.connection import Connection
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, from_rpc_error
 from ifrt.run.agent import EXIT_USAGE
@@ -82,9 +83,13 @@ class JobLink:
 
     def __init__(self, coordinator: str | None, failover_window_s: float, *, workers: int,
                  max_restarts: int | None = None, recover: str = "", spare_host: bool = False,
+                 replace_timeout_s: float = 0.0, credential_file: str | None = None, key_file: str | None = None,
                  **kwargs: Any) -> None:
         self.settings = resolve(coordinator, **kwargs)
-        self.connection = _AgentConnection(self.settings, new_process_secret())
+        credential = agent_credential(self.settings.hostname, credential_file=credential_file, key_file=key_file)
+        self.connection = _AgentConnection(self.settings, new_process_secret(), extra_metadata=(
+            ((AGENT_CREDENTIAL_METADATA, credential),) if credential else ()))
+        self.replace_timeout_s = replace_timeout_s
         self.agent_uid = uuid.uuid4().hex
         self.workers, self.max_restarts = workers, max_restarts
         self.recover, self.spare_host = recover, spare_host
@@ -101,7 +106,7 @@ class JobLink:
     def _follow(self, emit: Callable[[Event], None]) -> None:
         request = pb.WatchJobRequest(host=self.settings.hostname, agent_uid=self.agent_uid, workers=self.workers,
                                      max_restarts=self.max_restarts, recover=self.recover,
-                                     spare_host=self.spare_host)
+                                     spare_host=self.spare_host, replace_timeout_s=self.replace_timeout_s)
         lost_since: float | None = None
         watched = False
         while not self._stop.is_set():
@@ -153,13 +158,19 @@ class JobLink:
     def shrink(self, attempt: int, failure: Failure, process_ids: tuple[int, ...]) -> tuple[JobView, str]:
         """The coordinator's decision on dropping ``process_ids`` (failed, neither replaced nor taken over) while
         attempt ``attempt`` goes on (decided once, retried as ``next_attempt``): the job's state, and why it refused
-        ("": shrunk)."""
+        ("": shrunk). While a process's own agent may still replace it, the coordinator says how long to wait: this
+        waits and asks again."""
         request = pb.NextAttemptRequest(
             ended_attempt=attempt, agent_uid=self.agent_uid, request_id=uuid.uuid4().hex, shrink=process_ids,
             failure=pb.AttemptFailure(attempt=failure.attempt, process_id=failure.process_id, host=failure.host,
                                       reason=failure.reason))
-        answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)
-        return view_of(answer.state), answer.shrink_refused
+        while True:
+            answer = self.connection.call("NextAttempt", lambda _: request, time.monotonic() + self.failover_window_s)
+            if answer.shrink_wait_s <= 0 or self._stop.is_set():
+                return view_of(answer.state), answer.shrink_refused
+            log.info("the coordinator waits %.1fs more before it decides the shrink: a failed process's own agent may "
+                     "still replace it", answer.shrink_wait_s)
+            self._stop.wait(min(answer.shrink_wait_s, 60.0))
 
     def learn_ids(self, local_ranks: int, attempt: int, emit: Callable[[Event], None],
                   until: Callable[[], bool], timeout: float) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 
 from ifrt import clusters, failfast
+from ifrt.agent_credential import AGENT_CREDENTIAL_FILE_ENV, AGENT_KEY_FILE_ENV
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
 from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, workers_status
 from ifrt.run.job import JobLink
@@ -120,6 +121,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding the cluster's token, if the coordinator requires one (default "
                         "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself); the workers read the same. TLS from "
                         "$IFRT_TLS_CA, $IFRT_TLS_CERT, $IFRT_TLS_KEY, passed on to the workers")
+    p.add_argument("--agent-credential-file", metavar="PATH",
+                   help="file holding this host's agent credential (`ifrt agent-credential --host H` prints it), "
+                        "if the coordinator binds agents to hosts (its --agent-key-file; required with a token): the "
+                        "agent acts for the host the credential names and no other (default "
+                        f"${AGENT_CREDENTIAL_FILE_ENV}); the workers never get it")
+    p.add_argument("--agent-key-file", metavar="PATH",
+                   help="the coordinator's agent key, to derive this host's credential from (default "
+                        f"${AGENT_KEY_FILE_ENV}): simpler to hand out, but a host that holds the key can act for any "
+                        "host; the workers never get it")
     p.add_argument("--host-rank", type=int, metavar="R",
                    help=f"this host's rank among the job's hosts: worker ids are R * N + local rank (default "
                         f"${PROCESS_ID_ENV} or the launcher's rank of this agent, one agent per host; unset: the "
@@ -146,7 +156,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         link = JobLink(args.coordinator, failfast.failover_window_from_env(), workers=args.nproc_per_host,
                        max_restarts=args.max_restarts, token_file=args.token_file, recover=args.recover,
-                       spare_host=args.spare_host)
+                       spare_host=args.spare_host, replace_timeout_s=args.replace_timeout,
+                       credential_file=args.agent_credential_file, key_file=args.agent_key_file)
     except IfrtError as e:
         print(f"ifrt run: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return EXIT_USAGE

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
+from ifrt.agent_credential import AGENT_ENV
 from ifrt.hostport import join_host_port
 from ifrt.run import child
 from ifrt.settings import (
@@ -79,8 +80,9 @@ def worker_env(base: Mapping[str, str], settings: Settings, *, attempt: int, loc
     describe the agent, not the worker), with the resolved settings as ``IFRT_*``. The process id is
     ``host_rank * nproc + local_rank`` when the host rank is known, else the coordinator assigns it (by host, then
     local rank: the same in every attempt). ``transfer_bind`` (unless the agent's environment sets one for every
-    worker) keeps the worker's transfer endpoint at one address in every attempt, so the topology is identical."""
-    env = {k: v for k, v in base.items() if k not in launcher_variables}
+    worker) keeps the worker's transfer endpoint at one address in every attempt, so the topology is identical. The
+agent's credential and key (``ifrt.agent_credential``) stay with the agent."""
+    env = {k: v for k, v in base.items() if k not in launcher_variables and k not in AGENT_ENV}  # no agent powers
     if transfer_bind is not None and not env.get(TRANSFER_BIND_ENV):
         env[TRANSFER_BIND_ENV] = transfer_bind
     env.update({COORDINATOR_ENV: ",".join(settings.coordinators), LOCAL_RANK_ENV: str(local_rank),

@@ -1,0 +1,63 @@
+"""The ``TransferKey`` RPC: hands a process of the published topology the key it proves itself with to a peer's
+transfer endpoint (``ifrt.transfer_keys``). A read of durable state: it changes nothing, and is answered only to a
+caller that proves, with its own process secret, that it is the registered process it says (``client_uid``), for a
+peer of the same run that registered with a secret of its own."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
+
+import grpc
+
+from coordinator.calls import caller_proof, parse
+from coordinator.run import Run
+from coordinator.state import ClusterState
+from ifrt._generated import coordinator_pb2 as pb
+from ifrt.errors import PermissionDenied, UnknownClient
+from ifrt.transfer_keys import pair_key
+
+R = TypeVar("R")
+
+
+class Serving(Protocol):
+    """What the handler needs of the service (``coordinator.service.CoordinatorService``)."""
+
+    @property
+    def state(self) -> ClusterState: ...
+
+    async def serving(self, context: grpc.aio.ServicerContext, what: str, epoch: int | None = None) -> None: ...
+
+    async def read(self, context: grpc.aio.ServicerContext, what: str, query: Callable[[], R]) -> R: ...
+
+
+def transfer_key_handler(service: Serving) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]:
+    """The raw-bytes handler of ``TransferKey`` for ``service`` (registered in its ``handlers()``)."""
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await parse(pb.TransferKeyRequest, raw, context)
+        what = f"a transfer key toward process {request.peer_process_id}"
+        await service.serving(context, what)
+        proof = caller_proof(context)
+        process_id, key = await service.read(context, what, lambda: key_for(service.state.current, request, proof))
+        return pb.TransferKeyResponse(key=key, process_id=process_id,
+                                      peer_process_id=request.peer_process_id).SerializeToString()
+    return handle
+
+
+def key_for(run: Run, request: pb.TransferKeyRequest, proof: str) -> tuple[int, bytes]:
+    """(the caller's process id, K(caller -> peer)); UnknownClient, PermissionDenied or ProcessDeclaredFailed when the
+    caller may not have it, UnknownClient when the run has no such peer."""
+    process_id = run.process_id_of(request.client_uid, proof=proof)  # published, usable, its secret matches
+    own = run.registration_of(process_id)
+    if own is None or not own.secret_hash or not hmac.compare_digest(own.secret_hash, proof):
+        raise PermissionDenied(f"process {process_id} registered without a process secret, or this call does not "
+                               "carry it: transfer keys are handed only to a process that proves it is itself")
+    peer = request.peer_process_id
+    registration = run.registration_of(peer) if peer in run.admission.in_topology else None
+    if registration is None:
+        raise UnknownClient(f"no process {peer} in the published topology of run {run.number}: no transfer key "
+                            "toward it")
+    if not registration.secret_hash:
+        raise PermissionDenied(f"process {peer} registered without a process secret: its transfers cannot be keyed")
+    return process_id, pair_key(registration.secret_hash, process_id, peer)
