@@ -103,7 +103,8 @@ def agent_lines(view: dict[str, Any]) -> list[str]:
     lines = []
     for a in view.get("agents") or ():
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["joined_unix_s"])) if a["joined_unix_s"] else "?"
-        lines.append(f"{a['host']} ({a['address']}), {a['workers']} workers{', spare host' if a['spare'] else ''}, "
+        workers = f"{a['workers']} worker{'' if a['workers'] == 1 else 's'}"
+        lines.append(f"{a['host']} ({a['address']}), {workers}{', spare host' if a['spare'] else ''}, "
                      f"since {since}{'' if a['watching'] else ', not watching'}")
     return lines
 
