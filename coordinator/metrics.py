@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator import health, status_page
+from coordinator import health, operator_view, status_page
 from coordinator.http_server import BoundedWSGIServer, token_required
 from coordinator.status import DEGRADED, PUBLISHED, WAITING, StatusReport
 from ifrt import status_svg, status_view
@@ -231,7 +231,7 @@ class _StateCollector(Collector):
 
     def _read(self) -> _Snapshot:
         service = self._service
-        return _Snapshot(service.replica.serving, service.replica.config.num_processes, service.report(),
+        return _Snapshot(service.replica.serving, service.replica.config.num_processes, operator_view.report(service),
                          service.time_to_publish_s)
 
 
@@ -274,7 +274,7 @@ class _PageView:
 
     async def read(self) -> dict[str, Any]:
         service = self._service
-        answer = await service.status_answer()
+        answer = await operator_view.status_answer(service)
         view = status_view.to_dict(answer)
         standby = view["state"] == status_view.STANDBY
         view["replicas"] = [{"address": answer.replica, "role": status_view.STANDBY if standby else

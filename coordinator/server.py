@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from coordinator import door as doors
-from coordinator import noise
+from coordinator import noise, operator_view
 from coordinator.agents import AGENTS_SERVICE, JobAgentsService
 from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
@@ -102,7 +102,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     if config.ready_file:
         _write_atomically(config.ready_file, address)
     background = [asyncio.create_task(service.replica.run()),
-                  asyncio.create_task(service.log_progress_every(config.progress_interval_s)),
+                  asyncio.create_task(operator_view.log_progress_every(service, config.progress_interval_s)),
                   asyncio.create_task(service.tick_every(config.tick_s)),
                   asyncio.create_task(agents.watch_hosts_every(config.tick_s)),
                   asyncio.create_task(noise.flush_every()),
@@ -114,7 +114,7 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        log.info("shutting down: %s", service.status())
+        log.info("shutting down: %s", operator_view.status(service))
         if metrics is not None:
             metrics.close()
         # New calls are refused from here on; calls in flight still get their journal writes.

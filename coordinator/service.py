@@ -5,7 +5,7 @@ RPCs are rows of ``coordinator.rpcs``; Register and Session have small handlers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import math
 import time
@@ -15,8 +15,8 @@ from typing import TypeVar
 
 import grpc
 
+from coordinator import operator_view
 from coordinator import registration as reg
-from coordinator import status as status_view
 from coordinator.barriers import BarrierResolved
 from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.config import CoordinatorConfig
@@ -84,7 +84,7 @@ class CoordinatorService(HostRegister):
                                **({"report": report} if report else {}), tunables=config)
         self.clock = clock
         self._config = config
-        self._advertise = advertise
+        self.advertise = advertise
         self.time_to_publish_s: float | None = None
         """From the first registration to generation 1, when this replica published it (not replayed it)."""
         self.generation = PublishedGeneration()
@@ -217,7 +217,7 @@ class CoordinatorService(HostRegister):
         methods = {name: unary(self._unary_of(rpc), name) for name, rpc in RPCS.items()}
         methods["Register"] = unary(self.register, "Register")
         methods["RegisterHost"] = unary(self.register_host, "RegisterHost")
-        methods["Status"] = unary(self.status_rpc, "Status")
+        methods["Status"] = unary(functools.partial(operator_view.status_rpc, self), "Status")
         methods["TransferKey"] = unary(transfer_key_handler(self), "TransferKey")
         methods["Session"] = grpc.stream_stream_rpc_method_handler(internal_errors(self.sessions.serve, "Session"))
         methods["HostSession"] = grpc.stream_stream_rpc_method_handler(
@@ -482,48 +482,3 @@ class CoordinatorService(HostRegister):
                 self._waiters.resolve(key, answer)
         for listener in self.effect_listeners:
             listener(effects)
-
-    # The operator's view.
-    async def status_rpc(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        """The operator's view (``ifrt status``); a standby answers it too, naming the leader."""
-        await parse(pb.StatusRequest, raw, context)
-        return (await self.status_answer()).SerializeToString()
-
-    async def status_answer(self) -> pb.StatusResponse:
-        """What ``Status`` answers now (also the status page's source): only what is durable."""
-        if self.replica.serving:
-            with contextlib.suppress(NotServing):  # then this replica answers as a standby
-                await self.replica.commit()  # report only what is durable
-        replica, config = self.replica, self.replica.config
-        if not replica.serving:
-            return status_view.standby_answer(cluster_id=config.cluster_id, expected=config.num_processes,
-                                              replica=self._advertise, leader=replica.store.leader,
-                                              store=replica.store.description, reason=replica.not_serving_reason(),
-                                              attempt=config.attempt)
-        generation = self.current_generation()  # no await since the commit: the report and fingerprint agree
-        return status_view.leader_answer(self.state.current.report(self.clock()), fingerprint=generation.fingerprint,
-                                         replica=self._advertise, leader=replica.store.leader or self._advertise,
-                                         store=replica.store.description, time_to_publish_s=self.time_to_publish_s,
-                                         attempt=self.state.attempts.current, agents=self.state.attempts.listed(),
-                                         watching=self.agents_watching())
-
-    def report(self) -> status_view.StatusReport | None:
-        """The state machine's report as of now (for metrics); None while this replica does not serve."""
-        return self.state.current.report(self.clock()) if self.replica.serving else None
-
-    def status(self) -> str:
-        """One line for operators: the published generation, or who is still missing."""
-        if not self.replica.serving:
-            return self.replica.reason
-        topology = self.state.topology
-        if topology is not None:
-            return f"generation {topology.generation} published with {len(topology.processes)} processes"
-        return self.state.current.progress(self.clock()).describe()
-
-    async def log_progress_every(self, interval_s: float) -> None:
-        """Logs who is missing every ``interval_s`` while some, but not all, processes have registered."""
-        while True:
-            await asyncio.sleep(interval_s)
-            if self.replica.serving and self.state.registered and self.state.topology is None:
-                log.info("waiting: %s", self.status())
-
