@@ -1,45 +1,57 @@
 """Meshes over a model fabric: which mesh axes cross racks, blocks and the spine under each peer's process order.
 
-    .venv/bin/python bench/fabric.py                # both fabrics, every hostname form, a 2-D and a 3-D mesh
+    .venv/bin/python bench/fabric.py                # every fabric and hostname form, a 2-D and a 3-D mesh (~3 s)
     .venv/bin/python bench/fabric.py --jaxlib-check # also runs jaxlib's own topology exchange on 4 processes
 
-A fabric of 1,024 hosts of 8 devices: uniform (racks of 16 hosts, 8 racks a block, 8 blocks under one spine) or
-non-uniform (racks of 10 to 22 hosts, drawn with a fixed seed, 8 racks a block). Hostnames take the forms real
-clusters use: ``node1``..``node1024`` numbered in rack order (``node7`` next to ``node66``), cloud names made of a
-host address that says nothing about the rack (``ip-10-1-7-66``), and Kubernetes pod names (``train-workers-0-17-
-x2k9q``) whose position comes from the node's labels. Every order lays the mesh out the same way: hosts in the
-order given, a host's 8 devices adjacent, reshaped to the mesh shape (what ``jax.make_mesh`` over
-``jax.devices()`` and torch's ``init_device_mesh`` do with ranks).
+A fabric of 1,024 hosts of 8 devices under one spine, 8 racks a block: ``uniform`` (racks of 16 hosts), ``unequal``
+(racks of 10 to 22 hosts drawn with a fixed seed, so blocks of unequal size), ``unequal_full_blocks`` (racks of 10
+to 22 hosts, every block 128 hosts). Each process is told its place as a path (spine, block, rack), or, in the
+``positions: rack`` case, by its rack's name alone (``rack1``..``rack64``, the block implied by the numbering, as in a
+data hall). Hostnames take the forms real clusters use: ``node1``..``node1024`` numbered in rack order (``node7``
+next to ``node66``), cloud names made of a host address that says nothing about the rack (``ip-10-1-7-66``), and
+Kubernetes pod names (``train-workers-0-17-x2k9q``) whose position comes from the node's labels. Every order lays
+the mesh out the same way: hosts in the order given, a host's 8 devices adjacent, reshaped to the mesh shape (what
+``jax.make_mesh`` over ``jax.devices()`` and torch's ``init_device_mesh`` do with ranks).
 
 Columns (process orders):
 
-- ``ifrt``: ``Topology.mesh`` of this change (network path level by level, then hostname, both in natural order),
-  over a topology whose process ids are the launcher's (explicit ids, in no network order).
+- ``ifrt``: ``Topology.mesh`` (network path level by level, then hostname, both in natural order), over a topology
+  whose process ids are the launcher's (explicit ids, in no network order).
 - ``ifrt_ids``: the hosts in the order of the ids the coordinator assigns (its own ``assign_process_ids`` on
-  registrations in arrival order: network path, then hostname, naturally), laid out as they come (what a mesh
-  built from ids alone gets).
+  registrations in arrival order: network path, then hostname, naturally), laid out as they come.
 - ``hostname_text``: torch's dynamic rendezvous (``sorted`` over its ``_NodeDesc`` of the agents' FQDNs: its own
-  code), which is also ifrt's id order before this change (hostname as text).
+  code), which is also ifrt's id order before network order (hostname as text).
 - ``launcher``: the arrival order of the processes (random), or the Kubernetes completion index for pods.
-- ``xla``: XLA's ``network_nodes`` order (``topology_util.cc``): a stable sort of the launcher's process ids on the
-  network path, levels compared as text; re-implemented here (one jaxlib process per host cannot run here for
-  1,024 hosts). ``--jaxlib-check`` runs jaxlib's own exchange on 4 processes and checks that the process indices
-  it gives agree (jaxlib 0.10.2 reads the variable: it renumbers ``process_index``, not the device ids).
-- ``optimum``: a lower bound, per axis and level, on the rings that cross the level and on the all-reduce time, for
-  layouts that give inner axes priority (tensor inside a host, then fsdp's rings with their tensor groups inside the
-  fewest racks): for axis k with n devices a ring and a span P (the axis and those inside it), at a level whose
-  domains hold s_i devices, at least F - sum(floor(s_i / P)) * P / n of its F rings cross it, and its all-reduce
-  runs at the bandwidth of the highest level some ring must cross. (It bounds rings, not links: the links a
-  crossing ring needs depend on how the outer axes are laid, so the column has none.)
+- ``xla``: XLA's ``network_nodes`` order (``topology_util.cc``), given the same positions as ifrt: a stable sort of
+  the launcher's process ids on the path, levels compared as text; re-implemented here (one jaxlib process per host
+  cannot run here for 1,024 hosts). ``--jaxlib-check`` runs jaxlib's own exchange on 4 processes and checks that the
+  process indices it gives agree (jaxlib 0.10.2 renumbers ``process_index``, not the device ids).
+- ``bound_order``: a host order that attains the bound below, built by the packing of its proof.
 
 The all-reduce time of an axis is its slowest ring's: 2 (n - 1) / n * BUCKET bytes at the bandwidth of the highest
 level the ring crosses (BANDWIDTH_GBPS, one direction per device); rings of an axis run at once, contention is not
-modelled. Prints one JSON object on stdout.
+modelled, so how many rings cross a level does not change the time (the counts are reported beside it). The cost
+of an order is the sum over the axes.
+
+The bound (``bound``), the least cost of any host order, and its proof. A ring's host positions (its places in the
+order) are fixed by the shape; an axis whose rings lie in one position stays inside a host in every order; any
+other ring spans distinct hosts, so it crosses hosts at least. Write l_a (host, rack or block) for the highest
+level some ring of axis a crosses in an order; its cost is sum_a t_a(l_a), t_a increasing in the level. In that
+order every ring of an axis with l_a = host lies in one rack, and every ring of an axis with l_a <= rack in one
+block; so each connected component of the positions joined by the first axes' rings (c positions each) lies in one
+rack, and each component joined by the second axes' rings (q of the first each) in one block. Block j then holds at
+most floor(sum_{racks r of j} floor(s_r / c) / q) second components (s_r the hosts of rack r), and all must be held:
+a vector l that fails this count has no order. ``bound`` tries the vectors from the cheapest up and stops at the
+first that passes; any order's own vector passes, so its cost is at least the bound. The count also suffices
+(``place`` fills each block's racks first-fit and returns the order), so the bound is attained: the bench measures
+that order like the others and asserts that it costs the bound and that no column costs less (equal component
+sizes are checked, not assumed). Prints one JSON object on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -91,12 +103,32 @@ def unequal_racks(seed: int = SEED) -> list[int]:
     return racks
 
 
+def unequal_racks_full_blocks(seed: int = SEED) -> list[int]:
+    """Racks of 10 to 22 hosts, 8 to a block of 128 hosts (a fixed draw): racks unequal, blocks equal."""
+    rng = random.Random(seed)
+    racks: list[int] = []
+    for _ in range(HOSTS // (RACK_HOSTS * RACKS_PER_BLOCK)):
+        block = [RACK_HOSTS] * RACKS_PER_BLOCK
+        for _ in range(100):
+            i, j = rng.sample(range(RACKS_PER_BLOCK), 2)
+            d = rng.randint(1, 6)
+            if block[i] - d >= 10 and block[j] + d <= 22:
+                block[i], block[j] = block[i] - d, block[j] + d
+        racks += block
+    return racks
+
+
 def fabric(racks: Sequence[int]) -> list[tuple[str, str, str]]:
     """(spine, block, rack) of each host, hosts in rack order; names numbered from 1 (``rack9`` next to ``rack10``)."""
     paths = []
     for r, size in enumerate(racks):
         paths += [("spine", f"block{r // RACKS_PER_BLOCK + 1}", f"rack{r + 1}")] * size
     return paths
+
+
+FABRICS = (("uniform", uniform_racks(), "path"), ("unequal", unequal_racks(), "path"),
+           ("unequal_full_blocks", unequal_racks_full_blocks(), "path"), ("uniform", uniform_racks(), "rack"))
+"""(name, rack sizes, what each process is told of its place): see ``run_case``."""
 
 
 def hostnames(form: str, n: int, rng: random.Random) -> tuple[list[str], list[int]]:
@@ -174,9 +206,10 @@ def ring_time(n: int, level: str | None) -> float:
 
 
 def measure(order: list[int], keys: dict[str, np.ndarray], shape: tuple[int, ...], names: Sequence[str]) -> dict:
-    """For each axis: ring links that cross each level, rings that do, and the all-reduce time."""
+    """For each axis: ring links that cross each level, rings that do, the highest level a ring crosses, and the
+    all-reduce time."""
     device_host = np.repeat(np.asarray(order), DEVICES)  # a host's devices adjacent
-    axes = {}
+    axes, total = {}, 0.0
     for axis, name in enumerate(names):
         n = shape[axis]
         rings = np.moveaxis(np.arange(device_host.size).reshape(shape), axis, -1).reshape(-1, n)
@@ -191,59 +224,123 @@ def measure(order: list[int], keys: dict[str, np.ndarray], shape: tuple[int, ...
             links[level] = int(per_ring.sum())
             crossing[level] = int((per_ring > 0).sum())
             highest[per_ring > 0] = li
-        worst = int(highest.max())
-        axes[name] = {"size": n, "links_crossing": links, "rings_crossing": crossing,
-                      "allreduce_ms": round(1e3 * ring_time(n, LEVELS[worst] if worst >= 0 else None), 3)}
-    return {"axes": axes, "allreduce_ms": round(sum(a["allreduce_ms"] for a in axes.values()), 3)}
+        worst = LEVELS[int(highest.max())] if highest.max() >= 0 else None
+        total += ring_time(n, worst)
+        axes[name] = {"size": n, "highest_level": worst, "links_crossing": links, "rings_crossing": crossing,
+                      "allreduce_ms": round(1e3 * ring_time(n, worst), 3)}
+    return {"axes": axes, "allreduce_ms": round(1e3 * total, 3), "allreduce_s": total}
 
 
-def optimum(keys: dict[str, np.ndarray], shape: tuple[int, ...], names: Sequence[str]) -> dict:
-    """The lower bound of the module docstring, per axis and level."""
-    axes = {}
-    for axis, name in enumerate(names):
-        n = shape[axis]
-        span = int(np.prod(shape[axis:]))
-        rings_total = int(np.prod(shape)) // n
-        crossing, worst = {}, None
-        for level in LEVELS:
-            sizes = np.bincount(keys[level]) * DEVICES
-            held = int(sum(s // span for s in sizes[sizes > 0])) * (span // n)
-            crossing[level] = max(0, rings_total - held) if n > 1 else 0
-            if crossing[level]:
-                worst = level
-        axes[name] = {"size": n, "rings_crossing": crossing, "allreduce_ms": round(1e3 * ring_time(n, worst), 3)}
-    return {"axes": axes, "allreduce_ms": round(sum(a["allreduce_ms"] for a in axes.values()), 3)}
+def ring_positions(shape: tuple[int, ...], axis: int) -> np.ndarray:
+    """The host positions (places in a host order) of each ring of ``axis``: one row a ring."""
+    n = shape[axis]
+    rings = np.moveaxis(np.arange(int(np.prod(shape))).reshape(shape), axis, -1).reshape(-1, n)
+    return rings // DEVICES
 
 
-def run_case(fabric_name: str, racks: list[int], form: str) -> dict:
+def components(shape: tuple[int, ...], axes: Sequence[int]) -> np.ndarray:
+    """Per host position, the least position joined to it by rings of ``axes`` (a connected-component label)."""
+    labels = np.arange(int(np.prod(shape)) // DEVICES)
+    rings = [ring_positions(shape, a) for a in axes]
+    while True:
+        before = labels.copy()
+        for r in rings:
+            np.minimum.at(labels, r, np.broadcast_to(labels[r].min(axis=1)[:, None], r.shape))
+        labels = labels[labels]
+        if (labels == before).all():
+            return labels
+
+
+def place(keys: dict[str, np.ndarray], shape: tuple[int, ...], allowed: dict[int, str]) -> list[int] | None:
+    """A host order in which no ring of axis a crosses a level above ``allowed[a]`` ("host": its rings stay in a
+    rack; "rack": in a block; "block": anywhere), or None where none exists (the packing of the docstring)."""
+    rack_comp = components(shape, [a for a, level in allowed.items() if level == "host"])
+    block_comp = components(shape, [a for a, level in allowed.items() if level in ("host", "rack")])
+    rack_members = {c: np.flatnonzero(rack_comp == c) for c in np.unique(rack_comp)}
+    block_racks = {c: np.unique(rack_comp[block_comp == c]) for c in np.unique(block_comp)}
+    sizes = {len(m) for m in rack_members.values()}
+    per_block = {len(r) for r in block_racks.values()}
+    if len(sizes) != 1 or len(per_block) != 1:
+        raise ValueError(f"components of unequal sizes ({sizes}, {per_block}): the packing argument needs equal ones")
+    c_r, q = sizes.pop(), per_block.pop()
+    rack_hosts: dict[int, list[int]] = {}
+    for h, r in enumerate(keys["rack"]):
+        rack_hosts.setdefault(int(r), []).append(h)
+    racks_of_block: dict[int, list[int]] = {}
+    for r, hs in rack_hosts.items():
+        racks_of_block.setdefault(int(keys["block"][hs[0]]), []).append(r)
+    pending = list(block_racks.values())
+    order = np.full(len(rack_comp), -1)
+    for racks in racks_of_block.values():
+        free = {r: len(rack_hosts[r]) // c_r for r in racks}
+        for _ in range(sum(free.values()) // q):
+            if not pending:
+                break
+            for comp in pending.pop():
+                r = next(r for r in racks if free[r])
+                free[r] -= 1
+                taken = (len(rack_hosts[r]) // c_r - free[r] - 1) * c_r  # hosts of r given before this one
+                order[rack_members[comp]] = rack_hosts[r][taken:taken + c_r]
+    if pending:
+        return None
+    assert sorted(order.tolist()) == list(range(len(order)))
+    return order.tolist()
+
+
+def bound(keys: dict[str, np.ndarray], shape: tuple[int, ...], names: Sequence[str]) -> dict:
+    """The least all-reduce time of any host order (the module docstring's bound), the highest level each axis
+    crosses there, and one host order that attains it."""
+    free = [a for a in range(len(shape))  # an axis whose rings lie in one host stays there in every order
+            if not (ring_positions(shape, a) == ring_positions(shape, a)[:, :1]).all()]
+    choices = []
+    for levels in itertools.product(LEVELS, repeat=len(free)):
+        allowed = dict(zip(free, levels, strict=True))
+        cost = sum(ring_time(shape[a], allowed.get(a)) for a in range(len(shape)))
+        choices.append((cost, allowed))
+    for cost, allowed in sorted(choices, key=lambda c: c[0]):
+        order = place(keys, shape, allowed)
+        if order is not None:
+            levels = {name: allowed.get(a) for a, name in enumerate(names)}
+            return {"allreduce_ms": round(1e3 * cost, 3), "allreduce_s": cost, "highest_level": levels,
+                    "order": order}
+    raise AssertionError("the order that lets every ring cross the spine always exists")
+
+
+def run_case(fabric_name: str, racks: list[int], form: str, positions: str = "path") -> dict:
+    """One fabric and hostname form. ``positions``: what each process is told of its place ("path": spine, block
+    and rack; "rack": the rack's name alone, the block implied by rack numbering as in a data hall)."""
     rng = random.Random(f"{SEED}-{fabric_name}-{form}")
     paths = fabric(racks)
+    told = paths if positions == "path" else [p[-1:] for p in paths]
     names, launcher = hostnames(form, len(paths), rng)
-    keys = level_keys(paths)
-    topology = ifrt_topology(names, paths, launcher)
-    ids = coordinator_ids(names, paths, launcher)
+    keys = level_keys(paths)  # the fabric as it is, whatever the processes are told
+    topology = ifrt_topology(names, told, launcher)
+    ids = coordinator_ids(names, told, launcher)
     peers = {
         "hostname_text": torch_order(names, rng),
         "launcher": launcher,
-        "xla": xla_order(paths, launcher),
+        "xla": xla_order(told, launcher),
     }
-    result: dict = {"fabric": fabric_name, "hostnames": form, "example_hostnames": names[:2] + names[-1:],
-                    "meshes": {}}
+    result: dict = {"fabric": fabric_name, "positions": positions, "hostnames": form,
+                    "example_hostnames": names[:2] + names[-1:], "example_position": list(told[0]), "meshes": {}}
     for mesh_name, (shape, axis_names) in MESHES.items():
-        orders = {"ifrt": ifrt_order(topology, launcher, shape, axis_names), "ifrt_ids": ids, **peers}
+        least = bound(keys, shape, axis_names)
+        orders = {"ifrt": ifrt_order(topology, launcher, shape, axis_names), "ifrt_ids": ids, **peers,
+                  "bound_order": least.pop("order")}
         columns = {order: measure(hosts, keys, shape, axis_names) for order, hosts in orders.items()}
-        columns["optimum"] = optimum(keys, shape, axis_names)
-        best = columns["optimum"]["allreduce_ms"]
-        ratios = {order: round(c["allreduce_ms"] / best, 3) for order, c in columns.items()}
+        for order, c in columns.items():  # a bound that some order beats is no bound: fail the run
+            assert c["allreduce_s"] >= least["allreduce_s"] * (1 - 1e-12), (fabric_name, form, mesh_name, order)
+        assert abs(columns["bound_order"]["allreduce_s"] - least["allreduce_s"]) < 1e-12, "the bound is attained"
+        ratios = {order: round(c.pop("allreduce_s") / least["allreduce_s"], 3) for order, c in columns.items()}
         rings = {order: sum(a["rings_crossing"][level] for a in c["axes"].values() for level in ("rack", "block"))
                  for order, c in columns.items()}
         spine = {order: {a: x["links_crossing"]["block"] for a, x in c["axes"].items()}
-                 for order, c in columns.items() if order != "optimum"}
+                 for order, c in columns.items()}
         result["meshes"][mesh_name] = {
             "shape": dict(zip(axis_names, shape, strict=True)), "columns": columns,
-            "allreduce_ratio_to_optimum": ratios,
+            "bound_ms": least["allreduce_ms"], "bound_highest_level": least["highest_level"],
+            "allreduce_ratio_to_bound": ratios,
             "rings_crossing_racks_and_blocks": rings,
-            "rings_ratio_to_optimum": {order: round(r / max(rings["optimum"], 1), 3) for order, r in rings.items()},
             "spine_links_by_axis": spine}
     return result
 
@@ -286,11 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jaxlib-check", action="store_true", help="run jaxlib's topology exchange on 4 processes")
     args = parser.parse_args(argv)
-    cases = [run_case(name, racks, form) for name, racks in (("uniform", uniform_racks()),
-                                                              ("unequal", unequal_racks()))
+    cases = [run_case(name, racks, form, positions) for name, racks, positions in FABRICS
              for form in ("numbered", "cloud", "pods")]
     out = {"hosts": HOSTS, "devices_per_host": DEVICES, "bandwidth_gbps": BANDWIDTH_GBPS, "bucket_bytes": BUCKET,
-           "unequal_racks": unequal_racks(),
+           "unequal_racks": unequal_racks(), "unequal_racks_full_blocks": unequal_racks_full_blocks(),
            "ifrt_order": "Topology.mesh over canonical topology bytes carrying each process's network path, "
                          "process ids the launcher's; ifrt_ids: coordinator.assignment.assign_process_ids on "
                          "registrations in arrival order (the coordinator's own decision, without its gRPC front)",

@@ -7,6 +7,7 @@ import logging
 
 from coordinator.effects import WaitingForHolder, WaitingForNextRun
 from coordinator.history import Numbered, Snapshot
+from coordinator.limits import shown
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
@@ -47,6 +48,13 @@ class PublishedGeneration:
                  topology.generation, len(topology.processes), len(topology.devices), len(canonical), len(payload),
                  fingerprint[:16], extra={"event": "published", "generation": topology.generation,
                                           "fingerprint": fingerprint})
+        unplaced = [p for p in topology.processes if not p.network]
+        if unplaced and len(unplaced) < len(topology.processes):
+            log.warning("generation %d: %d processes have no network position and come before every process that has "
+                        "one in the network order: %s%s (give their hosts IFRT_NETWORK_NODES, or node labels)",
+                        topology.generation, len(unplaced),
+                        ", ".join(f"{p.process_id} on {shown(p.hostname)}" for p in unplaced[:8]),
+                        " ..." if len(unplaced) > 8 else "", extra={"event": "hosts_without_position"})
 
     def answer(self, process_id: int) -> bytes:
         """The Register answer of ``process_id``: concatenated protobuf messages parse as one, so the per-process

@@ -44,6 +44,8 @@ class Registration:
     """Where its host sits in the network, root to leaf (``ifrt.network``; empty: no position)."""
     opens_session: bool = False
     """The process opens a session once answered: until it attaches, it counts as live (``Admission``)."""
+    os_pid: int = field(default=0, compare=False)
+    """Its OS pid on its host, for operators (0: not said); not part of the topology."""
     request: bytes = field(default=b"", compare=False, repr=False)
     """The RegisterRequest as received (empty when built otherwise): what the journal keeps of it."""
 
@@ -210,6 +212,7 @@ def from_request(request: pb.RegisterRequest, host_address: str, limits: Limits 
         attempt=request.attempt if request.HasField("attempt") else None,
         network=network,
         opens_session=request.opens_session,
+        os_pid=request.os_pid,
         secret_hash=secret_hash,
         request=raw,
     )
@@ -247,6 +250,7 @@ def to_request(r: Registration) -> bytes:
         request.attempt = r.attempt
     request.network.extend(r.network)
     request.opens_session = r.opens_session
+    request.os_pid = r.os_pid
     for d in r.devices:
         wire.add_local_device(request, d)
     return request.SerializeToString()

@@ -18,7 +18,7 @@ def cluster_report(admission: Admission, now: float) -> StatusReport:
         age = heartbeat_age(member, now)
         processes.append(ProcessReport(pid, r.hostname, r.host_address, r.local_rank, r.address, len(r.devices),
                                        member.status.value, member.reason, member.incarnation, age,
-                                       member.sessions > 0, r.network))
+                                       member.sessions > 0, r.network, r.os_pid))
     processes.sort(key=lambda p: (p.process_id is None, p.process_id or 0, p.hostname, p.host_address,
                                   p.local_rank))
     topology = admission.topology

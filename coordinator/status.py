@@ -37,6 +37,8 @@ class ProcessReport:
     attached: bool
     network: tuple[str, ...] = ()
     """Where its host sits in the network, root to leaf (empty: no position)."""
+    os_pid: int = 0
+    """Its OS pid on its host, as it registered (0: not said)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def _process(p: ProcessReport) -> pb.ProcessStatus:
     message = pb.ProcessStatus(hostname=p.hostname, host_address=p.host_address, local_rank=p.local_rank,
                                address=p.address, devices=p.devices, phase=_PROCESS_PHASES[p.phase],
                                reason=p.reason, incarnation=p.incarnation, heartbeat_age_seconds=p.heartbeat_age_s,
-                               attached=p.attached, network=p.network)
+                               attached=p.attached, network=p.network, os_pid=p.os_pid)
     if p.process_id is not None:
         message.process_id = p.process_id
     return message

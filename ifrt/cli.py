@@ -39,7 +39,7 @@ def _job_arguments(p: argparse.ArgumentParser, transfer_help: str, timeout_help:
     p.add_argument("--token-file", metavar="PATH",
                    help="file holding the cluster's token, if the coordinator requires one (default "
                         "$IFRT_TOKEN_FILE, or $IFRT_TOKEN itself)")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS", help=timeout_help)
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help=timeout_help)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     _job_arguments(d, transfer_help="where this process's transfer endpoint listens, advertised in the topology "
                                     "(default $IFRT_TRANSFER_BIND, else an ephemeral port on the address that "
                                     "reaches the coordinator)",
-                   timeout_help="give up after this long, naming who is missing (default %(default)s)")
+                   timeout_help="give up after this long, naming who is missing (default "
+                                "$IFRT_DISCOVERY_TIMEOUT, else 300)")
     d.add_argument("--json", action="store_true", help="print the topology as one JSON object (Topology.to_dict)")
     d.add_argument("--verbose", "-v", action="store_true", help="log progress while waiting")
     d.add_argument("--mesh", metavar="SHAPE", type=_mesh_shape,
@@ -81,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
                                      "that the check probes what the job will use (default $IFRT_TRANSFER_BIND, "
                                      "else ephemeral)",
                    timeout_help="discovery timeout: give up after this long, naming who is missing (default "
-                                "%(default)s)")
+                                "$IFRT_DISCOVERY_TIMEOUT, else 300)")
     dr.add_argument("--check-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="how long the check may take once discovered, waiting for the other processes' results "
                          "(default %(default)s; one probe waits at most 2 s)")
@@ -181,13 +182,15 @@ def _env(as_json: bool) -> int:
     _print_unknown(unknown)
     _print_launchers(launchers)
     for field, value in shown.items():
-        if field == "network_source":
+        if field in ("network_source", "network_conflicts"):
             continue
         if field == "network":
             value = (f"{'/'.join(settings.network)} (from {settings.network_source})" if settings.network else
                      "(none: ids follow hostnames; set IFRT_NETWORK_NODES or IFRT_NODE_LABELS_FILE, see "
                      "docs/discovery.md)")
             value = safe(value)
+            for conflict in settings.network_conflicts:  # sources that disagree: said, not silently outvoted
+                print(safe(f"warning: network sources disagree: {conflict}; {settings.network_source} is used"))
         if field == "cluster_id" and not value:
             value = "(not set: joins the cluster the coordinator serves, 'default' unless its --cluster-id says)"
         print(f"{field}: {value}")

@@ -213,10 +213,12 @@ class Client(KeyValueCalls):
             request.attempt = s.attempt
         request.network.extend(s.network)
         request.opens_session = self._want_session
+        request.os_pid = os.getpid()
         try:  # a plugin is third-party code: whatever it raises (or returns malformed) becomes one typed error
             plugin.configure_process(s.local_rank, s.local_world_size)
             devices = list(plugin.local_devices(s.local_device_ids))
-            launcher_slice = "" if s.slice_index is None else str(s.slice_index)
+            # the launcher's slice, else the host's NVLink partition from its node labels (where no device names one)
+            launcher_slice = s.accelerator_domain if s.slice_index is None else str(s.slice_index)
             for d in devices:
                 wire.add_local_device(request, d, launcher_slice)
             self._local_devices = tuple(sorted(devices, key=lambda d: d.local_id))

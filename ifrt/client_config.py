@@ -50,9 +50,10 @@ class ClientConfig:
     answer_slack_s: float = 5.0
     """How much longer than the coordinator's own wait a call may take before the client gives up on it."""
     backoff_first_s: float = 0.01
-    """First pause after a failed call (doubling up to ``backoff_cap_s``): a replica takes over within ~100 ms."""
-    backoff_cap_s: float = 0.1
-    """Longest pause between retries, so a coordinator back up is reached within a tenth of a second."""
+    """First pause after a failed call (doubling up to ``backoff_cap_s``, with jitter): a brief outage costs little."""
+    backoff_cap_s: float = 1.0
+    """Longest pause between retries: a coordinator back up (or a standby that took over) is reached within about a
+    second, while a process waiting for one that is not up yet (pods started before it) costs ~1% of a core."""
     failover_window_s: float = 30.0
     """Longest a key-value call, barrier or start-up exchange waits for a coordinator replica to lead once none
     answers (a standby takes over after the leader's ``--leader-ttl``, 5 s by default), also past the call's own

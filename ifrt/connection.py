@@ -1,8 +1,10 @@
 """``Connection``: one process's channels to the coordinator replicas and the one retry loop its calls take.
 
 The common path is one round trip: a call goes straight to the current replica. Only after a call failed does
-the connection probe whether the replica speaks the other transport (TLS against plaintext), so a mismatch is
-reported at once instead of after the timeout; a failure that retrying can fix moves on to the next replica. A
+the connection probe whether the replica speaks the other transport (TLS against plaintext, or HTTP/1 where gRPC was
+expected), once per replica that accepts connections, so a mismatch is reported at once instead of after the timeout;
+a failure that retrying can fix moves on to the next replica after a pause that grows to about a second (a process
+waiting for a coordinator that is not up costs next to no CPU). A
 call that rides through a failover (``failover=True``: the Client's key-value calls and barriers) keeps trying
 while no replica leads, up to the failover window, also past its own deadline, so that a short call made while a
 standby takes over does not fail while the store holds every answer.
@@ -24,14 +26,14 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.errors import CertificateRejected, CoordinatorUnavailable, IfrtError, TransportMismatch, from_rpc_error
 from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
-from ifrt.security import plain_channel, transport_mismatch, with_identity
+from ifrt.security import plain_channel, probe_transport, with_identity
 from ifrt.settings import Settings, failover_window
 
 
 class Backoff:
     """Pauses between retries: doubling from ``first`` to ``cap`` seconds, with jitter."""
 
-    def __init__(self, first: float = 0.01, cap: float = 0.1) -> None:
+    def __init__(self, first: float = 0.01, cap: float = 1.0) -> None:
         self.first, self.cap = first, cap
         self._failures = 0
         self._jitter = random.Random()  # its own: retries never draw from (or disturb) the program's global random
@@ -64,6 +66,7 @@ class Connection:
         self._stubs: dict[str, CoordinatorStub] = {}
         self._current = 0
         self._answered: set[str] = set()  # replicas that answered: their transport is known to match
+        self._probed: set[str] = set()  # replicas whose listener a probe found speaking the configured transport
 
     @property
     def where(self) -> str:
@@ -141,13 +144,17 @@ class Connection:
         return from_rpc_error(error, target)
 
     def check_transport(self, target: str) -> None:
-        """TransportMismatch when ``target`` speaks TLS and this process plaintext, or the reverse; a replica that
-        answered before is not probed."""
-        if target in self._answered:
+        """TransportMismatch when ``target`` speaks TLS and this process plaintext, or the reverse, or answers HTTP/1
+        (a web server, such as the coordinator's metrics port); a replica that answered before, or that a probe found
+        speaking the right transport, is not probed again (a refused connection is all a port nobody listens on
+        costs)."""
+        if target in self._answered or target in self._probed:
             return
-        mismatch = transport_mismatch(target, self.settings.tls, client_cert=self.settings.tls_cert is not None)
-        if mismatch is not None:
-            raise TransportMismatch(mismatch)
+        probe = probe_transport(target, self.settings.tls, client_cert=self.settings.tls_cert is not None)
+        if probe.mismatch is not None:
+            raise TransportMismatch(probe.mismatch)
+        if probe.listening:
+            self._probed.add(target)
 
     def call(self, method: str, request: Callable[[float], Message], deadline: float, *, slack: float = 0.0,
              timeout: Callable[[float], float] | None = None, report: UnreachableReport | None = None,

@@ -19,6 +19,16 @@
 4. ``jax.distributed.initialize`` with the topology's process ids and count, then the check again on the
    devices JAX reports (``jax.devices()``).
 
+XLA's network variable (``XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES``) is one of ifrt's position sources, and XLA reads
+it too: when JAX's backend is created, XLA sorts the processes by it, comparing the names as text (``rack10`` before
+``rack9``), and renumbers ``jax.process_index()`` in that order, where ifrt compares names naturally (``rack9`` <
+``rack10``) and may have ids from the launcher. So while JAX starts, ifrt sets the variable, in every process alike
+whichever source its position came from, to the process's path in the topology written as fixed-width ranks (the
+same switch, the same name; text order equal to ifrt's natural order): XLA keeps the network's grouping and order
+for whatever else it does with it, and its sort leaves ifrt's ids as they are. Where the ids go against the network
+(launcher ids), no names can do both: ifrt hides the variable from JAX instead, and JAX numbers processes by id.
+The user's value is back in ``os.environ`` once JAX's backend exists (``network_for_xla``).
+
 Devices are matched by (process, local order), never by JAX's numbering of device ids, which differs between
 JAX versions (``process << 17 | local`` like ifrt in JAX 0.4.x, ``process << 11 | local`` on CPU in JAX 0.10).
 """
@@ -26,11 +36,13 @@ JAX versions (``process << 17 | local`` like ifrt in JAX 0.4.x, ``process << 11 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
 
@@ -47,7 +59,9 @@ from ifrt.connection import Backoff
 from ifrt.errors import BackendAlreadyInitialized, TopologyError
 from ifrt.hostport import join_host_port, split_host_port
 from ifrt.mesh import Mesh
-from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, env_plugin
+from ifrt.network import path_key
+from ifrt.network_sources import XLA_NETWORK_NODES_ENV
+from ifrt.settings import DiscoverOptions, discovery_timeout, env_plugin
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
 from plugins import jax_plugin
@@ -91,7 +105,8 @@ def initialize(
             return _started.topology
         failfast.check(on_failure)
         _refuse_if_started()
-        deadline = time.monotonic() + options.get("timeout", DISCOVER_TIMEOUT_S)
+        deadline = time.monotonic() + (options["timeout"] if options.get("timeout") is not None
+                                        else discovery_timeout(options.get("environ")))
         plugin = options.get("plugin") or env_plugin() or "jax"
         local_device_ids = options.get("local_device_ids")
         jax_view = None if plugin == "cuda" else _jax_view(local_device_ids)
@@ -170,10 +185,11 @@ def _start_jax(topology: Topology, address: str, exchange: StartupExchange, loca
     exchange.release_port()  # JAX's service binds it next
     if topology.process_id != 0:
         exchange.wait_listening(address)
-    jax.distributed.initialize(address, num_processes=topology.num_processes, process_id=topology.process_id,
-                               local_device_ids=list(local_device_ids),
-                               initialization_timeout=max(1, int(deadline - time.monotonic())))
-    devices = jax.devices()
+    with network_for_xla(topology):  # XLA reads it when JAX's backend is created, here in jax.devices()
+        jax.distributed.initialize(address, num_processes=topology.num_processes, process_id=topology.process_id,
+                                   local_device_ids=list(local_device_ids),
+                                   initialization_timeout=max(1, int(deadline - time.monotonic())))
+        devices = jax.devices()
     if jax.process_index() != topology.process_id or jax.process_count() != topology.num_processes:
         raise TopologyError(f"JAX started as process {jax.process_index()} of {jax.process_count()}, the topology "
                             f"says process {topology.process_id} of {topology.num_processes}")
@@ -193,6 +209,60 @@ def _use_gloo() -> None:
             jax.config.update("jax_cpu_enable_gloo_collectives", True)
     elif chosen in (None, "none"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def xla_network_nodes(topology: Topology) -> dict[int, tuple[str, ...]] | None:
+    """Process id -> the network nodes to give XLA: each level of its path named by the rank of that switch (the
+    path up to it) in ifrt's natural order, zero-padded to one width, so that XLA's text order is ifrt's order and
+    processes under one switch share its name. None where no process has a position, or where XLA's stable sort
+    by these names would not keep the processes in id order (ids that go against the network)."""
+    paths = {p.process_id: tuple(p.network) for p in topology.processes}
+    if not any(paths.values()):
+        return None
+    switches = {path[:level + 1] for path in paths.values() for level in range(len(path))}
+    ranks: dict[tuple[str, ...], int] = {}
+    per_level = [0] * (max(map(len, switches)) + 1)
+    for switch in sorted(switches, key=path_key):
+        ranks[switch] = per_level[len(switch)]
+        per_level[len(switch)] += 1
+    width = len(str(max(ranks.values())))
+    nodes = {p: tuple(f"{ranks[path[:level + 1]]:0{width}d}" for level in range(len(path)))
+             for p, path in paths.items()}
+    xla_order = sorted(nodes, key=lambda p: (nodes[p], p))  # XLA: level by level as text, a prefix first; stable
+    return nodes if xla_order == sorted(nodes) else None
+
+
+@contextlib.contextmanager
+def network_for_xla(topology: Topology) -> Iterator[None]:
+    """Within: XLA's network variable set to this process's ``xla_network_nodes`` (or removed where there are none),
+    so that JAX numbers the processes as ifrt does; afterwards the user's value (or none) again. Logs once at INFO
+    what it did, where the user had set the variable or ifrt sets it."""
+    user = os.environ.get(XLA_NETWORK_NODES_ENV)
+    nodes = xla_network_nodes(topology)
+    value = ",".join(nodes[topology.process_id]) if nodes is not None else ""
+    if value:
+        os.environ[XLA_NETWORK_NODES_ENV] = value
+        log.info("%s=%s while JAX starts (the user's value: %r): this process's network path %s, each switch named by "
+                 "its rank in ifrt's natural order, so that XLA, which compares the names as text, keeps JAX's "
+                 "process index at ifrt's id %d", XLA_NETWORK_NODES_ENV, value, user,
+                 list(topology.process(topology.process_id).network), topology.process_id)
+    elif user is not None:
+        os.environ.pop(XLA_NETWORK_NODES_ENV)
+        if nodes is not None:
+            why = "this process has no network position in the topology (XLA sorts the empty path first, as ifrt does)"
+        elif any(p.network for p in topology.processes):
+            why = "the process ids (given by the launcher) do not follow the network, and XLA would renumber them"
+        else:
+            why = "no process has a network position in the topology"
+        log.info("%s=%r hidden from JAX while it starts: %s; JAX's process index is ifrt's id %d",
+                 XLA_NETWORK_NODES_ENV, user, why, topology.process_id)
+    try:
+        yield
+    finally:
+        if user is None:
+            os.environ.pop(XLA_NETWORK_NODES_ENV, None)
+        else:
+            os.environ[XLA_NETWORK_NODES_ENV] = user
 
 
 class StartupExchange(startup.StartupExchange):

@@ -266,8 +266,10 @@ class Mesh:
 
 
 # Where a mesh's axes sit in the network.
-LEVEL_NAMES = ("rack", "block", "spine")
-"""What the levels of a network path are called in messages, from the leaf up; deeper ones are numbered."""
+LEAF_NAME = "leaf switch"
+"""What the leaf level of a network path (the switch the host hangs off) is called in messages; the levels above
+are ``tier-N switch``, N counted from the leaf (tier 0) as topograph numbers ``fabric.topograph.run/tier-N``. The
+names are neutral: the topology does not say which source (topograph, AWS, GCE, OCI, Slurm) gave a path."""
 
 
 @dataclass(frozen=True)
@@ -279,14 +281,10 @@ class Domains:
     keys: tuple[tuple[str, ...], ...]
 
 
-def level_name(from_leaf: int, depth: int) -> str:
-    """The name of a level of a ``depth``-level network path, counted from the leaf: the leaf is the rack, the root
-    of a deeper path the spine, the level under it the block; any other is numbered."""
-    if from_leaf == 0:
-        return LEVEL_NAMES[0]
-    if from_leaf == depth - 1:
-        return LEVEL_NAMES[2]
-    return LEVEL_NAMES[1] if from_leaf == 1 else f"level-{from_leaf + 1} switch"
+def level_name(from_leaf: int) -> str:
+    """The name of a level of a network path, counted from the leaf: ``leaf switch``, then ``tier-1 switch``,
+    ``tier-2 switch``, ..."""
+    return LEAF_NAME if from_leaf == 0 else f"tier-{from_leaf} switch"
 
 
 def domains(mesh: Mesh) -> Domains:
@@ -297,18 +295,18 @@ def domains(mesh: Mesh) -> Domains:
     records = mesh.device_records()
     processes = {pid: topology.process(pid) for pid in {d.process_id for d in records}}
     paths = [tuple(processes[d.process_id].network) for d in records]
-    # a host is named inside its rack: nested domains, even where processes of one machine claim different racks
+    # a host is named inside its leaf: nested domains, even where processes of one machine claim different leaves
     hosts = tuple("/".join((*path, processes[d.process_id].hostname or f"process {d.process_id}"))
                   for path, d in zip(paths, records, strict=True))
     names, keys = ["host"], [hosts]
     slices = tuple("/".join((*p, f"slice {d.slice_index}")) for p, d in zip(paths, records, strict=True))
     leaves = len({tuple(p) for p in paths})
-    if leaves < len(set(slices)) < len(set(hosts)):  # slices span hosts (NVLink domains), several to a rack
+    if leaves < len(set(slices)) < len(set(hosts)):  # slices span hosts (NVLink domains), several to a leaf
         names.append("NVLink domain")
         keys.append(slices)
     depth = max(map(len, paths), default=0)
     for up in range(depth):
-        names.append(level_name(up, depth))
+        names.append(level_name(up))
         keys.append(tuple("/".join(p[:max(len(p) - up, 0)]) for p in paths))
     return Domains(tuple(names), tuple(keys))
 
@@ -330,9 +328,9 @@ def ring_links(mesh: Mesh, axis: int, level_keys: Sequence[str]) -> tuple[int, i
 
 
 def describe_axes(mesh: Mesh) -> list[str]:
-    """One line per axis: the smallest domain (host, NVLink domain, rack, block, ...) each of its rings stays
-    within, or which level it crosses, in how many of its rings, which domains hold how many of one such ring's
-    devices, and what size would keep it inside."""
+    """One line per axis: the smallest domain (host, NVLink domain, leaf switch, tier-1 switch, ...) each of its
+    rings stays within, or which level it crosses, in how many of its rings, which domains hold how many of one
+    such ring's devices, and what size would keep it inside."""
     found = domains(mesh)
     lines = []
     for axis, (name, n) in enumerate(zip(mesh.axis_names, mesh.shape, strict=True)):
@@ -393,9 +391,10 @@ def _advice(mesh: Mesh, axis: int, found: Domains, level: int) -> str:
 
 def network_lines(topology: Any, shape: Sequence[int] | None = None,
                   axis_names: Sequence[str] | None = None) -> list[str]:
-    """What ``ifrt discover`` prints about the network (``topology`` is an ``ifrt.Topology``): how many domains of
-    each level there are and how many devices they hold, the largest axis that stays within each, and, given a mesh
-    shape, ``describe_axes`` of ``topology.mesh(shape, axis_names)``. Empty where no process has a position."""
+    """What ``ifrt discover`` prints about the network (``topology`` is an ``ifrt.Topology``): the hosts without a
+    position and paths of mixed depth where there are any, how many domains of each level there are and how many
+    devices they hold, the largest axis that stays within each, and, given a mesh shape, ``describe_axes`` of
+    ``topology.mesh(shape, axis_names)``. Empty where no process has a position."""
     processes = topology.processes
     if not any(p.network for p in processes):
         return [] if shape is None else describe_axes(topology.mesh(shape, _axis_names(shape, axis_names)))
@@ -403,19 +402,37 @@ def network_lines(topology: Any, shape: Sequence[int] | None = None,
     for d in topology.devices:
         devices[d.process_id] = devices.get(d.process_id, 0) + 1
     depth = max(len(p.network) for p in processes)
-    lines = []
+    lines = _unplaced(processes)
     for up in range(depth):
         held: dict[tuple[str, ...], int] = {}
         for p in processes:
             key = tuple(p.network[:max(len(p.network) - up, 0)])
             held[key] = held.get(key, 0) + devices.get(p.process_id, 0)
-        name, low, high = level_name(up, depth), min(held.values()), max(held.values())
+        name, low, high = level_name(up), min(held.values()), max(held.values())
         sizes = f"{low} devices each" if low == high else f"{low} to {high} devices"
         lines.append(f"{len(held)} {_plural(name) if len(held) != 1 else name} of {sizes}: a mesh's inner axes "
                      f"stay within each {name} where together they span a divisor of "
                      f"{int(np.gcd.reduce(list(held.values())))} devices")
     if shape is not None:
         lines += describe_axes(topology.mesh(shape, _axis_names(shape, axis_names)))
+    return lines
+
+
+def _unplaced(processes: Sequence[Any], listed: int = 8) -> list[str]:
+    """A line naming the hosts without a network position where others have one (they sort first, taking the lowest
+    ids), and one where paths have different depths (compared root first, level by level)."""
+    lines = []
+    without = list(dict.fromkeys(p.hostname or f"process {p.process_id}" for p in processes if not p.network))
+    if without:
+        names = ", ".join(without[:listed]) + (f" and {len(without) - listed} more" if len(without) > listed else "")
+        lines.append(f"{len(without)} {'host has' if len(without) == 1 else 'hosts have'} no network position "
+                     f"({names}): they sort before every placed host and take the lowest ids; give them "
+                     "IFRT_NETWORK_NODES or IFRT_NODE_LABELS_FILE as the others have (docs/discovery.md)")
+    depths = sorted({len(p.network) for p in processes if p.network})
+    if len(depths) > 1:
+        lines.append(f"network paths of mixed depth ({depths[0]} to {depths[-1]} levels): they are compared root "
+                     "first, level by level, so their order is only as good as their names are comparable; give "
+                     "every host the same source")
     return lines
 
 

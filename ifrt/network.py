@@ -8,6 +8,7 @@ neighbours. A process without a position has the empty path, which sorts first, 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Sequence
 
 from ifrt.errors import InvalidArgument
@@ -17,6 +18,9 @@ MAX_LEVELS = 8
 MAX_NAME_BYTES = 255
 """A level's name at most: a DNS label or a Kubernetes label value (63) fits many times over."""
 _DIGITS = re.compile(r"(\d+)")
+_REFUSED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+"""Characters a name may not hold: controls (a terminal escape), format characters (bidi marks and overrides,
+zero-width ones), surrogates, line and paragraph separators: each makes a name print as another, or not at all."""
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -40,7 +44,7 @@ def path_key(path: Sequence[str]) -> tuple[tuple[tuple[int, int | str], ...], ..
 
 def check_path(path: Sequence[str], source: str) -> tuple[str, ...]:
     """``path`` as a tuple, or InvalidArgument naming ``source`` and what is wrong: more than MAX_LEVELS levels,
-    an empty level, or a level over MAX_NAME_BYTES."""
+    an empty level, a level over MAX_NAME_BYTES, or a control or bidi character (``hidden_character``)."""
     levels = tuple(path)
     if len(levels) > MAX_LEVELS:
         raise InvalidArgument(f"{source}: a network path of {len(levels)} levels ({', '.join(levels)}): expected at "
@@ -49,7 +53,22 @@ def check_path(path: Sequence[str], source: str) -> tuple[str, ...]:
         if not isinstance(level, str) or not level.strip():
             raise InvalidArgument(f"{source}: level {i} of the network path {list(levels)} is empty: expected a "
                                   "switch, block or rack name at every level")
-        if len(level.encode()) > MAX_NAME_BYTES:
-            raise InvalidArgument(f"{source}: level {i} of the network path is {len(level.encode())} bytes long: "
+        size = len(level.encode(errors="surrogatepass"))
+        if size > MAX_NAME_BYTES:
+            raise InvalidArgument(f"{source}: level {i} of the network path is {size} bytes long: "
                                   f"expected at most {MAX_NAME_BYTES}")
+        hidden = hidden_character(level.strip())
+        if hidden:
+            raise InvalidArgument(f"{source}: level {i} of the network path ({level.strip()!r}) holds {hidden}, a "
+                                  "control, format or bidi character: expected a name that prints as it is")
     return tuple(level.strip() for level in levels)
+
+
+def hidden_character(name: str) -> str:
+    """The first character of ``name`` that no name may hold (``_REFUSED_CATEGORIES``), as ``U+202E RIGHT-TO-LEFT
+    OVERRIDE``; "" where there is none."""
+    for character in name:
+        if unicodedata.category(character) in _REFUSED_CATEGORIES:
+            what = unicodedata.name(character, "")
+            return f"U+{ord(character):04X}" + (f" {what}" if what else "")
+    return ""

@@ -64,48 +64,101 @@ def local_channel(target: str, settings: Settings, process_secret: str,
     return grpc.intercept_channel(grpc.insecure_channel(target, options=options), _WithMetadata(tuple(metadata)))
 
 
+class Probe(NamedTuple):
+    """What a probe of a coordinator's address found: whether anything accepted a connection there, and why it cannot
+    be spoken to as configured (None: it can, or the answer was unclear)."""
+
+    listening: bool
+    mismatch: str | None
+
+
 def transport_mismatch(target: str, tls: bool, client_cert: bool = False,
                        timeout: float = PROBE_TIMEOUT_S) -> str | None:
-    """Why ``target`` cannot be spoken to as configured (TLS against plaintext, the reverse, or mutual TLS without
-    a client certificate), or None when it can, when nothing listens there yet, or when the answer is unclear
-    (the caller's retries cover those)."""
+    """Why ``target`` cannot be spoken to as configured (TLS against plaintext, the reverse, mutual TLS without a
+    client certificate, or an HTTP/1 server where gRPC was expected), or None when it can, when nothing listens there
+    yet, or when the answer is unclear (the caller's retries cover those)."""
+    return probe_transport(target, tls, client_cert, timeout).mismatch
+
+
+def probe_transport(target: str, tls: bool, client_cert: bool = False, timeout: float = PROBE_TIMEOUT_S) -> Probe:
+    """``transport_mismatch``, saying also whether anything listens at ``target`` (a port nothing listens on costs
+    one refused connection, no TLS handshake)."""
     host, port = split_host_port(target)
     if not port.isdigit():
-        return None
+        return Probe(False, None)
     address = (host, int(port))
+    plain = _plaintext_answer(address, timeout)
+    if plain is None:
+        return Probe(False, None)  # nothing accepted the connection: nothing to tell yet
+    if _is_text(plain):
+        return Probe(True, _text_answer(target, plain))
     if tls:
         answer = _tls_answer(address, timeout)
         if answer == "plaintext":
-            return (f"the coordinator at {target} speaks plaintext, but this process is set up for TLS "
-                    f"({TLS_CA_ENV} / {TLS_CERT_ENV}): unset them, or start the coordinator with --tls-cert and "
-                    "--tls-key")
+            return Probe(True, (
+                f"the coordinator at {target} speaks plaintext, but this process is set up for TLS ({TLS_CA_ENV} / "
+                f"{TLS_CERT_ENV}): unset them, or start the coordinator with --tls-cert and --tls-key"))
         if answer == "needs a client certificate" and not client_cert:
-            return (f"the coordinator at {target} requires a client certificate (mutual TLS): set {TLS_CERT_ENV} "
-                    f"and {TLS_KEY_ENV} to one signed by the CA its --tls-client-ca names")
-        return None
-    if not _speaks_plaintext_http2(address, timeout) and _tls_answer(address, timeout) not in (None, "plaintext"):
-        return (f"the coordinator at {target} requires TLS: set {TLS_CA_ENV} to the CA that signed its "
-                f"certificate (and {TLS_CERT_ENV} / {TLS_KEY_ENV} if it requires client certificates)")
-    return None
+            return Probe(True, (
+                f"the coordinator at {target} requires a client certificate (mutual TLS): set {TLS_CERT_ENV} and "
+                f"{TLS_KEY_ENV} to one signed by the CA its --tls-client-ca names"))
+        return Probe(True, None)
+    if not _is_settings_frame(plain) and _tls_answer(address, timeout) not in (None, "plaintext"):
+        return Probe(True, (
+            f"the coordinator at {target} requires TLS: set {TLS_CA_ENV} to the CA that signed its certificate (and "
+            f"{TLS_CERT_ENV} / {TLS_KEY_ENV} if it requires client certificates)"))
+    return Probe(True, None)
 
 
-def _speaks_plaintext_http2(address: tuple[str, int], timeout: float) -> bool:
-    """A plaintext HTTP/2 server answers the client preface with a SETTINGS frame."""
+def _is_text(answer: bytes) -> bool:
+    """Whether a server answered the HTTP/2 preface in text (an HTTP/1 status line or page), which no gRPC server
+    (its first frame is binary) nor TLS server (a binary alert) does."""
+    return bool(answer) and all(32 <= b < 127 or b in b"\t\r\n" for b in answer)
+
+
+def _text_answer(target: str, answer: bytes) -> str:
+    """What to say of a server at ``target`` that answered in text, from the first bytes of its ``answer``."""
+    first_line = answer.strip().splitlines()[0].decode("ascii")[:60]
+    web = answer.startswith(b"HTTP/") or answer.lstrip().lower().startswith((b"<!doctype", b"<html"))
+    what = "answers HTTP/1" if web else "answers in text"
+    return (f"{target} {what} ({first_line!r}), not gRPC: it is another server, such as a web server or a "
+            "coordinator's --metrics-port (its metrics and status page), not the port the coordinator serves gRPC on: "
+            "expected the coordinator's gRPC address, the one its log names in 'ifrt-coordinator listening on "
+            "HOST:PORT'")
+
+
+def _plaintext_answer(address: tuple[str, int], timeout: float) -> bytes | None:
+    """The first bytes a server answers the HTTP/2 client preface with (b"" when it answers nothing in time or
+    closes), or None when nothing accepts a connection at ``address``."""
     try:
-        with socket.create_connection(address, timeout=timeout) as sock:
-            sock.sendall(_H2_PREFACE)
-            first = sock.recv(16)
+        sock = socket.create_connection(address, timeout=timeout)
     except OSError:
-        return False
+        return None
+    with sock:
+        try:
+            sock.sendall(_H2_PREFACE)
+            return sock.recv(64)
+        except OSError:
+            return b""
+
+
+def _is_settings_frame(first: bytes) -> bool:
+    """A plaintext HTTP/2 server answers the client preface with a SETTINGS frame."""
     return len(first) >= 4 and first[3] == 0x04
+
+
+def _probe_context() -> ssl.SSLContext:
+    """A TLS client context that checks nothing (only the protocol is probed): no CA store is loaded for it."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    return context
 
 
 def _tls_answer(address: tuple[str, int], timeout: float) -> str | None:
     """How the server answers a TLS handshake without a client certificate: "tls", "needs a client certificate",
     "plaintext", or None when nothing clear answers."""
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only the protocol is probed here
-    context.set_alpn_protocols(["h2"])
+    context = _probe_context()
     try:
         with socket.create_connection(address, timeout=timeout) as sock, \
                 context.wrap_socket(sock, server_hostname=address[0]) as tls:

@@ -45,6 +45,8 @@ PREFLIGHT_TIMEOUT_ENV = "IFRT_PREFLIGHT_TIMEOUT"  # "60": seconds the whole chec
 NETWORK_NODES_ENV = network_sources.NETWORK_NODES_ENV  # "spine1,block2,rack7": this host's network position
 NODE_LABELS_FILE_ENV = network_sources.NODE_LABELS_FILE_ENV  # "/etc/ifrt/node-labels": the node's labels, key=value
 FAILOVER_WINDOW_ENV = "IFRT_FAILOVER_WINDOW"  # "30": seconds a started runtime waits for a coordinator to answer
+DISCOVERY_TIMEOUT_ENV = "IFRT_DISCOVERY_TIMEOUT"  # "600": seconds discover() waits (default 300); `ifrt run` waits
+# this long for a coordinator that is not up yet (default: the failover window)
 AGENT_SOCKET_ENV = "IFRT_AGENT_SOCKET"  # set by `ifrt run`: its local socket, where the worker registers and holds
 # its session (unset: with the coordinator itself)
 SESSION_GATE_ENV = "IFRT_TEST_SESSION_GATE"
@@ -64,7 +66,8 @@ class DiscoverOptions(TypedDict, total=False):
     - ``num_processes``: the job's process count (``IFRT_NUM_PROCESSES``; unset: take the coordinator's)
     - ``plugin``: the device plugin (``IFRT_PLUGIN``; default ``cpu``)
     - ``local_device_ids``: which of the plugin's devices this process owns (default: all it lists)
-    - ``timeout``: seconds to wait for every process to register (default ``DISCOVER_TIMEOUT_S``, 300)
+    - ``timeout``: seconds to wait for every process to register (``IFRT_DISCOVERY_TIMEOUT``; default
+      ``DISCOVER_TIMEOUT_S``, 300)
     - ``token``: the cluster's shared secret (else ``IFRT_TOKEN_FILE``, then ``IFRT_TOKEN``)
     - ``network``: where this host sits in the network, root (spine) to leaf (rack), as names or one comma-separated
       string (else ``IFRT_NETWORK_NODES``, XLA's, Slurm's or the node's labels: ``ifrt.network_sources``)
@@ -133,6 +136,10 @@ class Settings:
     """Where this host sits in the network, root to leaf (empty: no source gave a position)."""
     network_source: str = ""
     """Where ``network`` came from (``IFRT_NETWORK_NODES``, ...; empty where nothing did)."""
+    network_conflicts: tuple[str, ...] = ()
+    """Later sources that give another path or cannot be read (``ifrt.network_sources.Position.conflicts``)."""
+    accelerator_domain: str = ""
+    """The NVLink partition the node's labels name (``IFRT_NODE_LABELS_FILE``; empty where none does)."""
     agent_socket: str | None = None
     """The Unix socket of this host's ``ifrt run`` agent: Register and Session go there (None: to the coordinator)."""
 
@@ -178,12 +185,14 @@ def resolve(coordinator: str | Sequence[str] | None = None, **options: Unpack[Pr
                         f"{', '.join(sorted(ProcessOptions.__optional_keys__))})")
     process_id, num_processes = options.get("process_id"), options.get("num_processes")
     plugin, local_device_ids = options.get("plugin"), options.get("local_device_ids")
-    timeout, token = options.get("timeout", DISCOVER_TIMEOUT_S), options.get("token")
+    token = options.get("token")
     tls_ca, tls_cert, tls_key = options.get("tls_ca"), options.get("tls_cert"), options.get("tls_key")
     attempt, cluster_id, local_rank = options.get("attempt"), options.get("cluster_id"), options.get("local_rank")
     environ = options.get("environ")
     env = os.environ if environ is None else environ
     launcher = clusters.detect(env)
+    timeout = options.get("timeout")
+    timeout = discovery_timeout(env) if timeout is None else timeout
 
     def pick(value: object, var: str, name: str, minimum: int) -> int | None:
         if value is not None:
@@ -243,6 +252,8 @@ def resolve(coordinator: str | Sequence[str] | None = None, **options: Unpack[Pr
         slice_index=None if launcher is None else launcher.slice_index,
         network=position.path,
         network_source=position.source,
+        network_conflicts=position.conflicts,
+        accelerator_domain=position.accelerator,
         agent_socket=env.get(AGENT_SOCKET_ENV, "").strip() or None,
     )
 
@@ -261,7 +272,9 @@ def network_position(given: Sequence[str] | str | None = None,
         except (OSError, UnicodeDecodeError) as e:
             raise InvalidArgument(f"{NODE_LABELS_FILE_ENV}={path!r} cannot be read ({e.strerror or e}): expected a "
                                   "file of the node's labels, one key=value a line") from None
-    return network_sources.choose(given, env, text)
+    position = network_sources.choose(given, env, text)
+    network_sources.warn(position)
+    return position
 
 
 def parse_signal(value: int | str, origin: str) -> signal.Signals:
@@ -367,6 +380,24 @@ def failover_window(default: float, environ: Mapping[str, str] | None = None) ->
     if not seconds > 0 or seconds == float("inf"):
         raise InvalidArgument(f"{FAILOVER_WINDOW_ENV}={raw!r}: expected a positive number of seconds, e.g. "
                               f"{default:g}")
+    return seconds
+
+
+def discovery_timeout(environ: Mapping[str, str] | None = None, default: float = DISCOVER_TIMEOUT_S) -> float:
+    """``IFRT_DISCOVERY_TIMEOUT`` in seconds, else ``default``: how long discover() waits when no timeout is passed;
+    InvalidArgument naming the value if it is not a positive number."""
+    raw = (os.environ if environ is None else environ).get(DISCOVERY_TIMEOUT_ENV, "").strip()
+    return default if not raw else _seconds(DISCOVERY_TIMEOUT_ENV, raw, default)
+
+
+def _seconds(name: str, raw: str, example: float) -> float:
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise InvalidArgument(f"{name}={raw!r} is out of range: expected a positive number of seconds, e.g. "
+                              f"{example:g}")
     return seconds
 
 

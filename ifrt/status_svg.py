@@ -65,10 +65,11 @@ def describe(process: dict[str, Any], slow_after_s: float) -> str:
     """One line about a process for a tooltip or a list: id, host, mark, reason, heartbeat age."""
     pid = "?" if process["process_id"] is None else process["process_id"]
     where = safe(process["host"]) + (f" ({safe(process['host_address'])})" if process.get("host_address") else "")
-    text = f"process {pid} on {where}: {mark(process, slow_after_s)}"
+    os_pid = f" (pid {process['pid']})" if process.get("pid") else ""
+    text = f"process {pid}{os_pid} on {where}: {mark(process, slow_after_s)}"
     if process.get("reason"):
         text += f", {safe(process['reason'])}"
-    if process["state"] != "missing":
+    if process["state"] in ("joining", "alive"):  # a failed or gone process's reason says when it went quiet
         text += f"; heard from {process.get('heartbeat_age_s', 0.0):.1f}s ago"
         if process.get("incarnation", 0) > 0:
             text += f", incarnation {process['incarnation']}"
@@ -83,13 +84,14 @@ def svg(view: dict[str, Any]) -> str:
     counts = {m: 0 for m in MARKS}
     for p in processes:
         counts[mark(p, timeout)] += 1
-    legend, top = _legend(counts), 34
+    (legend, legend_width), top = _legend(counts), 34
     if not processes:
         body, height, width = [_text(10, top + 16, "no process has registered yet", "note")], top + 30, 600
     elif len(hosts) <= DETAIL_HOSTS:
         body, height, width = _detailed(hosts, timeout, top)
     else:
         body, height, width = _tiles(hosts, timeout, top)
+    width = max(width, legend_width)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" font-family="sans-serif" font-size="11" role="img">'
             f'<title>cluster {_shown(view.get("cluster_id", ""))}: {_shown(view.get("state", ""))}</title>'
@@ -119,11 +121,12 @@ def _hosts(processes: list[dict[str, Any]]) -> list[tuple[tuple, list[dict[str, 
 
 
 def _domain(path: tuple[str, ...]) -> str:
-    """How a rack is named on the page: its path, root first (``spine / block3 / rack7``)."""
+    """How a leaf switch (a rack's) is named on the page: its path, root first (``spine / block3 / rack7``)."""
     return " / ".join(path)
 
 
-def _legend(counts: dict[str, int]) -> list[str]:
+def _legend(counts: dict[str, int]) -> tuple[list[str], int]:
+    """The legend's marks with their counts, and how wide it is."""
     parts, x = [], 10
     for m in MARKS:
         if not counts[m]:
@@ -132,19 +135,20 @@ def _legend(counts: dict[str, int]) -> list[str]:
         label = f"{m} {counts[m]}"
         parts.append(_text(x + 18, 21, label))
         x += 30 + 7 * len(label)
-    return parts
+    return parts, x
 
 
 def _detailed(hosts: list[tuple[tuple, list[dict[str, Any]]]], timeout: float, top: int) -> tuple[list[str], int, int]:
     """One box per host, a row per process, a cell per device with its global id; a band per rack (where hosts have
     a network position), and per slice within it."""
     parts: list[str] = []
-    y, column, row_height, current = top, 0, 0, object()
+    y, column, row_height, current, columns = top, 0, 0, object(), 1
     for (path, slice_index, host, address), members in hosts:
         if (path, slice_index) != current:
             if column:
                 y, column, row_height = y + row_height + 10, 0, 0
-            band = [f"rack {_domain(path)}"] if path and (not isinstance(current, tuple) or current[0] != path) else []
+            new_path = path and (not isinstance(current, tuple) or current[0] != path)
+            band = [f"leaf switch {_domain(path)}"] if new_path else []
             if slice_index is not None:
                 band.append(f"slice {slice_index}")
             current = (path, slice_index)
@@ -158,9 +162,10 @@ def _detailed(hosts: list[tuple[tuple, list[dict[str, Any]]]], timeout: float, t
         parts.append(f'<g transform="translate({x},{y})">' + box[1] + "</g>")
         row_height = max(row_height, height)
         column += 1
+        columns = max(columns, column)
         if column == _COLUMNS:
             y, column, row_height = y + row_height + 10, 0, 0
-    return parts, y + row_height + 10, 20 + _COLUMNS * (_HOST_W + 10)
+    return parts, y + row_height + 10, 20 + columns * (_HOST_W + 10)  # as wide as it is drawn
 
 
 def _host_box(host: str, address: str, members: list[dict[str, Any]], timeout: float) -> tuple[int, str]:

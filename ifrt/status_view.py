@@ -62,6 +62,7 @@ def _process(p: pb.ProcessStatus) -> dict[str, Any]:
         "heartbeat_age_s": round(p.heartbeat_age_seconds, 3),
         "attached": p.attached,
         "network": list(p.network),
+        "pid": p.os_pid or None,
     }
 
 
@@ -138,18 +139,18 @@ def _where(p: dict[str, Any]) -> str:
 
 
 def _table(processes: list[dict[str, Any]], slow_after_s: float) -> str:
-    """One row per process: id, host, its network domain (a column only where some process has one), local rank,
-    devices, state, incarnation, heartbeat age, session, reason."""
+    """One row per process: id, OS pid, host, its network domain (a column only where some process has one), local
+    rank, devices, state, incarnation, heartbeat age, session, reason."""
     networked = any(p.get("network") for p in processes)
-    header = ("process", "host", *(("network",) if networked else ()), "rank", "devices", "state", "incarnation",
-              "heartbeat age", "session", "reason")
+    header = ("process", "pid", "host", *(("network",) if networked else ()), "rank", "devices", "state",
+              "incarnation", "heartbeat age", "session", "reason")
     rows = [header] + [(
-        "-" if p["process_id"] is None else str(p["process_id"]), _where(p),
+        "-" if p["process_id"] is None else str(p["process_id"]), str(p.get("pid") or "-"), _where(p),
         *((domain(p.get("network", ())) or "-",) if networked else ()), str(p["local_rank"]), str(p["devices"]),
         _state(p, slow_after_s), str(p["incarnation"]), f"{p['heartbeat_age_s']:.1f}s",
         "open" if p["attached"] else "-", p["reason"]) for p in processes]
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    right = {0, 3, 4, 6, 7} if networked else {0, 2, 3, 5, 6}
+    right = {0, 1, 4, 5, 7, 8} if networked else {0, 1, 3, 4, 6, 7}
     lines = ["  ".join(cell.rjust(w) if c in right else cell.ljust(w)
                        for c, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip() for row in rows]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

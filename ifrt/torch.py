@@ -57,7 +57,7 @@ from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.interfaces import interface_of
 from ifrt.mesh import Mesh
-from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, env_plugin
+from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, discovery_timeout, env_plugin
 from ifrt.topology import Topology
 from ifrt.torch_store import DEFAULT_TIMEOUT, Store
 from ifrt.transfer import local_address_toward
@@ -121,7 +121,8 @@ def init_process_group(
                 "a default torch.distributed process group already exists in this process: "
                 "ifrt.torch.init_process_group() starts it itself with the topology's ranks; remove the other "
                 "torch.distributed.init_process_group() call (or destroy that group first)")
-        deadline = time.monotonic() + options.get("timeout", DISCOVER_TIMEOUT_S)
+        deadline = time.monotonic() + (options["timeout"] if options.get("timeout") is not None
+                                        else discovery_timeout(options.get("environ")))
         timeout = timedelta(seconds=collective_timeout) if isinstance(collective_timeout, int | float) \
             else collective_timeout
         client = Client(coordinator, **{**options, "plugin": options.get("plugin") or env_plugin() or default_plugin()})

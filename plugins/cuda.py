@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import socket
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -313,20 +314,65 @@ class CudaPlugin(DevicePlugin):
         return remote
 
 
+FABRIC_V1 = struct.Struct("=16sIIB3x")
+"""nvmlGpuFabricInfo_t as nvml.h lays it out: unsigned char clusterUuid[16], nvmlReturn_t status, unsigned int
+cliqueId, nvmlGpuFabricState_t state (one unsigned char), padding to 28 bytes."""
+FABRIC_V2 = struct.Struct("=I16sIIB3xI")
+"""nvmlGpuFabricInfo_v2_t (nvmlGpuFabricInfoV_t): unsigned int version, v1's fields, unsigned int healthMask."""
+FABRIC_V2_VERSION = FABRIC_V2.size | 2 << 24  # nvmlGpuFabricInfo_v2 = NVML_STRUCT_VERSION(GpuFabricInfo, 2)
+NVML_ERROR_FUNCTION_NOT_FOUND = 13  # the driver's libnvidia-ml lacks the call (the V call came with driver 550)
+_logged_fabric_failures: set[str] = set()
+
+
 def fabric_info(nvml: Any, handle: Any) -> FabricInfo | str:
-    """A GPU's fabric registration through NVML, or why there is none (an older driver or GPU without it)."""
-    # nvidia-ml-py passes the structure on as given: it must be a pointer (a structure by value crashes NVML)
+    """A GPU's fabric registration through NVML, or why there is none; never raises, so discovery goes on.
+
+    The bytes NVML writes are read as nvml.h lays them out, not through nvidia-ml-py's fields: 12.x declares the
+    cluster uuid as text (decoding 16 raw bytes fails) and up to 12.560 as 80 bytes, and every version reads the
+    one-byte state as four. A read that fails for any reason other than NVML's answer is logged once per process.
+    """
+    nvml_error = getattr(nvml, "NVMLError", ())
     try:
-        if hasattr(nvml, "c_nvmlGpuFabricInfoV_t"):
-            raw = nvml.c_nvmlGpuFabricInfoV_t()
-            nvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(raw))
-            health = raw.healthMask
-        else:  # nvidia-ml-py before 12.550: no health mask
-            raw = nvml.c_nvmlGpuFabricInfo_t()
-            nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(raw))
-            health = 0
-    except AttributeError:
-        return "this nvidia-ml-py has no fabric info call"
-    except nvml.NVMLError as e:
+        return _read_fabric(nvml, handle)
+    except nvml_error as e:
         return f"NVML gives no fabric info ({e})"
-    return FabricInfo(int(raw.state), bytes(raw.clusterUuid), int(raw.cliqueId), int(raw.status), int(health))
+    except Exception as e:  # a pynvml this plugin does not know: the GPU is then its host's slice, not an error
+        why = f"the fabric info could not be read: {e}"
+        if why not in _logged_fabric_failures:
+            _logged_fabric_failures.add(why)
+            log.warning("cuda plugin: %s; the GPUs' slice is their host's", why)
+        return why
+
+
+def _read_fabric(nvml: Any, handle: Any) -> FabricInfo | str:
+    """The versioned call (with the health mask) where nvidia-ml-py and the driver have it, else the first one."""
+    if hasattr(nvml, "nvmlDeviceGetGpuFabricInfoV") and hasattr(nvml, "c_nvmlGpuFabricInfoV_t"):
+        try:
+            raw = _call_fabric(nvml.nvmlDeviceGetGpuFabricInfoV, nvml.c_nvmlGpuFabricInfoV_t, handle, FABRIC_V2,
+                               "nvmlGpuFabricInfo_v2_t", FABRIC_V2_VERSION)
+            _, uuid, status, clique, state, health = FABRIC_V2.unpack(raw)
+            return FabricInfo(state, uuid, clique, status, health)
+        except nvml.NVMLError as e:
+            if getattr(e, "value", None) != NVML_ERROR_FUNCTION_NOT_FOUND:
+                raise  # a driver older than 550 lacks the V call: the first one follows
+    if not hasattr(nvml, "nvmlDeviceGetGpuFabricInfo") or not hasattr(nvml, "c_nvmlGpuFabricInfo_t"):
+        return "this nvidia-ml-py has no fabric info call"
+    raw = _call_fabric(nvml.nvmlDeviceGetGpuFabricInfo, nvml.c_nvmlGpuFabricInfo_t, handle, FABRIC_V1,
+                       "nvmlGpuFabricInfo_t", None)
+    uuid, status, clique, state = FABRIC_V1.unpack(raw)
+    return FabricInfo(state, uuid, clique, status)
+
+
+def _call_fabric(call: Any, structure: type[ctypes.Structure], handle: Any, layout: struct.Struct, c_name: str,
+                 version: int | None) -> bytes:
+    """NVML's bytes from one fabric call into nvidia-ml-py's own structure, passed by pointer (NVML crashes the
+    process on a structure passed by value), with the version this reader's layout is (not the one pynvml set)."""
+    info = structure()
+    size = ctypes.sizeof(info)
+    if size < layout.size:  # NVML would write past its end
+        raise ValueError(f"nvidia-ml-py's {structure.__name__} holds {size} bytes where NVML writes {layout.size} "
+                         f"({c_name})")
+    if version is not None:
+        ctypes.c_uint.from_buffer(info).value = version
+    call(handle, ctypes.byref(info))
+    return ctypes.string_at(ctypes.addressof(info), layout.size)

@@ -48,6 +48,19 @@ fi
 if ! command -v debootstrap >/dev/null; then
   missing+=("debootstrap: builds the compose demo's local base image; install it (as root: apt-get install -y debootstrap)")
 fi
+# nvidia-ml-py as each version the cuda plugin supports declares NVML's structures: tests/test_cuda_plugin.py drives
+# the plugin's fabric reader with every one of them (their own pynvml module, from .venv/nvml/<version>). Pure Python,
+# under 1 MB each; the project itself never imports these. Keep the list as the test's NVML_VERSIONS.
+nvml_versions=(12.535.77 12.550.52 12.560.30 12.570.86 12.575.51 13.580.65 13.615.71)
+for version in "${nvml_versions[@]}"; do
+  if [ ! -f ".venv/nvml/$version/pynvml.py" ]; then
+    echo "installing nvidia-ml-py $version into .venv/nvml/$version (for the cuda plugin's tests)" >&2
+    python -m pip install -q --no-deps --target ".venv/nvml/$version" "nvidia-ml-py==$version" \
+      >>.venv/pip-nvml.log 2>&1 || rm -rf ".venv/nvml/$version"
+  fi
+  [ -f ".venv/nvml/$version/pynvml.py" ] \
+    || missing+=("nvidia-ml-py $version: could not be installed into .venv/nvml/$version (see .venv/pip-nvml.log)")
+done
 # A second interpreter with JAX 0.4.30, which numbers CPU devices as ifrt does: tests/test_jax.py checks that the
 # ids then coincide. The project itself comes from the checkout (PYTHONPATH); this venv holds only the runtime.
 if [ -z "${IFRT_TEST_JAX04_PYTHON:-}" ]; then

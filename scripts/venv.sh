@@ -4,11 +4,40 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
+apt_lock_timeout=${IFRT_APT_LOCK_TIMEOUT:-600}
+# How long (seconds) apt-get waits where another apt-get or dpkg holds the apt or dpkg lock, instead of failing at once.
+
+apt_get() {
+  # apt-get "$@", waiting up to $apt_lock_timeout s for a lock another apt-get or dpkg holds: apt-get itself waits
+  # for the dpkg lock (DPkg::Lock::Timeout), but not for the package lists' lock (apt-get update), retried here.
+  local deadline=$((SECONDS + apt_lock_timeout)) out said=""
+  while :; do
+    if out=$(DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout="$apt_lock_timeout" "$@" 2>&1); then
+      [ -z "$out" ] || printf '%s\n' "$out" >&2
+      return 0
+    fi
+    if [ "$SECONDS" -lt "$deadline" ] && grep -q "Could not get lock" <<<"$out"; then
+      [ -n "$said" ] || echo "apt-get $1: waiting up to ${apt_lock_timeout}s for another apt-get or dpkg to release" \
+        "its lock ($(grep -m1 "Could not get lock" <<<"$out" | sed 's/^E: //'))" >&2
+      said=1
+      sleep 2
+      continue
+    fi
+    printf '%s\n' "$out" >&2
+    if grep -q -i "lock" <<<"$out"; then
+      echo "apt-get $1: another apt-get or dpkg still held the apt or dpkg lock after ${apt_lock_timeout}s" \
+        "(IFRT_APT_LOCK_TIMEOUT sets how long to wait)" >&2
+    fi
+    return 1
+  done
+}
+
 apt_install() {
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    echo "installing Debian packages: $*" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
+    echo "installing Debian packages: $* (waiting up to ${apt_lock_timeout}s for the apt and dpkg locks if another" \
+      "apt-get or dpkg holds them)" >&2
+    apt_get update -qq
+    apt_get install -y -qq "$@"
   else
     echo "missing Debian packages: $* (install them, e.g. sudo apt-get install $*)" >&2
     return 1

@@ -6,6 +6,7 @@ Scenarios:
   plugin-then-jax ifrt.discover(plugin="jax"), then jax.distributed.initialize by hand
   backend-first   a JAX computation, then ifrt.jax.initialize(), expected to be refused
   token           ifrt.jax.initialize(token=$TEST_CLUSTER_TOKEN), the token given only as the argument
+  network         mesh, plus this process's network path and XLA's network variable after initialize
 """
 
 from __future__ import annotations
@@ -123,8 +124,16 @@ def with_token() -> dict:
     return {"process_id": topology.process_id, "jax_process_index": jax.process_index()}
 
 
+def network() -> dict:
+    import ifrt.jax
+
+    answer = mesh()
+    return {**answer, "network": list(ifrt.jax.topology().process(answer["process_id"]).network),
+            "xla_network_nodes": os.environ.get("XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES")}
+
+
 SCENARIOS = {"mesh": mesh, "narrowed": narrowed, "plugin-then-jax": plugin_then_jax, "backend-first": backend_first,
-             "token": with_token}
+             "token": with_token, "network": network}
 
 if __name__ == "__main__":
     print(json.dumps(SCENARIOS[sys.argv[1]]()), flush=True)

@@ -2,12 +2,22 @@
 NVLink domains from the fabric."""
 
 import ctypes
+import functools
+import importlib.util
+import logging
 import re
+import struct
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import plugins.cuda as cuda
 from ifrt.errors import InvalidArgument
 from plugins.cuda import (
     FabricInfo,
@@ -19,6 +29,7 @@ from plugins.cuda import (
     visible_gpus,
     visible_share,
 )
+from tests.requirements import require
 
 UUIDS = [
     "GPU-8a1c4f2e-6b0d-4c1e-9f3a-2d5b7e8c9a01",
@@ -211,25 +222,137 @@ def test_a_gpus_fabric_state_stays_on_its_host():
     assert device.slice_key == "5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7"
 
 
-class FabricInfoV(ctypes.Structure):
-    """nvidia-ml-py's c_nvmlGpuFabricInfoV_t (version 2): the layout NVML writes."""
+# The fabric read through each nvidia-ml-py the project accepts: that version's own pynvml module (its structure
+# classes, call wrappers and errors), with only libnvidia-ml itself stood in for by C callbacks that write what nvml.h
+# lays out. scripts/test.sh installs each version into .venv/nvml/<version>.
+NVML_VERSIONS = ("12.535.77", "12.550.52", "12.560.30", "12.570.86", "12.575.51", "13.580.65", "13.615.71")
+"""The oldest 12.x (the floor of the cuda extra), one of each way 12.x declares the structures, and 13.x."""
+NVML_ROOT = Path(__file__).resolve().parents[1] / ".venv" / "nvml"
+NVML_SUCCESS, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 0, 3, 25
+FABRIC_V2 = 0x02000024  # nvmlGpuFabricInfo_v2: NVML_STRUCT_VERSION(GpuFabricInfo, 2), sizeof 36
+PADDING = b"\xa5" * 3  # after the one-byte state: nvml.h promises nothing about these bytes
+NvmlFunction = ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p)
 
-    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_int),
-                ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint8), ("healthMask", ctypes.c_uint32)]
+
+def nvml_fabric_v1(state: int, uuid: bytes = bytes(16), clique: int = 0) -> bytes:
+    """nvmlGpuFabricInfo_t as nvml.h lays it out: unsigned char clusterUuid[16], nvmlReturn_t status, unsigned int
+    cliqueId, nvmlGpuFabricState_t state (one unsigned char), padded to 28 bytes."""
+    return struct.pack("=16sIIB", uuid, 0, clique, state) + PADDING
+
+
+def nvml_fabric_v2(state: int, uuid: bytes = bytes(16), clique: int = 0, health: int = 0) -> bytes:
+    """nvmlGpuFabricInfo_v2_t (nvmlGpuFabricInfoV_t): version, then v1's fields, then unsigned int healthMask."""
+    return struct.pack("=I16sIIB", FABRIC_V2, uuid, 0, clique, state) + PADDING + struct.pack("=I", health)
 
 
 class NvmlLibrary:
-    """NVML's fabric call as the C library behaves: it writes through the pointer it is given. Given a structure
-    by value instead (as the first version of the plugin did), the real library crashed the process on an H200."""
+    """libnvidia-ml's fabric calls as C functions: each gets the bare pointer the C ABI passes (a structure passed by
+    value is refused, where the real library crashed the process) and writes ``written[name]`` there, the V call
+    only after checking the version its caller set. A driver older than 550 has no V call (``written`` lacks it)."""
 
-    NVMLError = RuntimeError
-    c_nvmlGpuFabricInfoV_t = FabricInfoV
+    def __init__(self, written: dict[str, bytes], result: int = NVML_SUCCESS) -> None:
+        self.calls: list[str] = []
+        for name, data in written.items():
+            setattr(self, name, NvmlFunction(self._function(name, data, result)))
 
-    def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
-        assert type(info).__name__ == "CArgObject", f"NVML needs a pointer to the structure, got {type(info)}"
-        target = info._obj
-        target.clusterUuid[:], target.cliqueId, target.state, target.healthMask = NVL72, 7, COMPLETED, HEALTHY
+    def _function(self, name: str, data: bytes, result: int) -> Callable[[int | None, int | None], int]:
+        def call(device: int | None, info: int | None) -> int:
+            self.calls.append(name)
+            if result != NVML_SUCCESS:
+                return result
+            if name.endswith("V") and ctypes.c_uint.from_address(info).value != FABRIC_V2:
+                return NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+            ctypes.memmove(info, data, len(data))
+            return NVML_SUCCESS
+        return call
 
 
-def test_the_fabric_call_gives_nvml_a_pointer_and_reads_back_what_it_wrote():
-    assert fabric_info(NvmlLibrary(), handle=object()) == FabricInfo(COMPLETED, NVL72, 7, 0, HEALTHY)
+@functools.cache
+def pynvml_module(version: str) -> ModuleType:
+    """nvidia-ml-py ``version``'s own pynvml module, loaded from .venv/nvml under a name of its own."""
+    path = NVML_ROOT / version / "pynvml.py"
+    if not path.is_file():
+        require(f"nvidia-ml-py {version}", f"no {path}; scripts/test.sh installs it (or run: .venv/bin/python -m pip "
+                f"install --no-deps --target {NVML_ROOT / version} nvidia-ml-py=={version})")
+    name = f"pynvml_{version.replace('.', '_')}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pynvml makes its error classes through sys.modules[__name__]
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=NVML_VERSIONS)
+def pynvml(request: pytest.FixtureRequest) -> ModuleType:
+    return pynvml_module(request.param)
+
+
+def read_fabric(pynvml: ModuleType, library: NvmlLibrary, monkeypatch: pytest.MonkeyPatch) -> FabricInfo | str:
+    """The plugin's fabric read of one GPU through ``pynvml`` with ``library`` as the loaded libnvidia-ml."""
+    monkeypatch.setattr(pynvml, "nvmlLib", library)
+    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
+    return fabric_info(pynvml, pynvml.c_nvmlDevice_t())
+
+
+def fabric_calls(v1: bytes, v2: bytes | None) -> dict[str, bytes]:
+    calls = {"nvmlDeviceGetGpuFabricInfo": v1}
+    if v2 is not None:
+        calls["nvmlDeviceGetGpuFabricInfoV"] = v2
+    return calls
+
+
+def test_a_gpu_without_a_fabric_reads_as_not_supported_with_every_nvidia_ml_py(pynvml, monkeypatch):
+    library = NvmlLibrary(fabric_calls(nvml_fabric_v1(NOT_SUPPORTED), nvml_fabric_v2(NOT_SUPPORTED)))
+    info = read_fabric(pynvml, library, monkeypatch)
+    assert info == FabricInfo(NOT_SUPPORTED, bytes(16), 0, 0, 0)
+    assert nvlink_domains([info], "hgx-node-12").domains == ["hgx-node-12"]
+
+
+def test_an_nvl72_gpu_reads_its_domain_with_every_nvidia_ml_py(pynvml, monkeypatch):
+    library = NvmlLibrary(fabric_calls(nvml_fabric_v1(COMPLETED, NVL72, 7),
+                                       nvml_fabric_v2(COMPLETED, NVL72, 7, HEALTHY | DEGRADED_BANDWIDTH << 6)))
+    info = read_fabric(pynvml, library, monkeypatch)
+    versioned = hasattr(pynvml, "nvmlDeviceGetGpuFabricInfoV")  # from 12.550; 12.535 has the first call only
+    assert info == FabricInfo(COMPLETED, NVL72, 7, 0, (HEALTHY | DEGRADED_BANDWIDTH << 6) if versioned else 0)
+    assert library.calls == ["nvmlDeviceGetGpuFabricInfoV" if versioned else "nvmlDeviceGetGpuFabricInfo"]
+    assert nvlink_domains([info], "nvl-host-3").domains == ["5c1b0e2a-9f4d-4c3b-8e7a-6d5c4b3a2918/7"]
+
+
+def test_a_driver_without_the_versioned_call_reads_the_first_one(pynvml, monkeypatch):
+    library = NvmlLibrary(fabric_calls(nvml_fabric_v1(COMPLETED, NVL72, 3), None))
+    assert read_fabric(pynvml, library, monkeypatch) == FabricInfo(COMPLETED, NVL72, 3, 0, 0)
+    assert library.calls == ["nvmlDeviceGetGpuFabricInfo"]
+
+
+def test_a_gpu_nvml_gives_no_fabric_info_for_is_its_hosts_slice(pynvml, monkeypatch):
+    library = NvmlLibrary(fabric_calls(b"", b""), result=NVML_ERROR_NOT_SUPPORTED)
+    assert read_fabric(pynvml, library, monkeypatch) == "NVML gives no fabric info (Not Supported)"
+
+
+class TooSmall(ctypes.Structure):
+    """A structure smaller than NVML writes, as an nvidia-ml-py that declared it wrong would have it."""
+
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * 4)]
+
+
+def test_a_fabric_read_that_fails_leaves_discovery_to_the_hosts_slice_and_is_logged_once(monkeypatch, caplog):
+    pynvml = pynvml_module(NVML_VERSIONS[-1])
+    monkeypatch.setattr(pynvml, "c_nvmlGpuFabricInfoV_t", TooSmall)
+    monkeypatch.setattr(cuda, "_logged_fabric_failures", set())
+    library = NvmlLibrary(fabric_calls(nvml_fabric_v1(COMPLETED, NVL72, 7), nvml_fabric_v2(COMPLETED, NVL72, 7)))
+    with caplog.at_level(logging.WARNING, logger="ifrt.plugins.cuda"):
+        found = [read_fabric(pynvml, library, monkeypatch) for _ in range(2)]
+    why = ("the fabric info could not be read: nvidia-ml-py's TooSmall holds 8 bytes where NVML writes 36 "
+           "(nvmlGpuFabricInfo_v2_t)")
+    assert found == [why, why]
+    assert library.calls == []  # never handed to NVML, which would write past its end
+    assert [r.getMessage() for r in caplog.records] == [f"cuda plugin: {why}; the GPUs' slice is their host's"]
+    assert nvlink_domains(found, "node-3").domains == ["node-3", "node-3"]
+
+
+def test_the_versions_tested_are_the_ones_installed_and_the_extras_floor():
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "test.sh").read_text()
+    assert f"nvml_versions=({' '.join(NVML_VERSIONS)})" in script
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["optional-dependencies"]["cuda"] == [f"nvidia-ml-py>={NVML_VERSIONS[0]}"]

@@ -53,9 +53,9 @@ def uniform() -> list[tuple[int, str, tuple[str, ...]]]:
 def test_each_axis_is_described_by_the_smallest_domain_that_holds_it():
     mesh = network_topology(uniform()).mesh((2, 2, 2, 2), ("data", "fsdp", "pipe", "tensor"))
     assert describe_axes(mesh) == [
-        "axis 'data' (2) crosses blocks in every ring (8 links), spans the whole job",
-        "axis 'fsdp' (2) crosses racks in every ring (8 links), stays within each block",
-        "axis 'pipe' (2) crosses hosts in every ring (8 links), stays within each rack",
+        "axis 'data' (2) crosses tier-1 switches in every ring (8 links), spans the whole job",
+        "axis 'fsdp' (2) crosses leaf switches in every ring (8 links), stays within each tier-1 switch",
+        "axis 'pipe' (2) crosses hosts in every ring (8 links), stays within each leaf switch",
         "axis 'tensor' (2) stays within each host",
     ]
     assert mesh.describe() == "\n".join(describe_axes(mesh))
@@ -66,13 +66,12 @@ def test_an_axis_that_unequal_racks_cannot_hold_says_where_and_what_would():
     topology = network_topology([(0, "h1", ("r1",)), (1, "h2", ("r1",)), (2, "h3", ("r1",)), (3, "h4", ("r2",))])
     mesh = topology.mesh((2, 4), ("data", "fsdp"))
     lines = describe_axes(mesh)
-    assert lines[1] == ("axis 'fsdp' (4) crosses racks in 1 of its 2 rings (2 links across racks), spans the whole "
-                        "job: rack "
-                        "'r1' holds 2 of its devices, rack 'r2' holds 2; racks hold 2 to 6 devices: the axis span 4 "
-                        "devices; a span that divides 2 keeps every ring within its rack (or give the racks equal "
-                        "numbers of hosts)")
+    assert lines[1] == ("axis 'fsdp' (4) crosses leaf switches in 1 of its 2 rings (2 links across leaf switches), "
+                        "spans the whole job: leaf switch 'r1' holds 2 of its devices, leaf switch 'r2' holds 2; leaf "
+                        "switches hold 2 to 6 devices: the axis span 4 devices; a span that divides 2 keeps every ring "
+                        "within its leaf switch (or give the leaf switches equal numbers of hosts)")
     found = domains(mesh)
-    assert found.names == ("host", "rack")
+    assert found.names == ("host", "leaf switch")
     assert ring_links(mesh, 1, found.keys[1]) == (2, 1)
 
 
@@ -95,7 +94,8 @@ def test_unequal_racks_are_packed_so_fewer_rings_cross_them():
     mesh = topology.mesh((2, 2), ("data", "pair"))
     assert [hosts_of(mesh)[:2], hosts_of(mesh)[2:]] == [["b", "c"], ["a", "d"]]
     assert ring_links(mesh, 1, domains(mesh).keys[1]) == (1, 1)
-    assert describe_axes(mesh)[1].startswith("axis 'pair' (2) crosses racks in 1 of its 2 rings (1 links across racks)")
+    assert describe_axes(mesh)[1].startswith("axis 'pair' (2) crosses leaf switches in 1 of its 2 rings (1 links "
+                                             "across leaf switches)")
 
 
 def test_equal_racks_are_left_in_network_order():
@@ -108,10 +108,10 @@ def test_network_lines_say_what_each_level_holds_and_describe_a_mesh():
     topology = network_topology([(0, "h1", ("s", "r1")), (1, "h2", ("s", "r1")), (2, "h3", ("s", "r1")),
                                  (3, "h4", ("s", "r2"))])
     assert network_lines(topology, (2, 4), ("data", "fsdp")) == [
-        "2 racks of 2 to 6 devices: a mesh's inner axes stay within each rack where together they span a divisor of "
-        "2 devices",
-        "1 spine of 8 devices each: a mesh's inner axes stay within each spine where together they span a divisor "
-        "of 8 devices",
+        "2 leaf switches of 2 to 6 devices: a mesh's inner axes stay within each leaf switch where together they "
+        "span a divisor of 2 devices",
+        "1 tier-1 switch of 8 devices each: a mesh's inner axes stay within each tier-1 switch where together they "
+        "span a divisor of 8 devices",
         *describe_axes(topology.mesh((2, 4), ("data", "fsdp"))),
     ]
     assert network_lines(network_topology([(0, "h1", ())])) == []
@@ -142,7 +142,7 @@ def test_explicit_ids_from_a_real_coordinator_keep_and_the_mesh_follows_the_netw
     assert [p.network for p in topology.processes] == [("spine", r) for r in racks]  # ids as given
     mesh = topology.mesh((4, 2), ("data", "tensor"))
     assert (mesh.devices >> LOCAL_ID_BITS).tolist() == [[3, 3], [2, 2], [1, 1], [0, 0]]  # rack1, rack2, rack9, rack10
-    assert describe_axes(mesh) == ["axis 'data' (4) crosses racks in every ring (8 links), spans the whole job",
+    assert describe_axes(mesh) == ["axis 'data' (4) crosses leaf switches in every ring (8 links), spans the whole job",
                                    "axis 'tensor' (2) stays within each host"]
 
 
@@ -164,11 +164,11 @@ def test_ifrt_discover_says_where_each_axis_of_a_mesh_sits(start_coordinator):
         code, out, err = finish(child)
         assert code == 0, err
         assert out.splitlines()[-4:] == [
-            "2 racks of 2 devices each: a mesh's inner axes stay within each rack where together they span a divisor "
-            "of 2 devices",
-            "1 spine of 4 devices each: a mesh's inner axes stay within each spine where together they span a divisor "
-            "of 4 devices",
-            "axis 'data' (2) crosses racks in every ring (2 links), spans the whole job",
+            "2 leaf switches of 2 devices each: a mesh's inner axes stay within each leaf switch where together they "
+            "span a divisor of 2 devices",
+            "1 tier-1 switch of 4 devices each: a mesh's inner axes stay within each tier-1 switch where together "
+            "they span a divisor of 4 devices",
+            "axis 'data' (2) crosses leaf switches in every ring (2 links), spans the whole job",
             "axis 'tensor' (2) stays within each host"], out
 
 

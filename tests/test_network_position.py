@@ -94,7 +94,7 @@ def test_ids_follow_the_network_in_any_arrival_order_with_the_same_bytes_everywh
         processes = status_json(coordinator.address)["processes"]
         assert {p["host"]: tuple(p["network"]) for p in processes} == FABRIC
         text = ifrt_status("--coordinator", coordinator.address).stdout
-        row = next(line for line in text.splitlines() if line.split()[:2] == ["3", "h4"])
+        row = next((line for line in text.splitlines() if line.split()[:2] == ["3", "h4"]), text)
         assert "spine1/rack10" in row, text
         coordinator.close()
     assert len(published) == 1  # the same bytes and fingerprint whatever the arrival order
@@ -169,12 +169,34 @@ def test_ifrt_env_shows_the_position_and_its_source(tmp_path):
     assert (settings["network"], settings["network_source"]) == (["s1", "r1"], "IFRT_NETWORK_NODES")
 
 
+def test_ifrt_env_names_sources_that_disagree(tmp_path):
+    # A node labelled by topograph (its documented two-tier example: leaf s1 under spine s2) where the job also sets
+    # IFRT_NETWORK_NODES: the variable wins, and ifrt env says the labels give another path.
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "SLURM_", "XLA_"))}
+    path = labels(tmp_path, "topograph", "network.topology.nvidia.com/leaf=s1\nnetwork.topology.nvidia.com/spine=s2\n"
+                  "accelerator.topograph.run/domain=nvl1\n")
+    env = {**clean, "IFRT_COORDINATOR": "127.0.0.1:1", "IFRT_NETWORK_NODES": "spine9,rack3",
+           "XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES": "spine9,rack3,", "IFRT_NODE_LABELS_FILE": path}
+    shown = subprocess.run([str(BIN / "ifrt"), "env"], capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "network: spine9/rack3 (from IFRT_NETWORK_NODES)" in shown.stdout, shown.stdout
+    warned = [line for line in shown.stdout.splitlines() if line.startswith("warning: network sources disagree")]
+    assert warned == [f"warning: network sources disagree: s2/s1 from IFRT_NODE_LABELS_FILE={path!r} "
+                      "(nvidia-topograph labels); IFRT_NETWORK_NODES is used"], shown.stdout  # XLA's agrees
+    assert "accelerator_domain: nvl1" in shown.stdout, shown.stdout
+    as_json = subprocess.run([str(BIN / "ifrt"), "env", "--json"], capture_output=True, text=True, timeout=60, env=env)
+    settings = json.loads(as_json.stdout)["settings"]
+    assert settings["network_conflicts"] == [f"s2/s1 from IFRT_NODE_LABELS_FILE={path!r} (nvidia-topograph labels)"]
+
+
 BAD_PATHS = {
     "9 levels": ([f"level{i}" for i in range(9)], "the network path of node1 has 9 levels: expected at most 8"),
     "an empty level": (["spine1", "", "rack1"], "the network path of node1: level 1 of the network path"),
     "a blank level": (["spine1", "  "], "level 1 of the network path ['spine1', '  '] is empty"),
     "a level over 255 bytes": (["spine1", "r" * 256], "level 1 of the network path is 256 bytes long: expected "
                                                       "at most 255"),
+    "a bidi override": (["spine1", "rack\u202e7"], "level 1 of the network path ('rack\\u202e7') holds U+202E "
+                                                    "RIGHT-TO-LEFT OVERRIDE"),
 }
 
 

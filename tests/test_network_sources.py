@@ -72,12 +72,12 @@ def test_labels_are_key_value_lines_as_kubectl_or_a_shell_writes_them():
 @pytest.mark.parametrize(("labels", "path", "family"), [
     ({f"{NVIDIA}core": "core1", f"{NVIDIA}spine": "spine2", f"{NVIDIA}leaf": "leaf3",
       f"{NVIDIA}accelerator": "nvl1"}, ("core1", "spine2", "leaf3"), "nvidia-topograph"),
-    ({f"{NVIDIA}core": "core1", f"{NVIDIA}spine": "spine2"}, ("core1", "spine2"), "nvidia-topograph"),
+    ({f"{NVIDIA}spine": "spine2", f"{NVIDIA}leaf": "leaf3"}, ("spine2", "leaf3"), "nvidia-topograph"),
     ({f"{AWS}1": "nn-a", f"{AWS}2": "nn-b", f"{AWS}3": "nn-c"}, ("nn-a", "nn-b", "nn-c"), "aws"),
     ({f"{GCE}block": "b1", f"{GCE}subblock": "sb2", f"{GCE}host": "h3"}, ("b1", "sb2"), "gce"),
     ({f"{OCI}network_block_id": "ocid1.block", f"{OCI}rack_id": "ocid1.rack"}, ("ocid1.block", "ocid1.rack"), "oci"),
     # Two families on one node: the earlier in LABEL_FAMILIES wins.
-    ({f"{AWS}1": "nn-a", f"{NVIDIA}core": "core1"}, ("core1",), "nvidia-topograph"),
+    ({f"{AWS}1": "nn-a", f"{NVIDIA}leaf": "leaf1"}, ("leaf1",), "nvidia-topograph"),
     ({"kubernetes.io/hostname": "node7", "topology.kubernetes.io/zone": "us-east-1a"}, None, None),
 ])
 def test_each_label_family_gives_its_levels_root_first(labels, path, family):
@@ -95,17 +95,34 @@ def test_the_first_source_that_gives_a_position_wins():
     env = {"IFRT_NETWORK_NODES": "i1,i2", "XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES": "x1",
            "SLURM_TOPOLOGY_ADDR": "s1.node7", "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.node",
            "IFRT_NODE_LABELS_FILE": "/labels"}
-    assert ns.choose(["g1", "g2"], env, labels) == ns.Position(("g1", "g2"), "network=")
-    assert ns.choose("g1,g2", env, labels) == ns.Position(("g1", "g2"), "network=")
-    assert ns.choose(None, env, labels) == ns.Position(("i1", "i2"), "IFRT_NETWORK_NODES")
+    later = ["i1/i2 from IFRT_NETWORK_NODES", "x1 from XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES",
+             "s1 from SLURM_TOPOLOGY_ADDR with SLURM_TOPOLOGY_ADDR_PATTERN",
+             "nn-a from IFRT_NODE_LABELS_FILE='/labels' (aws labels)"]  # each later source, named as a conflict
+    assert ns.choose(["g1", "g2"], env, labels) == ns.Position(("g1", "g2"), "network=", tuple(later))
+    assert ns.choose("g1,g2", env, labels) == ns.Position(("g1", "g2"), "network=", tuple(later))
+    assert ns.choose(None, env, labels) == ns.Position(("i1", "i2"), "IFRT_NETWORK_NODES", tuple(later[1:]))
     del env["IFRT_NETWORK_NODES"]
-    assert ns.choose(None, env, labels) == ns.Position(("x1",), "XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES")
+    assert ns.choose(None, env, labels) == ns.Position(("x1",), "XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES",
+                                                        tuple(later[2:]))
     del env["XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES"]
     assert ns.choose(None, env, labels).source == "SLURM_TOPOLOGY_ADDR with SLURM_TOPOLOGY_ADDR_PATTERN"
     del env["SLURM_TOPOLOGY_ADDR"]
     assert ns.choose(None, env, labels) == ns.Position(("nn-a",), "IFRT_NODE_LABELS_FILE='/labels' (aws labels)")
+    assert ns.choose("nn-a", env, labels) == ns.Position(("nn-a",), "network=")  # agreeing sources: no conflict
     assert ns.choose(None, env, "other=1\n") == ns.Position((), "")
     assert ns.choose(None, {}, None) == ns.Position((), "")
+
+
+def test_a_broken_later_source_is_named_not_fatal_where_an_earlier_one_gives_the_position():
+    # an operator overrides a node whose labels skip a level: the job runs, and the broken labels are named
+    position = ns.choose(None, {"IFRT_NETWORK_NODES": "s1,r1", "IFRT_NODE_LABELS_FILE": "/l"}, f"{AWS}1=a\n{AWS}3=c\n")
+    assert position.path == ("s1", "r1")
+    assert position.conflicts == (f"IFRT_NODE_LABELS_FILE='/l' (aws labels) is not used: IFRT_NODE_LABELS_FILE='/l': "
+                                  f"the node has {AWS}3 but not {AWS}2: expected every level of the aws labels from "
+                                  f"the root ({AWS}1) down to the lowest one present (the path would silently skip a "
+                                  "switch)",)
+    with pytest.raises(InvalidArgument, match=f"has {AWS}3 but not {AWS}2"):
+        ns.choose(None, {"IFRT_NODE_LABELS_FILE": "/l"}, f"{AWS}1=a\n{AWS}3=c\n")
 
 
 def test_a_bad_network_argument_is_refused_by_name():

@@ -99,6 +99,7 @@ def test_published_shows_the_fingerprint_every_process_got(start_coordinator, ch
         (0, HOST, "alive", True), (1, HOST, "alive", True)]
     assert all(0 <= p["heartbeat_age_s"] < view["heartbeat_timeout_s"] for p in view["processes"])
     assert view["time_to_publish_s"] > 0
+    assert [p["pid"] for p in view["processes"]] == [w.process.pid for w in children]  # each on its host
 
 
 def test_degraded_lists_the_killed_process_and_why(start_coordinator, children):

@@ -99,9 +99,11 @@ def test_the_page_in_chromium_draws_the_killed_process_failed_and_names_it(start
     assert re.search(r'<p id="note"[^>]*>updated ', dom.stdout), dom.stdout[-2000:]
     failed = re.findall(r'<g class="process (\w+)" data-process="(\d+)"', dom.stdout)
     assert sorted(failed) == [("alive", "0"), ("alive", "1"), ("alive", "3"), ("failed", "2")]
-    hover = re.search(rf"<title>process 2 on {re.escape(HOST)} \(127\.0\.0\.1\): failed, (.*?); heard from "
-                      r"[\d.]+s ago</title>", dom.stdout)
-    assert hover and FAILED_REASON.fullmatch(hover.group(1)), dom.stdout[-3000:]
+    # its OS pid, and its reason alone: a "heard from" age beside the reason's own would disagree with it
+    hover = re.search(rf"<title>process 2 \(pid (\d+)\) on {re.escape(HOST)} \(127\.0\.0\.1\): failed, (.*?)</title>",
+                      dom.stdout)
+    assert hover and FAILED_REASON.fullmatch(hover.group(2)), dom.stdout[-3000:]
+    assert int(hover.group(1)) == children[2].process.pid
     assert f"process 2 on {HOST} failed: " in dom.stdout  # the events, in the page's text
     for gid in (2 << 17, (2 << 17) + 1):  # process 2's devices, by global id
         assert f'class="id">{gid}</text>' in dom.stdout
@@ -180,6 +182,13 @@ def test_a_standby_page_names_the_leader_and_draws_nothing_it_does_not_know():
 def test_events_list_failures_before_the_publication():
     assert events(_view(4, failed=(2,))) == ["process 2 on host-00002 failed: lost its connection",
                                              "generation 1 published 1.00s after the first registration"]
+
+
+def test_a_picture_of_few_hosts_is_as_wide_as_what_it_draws():
+    # Reproduced: one host was drawn 1,430 px wide (three host columns), so the page showed a needless scrollbar.
+    widths = {hosts: int(re.search(r'width="(\d+)"', status_svg.svg(_view(hosts))).group(1)) for hosts in (1, 2, 3, 6)}
+    assert widths[1] < widths[2] < widths[3] == widths[6]  # a host's column more each, up to a full row
+    assert widths[1] < 700
 
 
 @pytest.mark.parametrize("processes", [1, 64, 65, 4096])
@@ -303,7 +312,7 @@ def test_hosts_are_drawn_in_bands_per_rack_in_network_order_whatever_the_ids():
     picture = status_svg.svg(network_view_of([placed_process(*p) for p in placed]))
     drawn = re.findall(r'data-network="([^"]*)"|data-process="(\d+)"', picture)
     assert [a or int(b) for a, b in drawn] == ["spine / rack2", 2, 0, "spine / rack10", 1, 3]
-    assert "rack spine / rack2, slice 0" in picture
+    assert "leaf switch spine / rack2, slice 0" in picture
 
 
 def test_topology_extras_carry_each_processes_network_position():

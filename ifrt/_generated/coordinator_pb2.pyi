@@ -170,7 +170,7 @@ class LocalDevice(_message.Message):
     def __init__(self, local_id: _Optional[int] = ..., platform: _Optional[str] = ..., kind: _Optional[str] = ..., slice_key: _Optional[str] = ..., attributes: _Optional[_Mapping[str, str]] = ..., coordinates: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt", "network", "opens_session")
+    __slots__ = ("cluster_id", "num_processes", "process_id", "client_uid", "hostname", "local_rank", "address", "devices", "wait_ms", "plugin", "attempt", "network", "opens_session", "os_pid")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class RegisterRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     OPENS_SESSION_FIELD_NUMBER: _ClassVar[int]
+    OS_PID_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     num_processes: int
     process_id: int
@@ -197,7 +198,8 @@ class RegisterRequest(_message.Message):
     attempt: int
     network: _containers.RepeatedScalarFieldContainer[str]
     opens_session: bool
-    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ..., network: _Optional[_Iterable[str]] = ..., opens_session: _Optional[bool] = ...) -> None: ...
+    os_pid: int
+    def __init__(self, cluster_id: _Optional[str] = ..., num_processes: _Optional[int] = ..., process_id: _Optional[int] = ..., client_uid: _Optional[str] = ..., hostname: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[LocalDevice, _Mapping]]] = ..., wait_ms: _Optional[int] = ..., plugin: _Optional[str] = ..., attempt: _Optional[int] = ..., network: _Optional[_Iterable[str]] = ..., opens_session: _Optional[bool] = ..., os_pid: _Optional[int] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("registered", "expected", "missing_process_ids", "registered_hosts", "waited_seconds")
@@ -790,7 +792,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ProcessStatus(_message.Message):
-    __slots__ = ("process_id", "hostname", "host_address", "local_rank", "address", "devices", "phase", "reason", "incarnation", "heartbeat_age_seconds", "attached", "network")
+    __slots__ = ("process_id", "hostname", "host_address", "local_rank", "address", "devices", "phase", "reason", "incarnation", "heartbeat_age_seconds", "attached", "network", "os_pid")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -803,6 +805,7 @@ class ProcessStatus(_message.Message):
     HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     NETWORK_FIELD_NUMBER: _ClassVar[int]
+    OS_PID_FIELD_NUMBER: _ClassVar[int]
     process_id: int
     hostname: str
     host_address: str
@@ -815,7 +818,8 @@ class ProcessStatus(_message.Message):
     heartbeat_age_seconds: float
     attached: bool
     network: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
+    os_pid: int
+    def __init__(self, process_id: _Optional[int] = ..., hostname: _Optional[str] = ..., host_address: _Optional[str] = ..., local_rank: _Optional[int] = ..., address: _Optional[str] = ..., devices: _Optional[int] = ..., phase: _Optional[_Union[ProcessPhase, str]] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ..., heartbeat_age_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., network: _Optional[_Iterable[str]] = ..., os_pid: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("cluster_id", "state", "generation", "fingerprint", "registered", "expected", "missing_process_ids", "missing", "processes", "leader", "replica", "store", "reason", "waited_seconds", "time_to_publish_seconds", "sessions_open", "heartbeat_timeout_seconds", "attempt", "slow_after_seconds", "agents")

@@ -14,7 +14,7 @@ import grpc
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
-from ifrt.errors import ERROR_CLASSES, CoordinatorUnavailable, IfrtError
+from ifrt.errors import ERROR_CLASSES, CoordinatorUnavailable, IfrtError, ProcessIdTaken
 from ifrt.run.host_rules import Batcher, Ranks, Ticket
 
 log = logging.getLogger("ifrt.run")
@@ -73,6 +73,9 @@ class HostRegistrar:
         self.registered: dict[str, Registered] = {}
         """Admitted registrations by client uid."""
         self._ranks = Ranks()
+        self.clashes: dict[int, str] = {}
+        """By local rank: why the coordinator refused this host's worker as a second claim on its local rank (another
+        agent on this machine runs the same job without --host-rank), in one line for the agent to report."""
 
     def register(self, request: pb.RegisterRequest, proof: str, deadline: float) -> bytes:
         """The worker's answer: ``RegisterResponse`` bytes; ``Refused`` as its own Register would have been."""
@@ -160,6 +163,8 @@ class HostRegistrar:
                 uid = entry.request.client_uid
                 if result.code:
                     cls = ERROR_CLASSES.get(result.error, IfrtError)
+                    if issubclass(cls, ProcessIdTaken) and not entry.request.HasField("process_id"):
+                        self._clash(entry.request)
                     answers[uid] = Refused(cls(result.message), _STATUS.get(result.code, grpc.StatusCode.UNKNOWN))
                     continue
                 self.registered[uid] = Registered(entry.proof, entry.request.local_rank, result.process_id)
@@ -171,6 +176,18 @@ class HostRegistrar:
         self._ids_known({entry.request.local_rank: result.process_id
                          for entry, result in zip(entries, response.processes, strict=True) if not result.code})
         return answers, None
+
+    def _clash(self, request: pb.RegisterRequest) -> None:
+        """Notes (and says once) that another process of this machine holds ``request``'s local rank: a worker of
+        this agent never competes with another of its own, so the holder is another agent's (or process's)."""
+        rank = request.local_rank
+        if rank in self.clashes:
+            return
+        self.clashes[rank] = line = (
+            f"local rank {rank} of this machine ({request.hostname}) is already "
+            "run by another `ifrt run` agent (or process) of this job: to run several agents on one machine, give "
+            "each --host-rank R --num-hosts H (R from 0 to H-1), or run each on a host of its own (its own hostname)")
+        log.error("%s", line)
 
     def started(self, local_rank: int) -> int:
         """A worker starts (or a spare takes over) for ``local_rank``: its serial, which its exit names. Its answers,

@@ -48,13 +48,22 @@ def newer(found: tuple[int, int], held: tuple[int, int]) -> bool:
     return found != (0, 0) and found > held
 
 
+STOPPED = ("stopped answering: its process is stopped (SIGSTOP or SIGTSTP: state T in /proc), and its connection to "
+           "its agent dropped")
+"""Why a worker whose process its agent sees stopped is failed."""
+
+
 class HostSession:
     """The host's session and its workers' sessions with the agent (``attach``, ``detach``, ``exited``);
-    ``cpu(uid)``: the CPU seconds a worker's process used so far (None where the agent cannot see them)."""
+    ``cpu(uid)``: the CPU seconds a worker's process used so far (None where the agent cannot see them);
+    ``stopped(uid)``: whether its process is stopped (SIGSTOP, SIGTSTP), so that its dropped session is reported as
+    a worker that stopped answering, not as one that lost its connection."""
 
     def __init__(self, connection: Connection, agent_uid: str, clock: Callable[[], float] = time.monotonic,
-                 cpu: Callable[[str], float | None] = lambda uid: None) -> None:
+                 cpu: Callable[[str], float | None] = lambda uid: None,
+                 stopped: Callable[[str], bool] = lambda uid: False) -> None:
         self._connection, self.agent_uid, self._clock, self._cpu = connection, agent_uid, clock, cpu
+        self._stopped = stopped
         self._lock = threading.Lock()
         self._streams: dict[str, WorkerStream] = {}
         self._attached: dict[str, str] = {}  # uid -> proof: sent again on every new stream
@@ -329,14 +338,23 @@ class HostSession:
             older.end(Ended(None))
 
     def detach(self, stream: WorkerStream) -> None:
-        """A worker's session with the agent ended (its connection dropped, or it closed it)."""
+        """A worker's session with the agent ended (its connection dropped, or it closed it). A worker whose process
+        is stopped is reported as one that stopped answering (the coordinator fails it at once), as the coordinator
+        itself would say of a stopped process it serves directly."""
+        stopped = self._stopped(stream.uid)  # reads /proc: outside the lock
         with self._lock:
             if self._streams.get(stream.uid) is not stream:
                 return
             del self._streams[stream.uid]
-            self._attached.pop(stream.uid, None)
+            was_attached = self._attached.pop(stream.uid, None) is not None
             self._silence.stop(stream.uid)
             self._unwatch(stream.uid)
+            message = pb.WorkerExit(client_uid=stream.uid, proof=stream.proof, reason=STOPPED)
+            if stopped and was_attached and self._exits.add(stream.uid, message):
+                log.info("a worker's session (client %s) dropped while its process is stopped: reporting it",
+                         stream.uid[:8])
+                self._send(pb.HostSessionRequest(exited=message))
+                return
             self._send(pb.HostSessionRequest(detach=pb.WorkerSession(client_uid=stream.uid, proof=stream.proof)))
 
     def exited(self, uid: str, proof: str, reason: str) -> None:

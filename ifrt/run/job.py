@@ -30,7 +30,7 @@ from ifrt.run.messages import (
     ReplaceSeen,
 )
 from ifrt.security import new_process_secret
-from ifrt.settings import resolve
+from ifrt.settings import DISCOVERY_TIMEOUT_ENV, discovery_timeout, resolve
 from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.run")
@@ -94,6 +94,11 @@ class JobLink:
         self.workers, self.max_restarts = workers, max_restarts
         self.recover, self.spare_host = recover, spare_host
         self.failover_window_s = failover_window_s
+        first = discovery_timeout(kwargs.get("environ"), default=0.0)
+        self.first_contact = ((first, DISCOVERY_TIMEOUT_ENV) if first else
+                              (failover_window_s, "the failover window"))
+        """How long the agent waits for a coordinator it never reached (pods started before it), and what set that:
+        ``IFRT_DISCOVERY_TIMEOUT`` where it is set, else the failover window."""
         self._stop = threading.Event()
 
     def follow(self, emit: Callable[[Event], None]) -> threading.Thread:
@@ -126,20 +131,26 @@ class JobLink:
                 error = e
             if self._stop.is_set():
                 return
+            if error.retryable:
+                try:  # TLS on one side only, or a web server on the port: no retry heals it
+                    self.connection.check_transport(target)
+                except IfrtError as e:
+                    error = e
             if not error.retryable:
                 emit(LinkFailed(f"the coordinator refuses this agent: {type(error).__name__}: {error}", EXIT_USAGE))
                 return
             now = time.monotonic()
+            window, why = (self.failover_window_s, "the failover window") if watched else self.first_contact
             if lost_since is None:
                 lost_since = now
                 if watched:
                     log.warning("lost the job's watch (%s); reconnecting", error)
                 else:
-                    log.warning("cannot reach the coordinator yet (%s); trying every replica for up to %gs (the "
-                                "failover window, IFRT_FAILOVER_WINDOW)", error, self.failover_window_s)
-            elif now - lost_since > self.failover_window_s:
+                    log.warning("cannot reach the coordinator yet (%s); trying every replica for up to %gs (%s; "
+                                "%s or IFRT_FAILOVER_WINDOW sets it)", error, window, why, DISCOVERY_TIMEOUT_ENV)
+            elif now - lost_since > window:
                 emit(LinkFailed(f"no coordinator replica ({', '.join(self.settings.coordinators)}) answered for "
-                                f"{now - lost_since:.0f}s (the failover window): {error}", EXIT_COORDINATOR_LOST))
+                                f"{now - lost_since:.0f}s ({why}): {error}", EXIT_COORDINATOR_LOST))
                 return
             self.connection.rotate(target)
             self._stop.wait(self.connection.backoff.next())

@@ -16,7 +16,7 @@ import time
 from ifrt import clusters, failfast
 from ifrt.agent_credential import AGENT_CREDENTIAL_FILE_ENV, AGENT_KEY_FILE_ENV
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
-from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, workers_status
+from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, exit_reason, workers_status
 from ifrt.run.job import JobLink
 from ifrt.run.local_server import SOCKET_NAME, socket_path_problem
 from ifrt.run.messages import (
@@ -399,7 +399,10 @@ class Shell:
 
     def _await(self, worker: Worker) -> None:
         self._exited(worker, worker.process.wait())  # before its last output lines are copied
-        self.events.put(WorkerExited(worker.attempt, worker.local_rank, worker.wait(), worker.incarnation))
+        code = worker.wait()
+        clash = None if self.worker_link is None else self.worker_link.registrar.clashes.get(worker.local_rank)
+        self.events.put(WorkerExited(worker.attempt, worker.local_rank, code, worker.incarnation,
+                                     f"{exit_reason(code)}: {clash}" if code and clash else ""))
 
     def _started(self, rank: int) -> int:
         """The serial of a worker that starts for ``rank`` (0 without the agent link)."""

@@ -36,7 +36,7 @@ class AgentLink:
                  ids_known: Callable[[dict[int, int]], None],
                  pid_of: Callable[[int], int | None] = lambda local_rank: None) -> None:
         self._pid_of = pid_of
-        self.host = HostSession(link.connection, link.agent_uid, cpu=self._cpu)
+        self.host = HostSession(link.connection, link.agent_uid, cpu=self._cpu, stopped=self._stopped)
         self.registrar = HostRegistrar(link.connection, link.agent_uid, workers, link.workers, expected,
                                        self.host.open, ids_known)
         self.server = LocalServer(self.registrar, self.host, workers, heartbeat_timeout(link), link.connection)
@@ -74,6 +74,22 @@ class AgentLink:
         registered = self.registrar.registered.get(uid)
         pid = None if registered is None else self._pid_of(registered.local_rank)
         return None if pid is None else cpu_seconds(pid)
+
+
+    def _stopped(self, uid: str) -> bool:
+        """Whether the process of registration ``uid`` is stopped (SIGSTOP, SIGTSTP)."""
+        registered = self.registrar.registered.get(uid)
+        pid = None if registered is None else self._pid_of(registered.local_rank)
+        return pid is not None and process_stopped(pid)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in ``/proc/<pid>/stat``); False where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def cpu_seconds(pid: int) -> float | None:
