@@ -400,4 +400,5 @@ def _taken(r: Registration, member: Member, held_s: float, now: float) -> Proces
                               f"alive ({held}); {r.describe()} cannot take it. Within one job, give each process "
                               "its own id")
     return ProcessIdTaken(f"{r.describe()} is already registered by another live process ({held}). Within one job, "
-                          "give each process on one host its own local rank (IFRT_LOCAL_RANK), or explicit process ids")
+                          "give each process on one host its own local rank (IFRT_LOCAL_RANK), or explicit process ids "
+                          "(two `ifrt run` agents on one machine: --host-rank R --num-hosts H each)")

@@ -21,8 +21,9 @@ READ = frozenset({
     "IFRT_CPU_DEVICE_COUNT", "IFRT_SIM_SPEC",  # the cpu and sim plugins
     "IFRT_ETCD_CA", "IFRT_ETCD_CERT", "IFRT_ETCD_KEY", "IFRT_ETCD_USER", "IFRT_ETCD_PASSWORD_FILE",  # the coordinator
     "IFRT_STORE", "IFRT_IMAGE", "IFRT_ETCD_IMAGE", "IFRT_BASE_IMAGE", "IFRT_BUILD_CONTEXT", "IFRT_CACHE_DIR",  # compose
+    "IFRT_APT_LOCK_TIMEOUT",  # scripts/venv.sh: how long apt-get waits for another apt's lock
 })
-"""The variables read by the library, its plugins, the coordinator and the docker-compose deployment."""
+"""The variables read by the library, its plugins, the coordinator, the scripts and the docker-compose deployment."""
 OWN_PREFIXES = ("IFRT_TEST_", "IFRT_BENCH_")
 """Families of variables read by the project's tests and benchmarks."""
 
