@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -112,9 +113,7 @@ class Client(KeyValueCalls):
                 self._session = Session(self, self._link, self._events.emit)
                 self._session.start()
             if self.settings.preemption_signals:
-                self._signals = PreemptionSignals(self.settings.preemption_signals, self.report_preemption,
-                                                  lambda: self._preempted.is_set() and self._sync_step is not None)
-                self._signals.install()
+                self.report_preemption_on(self.settings.preemption_signals)
             if (seconds := preflight_timeout(self.config.preflight_timeout_s)) is not None:
                 _preflight.passed(self.preflight(seconds))  # IFRT_PREFLIGHT=1: PreflightFailed names unreachable pairs
         return self.topology
@@ -369,6 +368,14 @@ class Client(KeyValueCalls):
         self._preempted.set()
         self._unary("PreemptionNotice", lambda _: pb.PreemptionNoticeRequest(client_uid=self.client_uid),
                     time.monotonic() + timeout, what="the preemption notice")
+
+    def report_preemption_on(self, signals: Sequence[signal.Signals]) -> None:
+        """From now on each of ``signals`` reports this process's preemption instead of ending it (what
+        IFRT_PREEMPTION_SIGNALS asks for), where no signals do yet; RuntimeError when not on the main thread."""
+        if self._signals is None:
+            self._signals = PreemptionSignals(signals, self.report_preemption,
+                                              lambda: self._preempted.is_set() and self._sync_step is not None)
+            self._signals.install()
 
     def preemption_noticed(self, process_id: int) -> None:
         """From the session: a process reported a preemption notice."""

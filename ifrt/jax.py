@@ -10,14 +10,16 @@
    backend (``plugins.jax_plugin``: from configuration on CPU, else in a short-lived child process), or by the
    ``cuda`` plugin (``plugin="cuda"``, NVML: no child process, the faster start on NVIDIA GPUs).
 2. A start-up exchange in ifrt's key-value store, under keys scoped to the topology's generation and to a
-   fresh nonce of process 0: process 0 reserves a free port on its advertised address and publishes it; each
-   process answers with its own nonce and the devices its JAX will have; process 0 publishes everyone's answer.
-   A process accepts only an answer that carries its own fresh nonce, so a job restarted against a durable
-   journal never dials the previous attempt's address.
+   fresh nonce of process 0: each process answers with its own nonce and the devices its JAX will have; process 0
+   publishes everyone's answer. A process accepts only an answer that carries its own fresh nonce, so a job
+   restarted against a durable journal never meets the previous attempt's keys.
 3. A check of every process's JAX devices against the topology (same count, same platform): a mismatch is one
    ``TopologyError`` naming the process and both device lists, raised in every process before JAX starts.
-4. ``jax.distributed.initialize`` with the topology's process ids and count, then the check again on the
-   devices JAX reports (``jax.devices()``).
+4. JAX's distributed client, with the topology's process ids and count, connected to ifrt's stand-in for XLA's
+   coordination service in this very process (``ifrt.xla_standin``: no process runs a service of its own, and the
+   stand-in's keys live under the start's prefix of step 2); then the check again on the devices JAX reports
+   (``jax.devices()``). With ``coordination="jax"``: ``jax.distributed.initialize``, XLA's service in process 0, at
+   a port process 0 reserved and published in step 2.
 
 XLA's network variable (``XLA_DISTRIBUTED_TOPOLOGY_NETWORK_NODES``) is one of ifrt's position sources, and XLA reads
 it too: when JAX's backend is created, XLA sorts the processes by it, comparing the names as text (``rack10`` before
@@ -39,12 +41,13 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 import numpy as np
 
@@ -56,7 +59,7 @@ except ImportError as e:  # the optional extra is missing
 from ifrt import failfast, startup
 from ifrt.client import Client
 from ifrt.connection import Backoff
-from ifrt.errors import BackendAlreadyInitialized, TopologyError
+from ifrt.errors import BackendAlreadyInitialized, InvalidArgument, TopologyError
 from ifrt.hostport import join_host_port, split_host_port
 from ifrt.mesh import Mesh
 from ifrt.network import path_key
@@ -64,11 +67,16 @@ from ifrt.network_sources import XLA_NETWORK_NODES_ENV
 from ifrt.settings import DiscoverOptions, discovery_timeout, env_plugin
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
+from ifrt.xla_standin import layouts
+from ifrt.xla_standin.server import StandInServer
+from ifrt.xla_standin.service import CoordinationStandIn
 from plugins import jax_plugin
 
 log = logging.getLogger("ifrt.jax")
 PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 """ifrt's platform names that JAX calls otherwise: JAX's ``Device.platform`` is ``gpu`` for NVIDIA and AMD GPUs."""
+Coordination = Literal["ifrt", "jax"]
+"""Who serves JAX's coordination: ifrt's stand-in in every process, or ``jax.distributed``'s service in process 0."""
 
 
 
@@ -78,6 +86,7 @@ class _Started:
     client: Client
     topology: Topology
     jax_devices: Mapping[int, Any]  # global id -> jax.Device
+    standin: StandInServer | None  # JAX's coordination service, where ifrt serves it
 
 
 _started: _Started | None = None
@@ -89,6 +98,7 @@ def initialize(
     coordinator: str | Sequence[str] | None = None,
     *,
     on_failure: failfast.OnFailure = "exit",
+    coordination: Coordination = "ifrt",
     **options: Unpack[DiscoverOptions],
 ) -> Topology:
     """Discovers the topology with ifrt, then starts ``jax.distributed`` with its process ids; returns it.
@@ -98,12 +108,17 @@ def initialize(
     topology. BackendAlreadyInitialized if JAX's backend exists already; TopologyError, raised in every
     process, if some process's JAX devices differ from what it registered; DiscoveryTimeout after ``timeout``.
     Afterwards a failed peer or a lost coordinator ends this process as ``on_failure`` says (``ifrt.failfast``).
+
+    ``coordination="ifrt"`` (the default, on the jaxlib versions ``ifrt.xla_standin`` serves): JAX's coordination
+    service is ifrt's stand-in in this very process, so no process is special and a coordinator failover is invisible
+    to JAX; ``"jax"``: ``jax.distributed``'s own service in process 0, as before.
     """
     global _started
     with _lock:
         if _started is not None:
             return _started.topology
         failfast.check(on_failure)
+        coordination = _coordination(coordination)
         _refuse_if_started()
         deadline = time.monotonic() + (options["timeout"] if options.get("timeout") is not None
                                         else discovery_timeout(options.get("environ")))
@@ -111,20 +126,38 @@ def initialize(
         local_device_ids = options.get("local_device_ids")
         jax_view = None if plugin == "cuda" else _jax_view(local_device_ids)
         client = Client(coordinator, **{**options, "plugin": plugin})
-        exchange = None
+        exchange = server = None
         try:
             topology = client.discover()
-            exchange = StartupExchange(client, topology, deadline)
-            address = exchange.run(jax_view if jax_view is not None else gpu_view(topology))
+            exchange = StartupExchange(client, topology, deadline, reserve=coordination == "jax")
+            record = exchange.run(jax_view if jax_view is not None else gpu_view(topology))
             check_devices(topology, exchange.views, what="will have")
-            by_id = _start_jax(topology, address, exchange, local_device_ids, deadline)
+            if coordination == "ifrt":
+                agent_socket = client.settings.agent_socket
+                server = StandInServer(CoordinationStandIn(client, topology, exchange.scope),
+                                       within=os.path.dirname(agent_socket) if agent_socket else None)
+                address = server.address
+                try:
+                    by_id = _start_jax(topology, lambda ids: connect_client(address, client, deadline), exchange,
+                                       local_device_ids)
+                except Exception as e:
+                    if server.standin.refusal is None:
+                        raise
+                    raise TopologyError(server.standin.refusal) from e  # JAX's words wrap ifrt's: ifrt's alone
+            else:
+                by_id = _start_jax(topology, lambda ids: _start_distributed(record["address"], topology, exchange,
+                                                                            ids, deadline),
+                                   exchange, local_device_ids)
         except BaseException:
+            if server is not None:
+                _disconnect_client()
+                server.close()
             client.close()
             raise
         finally:
             if exchange is not None:
                 exchange.release_port()
-        _started = _Started(client, topology, by_id)
+        _started = _Started(client, topology, by_id, server)
         failfast.arm(client, topology, on_failure, "JAX", shutdown=jax.distributed.shutdown)
         return topology
 
@@ -175,20 +208,16 @@ def _jax_view(local_device_ids: Sequence[int] | None) -> list[dict[str, Any]]:
     return [{"platform": d.platform, "kind": d.kind} for d in devices]
 
 
-def _start_jax(topology: Topology, address: str, exchange: StartupExchange, local_device_ids: Sequence[int] | None,
-               deadline: float) -> dict[int, Any]:
+def _start_jax(topology: Topology, start: Callable[[list[int]], None], exchange: StartupExchange,
+               local_device_ids: Sequence[int] | None) -> dict[int, Any]:
     platform = topology.local_devices[0].platform if topology.local_devices else "cpu"
     if platform == "cpu":
         _use_gloo()
     if local_device_ids is None:  # explicit ids keep JAX from guessing them from a launcher's environment
         local_device_ids = range(len(exchange.views[topology.process_id]))
-    exchange.release_port()  # JAX's service binds it next
-    if topology.process_id != 0:
-        exchange.wait_listening(address)
+    _show_only(local_device_ids)
     with network_for_xla(topology):  # XLA reads it when JAX's backend is created, here in jax.devices()
-        jax.distributed.initialize(address, num_processes=topology.num_processes, process_id=topology.process_id,
-                                   local_device_ids=list(local_device_ids),
-                                   initialization_timeout=max(1, int(deadline - time.monotonic())))
+        start(list(local_device_ids))
         devices = jax.devices()
     if jax.process_index() != topology.process_id or jax.process_count() != topology.num_processes:
         raise TopologyError(f"JAX started as process {jax.process_index()} of {jax.process_count()}, the topology "
@@ -198,6 +227,94 @@ def _start_jax(topology: Topology, address: str, exchange: StartupExchange, loca
         views.setdefault(d.process_index, []).append({"platform": d.platform, "kind": d.device_kind})
     check_devices(topology, views, what="has")
     return match_devices(topology, devices)
+
+
+def _start_distributed(address: str, topology: Topology, exchange: StartupExchange, local_device_ids: list[int],
+                       deadline: float) -> None:
+    """``jax.distributed.initialize``: XLA's service in process 0, at the address process 0 reserved."""
+    exchange.release_port()  # JAX's service binds it next
+    if topology.process_id != 0:
+        exchange.wait_listening(address)
+    jax.distributed.initialize(address, num_processes=topology.num_processes, process_id=topology.process_id,
+                               local_device_ids=local_device_ids,
+                               initialization_timeout=max(1, int(deadline - time.monotonic())))
+
+
+def connect_client(address: str, client: Client, deadline: float) -> None:
+    """Starts JAX's distributed client only, connected to the coordination service at ``address`` (ifrt's stand-in),
+    as process ``client.topology.process_id``: what ``jax.distributed.initialize`` does in a process other than 0,
+    less the address guessing (private JAX names, listed in docs/jax.md). ``deadline`` (``time.monotonic()``) bounds
+    the registration. JAX's preemption sync point is ifrt's (``PreemptionSyncPoint``)."""
+    from jax._src import distributed
+
+    runtime = getattr(distributed, "_jax", None) or distributed.xla_extension  # jaxlib 0.10 / 0.4
+    topology = client.topology
+    state = distributed.global_state
+    state.coordinator_address = address
+    state.process_id, state.num_processes = topology.process_id, topology.num_processes
+    state.client = runtime.get_distributed_runtime_client(address, topology.process_id,
+                                                          init_timeout=max(1, int(deadline - time.monotonic())))
+    state.client.connect()
+    if jax_plugin.jax_config("jax_enable_preemption_service", True):
+        state.preemption_sync_manager = PreemptionSyncPoint(client)
+
+
+class PreemptionSyncPoint:
+    """JAX's preemption sync manager (``multihost_utils.reached_preemption_sync_point``) answered by ifrt's own sync
+    point, with SIGTERM a preemption notice as in JAX: JAX's C++ manager holds this interpreter's lock while it waits
+    for the coordination service, which the stand-in answers from this interpreter."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        try:
+            client.report_preemption_on((signal.SIGTERM,))
+        except RuntimeError as e:  # not the main thread: SIGTERM keeps its meaning
+            log.warning("SIGTERM is no preemption notice in this process: %s", e)
+
+    def reached_sync_point(self, step: int) -> bool:
+        """False until some process was told of its preemption; then True in every process from one and the same
+        step on (``Client.reached_preemption_sync_point``)."""
+        return self.client.reached_preemption_sync_point(step)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the ifrt client closes with the process."""
+
+
+def _disconnect_client() -> None:
+    """Undoes ``connect_client`` where it began (a start that failed): JAX's client must go before the stand-in."""
+    from jax._src import distributed
+
+    with contextlib.suppress(Exception):
+        distributed.global_state.shutdown()
+
+
+def _show_only(local_device_ids: Sequence[int]) -> None:
+    """The GPUs JAX may use, as ``jax.distributed.initialize`` sets them (JAX ignores it on CPU)."""
+    visible = ",".join(str(i) for i in local_device_ids)
+    for option in ("jax_cuda_visible_devices", "jax_rocm_visible_devices"):
+        if jax_plugin.jax_config(option, None) is not None:
+            jax.config.update(option, visible)
+
+
+def _coordination(coordination: str) -> Coordination:
+    """"ifrt" or "jax", as ``initialize`` is to start JAX: "ifrt" on a jaxlib outside the layouts the stand-in
+    serves falls back to "jax", saying so; InvalidArgument for anything else."""
+    if coordination not in ("ifrt", "jax"):
+        raise InvalidArgument(f"coordination={coordination!r}: expected 'ifrt' (ifrt's stand-in serves JAX's "
+                              "coordination in every process) or 'jax' (jax.distributed's service in process 0)")
+    version = jaxlib_version()
+    if coordination == "ifrt" and not layouts.supports(version):
+        log.warning("jaxlib %s is outside the versions ifrt's coordination stand-in serves (%s): starting "
+                    "jax.distributed's own service in process 0 instead", version, layouts.SUPPORTED)
+        return "jax"
+    return coordination  # type: ignore[return-value]
+
+
+def jaxlib_version() -> str:
+    """The installed jaxlib's version."""
+    from jaxlib import version
+
+    return version.__version__
 
 
 def _use_gloo() -> None:
@@ -271,16 +388,23 @@ class StartupExchange(startup.StartupExchange):
 
     runtime, what = "jax", "JAX start-up"
 
-    def __init__(self, client: Client, topology: Topology, deadline: float) -> None:
+    def __init__(self, client: Client, topology: Topology, deadline: float, *, reserve: bool) -> None:
         super().__init__(client, topology, deadline)
         self.views: dict[int, list[dict[str, Any]]] = {}
+        self._reserve_port = reserve
         self._port: socket.socket | None = None
 
-    def run(self, jax_view: list[dict[str, Any]]) -> str:
-        """JAX's coordinator address, once every process has answered this start; fills ``views``."""
-        record = self.exchange({"devices": jax_view}, self._reserve)
+    def run(self, jax_view: list[dict[str, Any]]) -> dict[str, Any]:
+        """Process 0's record (with ``reserve``: JAX's coordinator address), once every process has answered this
+        start; fills ``views``."""
+        record = self.exchange({"devices": jax_view}, self._reserve if self._reserve_port else dict)
         self.views = {p: answer["devices"] for p, answer in self.answers.items()}
-        return record["address"]
+        return record
+
+    @property
+    def scope(self) -> str:
+        """The prefix of this start's own keys (generation and process 0's nonce), once ``run`` returned."""
+        return f"{self.prefix}/{self.leader_nonce}"
 
     def wait_listening(self, address: str) -> None:
         """Waits until JAX's service in process 0 accepts connections: a JAX client that dials too early retries
@@ -411,7 +535,11 @@ def mesh(ifrt_mesh: Mesh) -> jax.sharding.Mesh:
 
 @atexit.register
 def _close() -> None:
+    """At exit: JAX's client first (its shutdown barrier, while the stand-in serves it), then ifrt's."""
     if _started is not None:
+        if _started.standin is not None:
+            _disconnect_client()
+            _started.standin.close()
         _started.client.close()
 
 

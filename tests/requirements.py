@@ -39,3 +39,16 @@ def require(what: str, reason: str) -> NoReturn:
         pytest.fail(f"{message} ({CI_ENV}=true: a missing requirement fails the suite instead of skipping)",
                     pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+JAX04_PYTHON_ENV = "IFRT_TEST_JAX04_PYTHON"
+"""A Python with jax 0.4.30 (scripts/test.sh makes .venv-jax04): the older of XLA's coordination layouts."""
+
+
+def jax04_python() -> str:
+    """The interpreter with jax 0.4.30 (``JAX04_PYTHON_ENV``), or ``require``'s failure or skip."""
+    python = os.environ.get(JAX04_PYTHON_ENV)
+    if not python:
+        require("jax 0.4.x", f"set {JAX04_PYTHON_ENV} to a Python with jax 0.4.30; scripts/test.sh makes one in "
+                ".venv-jax04")
+    return python

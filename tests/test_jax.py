@@ -147,7 +147,8 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
         return made
 
     def exchange(members: list[ifrt.Client], deadline_s: float = 30) -> tuple[list, list[ifrt.jax.StartupExchange]]:
-        runs = [ifrt.jax.StartupExchange(c, c.topology, time.monotonic() + deadline_s) for c in members]
+        runs = [ifrt.jax.StartupExchange(c, c.topology, time.monotonic() + deadline_s, reserve=True)
+                for c in members]
 
         def run(exchange: ifrt.jax.StartupExchange) -> object:
             try:
@@ -162,7 +163,8 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
     # run instead, where nothing of the previous one is left: tests/test_runs.py.)
     first = clients(session=False)
     (address, same), (lead, follow) = exchange(first)
-    assert address == same and follow.leader_nonce == lead.nonce
+    assert address == same and "address" in address and follow.leader_nonce == lead.nonce
+    assert lead.scope == follow.scope  # the stand-in's keys and barriers: one prefix per start, in every process
     generation = first[0].topology.generation
 
     second = clients()  # the same processes again: same ids, same topology, the old records still in the store
@@ -173,6 +175,7 @@ def test_a_restarted_job_never_takes_the_previous_starts_address(start_coordinat
     assert isinstance(alone, ifrt.DiscoveryTimeout) and "previous start" in str(alone)
     (fresh, seen), (lead_again, follow_again) = exchange(second)
     assert fresh == seen and follow_again.leader_nonce == lead_again.nonce != lead.nonce
+    assert fresh["address"] != address["address"] and lead_again.scope == follow_again.scope != lead.scope
     for c in second:
         c.close()
 
@@ -181,7 +184,7 @@ def test_a_process_that_dies_during_start_up_ends_the_others_wait(start_coordina
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")
     with survivor_of_a_doomed_peer(coordinator.address) as (leader, topology):
         started = time.monotonic()
-        exchange = ifrt.jax.StartupExchange(leader, topology, time.monotonic() + 30)
+        exchange = ifrt.jax.StartupExchange(leader, topology, time.monotonic() + 30, reserve=False)
         try:
             with pytest.raises(ifrt.BarrierFailed, match=r"JAX start-up cannot complete: process 1 \(.*\) failed"):
                 exchange.run([{"platform": "cpu", "kind": "cpu"}])

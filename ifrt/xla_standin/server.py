@@ -1,0 +1,121 @@
+"""The stand-in's gRPC server: every layout's service on one Unix socket in a private directory of this process.
+
+Only this process's user can reach the socket (its directory is 0700), so nobody else on the host can call the
+stand-in, which holds the job's token through ifrt's client; it serves this process's JAX client alone (a request for
+another task is refused). It lives as long as the process, or until ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from ifrt._generated import tensorflow_coordination_pb2 as tf_pb
+from ifrt.xla_standin.layouts import LAYOUTS, PAYLOAD_KEY, Handler, Layout
+from ifrt.xla_standin.service import NO_DEADLINE_S, CoordinationError, CoordinationStandIn
+
+log = logging.getLogger("ifrt.xla_standin")
+
+WORKERS = 64
+"""Threads answering JAX's calls: its blocking gets (the preemption notice's among them) and barriers each hold one."""
+DETAILS_TRAILER = "grpc-status-details-bin"
+"""Where XLA's client reads an error's payloads."""
+
+
+class StandInServer:
+    """Serves ``standin`` to this process's JAX client at ``address`` (``unix:<path>``), in a directory of its own
+    under ``within`` (the ``ifrt run`` agent's private directory, which the agent removes even after a SIGKILLed
+    worker; else the system's temporary directory)."""
+
+    def __init__(self, standin: CoordinationStandIn, within: str | None = None) -> None:
+        self.standin = standin
+        self._directory = tempfile.mkdtemp(prefix="ifrt-xla-", dir=within)  # 0700: this user's only
+        self.path = os.path.join(self._directory, "coordination.sock")
+        self.address = f"unix:{self.path}"
+        self._server = grpc.server(DaemonExecutor(WORKERS), options=[("grpc.so_reuseport", 0)])
+        self._server.add_generic_rpc_handlers(tuple(_service(layout, standin) for layout in LAYOUTS))
+        self._server.add_insecure_port(self.address)
+        self._server.start()
+        log.info("JAX's coordination service for process %d: ifrt's stand-in at %s (service incarnation %#x)",
+                 standin.task, self.address, standin.incarnation)
+
+    def close(self) -> None:
+        """Stops serving (JAX's client must be shut down first: a dropped error poll terminates its process)."""
+        self._server.stop(grace=None)
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class DaemonExecutor:
+    """The server's threads, as daemon threads that the interpreter's exit neither stops nor waits for: JAX's client
+    shuts down in an exit hook, and its calls must be answered until then (``concurrent.futures``' pools refuse new
+    work before any exit hook runs, and wait for the calls still open, JAX's error poll among them, forever)."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers, self._started, self._idle = workers, 0, 0
+        self._queue: queue.SimpleQueue[tuple[futures.Future, Callable[..., Any], tuple, dict]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> futures.Future:
+        future: futures.Future = futures.Future()
+        self._queue.put((future, fn, args, kwargs))
+        with self._lock:  # each call has a thread of its own: an idle one it takes, or a new one
+            if self._idle > 0:
+                self._idle -= 1
+            elif self._started < self._workers:
+                self._started += 1
+                threading.Thread(target=self._work, name=f"ifrt-xla-{self._started}", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to stop: idle threads wait for work that no longer comes, and end with the process."""
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args, kwargs = self._queue.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # handed to whoever waits on the future, as a pool does
+                    future.set_exception(e)
+            with self._lock:
+                self._idle += 1
+
+
+def _service(layout: Layout, standin: CoordinationStandIn) -> grpc.GenericRpcHandler:
+    handlers = {method: grpc.unary_unary_rpc_method_handler(
+        _answer(layout, method, handler, standin), request_deserializer=request.FromString,
+        response_serializer=lambda message: message.SerializeToString())
+        for method, (request, handler) in layout.methods.items()}
+    return grpc.method_handlers_generic_handler(layout.service, handlers)
+
+
+def _answer(layout: Layout, method: str, handler: Handler, standin: CoordinationStandIn) -> Any:
+    def answer(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            log.debug("%s/%s from JAX (%s s left)", layout.service, method, _timeout(context))
+            return handler(standin, request, _timeout(context))
+        except CoordinationError as e:
+            if e.task is not None:
+                payloads = tf_pb.PayloadContainer(payloads={PAYLOAD_KEY: layout.error_payload(e.task)})
+                context.set_trailing_metadata(((DETAILS_TRAILER, payloads.SerializeToString()),))
+            log.debug("%s/%s: %s", layout.service, method, e.message)
+            context.abort(_CODES[e.code], e.message)
+    return answer
+
+
+def _timeout(context: grpc.ServicerContext) -> float | None:
+    """The call's time left; None for a call without a deadline (gRPC then says some 292 billion years)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > NO_DEADLINE_S else remaining
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
