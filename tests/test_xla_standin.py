@@ -34,15 +34,14 @@ if importlib.util.find_spec("jax") is None:
     require("jax", "pip install 'ifrt-topology[jax]' (scripts/test.sh installs it)")
 
 from coordinator.local import LocalCoordinator
-from ifrt.xla_standin.service import WAIT_SLICE_S
 
 WORKER = Path(__file__).with_name("xla_standin_worker.py")
 PROCESSES = 3
 LAST = PROCESSES - 1
 PREEMPTED = 1
 """The process that gets SIGTERM while every process steps towards the preemption sync point."""
-LATE_S = WAIT_SLICE_S + 1.0
-"""How late the last process arrives at barrier "late": longer than one of the stand-in's waits on ifrt's barrier."""
+LATE_S = 3.0
+"""How late the last process arrives at barrier "late", after the others."""
 JOB_TIMEOUT_S = 90.0
 SYNC_POINT_WAIT_S = 8.0
 """How long after the SIGTERM every process must have returned True from reached_preemption_sync_point (XLA's own
@@ -337,9 +336,9 @@ def test_the_same_barrier_id_passes_again(job):
 
 @pytest.mark.slow
 def test_a_barrier_waits_for_a_process_that_arrives_late_within_the_timeout(job):
-    """The last process arrives LATE_S after the others (longer than one of the stand-in's waits on ifrt's barrier),
-    well within everyone's timeout: XLA's barrier passes. JAX's own barriers (registration, shutdown, the preemption
-    sync point's) depend on it."""
+    """The last process arrives LATE_S after the others, well within everyone's timeout: XLA's barrier passes (ifrt's
+    barrier fixes its deadline at the first arrival, so the stand-in asks it once, for the whole wait). JAX's own
+    barriers (registration, shutdown) depend on it."""
     for pid, late in job.phase("late").items():
         assert "error" not in late, (
             f"process {pid} (late by {late['late_by_s']:.0f} s) failed at barrier 'late' after "

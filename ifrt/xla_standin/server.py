@@ -25,8 +25,10 @@ from ifrt.xla_standin.service import NO_DEADLINE_S, CoordinationError, Coordinat
 
 log = logging.getLogger("ifrt.xla_standin")
 
-WORKERS = 64
-"""Threads answering JAX's calls: its blocking gets (the preemption notice's among them) and barriers each hold one."""
+WORKERS = 1024
+"""Threads answering JAX's calls at most: its blocking gets and barriers each hold one while they wait, and a call
+queued behind waiting ones could be the one they wait for, so there are threads for every call JAX makes at once
+(only this process's JAX can call)."""
 DETAILS_TRAILER = "grpc-status-details-bin"
 """Where XLA's client reads an error's payloads."""
 
