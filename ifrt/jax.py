@@ -101,7 +101,7 @@ def initialize(
     coordination: Coordination = "ifrt",
     **options: Unpack[DiscoverOptions],
 ) -> Topology:
-    """Discovers the topology with ifrt, then starts ``jax.distributed`` with its process ids; returns it.
+    """Discovers the topology with ifrt, then starts JAX's distributed runtime with its process ids; returns it.
 
     Same arguments as ``ifrt.discover`` (``ifrt.settings.DiscoverOptions``; the plugin defaults to ``jax``;
     ``token`` is the cluster's token, else IFRT_TOKEN_FILE or IFRT_TOKEN). Calling it again returns the same
