@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import sys
 from typing import NoReturn
 
 import pytest
@@ -52,3 +53,9 @@ def jax04_python() -> str:
         require("jax 0.4.x", f"set {JAX04_PYTHON_ENV} to a Python with jax 0.4.30; scripts/test.sh makes one in "
                 ".venv-jax04")
     return python
+
+
+def jax_python(jaxlib: str) -> str:
+    """The interpreter whose jaxlib speaks one of XLA's coordination layouts: this one for "0.10", ``jax04_python()``
+    for "0.4.30"."""
+    return sys.executable if jaxlib == "0.10" else jax04_python()

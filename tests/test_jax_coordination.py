@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import select
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,17 +18,13 @@ from coordinator.local import LocalCoordinator
 from ifrt.errors import PeerFailed
 from tests.helpers import finish
 from tests.replicas import Replicas
-from tests.requirements import jax04_python
+from tests.requirements import jax_python
 from tests.workers import start_jax_workers
 
 pytest.importorskip("jax")
 
 STEPS_WORKER = Path(__file__).with_name("jax_steps_worker.py")
 JAXLIBS = ["0.10", "0.4.30"]
-
-
-def interpreter(jaxlib: str) -> str:
-    return sys.executable if jaxlib == "0.10" else jax04_python()
 
 
 def wait_for_step(workers: list[subprocess.Popen], step: int, timeout: float = 60) -> None:
@@ -49,7 +44,7 @@ def wait_for_step(workers: list[subprocess.Popen], step: int, timeout: float = 6
 
 @pytest.mark.parametrize("jaxlib", JAXLIBS)
 def test_process_0_killed_every_other_process_ends_naming_it_in_ifrts_words(jaxlib):
-    python = interpreter(jaxlib)
+    python = jax_python(jaxlib)
     # jaxlib 0.4.30's CPU collectives abort their process from C++ on a broken peer connection (cpu_runtime.cc), so
     # there the kill falls between steps; jaxlib 0.10's raise, and the kill falls in the middle of computing.
     interval = "0.05" if jaxlib == "0.10" else "1"
@@ -91,7 +86,7 @@ def test_a_leader_failover_mid_job_is_invisible_to_jax(etcd):
 @pytest.mark.parametrize("jaxlib", JAXLIBS)
 def test_a_local_topology_unlike_ifrts_is_refused_in_every_process_naming_both(start_coordinator, jaxlib):
     coordinator = start_coordinator(num_processes=2, log_level="WARNING")
-    workers = start_jax_workers(coordinator.address, 2, "", devices=1, python=interpreter(jaxlib),
+    workers = start_jax_workers(coordinator.address, 2, "", devices=1, python=jax_python(jaxlib),
                                 worker=STEPS_WORKER, extra_env={p: {"SCENARIO": "refuse"} for p in range(2)})
     answers = {}
     for w in workers:

@@ -86,8 +86,6 @@ class CoordinationStandIn:
         self.tasks = [p.process_id for p in topology.processes]
         self.incarnation = int.from_bytes(hashlib.sha256(scope.encode()).digest()[:8], "big") or 1
         """The service incarnation: one per start, the same in every process."""
-        self.task_incarnation = 0
-        """The incarnation this process's JAX client registered with."""
         self.refusal: str | None = None
         """Why JAX's topology exchange was refused, in this process or another, once it was."""
         self.failure: JobFailed | None = None
@@ -102,7 +100,6 @@ class CoordinationStandIn:
         """Registers this process's JAX client; returns once every process of the topology has registered (XLA's
         registration barrier; jaxlib 0.4.30 adds its own connect barrier after it)."""
         self.check_task(task, "RegisterTask")
-        self.task_incarnation = incarnation
         self._call(lambda t: self.client.kv_set(self._key(f"incarnation/{task}"), str(incarnation).encode(),
                                                 allow_overwrite=True, timeout=t), timeout)
         self._barrier("register", None, timeout, "registration (every process's JAX client connects)")
