@@ -26,6 +26,9 @@ class Barrier:
     arrived: set[int] = field(default_factory=set)
     done: bool = False
     error: IfrtError | None = None
+    supersedes: str = ""
+    """While pending, the barrier of the same series its arrivals name as the one it follows; once resolved, the one
+    it forgot ("" when it forgot none)."""
 
     @property
     def pending(self) -> bool:
@@ -42,31 +45,64 @@ class BarrierResolved:
 
 class Barriers:
     """All barriers of a cluster. A name is used once; arriving again at a resolved barrier repeats its result.
-    Names are at most ``limits.barrier_name_bytes`` long."""
+    Names are at most ``limits.barrier_name_bytes`` long. A barrier that names the one it follows (``supersedes``:
+    a per-step series) forgets that one when it completes, so a series holds two barriers whatever its length."""
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
         self.limits = limits
         self._by_name: dict[str, Barrier] = {}
         self._pending: set[str] = set()
-        self._sets: dict[frozenset[int], frozenset[int]] = {}  # every set of participants, held once
+        self._sets: dict[frozenset[int], frozenset[int]] = {}  # every set of participants a kept barrier has, once
+        self._users: dict[frozenset[int], int] = {}  # how many kept barriers have each of those sets
         self.held = 0
         """Bytes barriers hold, as ``--max-barrier-bytes`` counts them (see ``cost``)."""
 
-    def cost(self, name: str, participants: frozenset[int]) -> int:
+    def cost(self, name: str, participants: frozenset[int], supersedes: str = "") -> int:
         """What keeping one more barrier counts against ``--max-barrier-bytes``: its name (in the barrier, its error
-        and its journal entry), BARRIER_OVERHEAD_BYTES, 8 bytes a participant in its journal entry, and its set of
-        participants unless a kept barrier has the same set."""
+        and its journal entry), what it supersedes (in the barrier and its journal entry), BARRIER_OVERHEAD_BYTES,
+        8 bytes a participant in its journal entry, and its set of participants unless a kept barrier has the same
+        set."""
         shared = participants in self._sets
-        return (3 * len(name.encode()) + BARRIER_OVERHEAD_BYTES + 8 * len(participants)
-                + (0 if shared else PARTICIPANT_BYTES * len(participants)))
+        return _own_bytes(name, participants, supersedes) + (0 if shared else PARTICIPANT_BYTES * len(participants))
 
     def _keep(self, name: str, participants: frozenset[int], started_at: float, deadline: float, *,
-              error: IfrtError | None = None, done: bool = False) -> Barrier:
+              error: IfrtError | None = None, done: bool = False, supersedes: str = "") -> Barrier:
         """Keeps a new barrier, its set of participants shared with any kept barrier of the same processes."""
-        self.held += self.cost(name, participants)
+        self.held += self.cost(name, participants, supersedes)
         participants = self._sets.setdefault(participants, participants)
-        barrier = self._by_name[name] = Barrier(name, participants, started_at, deadline, done=done, error=error)
+        self._users[participants] = self._users.get(participants, 0) + 1
+        barrier = self._by_name[name] = Barrier(name, participants, started_at, deadline, done=done, error=error,
+                                                supersedes=supersedes)
         return barrier
+
+    def _forget(self, barrier: Barrier) -> None:
+        """Drops a kept barrier and gives back what it counted; its set of participants too when no kept barrier
+        has that set any more."""
+        del self._by_name[barrier.name]
+        self._pending.discard(barrier.name)
+        self.held -= _own_bytes(barrier.name, barrier.participants, barrier.supersedes)
+        users = self._users.pop(barrier.participants) - 1
+        if users:
+            self._users[barrier.participants] = users
+        else:
+            del self._sets[barrier.participants]
+            self.held -= PARTICIPANT_BYTES * len(barrier.participants)
+
+    def _supersedes(self, barrier: Barrier, value: str) -> None:
+        """Sets what ``barrier`` supersedes (or forgot), counting the difference in bytes."""
+        self.held += 2 * (len(value.encode()) - len(barrier.supersedes.encode()))
+        barrier.supersedes = value
+
+    def _complete(self, barrier: Barrier) -> None:
+        """``barrier`` completed: the barrier it supersedes is forgotten if it is finished and has the same
+        participants (every one of them called this barrier after that one answered); else it is left alone."""
+        barrier.done = True
+        self._pending.discard(barrier.name)
+        previous = self._by_name.get(barrier.supersedes)
+        if previous is not None and not previous.pending and previous.participants == barrier.participants:
+            self._forget(previous)
+        else:
+            self._supersedes(barrier, "")
 
     def get(self, name: str) -> Barrier | None:
         return self._by_name.get(name)
@@ -78,23 +114,35 @@ class Barriers:
             return None
         return BarrierResolved(name, barrier.error)
 
-    def restore(self, name: str, participants: frozenset[int], error: IfrtError | None) -> None:
-        """Puts back a finished barrier (from the journal), so late arrivals get its result."""
+    def restore(self, name: str, participants: frozenset[int], error: IfrtError | None, forgot: str = "") -> None:
+        """Puts back a finished barrier (from the journal), so late arrivals get its result, and forgets the barrier
+        it ``forgot`` when it finished, as the coordinator that journaled it did."""
         if name in self._by_name:  # a barrier finished once; nothing more to count
             self._by_name[name].error, self._by_name[name].done = error, error is None
+            self._supersedes(self._by_name[name], forgot)
         else:
-            self._keep(name, participants, 0.0, 0.0, error=error, done=error is None)
+            self._keep(name, participants, 0.0, 0.0, error=error, done=error is None, supersedes=forgot)
         self._pending.discard(name)
+        if forgot in self._by_name and forgot != name:
+            self._forget(self._by_name[forgot])
 
     def arrive(self, name: str, process_id: int, participants: frozenset[int], timeout_s: float, now: float,
-               unavailable: Mapping[int, str]) -> tuple[Barrier, list[BarrierResolved]]:
-        """Records ``process_id``'s arrival; ``unavailable`` maps failed or departed participants to why."""
+               unavailable: Mapping[int, str], *, supersedes: str = "") -> tuple[Barrier, list[BarrierResolved]]:
+        """Records ``process_id``'s arrival; ``unavailable`` maps failed or departed participants to why.
+        ``supersedes``: the barrier this one follows, forgotten once this one completes ("": none)."""
         if not name:
             raise InvalidArgument("barrier name is empty: expected a name unique to this barrier")
         if len(name.encode()) > self.limits.barrier_name_bytes:
             raise InvalidArgument(f"barrier name {shown(name)} is {len(name.encode())} bytes long: expected at "
                                   f"most {self.limits.barrier_name_bytes} (the coordinator's "
                                   f"{FLAGS['barrier_name_bytes']})")
+        if len(supersedes.encode()) > self.limits.barrier_name_bytes:
+            raise InvalidArgument(f"barrier {shown(name)} supersedes {shown(supersedes)} is "
+                                  f"{len(supersedes.encode())} bytes long: expected at most "
+                                  f"{self.limits.barrier_name_bytes} (the coordinator's {FLAGS['barrier_name_bytes']})")
+        if supersedes == name:
+            raise InvalidArgument(f"barrier {shown(name)} names itself in supersedes: expected the barrier it follows "
+                                  f"(or none)")
         barrier = self._by_name.get(name)
         if barrier is not None and not barrier.participants:  # cancelled before anyone arrived: any caller hears it
             return barrier, []
@@ -104,9 +152,12 @@ class Barriers:
         if process_id not in participants:
             raise InvalidArgument(f"process {process_id} is not a participant of barrier {name!r} "
                                   f"(processes {_ids(participants)})")
+        if barrier is not None and barrier.pending and barrier.supersedes != supersedes:
+            raise InvalidArgument(f"barrier {name!r} was started superseding {shown(barrier.supersedes)}; this call "
+                                  f"names {shown(supersedes)}: every participant names the barrier it follows")
         if barrier is None:
-            self._check_room(name, participants)
-            barrier = self._keep(name, participants, now, now + timeout_s)
+            self._check_room(name, participants, supersedes)
+            barrier = self._keep(name, participants, now, now + timeout_s, supersedes=supersedes)
             self._pending.add(name)
         if not barrier.pending:
             return barrier, []
@@ -117,8 +168,7 @@ class Barriers:
             return barrier, self._fail(barrier, BarrierFailed(
                 f"barrier {name!r} cannot complete: process {gone[0]} {unavailable[gone[0]]}"))
         if barrier.arrived == barrier.participants:
-            barrier.done = True
-            self._pending.discard(name)
+            self._complete(barrier)
             return barrier, [BarrierResolved(name, None)]
         return barrier, []
 
@@ -157,25 +207,33 @@ class Barriers:
                     f"{', '.join(describe(p) for p in missing[:16])}{' ...' if len(missing) > 16 else ''}"))
         return effects
 
-    def _check_room(self, name: str, participants: frozenset[int]) -> None:
+    def _check_room(self, name: str, participants: frozenset[int], supersedes: str = "") -> None:
         """InvalidArgument unless one more barrier fits under ``limits.barriers``; ResourceExhausted unless its bytes
         fit under ``limits.barrier_bytes``."""
         if len(self._by_name) >= self.limits.barriers:
             raise InvalidArgument(f"barrier {shown(name)} would be barrier number {len(self._by_name) + 1}: expected "
                                   f"at most {self.limits.barriers} barriers (the coordinator's {FLAGS['barriers']})")
-        if self.held + self.cost(name, participants) > self.limits.barrier_bytes:
-            raise exhausted(f"keeping barrier {shown(name)} ({self.cost(name, participants)} bytes)",
+        cost = self.cost(name, participants, supersedes)
+        if self.held + cost > self.limits.barrier_bytes:
+            raise exhausted(f"keeping barrier {shown(name)} ({cost} bytes)",
                             self.limits.barrier_bytes, "barrier_bytes",
-                            "every barrier is kept to answer late arrivals: use fewer (and shorter) names, or raise "
-                            "the flag", self.held)
+                            "every barrier is kept to answer late arrivals: use fewer (and shorter) names, name the "
+                            "step a barrier follows in supersedes, or raise the flag", self.held)
 
     def _pending_barriers(self) -> list[Barrier]:
         return [self._by_name[name] for name in sorted(self._pending)]
 
     def _fail(self, barrier: Barrier, error: IfrtError) -> list[BarrierResolved]:
+        """Fails ``barrier``; it forgets nothing (a participant that had not arrived may still retry the one before)."""
         barrier.error = error
         self._pending.discard(barrier.name)
+        self._supersedes(barrier, "")
         return [BarrierResolved(barrier.name, error)]
+
+
+def _own_bytes(name: str, participants: frozenset[int], supersedes: str) -> int:
+    """What one barrier counts against ``--max-barrier-bytes`` besides its set of participants (see ``cost``)."""
+    return 3 * len(name.encode()) + 2 * len(supersedes.encode()) + BARRIER_OVERHEAD_BYTES + 8 * len(participants)
 
 
 def _ids(process_ids: frozenset[int], most: int = 16) -> str:

@@ -2,13 +2,13 @@
 
 A key's value needs only its latest write. An increment or swap that a retry may still ask about (a call
 ``coordinator.retries`` still remembers, within ``--max-answer-bytes``) keeps its entry for the answer, even when a
-later write replaced its value; a deletion stays only while it removes such a kept write. Everything else
-(registrations, failures, departures, barriers, live-set agreements, preemption) stays, within the current job
-attempt; of the attempts that ended, key-values, barriers and agreements go (a new attempt starts them empty), and
-so do those of the ended runs of the current attempt (``coordinator.runs``), but the agents' keys, which a new run
-keeps. Replaying the kept entries, in their order, builds the same state as replaying them all, and so does a journal of
-which only an oldest part was compacted (a store that cannot replace its journal at once applies the result oldest
-first, in steps).
+later write replaced its value; a deletion stays only while it removes such a kept write. A finished barrier that a
+later barrier of its series forgot (``supersedes``) goes. Everything else (registrations, failures, departures,
+barriers, live-set agreements, preemption) stays, within the current job attempt; of the attempts that ended,
+key-values, barriers and agreements go (a new attempt starts them empty), and so do those of the ended runs of the
+current attempt (``coordinator.runs``), but the agents' keys, which a new run keeps. Replaying the kept entries, in
+their order, builds the same state as replaying them all, and so does a journal of which only an oldest part was
+compacted (a store that cannot replace its journal at once applies the result oldest first, in steps).
 
     set k=A   set k=B   incr n (call r1)   del k   incr n (call r2)        ->   incr n (r1)   incr n (r2)
     dropped   dropped   kept: r1's answer  dropped kept: n's value
@@ -41,9 +41,26 @@ def needed(entries: Sequence[journal.Entry], limits: Limits = DEFAULT_LIMITS) ->
     start = _current_attempt_start(entries)
     run = _current_run_start(entries, start)
     carried = {start + i for i in _final_writes(entries[start:]) if entries[start + i].key.startswith(AGENT_KEY_PREFIX)}
+    forgotten = _forgotten_barriers(entries)
     return ([not isinstance(e, _STANDALONE) for e in entries[:start]]
             + [not isinstance(e, _STANDALONE) or i in carried for i, e in enumerate(entries[start:run], start)]
-            + _needed_in_attempt(entries[run:], limits))
+            + [k and i not in forgotten for i, k in enumerate(_needed_in_attempt(entries[run:], limits), run)])
+
+
+def _forgotten_barriers(entries: Sequence[journal.Entry]) -> set[int]:
+    """Indices of the finished barriers that a later barrier of their series forgot (``supersedes``): a replay
+    forgets them anyway (forgetting one it never saw changes nothing). A name used again after it was forgotten
+    keeps its new entry."""
+    forgotten: set[int] = set()
+    later: set[str] = set()  # names some later entry forgot
+    for i in range(len(entries) - 1, -1, -1):
+        entry = entries[i]
+        if isinstance(entry, journal.BarrierFinished):
+            if entry.name in later:
+                forgotten.add(i)
+            if entry.forgot:
+                later.add(entry.forgot)
+    return forgotten
 
 
 def _current_run_start(entries: Sequence[journal.Entry], start: int) -> int:
@@ -143,10 +160,12 @@ def _answer(entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped 
 
 class Garbage:
     """How much of the journal a compaction would drop, estimated as entries are journaled: a write that a later
-    write or deletion supersedes, and every deletion. ``due()`` says when compacting pays."""
+    write or deletion supersedes, every deletion, and a barrier its series forgot. ``due()`` says when compacting
+    pays."""
 
     def __init__(self) -> None:
         self._latest: dict[str, int] = {}  # key -> bytes of its latest write
+        self._barriers: dict[str, int] = {}  # finished barrier -> bytes of its entry, until its series forgets it
         self.bytes = self.entries = 0  # superseded, since this estimate started
         self.total_bytes = self.total_entries = 0
         self._floor_bytes, self._floor_entries = MIN_BYTES, MIN_ENTRIES
@@ -178,6 +197,11 @@ class Garbage:
                     else [entry.key] * (entry.key in self._latest))
             self.bytes += size + sum(self._latest.pop(k) for k in gone)
             self.entries += 1 + len(gone)
+        elif isinstance(entry, journal.BarrierFinished):  # a barrier its series' next one forgot
+            self._barriers[entry.name] = size
+            if entry.forgot and (old := self._barriers.pop(entry.forgot, None)) is not None:
+                self.bytes += old
+                self.entries += 1
         elif isinstance(entry, journal.RunStarted):  # the ended run's keys go, but the agents'
             gone = [k for k in self._latest if not k.startswith(AGENT_KEY_PREFIX)]
             self.bytes += sum(self._latest.pop(k) for k in gone)

@@ -65,6 +65,8 @@ class BarrierFinished:
     participants: tuple[int, ...]
     error_type: str  # "" when it completed
     error: str
+    forgot: str = ""
+    """The barrier it superseded and the coordinator forgot as it completed ("": none); a replay forgets it too."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,8 @@ def encode(entry: Entry) -> bytes:
     if isinstance(entry, KeySet | KeysDeleted) and not entry.request_id:  # a call nobody retries: as written before
         for name in ("client_uid", "request_id", "count"):
             fields.pop(name, None)
+    if isinstance(entry, BarrierFinished) and not entry.forgot:  # a barrier that forgot none: as written before
+        del fields["forgot"]
     return json.dumps({"type": type(entry).__name__, **fields}, separators=(",", ":")).encode()
 
 

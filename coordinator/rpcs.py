@@ -107,7 +107,7 @@ def _barrier_result(outcome: BarrierResolved | None) -> IfrtError | bool | None:
 
 def _arrive(s: ClusterState, q: pb.BarrierRequest, c: Call) -> tuple[IfrtError | bool | None, list[Effect]]:
     outcome, effects = s.current.arrive(q.client_uid, q.name, frozenset(q.process_ids), q.timeout_ms / 1000, c.now,
-                                proof=c.proof)
+                                        proof=c.proof, supersedes=q.supersedes)
     return _barrier_result(outcome), effects
 
 

@@ -108,8 +108,9 @@ class Run:
                 self._forget(members[uid], why)
             case journal.KeySet() | journal.KeyIncremented() | journal.KeySwapped() | journal.KeysDeleted():
                 self.kv.replay(entry, agent=self._is_agent(getattr(entry, "client_uid", "")))
-            case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message):
-                self.barriers.restore(name, frozenset(participants), journal.error_of(kind, message))
+            case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message,
+                                         forgot=forgot):
+                self.barriers.restore(name, frozenset(participants), journal.error_of(kind, message), forgot)
             case journal.LiveSetDecided(callers=callers, members=decided, error_type=kind, error=message):
                 self._live_sets.restore(callers, decided, journal.error_of(kind, message))
             case journal.PreemptionNoticed(process_id=pid):
@@ -220,9 +221,10 @@ class Run:
 
     # Barriers.
     def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float,
-               now: float, *, proof: str = "") -> tuple[BarrierResolved | None, list[Effect]]:
-        """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty).
-        Returns the barrier's result once it is resolved (None while others are awaited) and the effects."""
+               now: float, *, proof: str = "", supersedes: str = "") -> tuple[BarrierResolved | None, list[Effect]]:
+        """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty),
+        which forgets the barrier it ``supersedes`` once it completes. Returns the barrier's result once it is
+        resolved (None while others are awaited) and the effects."""
         pid = self.process_id_of(client_uid, proof=proof)
         participants = process_ids or frozenset(self.admission.in_topology)
         unknown = participants - self.admission.claims.keys()
@@ -231,7 +233,7 @@ class Run:
                                   f"topology (process ids 0..{self.config.num_processes - 1})")
         down = self.liveness.down
         _, effects = self.barriers.arrive(name, pid, participants, timeout_s, now,
-                                          {p: down[p] for p in participants & down.keys()})
+                                          {p: down[p] for p in participants & down.keys()}, supersedes=supersedes)
         return self.barriers.outcome(name), self._journal_barriers(effects)
 
     def barrier_outcome(self, name: str) -> BarrierResolved | None:
@@ -436,12 +438,13 @@ class Run:
         return [Republish(topology, self.published_at)]
 
     def _journal_barriers(self, effects: list[BarrierResolved]) -> list[Effect]:
-        """Records each barrier that just finished (with its participants and error); returns the effects."""
+        """Records each barrier that just finished (with its participants, error and the barrier it forgot); returns
+        the effects."""
         for e in effects:
             barrier = self.barriers.get(e.name)
             assert barrier is not None
             self._record(journal.BarrierFinished(e.name, tuple(sorted(barrier.participants)),
-                                                 *journal.error_fields(e.error)))
+                                                 *journal.error_fields(e.error), forgot=barrier.supersedes))
         return list(effects)
 
     def _notify(self, event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice) -> Notify:

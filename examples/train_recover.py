@@ -1,21 +1,23 @@
-"""A failed process replaced while the others keep running: DDP re-formed in place, the newcomer brought up to date
-by a peer, no checkpoint.
+"""A failed process replaced while the others keep running: the group re-formed in place, the newcomer healed from
+a peer, the step the failure broke kept nowhere, no checkpoint.
 
-    python examples/train_recover.py --processes 4 [--signal KILL|STOP]
+    python examples/train_recover.py --processes 4 [--signal KILL|STOP] [--moment before|after] [--second-failure]
 
 starts a coordinator and two `ifrt run --recover replace` agents on loopback (half the processes each, as two hosts
 would). Every process calls ``ifrt.torch.init_process_group(on_failure="recover")`` and trains a small model with
-``DistributedDataParallel`` over gloo, each step on its shard of a fixed batch. At step FAIL_STEP process FAILED
-sends itself the signal: KILL (it dies; its agent sees it at once) or STOP (it hangs; the coordinator declares it
-failed after the heartbeat timeout and its agent kills it). Its agent starts a new process with the same id; the
-survivors' collective fails (``ifrt.CollectiveFailed``), they call ``ifrt.torch.recover()``, and every process,
-the newcomer included, agrees on the most advanced step and takes the model and optimizer state from the survivor
-that holds it (a broadcast, as torchft's recovery does). No checkpoint exists.
+DDP over gloo through ``ifrt.torch.Replica`` (the lines marked in ``run_process``: all a program writes for its
+recovery), each step on its shard of a fixed batch. At step FAIL_STEP process FAILED sends itself the signal, before
+the step's forward pass or after its backward and before its vote: KILL (it dies; its agent sees it at once) or STOP
+(it hangs; the coordinator declares it failed after the heartbeat timeout and its agent kills it). Its agent starts
+a new process with the same id; the survivors' step ends (a collective that failed, or a vote that a process failed
+before every vote was in), the group is re-formed with the newcomer, which receives the model and optimizer state
+from a survivor, and every process runs the step again. No checkpoint exists.
 
 It prints ``recover: outputs match reference ...`` only when every process's final parameters equal those of a
 single-process run of the same steps on the whole batch (float64, within TOLERANCE: only the order of the gradient
-sums differs) and are the same in every process, the survivors kept their PIDs, and the newcomer took its state
-from a peer; it exits non-zero otherwise.
+sums differs) and are the same in every process, the survivors kept their PIDs, the newcomer took its state from a
+peer, and (failure after the backward) every survivor's vote on that step kept it nowhere; it exits non-zero
+otherwise.
 """
 
 from __future__ import annotations
@@ -40,16 +42,15 @@ TOLERANCE = 1e-9
 HEARTBEAT_S = 1.0
 """The coordinator's heartbeat timeout: how soon a hung (STOPped) process is declared failed."""
 COLLECTIVE_TIMEOUT_S = 8.0
-"""gloo's collective timeout: what returns a survivor blocked on a peer whose sockets stay open (long enough that a
-loaded machine's slow peer is not taken for a failed one)."""
+"""gloo's collective timeout: what returns a survivor blocked on a peer that hangs with its sockets open (SIGSTOP),
+until its agent kills it (long enough that a loaded machine's slow peer is not taken for a failed one)."""
 JOB_TIMEOUT_S = 120.0
 """How long the job may take before the driver stops it (and prints what the agents said)."""
 MARK_ENV = "TRAIN_RECOVER_DIR"
 """A directory the driver gives the workers: the failing process leaves a mark there, so its newcomer does not fail."""
-
-
-KEPT: list = []
-"""Every DDP module this process built (those of groups that recoveries replaced, and the last): never torn down."""
+MOMENTS = ("before", "after")
+"""Where in step FAIL_STEP process FAILED signals itself: before the step's forward pass, or after its backward
+(its gradients all-reduced) and before its vote."""
 
 
 def model_and_batch():
@@ -65,88 +66,60 @@ def model_and_batch():
 
 
 def optimizer_of(model):
-    """SGD with momentum, its buffers made at once: state that a newcomer must receive, not recompute."""
+    """SGD with momentum: state that a newcomer must receive, not recompute."""
     import torch
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for p in model.parameters():
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    return optimizer
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def step_once(model, optimizer, x, y) -> None:
-    import torch
-
-    optimizer.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    optimizer.step()
-
-
-def bring_up_to_date(model, optimizer, step: int) -> tuple[int, int]:
-    """Every process agrees on the most advanced step and takes the model and optimizer state of the lowest rank
-    that holds it; returns (that step, that rank)."""
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    steps = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(steps, torch.tensor([step]))
-    latest = max(int(s) for s in steps)
-    source = min(r for r in range(world) if int(steps[r]) == latest)
-    for p in model.parameters():
-        dist.broadcast(p.data, src=source)
-        dist.broadcast(optimizer.state[p]["momentum_buffer"], src=source)
-    return latest, source
+def fail_here(me: int, step: int, moment: str) -> None:
+    """Process FAILED, the first time it reaches ``moment`` of step FAIL_STEP, sends itself the signal."""
+    mark = Path(os.environ[MARK_ENV]) / "signalled"
+    if me == FAILED and step == FAIL_STEP and moment == os.environ["TRAIN_RECOVER_MOMENT"] and not mark.exists():
+        mark.touch()
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ["TRAIN_RECOVER_SIGNAL"]))
 
 
 def run_process() -> NoReturn:
-    """One process: train with DDP on its shard, re-forming in place when a peer fails; compare with the
+    """One process: train with DDP on its shard, healed and re-formed in place when a peer fails; compare with the
     reference, say the result and leave."""
-    import ifrt
+    import torch
+    import torch.distributed as dist
+
     import ifrt.torch
 
     topology = ifrt.torch.init_process_group(on_failure="recover", collective_timeout=COLLECTIVE_TIMEOUT_S,
                                              timeout=120)
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     me, world = topology.process_id, topology.num_processes
     model, x, y = model_and_batch()
     optimizer = optimizer_of(model)
-    shard = slice(me * BATCH // world, (me + 1) * BATCH // world)  # equal shards: DDP's mean is the batch's
-    step, source = bring_up_to_date(model, optimizer, 0)
-    say({"event": "joined", "process_id": me, "pid": os.getpid(), "step": step, "source": source})
-    ddp = DistributedDataParallel(model)
-    recoveries = 0
-    while step < STEPS:
-        if me == FAILED and step == FAIL_STEP:
-            mark = Path(os.environ[MARK_ENV]) / "signalled"
-            if not mark.exists():
-                mark.touch()
-                os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("TRAIN_RECOVER_SIGNAL", "KILL")))
-        try:
-            with ifrt.torch.recoverable():
-                step_once(ddp, optimizer, x[shard], y[shard])
-            step += 1
-        except ifrt.CollectiveFailed as e:
-            failed_at = time.monotonic()
-            if me == SECOND and os.environ.get("TRAIN_RECOVER_SECOND") == "1":
-                mark = Path(os.environ[MARK_ENV]) / "second"
-                if not mark.exists():  # a second failure, during the recovery of the first
-                    mark.touch()
-                    os.kill(os.getpid(), signal.SIGKILL)
-            ifrt.torch.recover()
-            step, source = bring_up_to_date(model, optimizer, step)
-            KEPT.append(ddp)  # built on the aborted group: never torn down (see the end)
-            ddp = DistributedDataParallel(model)  # on the new group
-            recoveries += 1
-            say({"event": "recovered", "process_id": me, "pid": os.getpid(), "step": step, "source": source,
-                 "failed": list(e.process_ids), "seconds": round(time.monotonic() - failed_at, 2)})
-    reference, _, _ = model_and_batch()
+    x, y = x[me * BATCH // world:(me + 1) * BATCH // world], y[me * BATCH // world:(me + 1) * BATCH // world]
+    # The recovery: all a program writes for it, from here to the vote (docs/pytorch.md shows these lines)
+    if me == SECOND and os.environ.get("TRAIN_RECOVER_SECOND") == "1":
+        ifrt.torch.client().on_event(die_during_the_recovery)
+    replica = ifrt.torch.Replica({"model": model, "optimizer": optimizer})
+    ddp = replica.data_parallel(model)
+    say({"event": "joined", "process_id": me, "pid": os.getpid(), "step": replica.step,
+         "source": replica.healed and replica.healed.source})
+    while replica.step < STEPS:
+        step, recoveries, began = replica.step, replica.recoveries, time.monotonic()
+        with replica.attempt():
+            fail_here(me, step, "before")
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            fail_here(me, step, "after")
+            if replica.should_commit():
+                optimizer.step()
+            say({"event": "vote", "process_id": me, "step": step, "committed": replica.step > step})
+        if replica.recoveries > recoveries:
+            say({"event": "recovered", "process_id": me, "pid": os.getpid(), "step": replica.step,
+                 "recoveries": replica.recoveries, "seconds": round(time.monotonic() - began, 2)})
+    reference, reference_x, reference_y = model_and_batch()
     reference_optimizer = optimizer_of(reference)
     for _ in range(STEPS):
-        step_once(reference, reference_optimizer, x, y)
+        reference_optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(reference_x), reference_y).backward()
+        reference_optimizer.step()
     difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters(),
                                                                  strict=True))
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -156,10 +129,19 @@ def run_process() -> NoReturn:
     dist.barrier()  # every rank done with the group before any tears it down
     dist.destroy_process_group()
     say({"event": "done", "process_id": me, "pid": os.getpid(), "max_difference": difference,
-         "same_in_every_process": same, "recoveries": recoveries})
-    # torch 2.13: a DDP built on an aborted gloo group can block in its destructor holding the GIL, so a process
-    # leaves here, before this frame's objects are torn down (its group is destroyed, its output flushed)
-    os._exit(0)
+         "same_in_every_process": same, "recoveries": replica.recoveries})
+    sys.exit(0)
+
+
+def die_during_the_recovery(event) -> None:
+    """``--second-failure``: process SECOND is SIGKILLed (once) when it hears that process FAILED failed, while it
+    and the others recover from that."""
+    import ifrt
+
+    mark = Path(os.environ[MARK_ENV]) / "second"
+    if isinstance(event, ifrt.events.ProcessFailed) and event.process_id == FAILED and not mark.exists():
+        mark.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def say(record: dict) -> None:
@@ -174,7 +156,8 @@ def records(lines: list[str]) -> list[dict]:
 def start_agents(processes: int, address: str, mark_dir: str, args: argparse.Namespace) -> list[subprocess.Popen]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("IFRT_", "MASTER_", "RANK", "WORLD_SIZE"))}
     base.update(IFRT_COORDINATOR=address, IFRT_CPU_DEVICE_COUNT="1", IFRT_FAILOVER_WINDOW="10", OMP_NUM_THREADS="1",
-                TRAIN_RECOVER_SIGNAL=args.signal, TRAIN_RECOVER_SECOND="1" if args.second_failure else "0",
+                TRAIN_RECOVER_SIGNAL=args.signal, TRAIN_RECOVER_MOMENT=args.moment,
+                TRAIN_RECOVER_SECOND="1" if args.second_failure else "0",
                 **{MARK_ENV: mark_dir})
     max_restarts = args.max_restarts if args.max_restarts is not None else 1 + args.second_failure
     per_host = processes // 2
@@ -191,6 +174,9 @@ def main() -> int:
                                                              "%(default)s)")
     p.add_argument("--signal", choices=("KILL", "STOP"), default="KILL",
                    help=f"what process {FAILED} sends itself at step {FAIL_STEP} (default %(default)s)")
+    p.add_argument("--moment", choices=MOMENTS, default="after",
+                   help=f"where in step {FAIL_STEP} the signal comes: before its forward pass, or after its backward "
+                        "and before its vote (default %(default)s)")
     p.add_argument("--second-failure", action="store_true",
                    help=f"process {SECOND} is SIGKILLed too, while the survivors recover from the first failure")
     p.add_argument("--max-restarts", type=int, default=None, metavar="N",
@@ -255,9 +241,14 @@ def report(args: argparse.Namespace, seen: list[dict], took: float) -> int:
             problems.append(f"process {pid}: max |parameter - reference| {r['max_difference']:.1e}, same in every "
                             f"process: {r['same_in_every_process']}")
         first = joined.get(pid, [{}])[0].get("pid")
-        if pid not in failed and (r["pid"] != first or r["recoveries"] != 1):
+        if pid not in failed and (r["pid"] != first or not r["recoveries"]):
             problems.append(f"survivor {pid}: pid {first} at start, {r['pid']} at the end, {r['recoveries']} "
-                            "recoveries (expected the same pid and 1)")
+                            "recoveries (expected the same pid and at least 1)")
+        kept = [v["committed"] for v in seen if v["event"] == "vote" and v["process_id"] == pid
+                and v["step"] == FAIL_STEP]
+        if pid not in failed and args.moment == "after" and kept[:1] != [False]:
+            problems.append(f"survivor {pid} voted {kept} at step {FAIL_STEP}: expected its first vote there to keep "
+                            f"the step nowhere (process {FAILED} died after its backward, before its vote)")
     for pid in failed:
         newcomer = joined.get(pid, [])
         if len(newcomer) != 2 or newcomer[1]["pid"] == newcomer[0]["pid"] or newcomer[1]["source"] in failed \
@@ -272,11 +263,13 @@ def report(args: argparse.Namespace, seen: list[dict], took: float) -> int:
     newcomers = ", ".join(f"process {pid} (pid {joined[pid][1]['pid']}) took step {joined[pid][1]['step']} from "
                           f"process {joined[pid][1]['source']}" for pid in failed)
     second = f" and process {SECOND} was SIGKILLed during the recovery" if args.second_failure else ""
+    voted = (f"; every survivor's vote on step {FAIL_STEP} kept it nowhere, then the step ran again"
+             if args.moment == "after" else "")
     print(f"recover: outputs match reference (max |difference| {worst:.1e} <= {TOLERANCE:g}, float64) in all "
-          f"{args.processes} processes after process {FAILED} got SIG{args.signal} at step {FAIL_STEP}{second}: the "
-          f"survivors kept their PIDs and re-formed the group in place (slowest {slowest:.1f}s from the failed "
-          f"collective); the newcomers took the model and optimizer state from a peer ({newcomers}); no checkpoint "
-          f"was read; {took:.1f}s in all")
+          f"{args.processes} processes after process {FAILED} got SIG{args.signal} {args.moment} its step "
+          f"{FAIL_STEP}{second}: the survivors kept their PIDs and re-formed the group in place (slowest "
+          f"{slowest:.1f}s from the step that failed to the step done again); the newcomers took the model and "
+          f"optimizer state from a peer ({newcomers}){voted}; no checkpoint was read; {took:.1f}s in all")
     return 0
 
 

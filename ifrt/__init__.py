@@ -33,6 +33,7 @@ from ifrt.errors import (
     PluginError,
     ProcessDeclaredFailed,
     ProcessIdTaken,
+    StateLost,
     TopologyError,
     TransportMismatch,
     Unauthenticated,
@@ -48,18 +49,19 @@ if TYPE_CHECKING:
     from ifrt.mesh import Mesh
     from ifrt.settings import DiscoverOptions
     from ifrt.topology import Topology
+    from ifrt.vote import Vote
 
 __all__ = [
     "BarrierCancelled", "BarrierFailed", "BarrierTimeout", "CertificateRejected", "Client", "ClusterMismatch",
     "CollectiveFailed", "CoordinatorGone", "CoordinatorUnavailable", "Device", "DiscoveryTimeout", "IfrtError",
     "InvalidArgument",
     "JobFailed", "KeyExists", "KeyValueTimeout", "LocalDevice", "Mesh", "PeerFailed", "PermissionDenied",
-    "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "Topology", "TopologyError",
-    "TransportMismatch", "Unauthenticated", "UnknownClient", "discover", "events", "global_device_id",
+    "PluginError", "Process", "ProcessDeclaredFailed", "ProcessIdTaken", "StateLost", "Topology", "TopologyError",
+    "TransportMismatch", "Unauthenticated", "UnknownClient", "Vote", "discover", "events", "global_device_id",
     "split_global_id",
 ]
 
-_LAZY = {"Client": "ifrt.client", "Mesh": "ifrt.mesh", "Topology": "ifrt.topology"}
+_LAZY = {"Client": "ifrt.client", "Mesh": "ifrt.mesh", "Topology": "ifrt.topology", "Vote": "ifrt.vote"}
 """Names whose modules need grpc or numpy: imported on first use, so ``import ifrt.records`` (as plugins and the
 coordinator's plain parts do) loads neither."""
 _RUNTIMES = ("jax", "torch")
@@ -67,7 +69,7 @@ _RUNTIMES = ("jax", "torch")
 
 
 def __getattr__(name: str) -> Any:
-    """``ifrt.Client``, ``ifrt.Mesh``, ``ifrt.Topology``: imported from their modules on first use."""
+    """``ifrt.Client``, ``ifrt.Mesh``, ``ifrt.Topology``, ``ifrt.Vote``: imported from their modules on first use."""
     if name in _RUNTIMES:  # submodules with an optional extra: imported only when asked for
         return importlib.import_module(f"ifrt.{name}")
     module = _LAZY.get(name)

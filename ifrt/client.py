@@ -314,17 +314,20 @@ class Client(KeyValueCalls):
         return self._events.since_topology()
 
     # Coordination.
-    def barrier(self, name: str, timeout: float, process_ids: Sequence[int] | None = None) -> None:
+    def barrier(self, name: str, timeout: float, process_ids: Sequence[int] | None = None, *,
+                supersedes: str = "") -> None:
         """Waits until every process (or those in ``process_ids``) reached barrier ``name``.
 
         Raises BarrierTimeout naming who did not arrive, or BarrierFailed at once when a participant failed.
-        Use each name once (e.g. with a step number).
+        Use each name once (e.g. with a step number). ``supersedes``: the barrier of the same series (and the same
+        participants) this one follows, e.g. ``"step/41"`` for ``"step/42"``; once this one completes the
+        coordinator forgets it, so a per-step series stays within the coordinator's ``--max-barriers``.
         """
         deadline = time.monotonic() + timeout
         self._unary("Barrier", lambda remaining: pb.BarrierRequest(
             client_uid=self.client_uid, name=name, process_ids=process_ids or (),
-            timeout_ms=max(1, int(remaining * 1000))), deadline, slack=self.config.answer_slack_s,
-            what=f"barrier {name!r}")
+            timeout_ms=max(1, int(remaining * 1000)), supersedes=supersedes), deadline,
+            slack=self.config.answer_slack_s, what=f"barrier {name!r}")
 
     def cancel_barrier(self, name: str, timeout: float = 60.0) -> bool:
         """Ends barrier ``name`` for every current and future waiter with BarrierCancelled (also before anyone

@@ -257,13 +257,21 @@ class CoordinatorGone(JobFailed):
 class CollectiveFailed(IfrtError):
     """A collective of this process failed or was aborted because peers failed (``ifrt.torch`` with
     ``on_failure="recover"``): ``process_ids`` names them. Call ``ifrt.torch.recover()`` to re-form the groups once
-    they are replaced (``ifrt run --recover replace``), then bring the newcomers up to date."""
+    they are replaced (``ifrt run --recover replace``), then bring the newcomers up to date
+    (``ifrt.torch.Replica`` does both)."""
 
     status = "ABORTED"
 
     def __init__(self, message: str, process_ids: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.process_ids = process_ids
+
+
+class StateLost(IfrtError):
+    """A replacement's state cannot be healed from its peers (``ifrt.torch.Replica``): no survivor holds a copy of
+    it, or the survivors hold different steps; the message names the process and its replica set."""
+
+    status = "FAILED_PRECONDITION"
 
 
 def _all_subclasses(cls: type[IfrtError]) -> list[type[IfrtError]]:

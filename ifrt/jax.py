@@ -67,6 +67,7 @@ from ifrt.network_sources import XLA_NETWORK_NODES_ENV
 from ifrt.settings import DiscoverOptions, discovery_timeout, env_plugin
 from ifrt.topology import Topology
 from ifrt.transfer import local_address_toward
+from ifrt.vote import Vote
 from ifrt.xla_standin import layouts
 from ifrt.xla_standin.server import StandInServer
 from ifrt.xla_standin.service import CoordinationStandIn
@@ -87,6 +88,7 @@ class _Started:
     topology: Topology
     jax_devices: Mapping[int, Any]  # global id -> jax.Device
     standin: StandInServer | None  # JAX's coordination service, where ifrt serves it
+    vote: Vote  # should_commit's rounds, under this start's scope
 
 
 _started: _Started | None = None
@@ -157,9 +159,16 @@ def initialize(
         finally:
             if exchange is not None:
                 exchange.release_port()
-        _started = _Started(client, topology, by_id, server)
+        _started = _Started(client, topology, by_id, server, Vote(client, exchange.scope))
         failfast.arm(client, topology, on_failure, "JAX", shutdown=jax.distributed.shutdown)
         return topology
+
+
+def should_commit(ok: bool = True) -> bool:
+    """This process's vote on the current step (``ok=False``: keep it nowhere): True in every process only if every
+    process voted yes and none failed or left before every vote was in (``ifrt.Vote``); apply the step, or save a
+    checkpoint, only then. BarrierTimeout names the processes that did not vote within 10 minutes."""
+    return _state().vote(ok)
 
 
 def is_initialized() -> bool:
@@ -400,11 +409,6 @@ class StartupExchange(startup.StartupExchange):
         record = self.exchange({"devices": jax_view}, self._reserve if self._reserve_port else dict)
         self.views = {p: answer["devices"] for p, answer in self.answers.items()}
         return record
-
-    @property
-    def scope(self) -> str:
-        """The prefix of this start's own keys (generation and process 0's nonce), once ``run`` returned."""
-        return f"{self.prefix}/{self.leader_nonce}"
 
     def wait_listening(self, address: str) -> None:
         """Waits until JAX's service in process 0 accepts connections: a JAX client that dials too early retries

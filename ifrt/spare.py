@@ -51,12 +51,17 @@ def parse_hand_off(line: str) -> dict[str, str]:
     return variables
 
 
+def is_spare(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Whether this process is a warm spare waiting for its hand-off (``IFRT_SPARE`` set)."""
+    return bool((os.environ if environ is None else environ).get(SPARE_ENV, "").strip())
+
+
 def await_hand_off(environ: MutableMapping[str, str] | None = None, stdin: TextIO | None = None) -> bool:
     """In a spare (``IFRT_SPARE`` set), blocks until its agent hands it a process, then sets the handed variables
     in ``environ`` (default ``os.environ``) and drops ``IFRT_SPARE``; returns whether it waited. A spare whose agent
     closes its stdin without a hand-off is not needed: it exits with 0. Elsewhere, returns False at once."""
     env = os.environ if environ is None else environ
-    if not env.get(SPARE_ENV, "").strip():
+    if not is_spare(env):
         return False
     source = sys.stdin if stdin is None else stdin
     line = source.readline(MAX_LINE_BYTES)

@@ -60,6 +60,12 @@ class StartupExchange:
         self._pacer = Pacer(client.config.first_report_s, client.config.poll_s)
         client.on_event(self._on_event, since_topology=True)  # a peer that failed since discovery counts too
 
+    @property
+    def scope(self) -> str:
+        """The prefix of this start's own keys and barriers (generation and process 0's nonce), once ``exchange``
+        returned; the next start deletes its keys."""
+        return f"{self.prefix}/{self.leader_nonce}"
+
     def exchange(self, answer: dict[str, Any], record: Callable[[], dict[str, Any]] = dict) -> dict[str, Any]:
         """Takes part in this start with ``answer``; returns process 0's record (``record()``, called in process 0
         only) once every process has answered."""

@@ -23,7 +23,9 @@ that fails does not end this process. A collective inside ``recoverable()`` that
 ``ifrt.CollectiveFailed``; ``recover()`` then waits until every process is live again (the failed one replaced, with
 its id), aborts the old group and starts a new one with the same ranks on fresh keys (a new start-up exchange: a
 nonce of its own, the old group's keys deleted), and returns the topology. The replacement itself just calls
-``init_process_group`` and joins that new group.
+``init_process_group`` and joins that new group. ``Replica`` does all of it for a training loop: it re-forms the
+group, heals the replacement from a live peer (``ifrt.torch_heal``), rebuilds its DDP modules and keeps a step only
+where every process applied it (``ifrt.vote``).
 
 A job that shrank to its survivors (the coordinator's ``--min-processes``; docs/failures.md, "Shrink") publishes a
 generation without the failed processes: ``recover()`` then re-forms the group over the survivors alone. Ranks are
@@ -36,11 +38,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
-import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Unpack
 
@@ -50,22 +50,29 @@ try:
 except ImportError as e:  # the optional extra is missing
     raise ImportError(f"ifrt.torch needs torch: pip install 'ifrt-topology[torch]' ({e})") from e
 
-from ifrt import failfast, recovery, spare, startup
+from ifrt import failfast, recovery, spare, torch_groups, torch_heal
 from ifrt.client import Client
 from ifrt.errors import BackendAlreadyInitialized, BarrierFailed, CollectiveFailed, InvalidArgument
 from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
-from ifrt.interfaces import interface_of
 from ifrt.mesh import Mesh
 from ifrt.settings import DISCOVER_TIMEOUT_S, DiscoverOptions, discovery_timeout, env_plugin
 from ifrt.topology import Topology
+from ifrt.torch_ddp import DataParallel
+from ifrt.torch_heal import Stateful
+from ifrt.torch_start import (
+    StartupExchange,
+    advertised_ip,
+    default_backend,
+    default_plugin,
+    nccl_device,
+    set_socket_interfaces,
+)
 from ifrt.torch_store import DEFAULT_TIMEOUT, Store
-from ifrt.transfer import local_address_toward
+from ifrt.vote import DEFAULT_VOTE_TIMEOUT_S, Vote
 
 log = logging.getLogger("ifrt.torch")
 
-SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-CUDA_PLATFORMS = frozenset({"cuda", "gpu"})
 PEER_FAILURE_NEWS_S = 1.0
 """How long a broken start waits for the coordinator's news of the peer failure that broke it (recovery)."""
 
@@ -75,9 +82,9 @@ class _Started:
     """The process group this process runs now: its client, topology and store (kept referenced), how it was
     started (for a recovery's next group), and under ``on_failure="recover"`` the job's down processes."""
 
-    def __init__(self, client: Client, topology: Topology, store: Store, backend: str,
+    def __init__(self, client: Client, topology: Topology, store: Store, scope: str, backend: str,
                  timeout: timedelta | None, peers: recovery.Peers | None, watchdog: failfast.Watchdog) -> None:
-        self.client, self.topology, self.store = client, topology, store
+        self.client, self.topology, self.store, self.scope = client, topology, store, scope
         self.backend, self.timeout, self.peers, self.watchdog = backend, timeout, peers, watchdog
         self.mark = peers.mark() if peers is not None else 0
 
@@ -115,6 +122,8 @@ def init_process_group(
         if _started is not None:
             return _started.topology
         failfast.check(on_failure, recover=True)
+        if spare.is_spare():
+            _warm_up()
         spare.await_hand_off()  # a warm spare waits here, before its deadline starts, until it is handed a process
         if dist.is_initialized():
             raise BackendAlreadyInitialized(
@@ -129,37 +138,47 @@ def init_process_group(
         try:
             topology = client.discover()
             chosen = backend or default_backend(topology)
-            _set_socket_interfaces(_advertised_ip(client, topology))
+            set_socket_interfaces(advertised_ip(client, topology))
             peers = recovery.Peers(client) if on_failure == "recover" else None
-            topology, store = _start_mending(client, peers, topology, deadline, chosen, timeout)
+            topology, store, scope = _start_mending(client, peers, topology, deadline, chosen, timeout)
         except BaseException:
             client.close()
             raise
-        watchdog = failfast.arm(client, topology, on_failure, "torch.distributed", abort=_abort_process_groups)
-        _started = _Started(client, topology, store, chosen, timeout, peers, watchdog)
+        watchdog = failfast.arm(client, topology, on_failure, "torch.distributed", abort=torch_groups.abort_all)
+        _started = _Started(client, topology, store, scope, chosen, timeout, peers, watchdog)
         return topology
 
 
+def _warm_up() -> None:
+    """A warm spare imports, before its hand-off, what torch imports on a program's first optimizer (its compiler's
+    front end: 0.8 s here), so a replacement's first steps do not wait for it."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception as e:  # only an optimization: the program imports it itself
+        log.debug("a warm spare could not import torch._dynamo ahead: %s", e)
+
+
 def _start_mending(client: Client, peers: recovery.Peers | None, topology: Topology, deadline: float, backend: str,
-                   timeout: timedelta | None, mark: int = 0) -> tuple[Topology, Store]:
+                   timeout: timedelta | None, mark: int = 0) -> tuple[Topology, Store, str]:
     """Starts the default process group; under recovery (``peers``), a start that a process's failure since the mark
     ``mark`` broke (a newcomer's start, or a recovery's) waits for that process's replacement and starts again, until
     ``deadline``."""
     while True:
         try:
-            return topology, _start_group(client, topology, deadline, backend, timeout)
+            return topology, *_start_group(client, topology, deadline, backend, timeout)
         except (BarrierFailed, RuntimeError):
             # the failure may reach the start's check before it reaches the events: give it a moment
             if peers is None or not peers.wait_failed(mark, PEER_FAILURE_NEWS_S):
                 raise  # no process failed: not for a recovery to mend
-        _leave_group()
+        torch_groups.leave()
         mark = peers.wait_whole(mark, deadline, f"process {topology.process_id}")
         topology = client.topology or topology
 
 
 def _start_group(client: Client, topology: Topology, deadline: float, backend: str,
-                 timeout: timedelta | None) -> Store:
-    """Starts the default process group on a start-up exchange of its own (fresh keys); returns its store."""
+                 timeout: timedelta | None) -> tuple[Store, str]:
+    """Starts the default process group on a start-up exchange of its own (fresh keys); returns its store and the
+    start's scope."""
     exchange = StartupExchange(client, topology, deadline)
     prefix = exchange.run()
     store = Store(client, prefix, timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -167,15 +186,18 @@ def _start_group(client: Client, topology: Topology, deadline: float, backend: s
     # torch's own timeout for collectives; the start-up's waits are bounded by the store's and the watch
     me, world = rank(topology), len(topology.processes)
     store.follow_start(me)  # the ranks' addresses come pushed: no call per rank
+    others = [*client.settings.coordinators, *(p.address for p in topology.processes)]  # not the group's ports
     try:
-        dist.init_process_group(backend, store=store, rank=me, world_size=world,
-                                device_id=_nccl_device(backend, topology), **({"timeout": timeout} if timeout else {}))
+        with torch_groups.opening(frozenset(int(port) for _, port in map(split_host_port, others) if port.isdigit())):
+            dist.init_process_group(backend, store=store, rank=me, world_size=world,
+                                    device_id=nccl_device(backend, topology),
+                                    **({"timeout": timeout} if timeout else {}))
     finally:
         store.end_start()
     store.set_timeout(DEFAULT_TIMEOUT)  # later groups (new_group, DeviceMesh) wait as c10d's own would
     log.info("torch.distributed started: process %d as rank %d of %d, backend %s, store prefix %s",
              topology.process_id, me, world, backend, prefix)
-    return store
+    return store, exchange.scope
 
 
 def ranks(topology: Topology) -> dict[int, int]:
@@ -224,13 +246,131 @@ def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
                                   "ifrt.torch.init_process_group(on_failure='recover'); this one was started with "
                                   f"on_failure={state.watchdog.on_failure!r}")
         deadline = time.monotonic() + timeout
-        _leave_group()
+        torch_groups.leave()
         whole = state.peers.wait_whole(state.mark, deadline, f"process {state.topology.process_id}")
-        topology, store = _start_mending(state.client, state.peers, state.client.topology or state.topology, deadline,
-                                         state.backend, state.timeout, whole)
-        _started = _Started(state.client, topology, store, state.backend, state.timeout, state.peers,
+        topology, store, scope = _start_mending(state.client, state.peers, state.client.topology or state.topology,
+                                                deadline, state.backend, state.timeout, whole)
+        _started = _Started(state.client, topology, store, scope, state.backend, state.timeout, state.peers,
                             state.watchdog)
+        torch_groups.release_retired()
         return topology
+
+
+# Healing.
+class Replica:
+    """This process's part of a job that heals itself (``init_process_group(on_failure="recover")`` under ``ifrt run
+    --recover replace``): the state it keeps, sent by a live peer to a replacement before its first step; the step
+    count; and a vote that keeps a step only where every process applied it.
+
+        replica = ifrt.torch.Replica({"model": net, "optimizer": optimizer})
+        model = replica.data_parallel(net)
+        while replica.step < steps:
+            with replica.attempt():             # a failed peer: replaced, the group re-formed, the newcomer healed
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                if replica.should_commit():     # the same answer in every process
+                    optimizer.step()
+
+    ``state``: name -> anything with ``state_dict``/``load_state_dict`` (modules, optimizers, schedulers, or an
+    object of the program's own), the same names in every process. ``replica_sets``: the processes holding the
+    same state, as disjoint sets of process ids (default: all of them, data parallelism); a replacement receives its
+    state from a survivor of its set, and StateLost says when its set has none. Making one is a collective: every
+    process makes its Replica, and its ``data_parallel`` modules, in the same order."""
+
+    def __init__(self, state: Mapping[str, Stateful], *, replica_sets: Sequence[Sequence[int]] | None = None,
+                 vote_timeout: float = DEFAULT_VOTE_TIMEOUT_S, timeout: float = DISCOVER_TIMEOUT_S) -> None:
+        started = _state()
+        if started.peers is None:
+            raise InvalidArgument("ifrt.torch.Replica heals a group started with "
+                                  "ifrt.torch.init_process_group(on_failure='recover'); this one was started with "
+                                  f"on_failure={started.watchdog.on_failure!r}")
+        self.state, self.step, self.holds = dict(state), 0, False
+        self.sets = torch_heal.replica_sets(replica_sets) if replica_sets is not None else None
+        self.vote_timeout, self.timeout = vote_timeout, timeout
+        self.healed: torch_heal.Healed | None = None
+        """How this process was healed (who sent its state, at which step, how many bytes in how long), if it was."""
+        self.recoveries = 0
+        """How many times this process re-formed the group (``recover``) since it made this Replica."""
+        self._modules: list[DataParallel] = []
+        self._due = False
+        self._mend(recover_first=False)
+
+    def data_parallel(self, module: torch.nn.Module, **options: Any) -> torch.nn.Module:
+        """``module`` trained data-parallel (``DistributedDataParallel(module, **options)``), built anew on each
+        group a recovery forms."""
+        wrapped = DataParallel(module, **options)
+        self._modules.append(wrapped)
+        try:
+            with recoverable():
+                torch_groups.retire(wrapped.rebuild())
+        except CollectiveFailed as e:
+            log.warning("%s; re-forming the group", e)
+            self._mend(recover_first=True)
+        return wrapped
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """One try at a step: a collective that a peer's failure broke, or a vote that one failed, ends it and
+        re-forms the group (the failed process replaced and healed); the program then runs the step again."""
+        try:
+            with recoverable():
+                yield
+        except CollectiveFailed as e:
+            log.warning("step %d: %s; re-forming the group", self.step, e)
+            self._mend(recover_first=True)
+            return
+        if self._due:
+            log.warning("step %d was kept nowhere: a process failed before every vote was in; re-forming the group",
+                        self.step)
+            self._mend(recover_first=True)
+
+    def should_commit(self, ok: bool = True) -> bool:
+        """This process's vote on the current step (``ok=False``: keep it nowhere); True, in every process, only
+        if every process voted yes and none failed: apply the step then (the step count goes on). BarrierTimeout
+        names the processes that did not vote within ``vote_timeout``."""
+        committed = self._vote(ok)
+        self.step += committed
+        self._due = self._vote.failed
+        return committed
+
+    def _mend(self, *, recover_first: bool) -> None:
+        """Heals the processes that need it on the current group (re-formed first if ``recover_first``) and builds
+        the data-parallel modules on it; again on a new group if a process fails meanwhile."""
+        while True:
+            if recover_first:
+                recover(self.timeout)
+                self.recoveries += 1
+            recover_first = True
+            started = _state()
+            try:
+                with recoverable():
+                    self._heal(started)
+                    for module in self._modules:
+                        torch_groups.retire(module.rebuild())
+            except CollectiveFailed as e:
+                log.warning("%s; re-forming the group", e)
+                continue
+            except BarrierFailed:  # the exchange before the transfer: a process failed or left meanwhile
+                if not started.peers.wait_failed(started.mark, started.watchdog.heartbeat_timeout + 1.0):
+                    raise
+                continue
+            self._vote, self._due = Vote(started.client, started.scope, timeout=self.vote_timeout), False
+            return
+
+    def _heal(self, started: _Started) -> None:
+        me = started.topology.process_id
+        began = time.monotonic()
+        standings = torch_heal.exchange(started.client, started.scope, me, torch_heal.Standing(self.holds, self.step),
+                                        self.timeout)
+        plan = torch_heal.plan(standings, self.sets or torch_heal.data_parallel(sorted(standings)))
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in started.backend else torch.device("cpu")
+        received = torch_heal.run(plan, me, ranks(started.topology), self.state, device)
+        if not self.holds and plan.sends:
+            self.step = plan.step
+            source = next(source for source, fresh in plan.sends if fresh == me)
+            self.healed = torch_heal.Healed(source, plan.step, received, time.monotonic() - began)
+            log.info("process %d healed: %s", me, self.healed)
+        self.holds = True
 
 
 def is_initialized() -> bool:
@@ -251,73 +391,6 @@ def topology() -> Topology:
 def store() -> Store:
     """The Store the default process group runs on."""
     return _state().store
-
-
-def default_plugin() -> str:
-    """``cuda`` where this torch is built for CUDA and NVML sees a GPU, else ``cpu``. Asked of NVML, not of CUDA,
-    whose runtime must not start before the plugin has given each local rank its GPUs (CUDA_VISIBLE_DEVICES)."""
-    if torch.version.cuda is None:
-        return "cpu"  # without importing the cuda plugin
-    from plugins.cuda import CudaPlugin
-
-    return "cuda" if CudaPlugin().gpu_count() > 0 else "cpu"
-
-
-def _nccl_device(backend: str, topology: Topology) -> Any:
-    """The CUDA device NCCL runs this process's rank on: its first GPU (local ids are CUDA's numbering of the
-    visible GPUs); None for other backends."""
-    if "nccl" not in backend or not topology.local_devices:
-        return None
-    device = torch.device("cuda", topology.local_devices[0].local_id)
-    torch.cuda.set_device(device)
-    return device
-
-
-def default_backend(topology: Topology) -> str:
-    """nccl where this process's devices are CUDA GPUs, else gloo."""
-    if topology.local_devices and all(d.platform in CUDA_PLATFORMS for d in topology.local_devices):
-        return "nccl"
-    return "gloo"
-
-
-class StartupExchange(startup.StartupExchange):
-    """torch.distributed's start-up exchange (``ifrt.startup``): its nonce scopes c10d's keys to this start
-    (``ifrt/torch/gG/N0/c10d/...``)."""
-
-    runtime, what = "torch", "torch.distributed start-up"
-
-    def run(self) -> str:
-        """The c10d key prefix of this start, once every process has answered it."""
-        self.exchange({})
-        return f"{self.prefix}/{self.leader_nonce}/c10d/"
-
-    def describe_keys(self, keys: Sequence[str]) -> str:
-        """Who should set c10d's ``keys``: those ending in a rank (``.../<rank>``) name that rank's process."""
-        by_rank = [p.process_id for p in self.topology.processes]
-        named = sorted({by_rank[int(m.group(1))] for k in keys if (m := re.search(r"(?:/|_)(\d+)$", k))
-                        and int(m.group(1)) < len(by_rank)})
-        if not named:
-            return ""
-        return "expected from " + ", ".join(f"process {p} ({self.host(p)})" for p in named)
-
-
-# The network interface gloo and NCCL use.
-def _advertised_ip(client: Client, topology: Topology) -> str:
-    """The IP this process is reached at: its transfer endpoint's host, else its address toward the coordinator."""
-    address = topology.process(topology.process_id).address
-    host = split_host_port(address)[0]
-    return host or local_address_toward(client.settings.coordinators)
-
-
-def _set_socket_interfaces(ip: str) -> None:
-    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name the interface of ``ip``, unless the user set them (gloo would
-    otherwise pick the interface of the hostname, which across hosts is often not the one ifrt advertises)."""
-    name = interface_of(ip)
-    if name is None:
-        log.warning("no network interface has address %s: gloo and NCCL choose their own", ip)
-        return
-    for env in SOCKET_IFNAME_ENVS:
-        os.environ.setdefault(env, name)
 
 
 # Device meshes.
@@ -362,37 +435,6 @@ def mesh_ranks(ifrt_mesh: Mesh) -> Any:
             f"{group.generation}, {len(by_id)} processes) does not: the job shrank to its survivors; build the mesh "
             "from the topology ifrt.torch.recover() returned")
     return np.array([by_id[int(p)] for p in process_ids.flat]).reshape(process_ids.shape).tolist()
-
-
-def _leave_group() -> None:
-    """Aborts the default process group (if any) and lets it go: nothing of it is used again, its connections nor
-    its keys."""
-    if dist.is_initialized():
-        _retire(dist.distributed_c10d._get_default_group())
-    _abort_process_groups()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-_retired: list[Any] = []
-"""The process groups that recoveries replaced: kept, never destroyed (see ``_retire``)."""
-
-
-def _retire(group: Any) -> None:
-    """Keeps an aborted group from ever being destroyed: gloo's destructor waits, holding the GIL, for work still
-    queued on a peer that is gone, while that work's completion needs the GIL (a deadlock seen here when the old
-    DDP's group was collected). One reference more than the program will ever drop (a group's sockets and threads,
-    per recovery, bounded by the job's restart budget)."""
-    import ctypes
-
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-    _retired.append(group)
-
-
-def _abort_process_groups() -> None:
-    """Aborts every process group, so that a collective blocked on a hung peer returns."""
-    if dist.is_initialized():
-        dist.distributed_c10d._abort_process_group()
 
 
 @atexit.register

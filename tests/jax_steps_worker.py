@@ -1,9 +1,9 @@
 """One process of a JAX job that computes across processes step by step: ``python tests/jax_steps_worker.py``.
 
 ``ifrt.jax.initialize()`` (``COORDINATION``: "ifrt", the default, or "jax"), then ``STEPS`` steps (default 1000),
-``INTERVAL`` seconds apart (default 0.05): each a cross-process gather of every process's step number, checked, and
-a line ``step <n>`` on stdout. At the end one JSON object: the process id, the steps done, and whether JAX's service
-ran in this process.
+``INTERVAL`` seconds apart (default 0.05): each a cross-process gather of every process's step number, checked, a
+vote (``ifrt.jax.should_commit``) and a line ``step <n>`` on stdout. At the end one JSON object: the process id, the
+steps done, the steps the vote kept, and whether JAX's service ran in this process.
 
 ``SCENARIO=refuse``: JAX's client only, on a stand-in of this process; process 1 inserts a local topology of 3
 devices where ifrt registered 1, process 0 waits for it; each prints what JAX's client raised and after how long.
@@ -25,12 +25,14 @@ def main() -> None:
     from jax.experimental import multihost_utils
 
     steps, interval = int(os.environ.get("STEPS", "1000")), float(os.environ.get("INTERVAL", "0.05"))
+    committed = 0
     for step in range(steps):
         gathered = multihost_utils.process_allgather(jnp.array([step]))
         assert gathered.reshape(-1).tolist() == [step] * topology.num_processes, gathered
+        committed += ifrt.jax.should_commit()
         print(f"step {step}", flush=True)
         time.sleep(interval)
-    print(json.dumps({"process_id": topology.process_id, "steps": steps,
+    print(json.dumps({"process_id": topology.process_id, "steps": steps, "committed": committed,
                       "service_here": distributed.global_state.service is not None}), flush=True)
 
 

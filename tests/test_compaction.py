@@ -94,6 +94,49 @@ def test_a_compacted_journal_replays_to_the_same_state_whole_or_in_part(script, 
     assert observable(replayed([e for e, k in zip(whole, again, strict=True) if k], limits)) == expected
 
 
+barrier_steps = st.lists(st.tuples(st.integers(0, 6), st.booleans(), st.booleans()), max_size=60)
+"""Barriers of a series ``s/<n>`` (names used again: a forgotten one may come back): (n, whether it supersedes
+``s/<n-1>``, whether it is cancelled instead of completing)."""
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script=barrier_steps, cut=st.floats(0, 1))
+def test_barriers_a_series_forgot_go_from_the_journal_and_replay_the_same(script, cut):
+    s = published(n=2)
+    for n, supersedes, cancelled in script:
+        name, previous = f"s/{n}", f"s/{n - 1}" if supersedes and n else ""
+        try:
+            if cancelled:
+                s.current.cancel_barrier(UIDS[0], name, 0.0)
+            else:
+                for uid in UIDS:
+                    s.current.arrive(uid, name, frozenset(), 60.0, 0.0, supersedes=previous)
+        except IfrtError:
+            pass
+
+    def seen(state: ClusterState):
+        outcomes = {n: state.current.barrier_outcome(f"s/{n}") for n in range(7)}
+        return {n: o and (type(o.error), str(o.error)) for n, o in outcomes.items()}, state.current.barriers.held
+
+    entries = kv_entries(s)
+    whole = kept(entries)
+    p = int(cut * len(entries))
+    part = [e for e, k in zip(entries[:p], compaction.needed(entries)[:p], strict=True) if k] + entries[p:]
+    expected = seen(replayed(entries))
+    assert seen(replayed(whole)) == expected == seen(replayed(part)) == seen(s)
+    assert compaction.Garbage.of(entries, [1] * len(entries), compacted=False).entries == len(entries) - len(whole)
+
+
+def test_a_long_series_of_barriers_compacts_to_its_last():
+    s = published(n=2)
+    for n in range(100):
+        for uid in UIDS:
+            s.current.arrive(uid, f"s/{n}", frozenset(), 60.0, 0.0, supersedes=f"s/{n - 1}" if n else "")
+    entries = kv_entries(s)
+    assert [e.name for e in kept(entries)] == ["s/99"]
+    assert compaction.Garbage.of(entries, [1] * len(entries), compacted=False).entries == 99
+
+
 swaps_of_any_size = st.lists(st.one_of(
     st.tuples(st.just("incr"), st.sampled_from(KEYS), st.integers(-3, 3), st.sampled_from(UIDS),
               st.integers(0, REQUESTS)),

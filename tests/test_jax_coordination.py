@@ -81,6 +81,7 @@ def test_a_leader_failover_mid_job_is_invisible_to_jax(etcd):
         assert code == 0, err[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
         assert result["steps"] == 60 and result["service_here"] is False
+        assert result["committed"] == 60  # every step's vote, across the failover, kept it
 
 
 @pytest.mark.parametrize("jaxlib", JAXLIBS)

@@ -103,6 +103,7 @@ STATUS = {
     "JobFailed": "ABORTED",
     "PeerFailed": "ABORTED",
     "CollectiveFailed": "ABORTED",
+    "StateLost": "FAILED_PRECONDITION",
     "CoordinatorGone": "UNAVAILABLE",
     "AgentGone": "UNAVAILABLE",
     "BackendAlreadyInitialized": "FAILED_PRECONDITION",

@@ -6,6 +6,7 @@ fail fast that lets a replaced peer back in, and a recovery wait that names who 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,13 +32,31 @@ def run_example(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", ["KILL", "STOP"])
-def test_the_example_replaces_a_killed_or_hung_process_and_matches_its_reference(sig):
-    done = run_example("--signal", sig)
+@pytest.mark.parametrize(("sig", "moment"), [("KILL", "after"), ("STOP", "before")])
+def test_the_example_replaces_a_killed_or_hung_process_and_matches_its_reference(sig, moment):
+    done = run_example("--signal", sig, "--moment", moment)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
     assert "recover: outputs match reference (max |difference|" in done.stdout
-    assert f"after process 2 got SIG{sig} at step 5: the survivors kept their PIDs" in done.stdout
-    assert "no checkpoint was read" in done.stdout
+    assert f"after process 2 got SIG{sig} {moment} its step 5" in done.stdout
+    assert "the survivors kept their PIDs" in done.stdout and "no checkpoint was read" in done.stdout
+    if moment == "after":  # died after its backward: the step was kept nowhere, then run again
+        assert "every survivor's vote on step 5 kept it nowhere" in done.stdout
+
+
+@pytest.mark.parametrize("page", ["pytorch.md", "failures.md"])
+def test_the_docs_loop_is_the_examples_own(page):
+    """The lines docs/ shows for a recovery are the example's, in order and nested as shown (the example adds
+    only its failure injection and its records between them), so the example's run runs them."""
+    text = (ROOT / "docs" / page).read_text()
+    block = re.search(r"```python\n(replica = ifrt\.torch\.Replica.*?)```", text, re.S)
+    assert block, f"docs/{page} shows no Replica loop"
+    shown = block.group(1).splitlines()
+    lines = EXAMPLE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == shown[0])
+    indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+    found = iter(lines[start:])
+    missing = [line for line in shown if not any(candidate == indent + line for candidate in found)]
+    assert not missing, f"docs/{page}'s lines not in {EXAMPLE.name} as shown: {missing}"
 
 
 @pytest.mark.slow
@@ -45,6 +64,7 @@ def test_a_second_failure_during_the_recovery_is_replaced_too():
     done = run_example("--second-failure")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
     assert "and process 3 was SIGKILLed during the recovery: the survivors kept their PIDs" in done.stdout
+    assert "process 3 (pid" in done.stdout and "took step 5 from process" in done.stdout
     assert "recover: outputs match reference (max |difference|" in done.stdout
 
 

@@ -29,6 +29,7 @@ import ifrt
 import ifrt.torch
 from coordinator.local import LocalCoordinator
 from ifrt import wire
+from ifrt.interfaces import interface_of
 from ifrt.mesh import Mesh
 from ifrt.records import Device, Process, TopologyContent
 from ifrt.topology import Topology
@@ -234,10 +235,10 @@ def test_a_mesh_with_several_devices_of_one_process_is_refused_saying_why():
 
 def test_the_socket_interface_is_the_one_holding_the_advertised_address():
     interfaces = [("lo", "127.0.0.1"), ("eth0", "10.0.0.5"), ("eth0", "fe80::1"), ("ib0", "192.168.1.2")]
-    assert ifrt.torch.interface_of("10.0.0.5", interfaces) == "eth0"
-    assert ifrt.torch.interface_of("fe80::0001", interfaces) == "eth0"
-    assert ifrt.torch.interface_of("10.9.9.9", interfaces) is None
-    assert ifrt.torch.interface_of("127.0.0.1") == "lo"  # this host's own table
+    assert interface_of("10.0.0.5", interfaces) == "eth0"
+    assert interface_of("fe80::0001", interfaces) == "eth0"
+    assert interface_of("10.9.9.9", interfaces) is None
+    assert interface_of("127.0.0.1") == "lo"  # this host's own table
 
 
 @pytest.mark.slow

@@ -548,16 +548,18 @@ class Shutdown(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., ended_attempt: _Optional[int] = ..., next_attempt: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
-    __slots__ = ("client_uid", "name", "process_ids", "timeout_ms")
+    __slots__ = ("client_uid", "name", "process_ids", "timeout_ms", "supersedes")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDES_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     name: str
     process_ids: _containers.RepeatedScalarFieldContainer[int]
     timeout_ms: int
-    def __init__(self, client_uid: _Optional[str] = ..., name: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    supersedes: str
+    def __init__(self, client_uid: _Optional[str] = ..., name: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., supersedes: _Optional[str] = ...) -> None: ...
 
 class BarrierResponse(_message.Message):
     __slots__ = ()
