@@ -5,8 +5,8 @@ record on stdout. ``HEAL_SCENARIO``:
   healed). Process VICTIM SIGKILLs itself once, at step KILL_STEP after its backward and before its vote.
 - ``sharded``: replica sets [[0, 2], [1, 3]]: each set trains its own model (its own seed and data), no DDP; one
   all-reduce of every process per step stands for the step's collectives. Process VICTIM dies as above.
-- ``leak``: 2 processes; process 1 SIGKILLs itself after each LEAK_STEPS steps it committed, until HEAL_KILLS
-  deaths; process 0 records its threads, descriptors and memory after each recovery.
+- ``leak``: 2 processes, a model of 4.7 MB of parameters; process 1 SIGKILLs itself after each LEAK_STEPS steps it
+  committed, until HEAL_KILLS deaths; process 0 records its threads, descriptors and memory after each recovery.
 
 Each process records its state's digest (parameters and optimizer state) when it joins (a newcomer: healed,
 before its first step) and after each recovery (a survivor, before its next step).
@@ -69,7 +69,7 @@ def main() -> None:
     me = topology.process_id
     own = me % 2 if scenario == "sharded" else 0  # the replica set's seed
     torch.manual_seed(own)
-    width = 1024 if scenario == "leak" else 32
+    width = 65536 if scenario == "leak" else 32
     net = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
     optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + (me if scenario != "sharded" else own))), \
