@@ -1,10 +1,11 @@
 """Healing in the library, side by side: a data-parallel torch job of 2 replicas (1 process each, CPU, gloo) whose
-replica 1 SIGKILLs itself at a chosen moment of a step; its replacement is started as soon as the driver sees it die.
+replica 1 SIGKILLs itself at a chosen moment of a step; its replacement starts as soon as the death is seen (ifrt: by
+its agent, from a warm spare; torchft, which has no spares: started by the driver).
 Measured per trial: the time from the kill until every replica has computed the first step after it with equal
 parameters (``recovered_s``), whether a survivor was lost, equal digests, the servers and processes beside the job,
 and the lines of user code the recovery needs. The job is bench/healing_model.py; the ways:
 
-- ``ifrt``: bench/healing_ifrt.py (``run_trial``), skipped with a message while that module is missing;
+- ``ifrt``: bench/healing_ifrt.py: ``ifrt.torch.Replica`` under ``ifrt run --recover replace --spare 1``;
 - ``torchft``: torchft 0.2.0 (bench/healing_torchft.py), its Lighthouse at its default 5 s heartbeat timeout;
 - ``torchft-1s``: the same with ``--heartbeat_timeout_ms 1000``.
 
@@ -23,7 +24,6 @@ servers beside the job, and the broadcast GB/s per size.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import healing_model, healing_torchft  # noqa: E402
+from bench import healing_ifrt, healing_model, healing_torchft  # noqa: E402
 
 WAYS = ("ifrt", "torchft", "torchft-1s")
 BROADCAST_REPEAT = 3
@@ -56,17 +56,12 @@ def normalize_moment(moment: str) -> str:
 
 
 def trial_functions(ways: list[str]) -> dict[str, Callable[[int, str, int], healing_model.TrialResult]]:
-    """Each way's ``run_trial(state_mb, moment, round)``; a way whose side is not there is left out, with a
-    message on stderr that says why."""
+    """Each way's ``run_trial(state_mb, moment, round)``; a torchft way whose environment is missing is left out,
+    with a message on stderr that says how to make it."""
     functions: dict[str, Callable[[int, str, int], healing_model.TrialResult]] = {}
     for way in ways:
         if way == "ifrt":
-            try:
-                functions[way] = importlib.import_module("bench.healing_ifrt").run_trial
-            except ModuleNotFoundError as e:
-                if e.name not in ("bench.healing_ifrt", "bench"):
-                    raise
-                print("healing: skipping way ifrt: bench/healing_ifrt.py is not there yet", file=sys.stderr)
+            functions[way] = healing_ifrt.run_trial
         elif way in ("torchft", "torchft-1s"):
             if missing := healing_torchft.available():
                 print(f"healing: skipping way {way}: {missing}", file=sys.stderr)
