@@ -95,11 +95,13 @@ class Barriers:
 
     def _complete(self, barrier: Barrier) -> None:
         """``barrier`` completed: the barrier it supersedes is forgotten if it is finished and has the same
-        participants (every one of them called this barrier after that one answered); else it is left alone."""
+        participants (every one of them called this barrier after that one answered), or none (cancelled before
+        anyone arrived: a vote's no); else it is left alone."""
         barrier.done = True
         self._pending.discard(barrier.name)
         previous = self._by_name.get(barrier.supersedes)
-        if previous is not None and not previous.pending and previous.participants == barrier.participants:
+        if previous is not None and not previous.pending and previous.participants in (barrier.participants,
+                                                                                        frozenset()):
             self._forget(previous)
         else:
             self._supersedes(barrier, "")

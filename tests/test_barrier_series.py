@@ -72,6 +72,13 @@ def test_only_a_finished_step_of_the_same_participants_is_forgotten():
     assert step(barriers, "after-nothing", "never-started") == [BarrierResolved("after-nothing", None)]
 
 
+def test_a_step_cancelled_before_anyone_arrived_is_forgotten_by_the_next_one():
+    barriers = Barriers()  # a vote's no: its caller cancels the round before the others arrive
+    assert barriers.cancel("s/0", "process 0", 0.0)[0]
+    assert step(barriers, "s/1", "s/0") == [BarrierResolved("s/1", None)]
+    assert barriers.get("s/0") is None
+
+
 def test_a_failed_timed_out_or_cancelled_step_forgets_nothing():
     barriers = Barriers()
     step(barriers, "s/0")
