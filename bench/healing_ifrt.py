@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import healing_model  # noqa: E402
-from bench.healing_torchft import AFTER, RECOVER_TIMEOUT, START_TIMEOUT, WARM, children_of, listening, rss_mb, secs  # noqa: E402
+from bench.healing_model import AFTER, RECOVER_TIMEOUT, START_TIMEOUT, WARM, secs, warm  # noqa: E402
+from bench.proc_sockets import children_of, listening, rss_mb  # noqa: E402
 from coordinator.local import LocalCoordinator  # noqa: E402
 
 WORKER = ROOT / "bench" / "healing_ifrt_worker.py"
@@ -122,7 +123,7 @@ def run_trial(state_mb: int, moment: str, round: int) -> healing_model.TrialResu
                        OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
             agents = [Agent(h, env) for h in range(2)]
             survivor, host = agents
-            wait_for(lambda: _warm(survivor.steps(0), host.steps(0)), f"{WARM} equal steps on both", agents,
+            wait_for(lambda: warm(survivor.steps(0), host.steps(0)), f"{WARM} equal steps on both", agents,
                      START_TIMEOUT)
             victim = host.steps(0)[max(host.steps(0))]["pid"]
             kill_file.touch()
@@ -187,7 +188,7 @@ def run_soak(state_mb: int, recoveries: int, pause_s: float = 4.0) -> dict:
                        OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
             agents = [Agent(h, env, restarts=recoveries + 1) for h in range(2)]
             survivor, host = agents
-            wait_for(lambda: _warm(survivor.steps(0), host.steps(0)), f"{WARM} equal steps on both", agents,
+            wait_for(lambda: warm(survivor.steps(0), host.steps(0)), f"{WARM} equal steps on both", agents,
                      START_TIMEOUT)
             for n in range(1, recoveries + 1):
                 time.sleep(pause_s)
@@ -204,11 +205,6 @@ def run_soak(state_mb: int, recoveries: int, pause_s: float = 4.0) -> dict:
     used = [{k: r[k] for k in ("recoveries", "threads", "fds", "rss_mb")} for r in survivor.events("recovered")]
     return {"soak": recoveries, "state_mb": state_mb, "recovered_s": times, "survivor": used,
             "median_s": sorted(times)[len(times) // 2]}
-
-
-def _warm(a: dict[int, dict], b: dict[int, dict]) -> bool | None:
-    equal = [s for s in set(a) & set(b) if a[s]["digest"] == b[s]["digest"]]
-    return len(equal) >= WARM or None
 
 
 def main() -> None:

@@ -25,6 +25,13 @@ MOMENTS = ("before", "during", "after", "at_ms")
 """Where the victim kills itself in its step: at the start (before any collective), inside the gradient all-reduce
 (right after launching it), after backward (before the commit vote), or a timer ``AT_MS`` ms into the step."""
 AT_MS = 50
+WARM = 3
+"""Common steps with equal digests both replicas must have reported before the victim is armed."""
+RECOVER_TIMEOUT = 60.0
+START_TIMEOUT = 120.0
+"""Seconds a trial waits for the recovery, and for the job to start and warm."""
+AFTER = 3
+"""Common steps after the recovered one that the trial waits for (the survivor still stepping) before it ends."""
 
 
 class TrialResult(TypedDict, total=False):
@@ -56,6 +63,17 @@ class TrialResult(TypedDict, total=False):
     servers: dict[str, Any]
     lines: int
     error: str | None
+
+
+def secs(seconds: float) -> float:
+    """Seconds to the millisecond (``run_trial``'s ``round`` argument hides the builtin there)."""
+    return round(seconds, 3)
+
+
+def warm(a: dict[int, dict], b: dict[int, dict]) -> bool | None:
+    """Both replicas (their committed steps, by step) have reported WARM common steps with equal digests."""
+    equal = [s for s in set(a) & set(b) if a[s]["digest"] == b[s]["digest"]]
+    return len(equal) >= WARM or None
 
 
 def trial_result(way: str, state_mb: int, moment: str, round: int, **fields: Any) -> TrialResult:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ipaddress
 import json
 import os
 import shutil
@@ -35,19 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import healing_model  # noqa: E402
-from bench.proc_sockets import sockets_of  # noqa: E402
+from bench.healing_model import AFTER, RECOVER_TIMEOUT, START_TIMEOUT, WARM, secs, warm  # noqa: E402
+from bench.proc_sockets import children_of, listening, rss_mb  # noqa: E402
 
 VENV = ROOT / ".venv-torchft"
 PYTHON, LIGHTHOUSE = VENV / "bin" / "python", VENV / "bin" / "torchft_lighthouse"
 WORKER = ROOT / "bench" / "healing_torchft_worker.py"
 SETUP_HINT = f"the torchft environment {VENV} is missing: run once  bash bench/healing_setup.sh"
-WARM = 3
-"""Common steps with equal digests both replicas must have reported before the victim is armed."""
-RECOVER_TIMEOUT = 60.0
-START_TIMEOUT = 120.0
-AFTER = 3
-"""Common steps after the recovered one that the trial waits for (the survivor still stepping) before it ends."""
-LISTEN = "0A"
 
 
 def available() -> str | None:
@@ -104,57 +97,10 @@ class Child:
         self.process.wait()
 
 
-def secs(seconds: float) -> float:
-    """Seconds to the millisecond (``run_trial``'s ``round`` argument hides the builtin there)."""
-    return round(seconds, 3)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _address(hex_address: str) -> str:
-    raw = bytes.fromhex(hex_address)
-    if len(raw) == 4:
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-    return f"[{ipaddress.IPv6Address(words)}]"
-
-
-def listening(pid: int) -> list[tuple[str, int]]:
-    """The (address, port) of every TCP socket process ``pid`` listens on, read from /proc (Linux)."""
-    mine = sockets_of(pid)
-    found = []
-    for table in ("tcp", "tcp6"):
-        try:
-            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == LISTEN and int(fields[9]) in mine:
-                address, port = fields[1].rsplit(":", 1)
-                found.append((_address(address), int(port, 16)))
-    return sorted(found)
-
-
-def children_of(pid: int) -> list[int]:
-    """The pids of ``pid``'s child processes (every thread's), read from /proc (Linux)."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
-
-
-def rss_mb(pid: int) -> float | None:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return None
 
 
 def servers_of(lighthouse: Child, groups: list[Child]) -> dict:
@@ -177,11 +123,6 @@ def servers_of(lighthouse: Child, groups: list[Child]) -> dict:
             "rss_mb": rss_mb(lighthouse.pid), "group_rss_mb": [rss_mb(g.pid) for g in groups]}
 
 
-def first_common(a: dict[int, dict], b: dict[int, dict]) -> int | None:
-    common = sorted(set(a) & set(b))
-    return common[0] if common else None
-
-
 def wait_until(probe, what: str, children: list[Child], timeout: float):
     """``probe()`` once it is not None; TimeoutError naming ``what`` after ``timeout`` or once a child exited."""
     deadline = time.monotonic() + timeout
@@ -192,13 +133,6 @@ def wait_until(probe, what: str, children: list[Child], timeout: float):
             raise TimeoutError(f"{what}: {why}: {' || '.join(c.tail(3) for c in children)[-1200:]}")
         time.sleep(0.005)
     return found
-
-
-def warm(a: Child, b: Child) -> bool | None:
-    """Both replicas have committed WARM common steps with equal digests."""
-    sa, sb = a.steps(), b.steps()
-    equal = [s for s in set(sa) & set(sb) if sa[s]["digest"] == sb[s]["digest"]]
-    return len(equal) >= WARM or None
 
 
 def run_trial(state_mb: int, moment: str, round: int, heartbeat_ms: int | None = None) -> healing_model.TrialResult:
@@ -230,7 +164,8 @@ def run_trial(state_mb: int, moment: str, round: int, heartbeat_ms: int | None =
         children.append(lighthouse)
         survivor = group(0)
         victim = group(1, BENCH_KILL_MOMENT=moment, BENCH_KILL_FILE=str(kill_file))
-        wait_until(lambda: warm(survivor, victim), f"{WARM} equal steps on both", children, START_TIMEOUT)
+        wait_until(lambda: warm(survivor.steps(), victim.steps()), f"{WARM} equal steps on both", children,
+                   START_TIMEOUT)
         replacement: list[Child] = []
 
         def replace() -> None:  # the replacement starts as soon as the victim is seen dead
