@@ -214,8 +214,13 @@ class ClusterState:
                                 exhausted_now=attempts.restarts >= attempts.budget)
         if entry is None:
             return []
+        # The lost host's processes still within their grace fail now, before their ids change hands: declared later,
+        # a failure would name the spare host's new worker of that id. Watches and a replay hear both in this order.
+        members = [] if entry.exhausted else [self.current.admission.member_of(pid) for pid in entry.process_ids]
+        failed = [e for m in members if m is not None and m.live
+                  for e in self.current.fail(m, f"its host is taken over: {entry.reason}")]
         self._journal.append(entry)
-        return self._taken_over(entry)
+        return failed + self._taken_over(entry)
 
     def _taken_over(self, entry: journal.HostTakenOver) -> list[Effect]:
         effect = self.attempts.apply_taken_over(entry)

@@ -6,7 +6,9 @@ shell counts it) and the coordinator declared a process of that host failed in t
 replacement asked for it: nobody on that host will replace it. Then a spare host (``ifrt run --spare-host``), the
 first of the job's that watches and can run as many workers, takes over every process id of the lost host: its
 workers, and nobody else's, may register under those ids (``Admission.grant``). The takeover counts against the
-restart budget as one replacement; with the budget spent, the restarts are exhausted instead. Without a spare host
+restart budget as one replacement; with the budget spent, the restarts are exhausted instead. The lost host's
+processes still within their grace are failed with the takeover (``ClusterState.take_over_host``), so that no later
+failure names an id the spare host holds. Without a spare host
 the job waits: the survivors' agents give up after their ``--replace-timeout`` (``ifrt.run.agent``).
 
     host B's agent absent + B's process declared failed ──(a spare host C watches)──▶ C runs B's ids

@@ -20,7 +20,7 @@ from coordinator import journal
 from coordinator.cluster import ClusterConfig
 from coordinator.effects import Published
 from coordinator.job_records import Agent as JobAgent
-from coordinator.job_records import AttemptsExhausted, HostTakenOver
+from coordinator.job_records import AttemptProcessFailed, AttemptsExhausted, HostTakenOver
 from coordinator.local import LocalCoordinator
 from coordinator.state import ClusterState
 from ifrt.errors import ClusterMismatch, PermissionDenied, ResourceExhausted
@@ -114,6 +114,35 @@ def test_a_lost_hosts_ids_go_to_a_spare_host_once_and_only_its_workers_take_them
         replayed.replay(entry)
     assert replayed.attempts.view() == s.attempts.view() and replayed.attempts.declared == {}
     assert replayed.take_over_host(frozenset({B.uid})) == []  # a failover decides nothing twice
+
+
+def test_a_lost_hosts_process_still_on_the_clock_is_failed_by_the_takeover_not_after_it():
+    """b1's connection ended later than b0's: the host is lost (b0 declared failed, its agent gone) while b1 is still
+    within its grace. Declared after the takeover, b1's failure would name id 3, which the spare host's new worker
+    holds by then: its agent would kill that worker as failed and spend the budget on it."""
+    s = job(max_restarts=1)
+    s.current.detach("b0", 0.0)
+    s.tick(10 * TIMEOUT)
+    s.current.detach("b1", 10 * TIMEOUT)
+    assert set(s.attempts.declared) == {2}
+    s.take_journal()
+    effects = s.take_over_host(frozenset({B.uid}))
+    failed = [e.failure for e in effects if isinstance(e, AttemptProcessFailed)]
+    assert [(f.process_id, f.host) for f in failed] == [(3, "hb")] and "spare host hc" in failed[0].reason
+    assert isinstance(effects[-1], HostTakenOver) and s.attempts.declared == {}
+    entries = s.take_journal()
+    assert [type(e) for e in entries] == [journal.Failed, journal.HostTakenOver]  # as a replay hears them
+    replayed, source = ClusterState(ClusterConfig(num_processes=4, heartbeat_timeout_s=TIMEOUT)), job(max_restarts=1)
+    source.current.detach("b0", 0.0)
+    source.tick(10 * TIMEOUT)
+    for entry in [*source.take_journal(), *entries]:
+        replayed.replay(entry)
+    assert replayed.attempts.view() == s.attempts.view() and replayed.attempts.declared == {}
+    later = s.tick(100 * TIMEOUT)
+    assert not [e for e in later if isinstance(e, AttemptProcessFailed)] and s.attempts.declared == {}
+    s.register(reg("c0", 2, host="hc", ip="10.0.0.3", rank=0), 100 * TIMEOUT)
+    outcome, _ = s.register(reg("c1", 3, host="hc", ip="10.0.0.3", rank=1), 100 * TIMEOUT)
+    assert isinstance(outcome, Published) and not s.attempts.view().exhausted
 
 
 def test_in_a_job_that_names_its_ids_the_spare_hosts_workers_name_them_in_later_attempts_too():
