@@ -65,8 +65,13 @@ def main() -> None:
     optimizer.step()
     params = [round(v, 6) for t in model.parameters() for v in t.detach().flatten().tolist()]
     # Every rank done with the group before any tears it down: gloo aborts a process (std::terminate) whose peer
-    # closes a connection while it still has work on it.
+    # closes a connection while it still has work on it. A rank leaves the barrier before its peers may have, so the
+    # store (its own connections) says when every rank has; the group goes while the interpreter is whole.
     dist.barrier()
+    store = dist.distributed_c10d._get_default_store()  # the group's own: a restarted group has another
+    store.set(f"left-barrier/{rank}", "1")
+    store.wait([f"left-barrier/{r}" for r in range(world)])
+    del model, optimizer
     dist.destroy_process_group()
     report = {**env, "node_addr": os.environ.get("TEST_NODE_ADDR"), "dist_rank": rank, "dist_world": world,
               "process_id": process_id, "all_reduce": total.item(), "params": params}
