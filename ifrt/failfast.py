@@ -113,10 +113,11 @@ class Watchdog:
 
     def __init__(self, client: Client, topology: Topology, on_failure: OnFailure, runtime: str, *,
                  abort: Callable[[], None] | None = None, shutdown: Callable[[], None] | None = None,
-                 failover_window: float | None = None, grace: float = RAISE_GRACE_S) -> None:
+                 cleanup: Callable[[], None] | None = None, failover_window: float | None = None,
+                 grace: float = RAISE_GRACE_S) -> None:
         check(on_failure, recover=True)  # the runtime's own module refuses "recover" where it cannot re-form
         self.client, self.topology, self.on_failure, self.runtime = client, topology, on_failure, runtime
-        self._abort, self._shutdown = abort, shutdown
+        self._abort, self._shutdown, self._cleanup = abort, shutdown, cleanup
         self.failover_window = failover_window if failover_window is not None else failover_window_from_env()
         self.grace = grace
         self.failure: JobFailed | None = None
@@ -182,7 +183,7 @@ class Watchdog:
              f"(exit code {failure.exit_code})")
         self._failed.set()  # said: _at_exit may end the process from now on
         if self.on_failure in ("exit", "recover") or self._exiting:  # nothing to raise into, or nothing to recover
-            _exit(failure.exit_code)
+            self._exit(failure.exit_code)
         deadline = threading.Timer(self.grace, self._exit_anyway)
         deadline.daemon = True
         deadline.start()
@@ -202,7 +203,7 @@ class Watchdog:
             self.on_failure(self.failure)  # type: ignore[operator]
         except BaseException:
             log.exception("on_failure callback %r failed", self.on_failure)
-        _exit(self.failure.exit_code)
+        self._exit(self.failure.exit_code)
 
     def _raise_in_main(self, signum: int, frame: object) -> None:
         if self.failure is not None and not self._exiting:  # in _at_exit, the exit follows anyway
@@ -212,7 +213,14 @@ class Watchdog:
         assert self.failure is not None
         _say(f"ifrt: process {self.topology.process_id} still running {self.grace:g} s after the failure: exiting "
              f"(exit code {self.failure.exit_code})")
-        _exit(self.failure.exit_code)
+        self._exit(self.failure.exit_code)
+
+    def _exit(self, code: int) -> None:
+        """Ends the process past the exit hooks, once ``cleanup`` (what those hooks would remove) has run."""
+        if self._cleanup is not None:
+            with contextlib.suppress(Exception):
+                self._cleanup()
+        _exit(code)
 
     def _at_exit(self) -> None:
         """The program ends: with a failure known, exit with its code at once (never in the runtime's shutdown);
@@ -220,15 +228,15 @@ class Watchdog:
         self._exiting = True
         if self.failure is not None:
             self._failed.wait(1.0)  # until the line is out
-            _exit(self.failure.exit_code)
+            self._exit(self.failure.exit_code)
         crash = getattr(sys, "last_value", None)
         if crash is not None and self._armed:
             if isinstance(crash, KeyboardInterrupt):
-                _exit(EXIT_INTERRUPTED)
+                self._exit(EXIT_INTERRUPTED)
             if self._failed.wait(self.heartbeat_timeout + 1.0):
-                _exit(self.failure.exit_code)  # type: ignore[union-attr]
+                self._exit(self.failure.exit_code)  # type: ignore[union-attr]
             # a bug here: exit without leaving, so the coordinator declares this process failed and peers end too
-            _exit(EXIT_UNCAUGHT)
+            self._exit(EXIT_UNCAUGHT)
         if self._shutdown is not None:  # the runtime's shutdown barrier, while a peer's failure still ends it
             try:
                 self._shutdown()

@@ -160,7 +160,8 @@ def initialize(
             if exchange is not None:
                 exchange.release_port()
         _started = _Started(client, topology, by_id, server, Vote(client, exchange.scope))
-        failfast.arm(client, topology, on_failure, "JAX", shutdown=jax.distributed.shutdown)
+        failfast.arm(client, topology, on_failure, "JAX", shutdown=jax.distributed.shutdown,
+                     cleanup=None if server is None else server.remove_socket)
         return topology
 
 

@@ -53,6 +53,10 @@ class StandInServer:
     def close(self) -> None:
         """Stops serving (JAX's client must be shut down first: a dropped error poll terminates its process)."""
         self._server.stop(grace=None)
+        self.remove_socket()
+
+    def remove_socket(self) -> None:
+        """Removes the socket and its directory, where the process ends past ``close`` (fail fast's exit)."""
         shutil.rmtree(self._directory, ignore_errors=True)
 
 
