@@ -42,10 +42,11 @@ class Job:
         self.coordinator = start_coordinator("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), num_processes=4,
                                              log_level="WARNING")
         env = {"IFRT_CPU_DEVICE_COUNT": "1", **(env or {})}
-        own = {r: {} if tmp is None else {"TMPDIR": str(tmp / str(r))} for r in range(4)}
-        for path in own.values():
-            if path:
-                Path(path["TMPDIR"]).mkdir()
+        own: dict[int, dict[str, str]] = {r: {} for r in range(4)}
+        if tmp is not None:
+            for r in own:
+                (tmp / str(r)).mkdir()
+                own[r] = {"TMPDIR": str(tmp / str(r))}
         self.workers = start_jax_workers(self.coordinator.address, 4, f"{runtime} {scenario}", devices=1,
                                          extra_env={r: {**env, **own[r]} for r in range(4)}, worker=WORKER)
         self.out = [[] for _ in self.workers]

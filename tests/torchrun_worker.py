@@ -66,7 +66,8 @@ def main() -> None:
     params = [round(v, 6) for t in model.parameters() for v in t.detach().flatten().tolist()]
     # Every rank done with the group before any tears it down: gloo aborts a process (std::terminate) whose peer
     # closes a connection while it still has work on it. A rank leaves the barrier before its peers may have, so the
-    # store (its own connections) says when every rank has; the group goes while the interpreter is whole.
+    # store (its own connections) says when every rank has. The DDP goes before the group is destroyed: its reducer,
+    # were it the group's last holder, would run gloo's destructor holding the GIL (see ifrt/torch_groups.py).
     dist.barrier()
     store = dist.distributed_c10d._get_default_store()  # the group's own: a restarted group has another
     store.set(f"left-barrier/{rank}", "1")
