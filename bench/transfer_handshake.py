@@ -5,7 +5,9 @@ connection already open, in one run.
     .venv/bin/python bench/transfer_handshake.py [--rounds 200] [--token]
 
 Two processes (two ``ifrt.Client``s in this process, as two processes of a job) against a real coordinator on
-loopback. Prints one JSON object: median and p90 milliseconds of each.
+loopback. Prints one JSON object: median and p90 milliseconds of each, and what the receiver refused of old
+incarnations (``Endpoint.fenced``: 0 here, where no process is replaced; the handshake checks the incarnation every
+time).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -72,12 +75,15 @@ def run(rounds: int, token: str | None) -> dict:
                     inbound.recv(src, dst, timeout=30)
                     open_.append(time.perf_counter() - started)
             inbound.close()
+            assert receiver.endpoint is not None
+            fenced = asdict(receiver.endpoint.fenced)
             for c in clients:
                 c.close()
     return {"measure": "transfer_handshake", "token": token is not None, "rounds": rounds,
             "transfer_key_call": _summary(keys), "first_array_on_a_new_connection": _summary(first),
             "array_on_an_open_connection": _summary(open_),
-            "handshake_ms": round((statistics.median(first) - statistics.median(open_)) * 1000, 3)}
+            "handshake_ms": round((statistics.median(first) - statistics.median(open_)) * 1000, 3),
+            "old_incarnation_refused": fenced}
 
 
 def main() -> None:

@@ -10,16 +10,26 @@ from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_PROCESSES
 from ifrt.protocol import SLOW_SHARE
 
-# Liveness rides on each connection's HTTP/2 keepalive (CoordinatorConfig.keepalive_options). A process that goes
-# silent is noticed at most ping interval + ping timeout later (its connection is dropped and its session ends), then
-# has the reconnect grace to attach again: the three shares add up to the heartbeat timeout. Pings are what an idle
-# session costs, so the interval takes the largest share; a killed process's connection closes at once, so it is
-# reported after the grace alone.
-PING_INTERVAL_SHARE = 1 / 2
-"""The keepalive ping interval, as a share of the heartbeat timeout: twice per timeout."""
-PING_TIMEOUT_SHARE = 3 / 8
+# Liveness rides on each connection's HTTP/2 keepalive (CoordinatorConfig.keepalive_options) and on the sessions'
+# Heartbeats. The heartbeat timeout is the tolerance: a process is declared failed only once the coordinator has heard
+# nothing from it (no Heartbeat, no answered ping, no open session) for longer than the timeout. A connection that
+# goes silent is dropped by keepalive (its ping unanswered for the ping timeout), which proves silence since at most
+# ``keepalive_timeout_s`` before the drop; the process then has what the timeout leaves to attach again. A connection
+# that closes while its process was answering (a killed process: its kernel closes the socket at once) is no silence:
+# it has the short reconnect grace, so kills are still reported fast. See ``ClusterConfig.grace_after_session``.
+PING_INTERVAL_SHARE = 1 / 4
+"""The keepalive ping interval, as a share of the heartbeat timeout: four times per timeout. The ping that finds a
+silence is sent within this long of its start, so a silent process is failed at most this much after the timeout."""
+PING_TIMEOUT_SHARE = 1 / 2
 """How long a ping may go unanswered, as a share of the heartbeat timeout: long enough that a peer whose gRPC core
-is slow to answer (a host busy with a registration storm) keeps its session."""
+is slow to answer (a host busy with a registration storm) keeps its session. A drop costs nothing by itself (the
+process has the rest of the timeout to attach again), so a longer wait only shows a silent process as slow longer."""
+RECONNECT_GRACE_SHARE = 1 / 8
+"""How long a process whose connection closed while it was answering has to attach again, as a share of the
+heartbeat timeout: a client re-attaches within about 0.1 s of its connection closing; a killed one never does."""
+SUSPECT_SHARE = 1 / 2
+"""A leader that loses more than this share of the job's live processes by silence at once suspects itself (its own
+partition) before the job: it steps aside instead of declaring them failed (see ``coordinator.liveness``)."""
 
 
 HEARTBEAT_SHARE = 1 / 5
@@ -44,8 +54,10 @@ class ClusterConfig:
     max_processes: int = MAX_PROCESSES
     """Exclusive bound on process ids (2**14 keeps every global id within int32)."""
     heartbeat_timeout_s: float = 10.0
-    """A process silent this long (its connection's keepalive pings unanswered, or its session ended and it did not
-    attach again) is failed; before publication, its registration is forgotten."""
+    """The silence a process is allowed: one the coordinator has heard nothing from for longer (no Heartbeat, no
+    answered keepalive ping, no open session or call) is failed; before publication, its registration is forgotten.
+    Never sooner; a silent one is failed within ``PING_INTERVAL_SHARE`` of the timeout more (plus a tick). A process
+    whose connection closed while it answered (killed) is failed after the reconnect grace alone."""
     on_failure: FailurePolicy = FailurePolicy.PROPAGATE
     max_heartbeat_rate: float = 512.0
     """Heartbeats a second the sessions of the whole job may send: each costs the coordinator about 0.1-0.3 ms of
@@ -121,11 +133,45 @@ class ClusterConfig:
         return self.hung_timeouts * max(self.heartbeat_timeout_s, self.heartbeat_interval_s)
 
     @property
+    def keepalive_interval_s(self) -> float:
+        """How often the coordinator pings each connection (HTTP/2 keepalive): four times per heartbeat timeout."""
+        return self.heartbeat_timeout_s * PING_INTERVAL_SHARE
+
+    @property
+    def keepalive_timeout_s(self) -> float:
+        """How long a ping may go unanswered before the coordinator drops the connection (ending its session)."""
+        return self.heartbeat_timeout_s * PING_TIMEOUT_SHARE
+
+    @property
     def reconnect_grace_s(self) -> float:
-        """How long a process whose session ended has to attach again before it is failed: what the timeout leaves
-        (1/8 of it) once a dropped connection was noticed, so a silent process is failed within the timeout. A
-        client re-attaches within about 0.1 s of its connection closing."""
-        return self.heartbeat_timeout_s * (1 - PING_INTERVAL_SHARE - PING_TIMEOUT_SHARE)
+        """How long a process whose connection closed while it was answering (killed, or its connection reset) has
+        to attach again before it is failed: 1/8 of the timeout. A client re-attaches within about 0.1 s of its
+        connection closing."""
+        return self.heartbeat_timeout_s * RECONNECT_GRACE_SHARE
+
+    @property
+    def answering_within_s(self) -> float:
+        """A session whose last Heartbeat came at most this long before it ended was answering: its connection was
+        closed, not dropped for silence (a drop by keepalive follows at least the ping timeout of silence, less a
+        round trip; the 0.8 leaves room for that round trip)."""
+        return min(self.unanswered_after_s, 0.8 * self.keepalive_timeout_s)
+
+    def grace_after_session(self, quiet_s: float | None, *, flapping: bool = False) -> float:
+        """How long a process whose last session just ended (``quiet_s`` after its last Heartbeat; None: its sessions
+        sent none) has to attach again. Answering until the end (a close, not just after recovering from a silence:
+        ``flapping``): the reconnect grace. Otherwise (dropped by keepalive, closed by a client whose link flaps, or
+        unknown): the coordinator last heard it at most ``keepalive_timeout_s`` before the end, or at its last
+        Heartbeat if later, and it is failed only once that silence passes the heartbeat timeout."""
+        if quiet_s is not None and quiet_s <= self.answering_within_s and not flapping:
+            return self.reconnect_grace_s
+        heard = self.keepalive_timeout_s if quiet_s is None else min(quiet_s, self.keepalive_timeout_s)
+        return self.heartbeat_timeout_s - heard
+
+    @property
+    def step_aside_s(self) -> float:
+        """How long a leader that suspected itself stands aside before it campaigns again: one heartbeat timeout,
+        for a replica that the processes reach to take over."""
+        return self.heartbeat_timeout_s
 
     @property
     def catching_up_s(self) -> float:

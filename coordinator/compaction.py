@@ -2,13 +2,15 @@
 
 A key's value needs only its latest write. An increment or swap that a retry may still ask about (a call
 ``coordinator.retries`` still remembers, within ``--max-answer-bytes``) keeps its entry for the answer, even when a
-later write replaced its value; a deletion stays only while it removes such a kept write. A finished barrier that a
-later barrier of its series forgot (``supersedes``) goes. Everything else (registrations, failures, departures,
-barriers, live-set agreements, preemption) stays, within the current job attempt; of the attempts that ended,
-key-values, barriers and agreements go (a new attempt starts them empty), and so do those of the ended runs of the
-current attempt (``coordinator.runs``), but the agents' keys, which a new run keeps. Replaying the kept entries, in
-their order, builds the same state as replaying them all, and so does a journal of which only an oldest part was
-compacted (a store that cannot replace its journal at once applies the result oldest first, in steps).
+later write replaced its value; a deletion stays only while it removes such a kept write; of a caller's records of
+the answers it forgot (``journal.AnswersForgotten``), the newest stays, so that the retries of the calls dropped stay
+refused. A finished barrier that a later barrier of its series forgot (``supersedes``) goes. Everything else
+(registrations, failures, departures, barriers, live-set agreements, preemption) stays, within the current job
+attempt; of the attempts that ended, key-values, barriers and agreements go (a new attempt starts them empty), and so
+do those of the ended runs of the current attempt (``coordinator.runs``), but the agents' keys, which a new run
+keeps. Replaying the kept entries, in their order, builds the same state as replaying them all, and so does a journal
+of which only an oldest part was compacted (a store that cannot replace its journal at once applies the result
+oldest first, in steps).
 
     set k=A   set k=B   incr n (call r1)   del k   incr n (call r2)        ->   incr n (r1)   incr n (r2)
     dropped   dropped   kept: r1's answer  dropped kept: n's value
@@ -29,7 +31,8 @@ MIN_ENTRIES = 10_000
 """Superseded entries below which no compaction runs."""
 
 _WRITES = (journal.KeySet, journal.KeyIncremented, journal.KeySwapped)
-_STANDALONE = (*_WRITES, journal.KeysDeleted, journal.BarrierFinished, journal.LiveSetDecided)
+_STANDALONE = (*_WRITES, journal.KeysDeleted, journal.BarrierFinished, journal.LiveSetDecided,
+               journal.AnswersForgotten)
 """Entries that name no registration, so an ended attempt's are dropped: the next attempt starts without them, and a
 replay of a journal compacted only in part needs none of them to apply what follows (a failure or a departure
 needs the registration it names, so those stay)."""
@@ -86,8 +89,11 @@ def _needed_in_attempt(entries: Sequence[journal.Entry], limits: Limits) -> list
     keep = [True] * len(entries)
     final = _final_writes(entries)
     answers = _remembered_answers(entries, limits)
+    records = {e.client_uid: i for i, e in enumerate(entries) if isinstance(e, journal.AnswersForgotten)}
     pending: set[str] = set()  # keys of kept writes that are not their key's final value
     for i, entry in enumerate(entries):
+        if isinstance(entry, journal.AnswersForgotten):
+            keep[i] = records[entry.client_uid] == i  # a record only grows: its newest says it all
         if isinstance(entry, _WRITES):
             if i in final:
                 pending.discard(entry.key)
@@ -130,11 +136,14 @@ def _final_writes(entries: Sequence[journal.Entry]) -> set[int]:
 def _remembered_answers(entries: Sequence[journal.Entry], limits: Limits) -> set[int]:
     """Indices of the writes and deletions whose calls a replay remembers at the end, found by remembering them as
     the state machine does (``coordinator.retries``), and of the newest call forgotten for want of bytes: replayed
-    before the remembered ones, it leaves no room for any older call a kept write would bring back."""
+    before the remembered ones, it leaves no room for any older call a kept write would bring back. (The callers'
+    records, which count too, come back whole from their newest entries.)"""
     retries = RetryAnswers(limits)
     last: dict[tuple[str, str, str], int] = {}  # call -> the entry that last set its answer
     for i, entry in enumerate(entries):
-        if isinstance(entry, _REMEMBERED) and entry.request_id:
+        if isinstance(entry, journal.AnswersForgotten):  # (a journal compacted before holds them, not the calls)
+            retries.forgot(entry.client_uid, entry.through, entry.unordered)
+        elif isinstance(entry, _REMEMBERED) and entry.request_id:
             answer, stored = _answer(entry)
             retries.remember(entry.client_uid, entry.request_id, entry.key, answer, stored)
             last[(entry.client_uid, entry.request_id, entry.key)] = i
@@ -166,6 +175,7 @@ class Garbage:
     def __init__(self) -> None:
         self._latest: dict[str, int] = {}  # key -> bytes of its latest write
         self._barriers: dict[str, int] = {}  # finished barrier -> bytes of its entry, until its series forgets it
+        self._records: dict[str, int] = {}  # caller -> bytes of its newest record of forgotten answers
         self.bytes = self.entries = 0  # superseded, since this estimate started
         self.total_bytes = self.total_entries = 0
         self._floor_bytes, self._floor_entries = MIN_BYTES, MIN_ENTRIES
@@ -202,10 +212,16 @@ class Garbage:
             if entry.forgot and (old := self._barriers.pop(entry.forgot, None)) is not None:
                 self.bytes += old
                 self.entries += 1
-        elif isinstance(entry, journal.RunStarted):  # the ended run's keys go, but the agents'
+        elif isinstance(entry, journal.AnswersForgotten):  # a caller's newer record supersedes its older one
+            if (old := self._records.get(entry.client_uid)) is not None:
+                self.bytes += old
+                self.entries += 1
+            self._records[entry.client_uid] = size
+        elif isinstance(entry, journal.RunStarted):  # the ended run's keys go, but the agents'; its records too
             gone = [k for k in self._latest if not k.startswith(AGENT_KEY_PREFIX)]
-            self.bytes += sum(self._latest.pop(k) for k in gone)
-            self.entries += len(gone)
+            self.bytes += sum(self._latest.pop(k) for k in gone) + sum(self._records.values())
+            self.entries += len(gone) + len(self._records)
+            self._records.clear()
 
     def due(self) -> bool:
         """Whether a compaction would now drop at least as much as the journal held after the last one."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.cluster import PING_INTERVAL_SHARE, PING_TIMEOUT_SHARE, ClusterConfig
+from coordinator.cluster import ClusterConfig
 from coordinator.store import EtcdAccess
 
 
@@ -29,15 +29,15 @@ class CoordinatorConfig:
 
     @property
     def keepalive_interval_s(self) -> float:
-        """How often the coordinator pings each connection (HTTP/2 keepalive): twice per heartbeat timeout."""
-        return self.cluster.heartbeat_timeout_s * PING_INTERVAL_SHARE
+        """How often the coordinator pings each connection (HTTP/2 keepalive): ClusterConfig.keepalive_interval_s."""
+        return self.cluster.keepalive_interval_s
 
     @property
     def keepalive_timeout_s(self) -> float:
-        """How long a ping may go unanswered before the coordinator drops the connection (ending its session): 3/8
-        of the heartbeat timeout, so a peer whose gRPC core is slow to answer (a host busy with a registration
-        storm) keeps its session; the reconnect grace (ClusterConfig.reconnect_grace_s) takes what remains."""
-        return self.cluster.heartbeat_timeout_s * PING_TIMEOUT_SHARE
+        """How long a ping may go unanswered before the coordinator drops the connection (ending its session):
+        ClusterConfig.keepalive_timeout_s. A drop is not a failure: the process is failed only once silent beyond
+        the heartbeat timeout (ClusterConfig.grace_after_session)."""
+        return self.cluster.keepalive_timeout_s
 
     @property
     def keepalive_options(self) -> tuple[tuple[str, int], ...]:

@@ -113,6 +113,16 @@ class RunEnded:
 
 
 @dataclass(frozen=True)
+class SuspectSelf:
+    """Effect: most of the job went silent at once; this leader takes it as its own partition first. Nothing was
+    journaled on that evidence: the shell steps aside (releases leadership, and campaigns again only after
+    ``for_s``), so that a replica the processes reach takes over and judges them itself."""
+
+    why: str
+    for_s: float
+
+
+@dataclass(frozen=True)
 class WaitingForNextRun:
     """A registration's answer: its id's process left the running ``run`` (or the run is finishing, a process of it
     having left), so it waits for the next run; ``still_live`` names the run's processes still live."""
@@ -145,4 +155,5 @@ class WaitingForHolder:
 
 
 Effect = (Notify | Republish | Evict | Forgotten | BarrierResolved | KeyChanged | LiveSetResolved | LeftOut
-          | PreemptionResolved | AttemptStarted | AttemptsExhausted | AttemptProcessFailed | RunStarted | RunEnded)
+          | PreemptionResolved | AttemptStarted | AttemptsExhausted | AttemptProcessFailed | RunStarted | RunEnded
+          | SuspectSelf)

@@ -73,7 +73,7 @@ class HostSessions:
             for uid in carried:
                 if sessions.carried.get(uid) is queue:
                     del sessions.carried[uid]
-                service.state.current.detach(uid, now)
+                service.state.current.detach(uid, now, carried=True)  # closed or dropped: silence is assumed
             log.info("%s ended (%d workers attached on it)", what, len(carried))
 
     async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, agent: Agent,

@@ -101,6 +101,16 @@ class KeysDeleted:
 
 
 @dataclass(frozen=True)
+class AnswersForgotten:
+    """A caller's answers pushed out of --max-answer-bytes (``coordinator.retries``): its retries of ordered request
+    ids up to ``through``, and (``unordered``) of any other request id not remembered, are refused from now on."""
+
+    client_uid: str
+    through: int
+    unordered: bool
+
+
+@dataclass(frozen=True)
 class LiveSetDecided:
     """One live-set agreement: who asked (client uid, call id) and the answer they all get."""
 
@@ -194,11 +204,12 @@ class RunStarted:
 
 Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
          | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined | RunStarted
-         | HostTakenOver | Shrunk)
+         | HostTakenOver | Shrunk | AnswersForgotten)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
                                                          KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
                                                          PreemptionNoticed, PreemptionSyncDecided, AttemptDecided,
-                                                         AgentJoined, RunStarted, HostTakenOver, Shrunk)}
+                                                         AgentJoined, RunStarted, HostTakenOver, Shrunk,
+                                                         AnswersForgotten)}
 
 
 def encode(entry: Entry) -> bytes:

@@ -1,5 +1,6 @@
-"""The key-value commands: the store, retries answered as their first call was, and the journal entries that
-replay them. No I/O; who may call is the router's check (``ClusterState``)."""
+"""The key-value commands: the store, retries answered as their first call was (or refused, once their answer was
+forgotten: never applied twice), and the journal entries that replay them. No I/O; who may call is the router's check
+(``ClusterState``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from collections.abc import Callable, Sequence
 from coordinator import journal
 from coordinator.effects import Effect, KeyChanged
 from coordinator.kv import KeyValueStore
-from coordinator.limits import FLAGS, Limits, check_call_id, shown
-from coordinator.retries import FORGOTTEN, Answer, Deleted, RetryAnswers, Stored
+from coordinator.limits import Limits, check_call_id, shown
+from coordinator.retries import Answer, Deleted, Forgotten, RetryAnswers, Stored, refusal
 from ifrt.errors import InvalidArgument
 
 _CALLS = {int: "an increment", Stored: "a swap or a set", Deleted: "a deletion"}
@@ -31,10 +32,11 @@ class KeyValues:
         applied again (a write since then stays)."""
         if self._written(client_uid, request_id, key, value):
             return []
+        self.retries.check_room(client_uid, request_id, key, len(value))
         if not self.store.set(key, value, allow_overwrite):
             return []
         self._record(journal.KeySet(key, value, *_call(client_uid, request_id)))
-        self.retries.remember(client_uid, request_id, key, Stored.of(value), len(value))
+        self._remember(client_uid, request_id, key, Stored.of(value), len(value))
         return [KeyChanged(key, value)]
 
     def set_many(self, entries: Sequence[tuple[str, bytes]], allow_overwrite: bool, client_uid: str = "",
@@ -46,6 +48,8 @@ class KeyValues:
             check_call_id("request_id", request_id, self.limits)
             if any(self._retried(client_uid, request_id, key, Stored) is not None for key, _ in entries):
                 return []
+            for key, value in entries:  # whichever entry carries the request id
+                self.retries.check_room(client_uid, request_id, key, len(value))
         self.store.check_many(entries, allow_overwrite)
         effects: list[Effect] = []
         for key, value in entries:
@@ -72,9 +76,10 @@ class KeyValues:
         check_call_id("request_id", request_id, self.limits)
         if isinstance(answer := self._retried(client_uid, request_id, key, int), int):
             return answer, []
+        self.retries.check_room(client_uid, request_id, key, 0)
         total = self.store.increment(key, amount)
         self._record(journal.KeyIncremented(key, total, client_uid, request_id))  # replayed as the value
-        self.retries.remember(client_uid, request_id, key, total, 0)
+        self._remember(client_uid, request_id, key, total, 0)
         return total, [KeyChanged(key, str(total).encode())]
 
     def compare_set(self, client_uid: str, key: str, expected: bytes, desired: bytes, request_id: str, *,
@@ -88,23 +93,21 @@ class KeyValues:
                 raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was a swap to another "
                                       "value: a retry repeats its call, a new call takes a new request_id")
             return desired, []
+        self.retries.check_room(client_uid, request_id, key, len(desired))
         value, changed = self.store.compare_set(key, expected, desired)
         if not changed:  # nothing to remember: a retry compares again, as if this call never happened
             return value, []
         self._record(journal.KeySwapped(key, desired, client_uid, request_id))
-        self.retries.remember(client_uid, request_id, key, Stored.of(desired), len(desired))
+        self._remember(client_uid, request_id, key, Stored.of(desired), len(desired))
         return value, [KeyChanged(key, desired)]
 
     def _retried(self, client_uid: str, request_id: str, key: str, kind: type) -> Answer | None:
         """The remembered answer of this call (of ``kind``: an increment's sum, a swap's or set's digest, a deletion's
         count), None for a new call; InvalidArgument, changing nothing, when it was a call of another kind or its
-        answer is forgotten."""
+        answer is forgotten (by either bound: it may have been applied, see ``coordinator.retries``)."""
         answer = self.retries.get(client_uid, request_id, key)
-        if answer is FORGOTTEN:
-            raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was answered before this "
-                                  f"client's last {self.limits.answers_per_caller} calls, and its answer is no longer "
-                                  f"kept (the coordinator's {FLAGS['answers_per_caller']}): a new call takes a new "
-                                  "request_id")
+        if isinstance(answer, Forgotten):
+            raise InvalidArgument(refusal(answer, request_id, key, self.limits))
         if answer is not None and not isinstance(answer, kind):
             raise InvalidArgument(f"request_id {shown(request_id)} on key {shown(key)} was {_CALLS[type(answer)]}, "
                                   f"not {_CALLS[kind]}: a new call takes a new request_id")
@@ -117,15 +120,23 @@ class KeyValues:
             check_call_id("request_id", request_id, self.limits)
             if isinstance(answer := self._retried(client_uid, request_id, key, Deleted), Deleted):
                 return answer.count, []
+            self.retries.check_room(client_uid, request_id, key, 0)
         deleted = self.store.delete(key, prefix)
         if deleted:
             self._record(journal.KeysDeleted(key, prefix, *_call(client_uid, request_id),
                                              len(deleted) if request_id else 0))
-            self.retries.remember(client_uid, request_id, key, Deleted(len(deleted)), 0)
+            self._remember(client_uid, request_id, key, Deleted(len(deleted)), 0)
         return len(deleted), [KeyChanged(k, None) for k in deleted]
 
-    def replay(self, entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped | journal.KeysDeleted, *,
-               agent: bool = False) -> None:
+    def _remember(self, client_uid: str, request_id: str, key: str, answer: Answer, stored: int) -> None:
+        """Remembers a call's answer after its entry is journaled, and journals each caller's record of forgotten
+        answers that this changed (a compacted journal no longer holds the calls forgotten)."""
+        for uid in self.retries.remember(client_uid, request_id, key, answer, stored):
+            record = self.retries.records[uid]
+            self._record(journal.AnswersForgotten(uid, record.through, record.unordered))
+
+    def replay(self, entry: journal.KeySet | journal.KeyIncremented | journal.KeySwapped | journal.KeysDeleted
+               | journal.AnswersForgotten, *, agent: bool = False) -> None:
         """Applies a journaled key-value decision again."""
         match entry:
             case journal.KeySet(key=key, value=value, client_uid=uid, request_id=request_id):
@@ -140,6 +151,8 @@ class KeyValues:
             case journal.KeysDeleted(key=key, prefix=prefix, client_uid=uid, request_id=request_id, count=count):
                 self.store.delete(key, prefix)
                 self.retries.remember(uid, request_id, key, Deleted(count), 0)
+            case journal.AnswersForgotten(client_uid=uid, through=through, unordered=unordered):
+                self.retries.forgot(uid, through, unordered)
 
     def carry(self, before: KeyValues, prefix: str) -> None:
         """Takes over ``before``'s keys under ``prefix`` (a new run of the job: what lives outside its runs, e.g.

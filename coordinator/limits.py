@@ -124,8 +124,9 @@ class Limits:
     flight."""
     answer_bytes: int = 16 << 20
     """Most bytes of remembered answers over all callers (see ``coordinator.retries``): each call's caller, request id
-    and key, ANSWER_OVERHEAD_BYTES, and for a swap the value its journal entry keeps; the oldest call is forgotten
-    first (its retry, if one ever comes, is applied as a new call)."""
+    and key, ANSWER_OVERHEAD_BYTES, and for a swap the value its journal entry keeps; and each caller's record of
+    what it forgot (its uid and CALLER_OVERHEAD_BYTES). The oldest call is forgotten first; its retry, if one ever
+    comes, is refused, never applied again."""
     barrier_bytes: int = 64 << 20
     """Most bytes barriers hold, cancelled and finished ones included (each name is kept to answer late arrivals):
     their names (in the barrier, its error and its journal entry), BARRIER_OVERHEAD_BYTES each and their participants
@@ -174,6 +175,8 @@ KEY_OVERHEAD_BYTES = 256
 against --kv-max-bytes, so many tiny keys cannot hold more than the budget says."""
 ANSWER_OVERHEAD_BYTES = 256
 """What a remembered answer costs besides its strings (its entries in two dicts, its tuple and digest)."""
+CALLER_OVERHEAD_BYTES = 128
+"""What a caller's record of its forgotten answers costs besides its uid (a dict entry, an object, two fields)."""
 BARRIER_OVERHEAD_BYTES = 1024
 """What a kept barrier costs besides its name (its object, its error, its journal entry)."""
 REGISTRATION_OVERHEAD_BYTES = 1024

@@ -15,7 +15,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.limits import FLAGS as LIMIT_FLAGS
 from coordinator.limits import Limits
 from coordinator.server import BindError, serve
-from coordinator.store import EtcdAccess, open_store
+from coordinator.store import MIN_LEASE_TTL_S, EtcdAccess, check_lease_ttl, lease_margin, open_store
 from ifrt.agent_credential import AGENT_KEY_FILE_ENV, read_agent_key
 from ifrt.errors import InvalidArgument
 from ifrt.ids import MAX_LOCAL_DEVICES, MAX_PROCESSES, MAX_PROCESSES_INT64
@@ -54,18 +54,24 @@ def parser() -> argparse.ArgumentParser:
                         "process ends) or etcd, which survives restarts and lets standby replicas take over "
                         "(needs ifrt-topology[etcd]); every change is durable there before it is acknowledged")
     p.add_argument("--leader-ttl", type=int, default=DEFAULTS.leader_ttl_s, metavar="SECONDS",
-                   help="with etcd: the leader's lease; a standby takes over this long after the leader dies "
-                        "(default %(default)s)")
+                   help="with etcd: the leader's lease; a standby takes over this long after the leader dies, "
+                        "and a leader cut off from etcd stops answering 10%% of it (at least "
+                        f"{lease_margin(MIN_LEASE_TTL_S):g} s) before it can expire (default %(default)s, at least "
+                        f"{MIN_LEASE_TTL_S})")
     p.add_argument("--advertise", metavar="HOST:PORT",
                    help="the address clients use for this replica, reported by standbys (default: --bind)")
     p.add_argument("--int64-ids", action="store_true",
                    help=f"allow process ids up to 2**46 (global ids then need int64); by default process ids "
                         f"stay below {MAX_PROCESSES} so every global id fits in int32")
     p.add_argument("--heartbeat-timeout", type=float, default=DEFAULTS.cluster.heartbeat_timeout_s, metavar="SECONDS",
-                   help="a process silent for this long is declared failed and every other process is told: "
-                        "the coordinator pings each connection every half of it (HTTP/2 keepalive), drops one "
-                        "whose ping goes unanswered for 3/8 of it, and gives a process whose session ended the "
-                        "remaining 1/8 to attach again (default %(default)s)")
+                   help="the silence a process is allowed: one the coordinator hears nothing from for longer (no "
+                        "heartbeat, no answered keepalive ping, no session) is declared failed and every other "
+                        "process is told, never sooner; a silent one within 1/4 of it more (pings go every 1/4, "
+                        "a connection whose ping is unanswered for 1/2 is dropped, and its process has what the "
+                        "timeout leaves of its silence to attach again). A process whose connection closed while "
+                        "it answered (killed) is declared failed after 1/8 of it. When most of the job goes "
+                        "silent at once, the leader steps aside for this long instead (docs/failures.md) "
+                        "(default %(default)s)")
     p.add_argument("--max-heartbeat-rate", type=float, default=DEFAULTS.cluster.max_heartbeat_rate, metavar="N",
                    help="heartbeats a second all sessions together may send (default %(default)g): each session "
                         "sends one every fifth of --heartbeat-timeout, spaced further for jobs larger than this "
@@ -193,8 +199,9 @@ def parser() -> argparse.ArgumentParser:
                               "an older call is refused (default %(default)s)")
     budgets.add_argument("--max-answer-bytes", dest="answer_bytes", type=int, default=default.answer_bytes,
                          metavar="BYTES", help="bytes of remembered answers over all callers, a swap's value "
-                                               "included (its journal entry keeps it); the oldest call is forgotten "
-                                               "first (default %(default)s)")
+                                               "included (its journal entry keeps it), and a record per caller of "
+                                               "what it forgot; the oldest call is forgotten first and its retry "
+                                               "refused, never applied twice (default %(default)s)")
     budgets.add_argument("--max-barrier-bytes", dest="barrier_bytes", type=int, default=default.barrier_bytes,
                          metavar="BYTES", help="bytes barriers hold, finished and cancelled ones included (names, "
                                                "participants); a new barrier past it is refused (default "
@@ -285,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format, args.cluster_id)
     try:
+        try:
+            check_lease_ttl(args.leader_ttl)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
         if args.attempt < 0:
             raise InvalidArgument(f"--attempt {args.attempt} is out of range: expected an integer >= 0")
         token = read_secret_file(args.token_file, "--token-file") if args.token_file else None

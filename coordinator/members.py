@@ -33,6 +33,11 @@ class Member:
     attaching: bool = False  # answered with the topology by this coordinator, its session not attached yet
     quiet_s: float = 0.0  # how long its session had been quiet when the last one ended: a dropped connection after
     # that long means the process stopped answering, not that its connection was lost
+    silenced: bool = False  # its last session ended quiet (or never sent Heartbeats): dropped for silence, as far as
+    # the coordinator can tell, not closed by a process that answered until then (ClusterConfig.grace_after_session)
+    attached_at: float = 0.0  # when its latest session attached
+    recovered_at: float | None = None  # when it was last heard again after a silence (a Heartbeat after a gap, or a
+    # session attached after one dropped for silence): a connection that closes soon after is a flapping link's
 
     @property
     def uid(self) -> str:

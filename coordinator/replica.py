@@ -5,7 +5,9 @@ when the store is lost, then start over. Writes reach the store in the order the
 
 Durability before visibility: ``commit()`` returns only once every journal entry made so far, by any call,
 is durable. Every answer (a topology, a key-value, a barrier result, an event) is sent after a ``commit()``,
-so nothing a process holds can be missing from the journal the next leader replays.
+so nothing a process holds can be missing from the journal the next leader replays. ``serving`` and ``commit()``
+also ask the store whether its lease still holds, margin included (``Store.holds_lease``, one clock read): nothing
+is answered from a state this replica may no longer lead.
 
 One writer, one store write in flight: each write carries every entry queued meanwhile (group commit), and
 while many calls wait, writes are spaced out so that a burst costs a few large store transactions.
@@ -56,7 +58,7 @@ class Replica:
         self.store = store
         self.state = ClusterState(config)
         self.epoch = 0
-        self.serving = False
+        self._serving = False  # led and replayed; ``serving`` adds that the lease still holds
         self.reason = f"this replica stands by ({store.description})"
         self._advertise = advertise
         self._clock = clock
@@ -70,16 +72,31 @@ class Replica:
         self._waiters: list[asyncio.Future] = []  # commit() calls waiting until nothing queued is undurable
         self._wake = asyncio.Event()
         self._down = asyncio.Event()
+        self._aside_until = -math.inf  # until when this replica stands aside after suspecting itself (step_aside)
         self.on_append: Callable[[float], None] = _ignore
         """Called with the seconds each successful store append took (metrics)."""
 
+    @property
+    def serving(self) -> bool:
+        """Whether this replica may answer: it leads, has replayed its journal, and its lease cannot have expired at
+        etcd yet, margin included (``Store.holds_lease``: one clock read), so a deposed leader answers nothing."""
+        return self._serving and self.store.holds_lease()
+
+    @serving.setter
+    def serving(self, value: bool) -> None:
+        self._serving = value
+
     def check(self) -> None:
-        """Raises NotServing (saying why) unless this replica leads and has replayed its journal."""
+        """Raises NotServing (saying why) unless this replica leads, has replayed its journal and holds its lease."""
         if not self.serving:
             raise NotServing(self.not_serving_reason())
 
     def not_serving_reason(self) -> str:
         """Why this replica does not answer, naming the leader when it is known."""
+        if self._serving and not self.store.holds_lease():
+            return (f"this coordinator's leader lease may expire at etcd any moment (not renewed in time; "
+                    f"{self.store.description}): it answers nothing from memory and steps down; another replica "
+                    f"may lead")
         leader, attempt = self.store.leader, self.store.leader_attempt
         if leader and leader != self._advertise and attempt is not None:
             return (f"{self.reason}; the coordinator at {leader} still leads attempt {attempt} of the job: this "
@@ -93,6 +110,8 @@ class Replica:
         writer = asyncio.create_task(self._write())
         try:
             while True:
+                if (aside := self._aside_until - self._clock()) > 0:  # stood aside: a replica the job reaches leads
+                    await asyncio.sleep(aside)
                 await self.store.acquire(self._advertise)
                 try:
                     await self._rebuild()
@@ -111,7 +130,8 @@ class Replica:
     async def commit(self) -> None:
         """Returns once every journal entry the state machine has made so far (by this call or any other) is
         durable. NotServing if the store failed meanwhile: the state that made them is then discarded, so
-        nothing unpersisted is ever answered from."""
+        nothing unpersisted is ever answered from; NotServing too once the lease may have expired (checked last: an
+        answer built right after it comes from a state this replica still led)."""
         epoch = self.epoch
         while True:
             if epoch != self.epoch:
@@ -125,6 +145,8 @@ class Replica:
                 self._enqueued += len(entries)
                 self._wake.set()
             if self._durable == self._enqueued:
+                if not self.store.holds_lease():  # durable, but what else is in memory may be stale by now
+                    raise NotServing(self.not_serving_reason())
                 return
             done = asyncio.get_running_loop().create_future()
             self._waiters.append(done)
@@ -192,6 +214,17 @@ class Replica:
         log.info("compacted the journal: %d entries (%d bytes) -> %d (%d bytes)", len(raw),
                  sum(map(len, raw)), len(kept), self._garbage.total_bytes)
 
+    async def step_aside(self, why: str, for_s: float) -> None:
+        """Steps down and campaigns again only ``for_s`` seconds later: this leader suspects its own partition (most
+        of the job went silent at once), so a replica the processes reach takes over and judges them itself.
+        Nothing is journaled for it; the state is rebuilt from the journal whenever this replica leads again."""
+        if not self.serving:
+            return
+        self._aside_until = self._clock() + for_s
+        log.warning("standing aside for %.1fs: %s", for_s, why,
+                    extra={"event": "standing_aside", "reason": why, "seconds": for_s})
+        await self._step_down(f"standing aside: {why}")
+
     def stop_serving(self, why: str) -> None:
         """Refuses new calls from now on (on shutdown); writes already queued still complete."""
         self.serving, self.reason = False, why
@@ -224,9 +257,9 @@ class Replica:
         self._on_serving()
 
     async def _step_down(self, why: str) -> None:
-        if not self.serving and self.reason.startswith("this coordinator stepped down"):
+        if not self._serving and self.reason.startswith("this coordinator stepped down"):
             return
-        was_serving = self.serving
+        was_serving = self._serving
         self.serving, self.epoch = False, self.epoch + 1
         self.reason = f"this coordinator stepped down ({why}); another replica may lead"
         self.state = ClusterState(self.config)

@@ -43,6 +43,7 @@ from coordinator.effects import (
     Notify,
     Published,
     Republish,
+    SuspectSelf,
     Waiting,
     WaitingForHolder,
     WaitingForNextRun,
@@ -106,7 +107,8 @@ class Run:
                 self._leave(members[uid])
             case journal.Forgot(client_uid=uid, why=why):
                 self._forget(members[uid], why)
-            case journal.KeySet() | journal.KeyIncremented() | journal.KeySwapped() | journal.KeysDeleted():
+            case (journal.KeySet() | journal.KeyIncremented() | journal.KeySwapped() | journal.KeysDeleted()
+                  | journal.AnswersForgotten()):
                 self.kv.replay(entry, agent=self._is_agent(getattr(entry, "client_uid", "")))
             case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message,
                                          forgot=forgot):
@@ -193,11 +195,11 @@ class Run:
         if (member := self.admission.members.get(client_uid)) is not None:
             self.liveness.heard(member, now)
 
-    def detach(self, client_uid: str, now: float) -> None:
-        """A session ended (closed, or its connection dropped): unless another is open, the process has the
-        reconnect grace to attach again."""
+    def detach(self, client_uid: str, now: float, *, carried: bool = False) -> None:
+        """A session ended (closed, or its connection dropped; ``carried``: the agent's host session that carried it
+        ended): unless another is open, the process has its grace to attach again (``Liveness.detached``)."""
         if (member := self.admission.members.get(client_uid)) is not None:
-            self.liveness.detached(member, now)
+            self.liveness.detached(member, now, carried=carried)
 
     def leave(self, client_uid: str, now: float, *, proof: str = "") -> list[Effect]:
         """A graceful exit: the process is reported as left (and dropped, with the elastic policy). Leaving again
@@ -211,9 +213,18 @@ class Run:
 
     def tick(self, now: float) -> list[Effect]:
         """Fails processes silent beyond their grace (forgets them before publication), in the order they went
-        silent, and barriers past their deadline; decides what waits on who is alive."""
+        silent, and barriers past their deadline; decides what waits on who is alive. When most of the job went
+        silent at once (``Liveness.mass_silence``), the processes lost by silence are not failed: SuspectSelf tells
+        the shell to step aside (nothing journaled); those whose connections closed are failed as always."""
         effects: list[Effect] = []
-        for overdue in self.liveness.overdue(now, self.admission.members):
+        found = self.liveness.overdue(now, self.admission.members)
+        suspicion = self.liveness.mass_silence(found, self.admission.members)
+        if suspicion is not None:
+            spared = [o for o in found if o.by_silence and o.member.status is Status.ALIVE]
+            self.liveness.spare(spared)
+            found = [o for o in found if not (o.by_silence and o.member.status is Status.ALIVE)]
+            effects.append(SuspectSelf(suspicion, self.config.step_aside_s))
+        for overdue in found:
             joining = overdue.member.status is Status.JOINING
             effects += (self._forget if joining else self.fail)(overdue.member, overdue.why)
         effects += self._journal_barriers(self.barriers.expire(now, self.describe_process))

@@ -31,6 +31,7 @@ from coordinator.effects import (
     Republish,
     RunEnded,
     RunStarted,
+    SuspectSelf,
     Waiting,
     WaitingForHolder,
     WaitingForNextRun,
@@ -411,7 +412,8 @@ class CoordinatorService(HostRegister):
 
     # Time and effects.
     async def tick_every(self, interval_s: float) -> None:
-        """Lets the state machine expire silent processes and overdue barriers."""
+        """Lets the state machine expire silent processes and overdue barriers; steps aside when it suspects this
+        replica's own partition (SuspectSelf: most of the job went silent at once)."""
         while True:
             await asyncio.sleep(interval_s)
             if not self.replica.serving:
@@ -423,6 +425,9 @@ class CoordinatorService(HostRegister):
             except NotServing:
                 continue
             self._apply(effects)
+            for effect in effects:
+                if isinstance(effect, SuspectSelf):
+                    await self.replica.step_aside(effect.why, effect.for_s)
 
     async def decide(self, decision: Callable[[], list[Effect]]) -> bool:
         """Runs a decision of the coordinator's own (no caller waits on it) while this replica serves: its journal

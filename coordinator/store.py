@@ -8,6 +8,8 @@ The contract, the same for every backend (tests/test_store.py runs one suite aga
   unreachable (``retryable``), or this replica no longer leads (``lost`` is then set). An append is
   fenced: a deposed leader's append fails; it never lands.
 - ``release()`` gives up leadership at once (a standby takes over without waiting for a lease to expire).
+- ``holds_lease()`` says whether this replica may still answer anything from memory: its lease cannot have expired
+  at etcd yet, margin included (one clock read; always for ``memory``). ``lost`` is set soon after it turns false.
 - ``compact(entries, keep)`` drops the entries a replay no longer needs: ``entries`` is what ``load()`` just
   returned (nothing appended since), ``keep`` says for each whether it stays (see ``coordinator.compaction``).
   Afterwards ``load()`` returns the kept entries in order. It may be applied oldest first in several steps (etcd):
@@ -37,8 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -56,6 +60,30 @@ BATCH_VERSION = b"\x01"
 MAX_COMPACTED_BATCHES = 1000
 """Batches one compaction transaction merges at most (a range deletion and one put, whatever the count)."""
 _LENGTH = struct.Struct(">I")
+MIN_LEASE_TTL_S = 2
+"""The shortest ``--leader-ttl`` whose margin holds with a renewal every third of it (``check_lease_ttl``)."""
+RENEW_RETRY_S = 0.1
+"""Pause before a failed lease renewal is tried again (on the next etcd member, see ``_LeaderRequired``)."""
+NO_LEADER = "etcdserver: no leader"
+"""What an etcd member without a leader answers a request that requires one (etcd's ``hasleader`` metadata)."""
+
+
+def lease_margin(ttl_s: float) -> float:
+    """How long before its lease can expire at etcd a leader stops answering: 10% of the TTL, at least 0.5 s. It
+    covers the clocks of this host and of etcd's leader running at different rates and the time between the check
+    and the answer leaving this process (an event loop turn); the lease is counted from when a renewal was sent,
+    which is before etcd renewed it."""
+    return max(0.5, 0.1 * ttl_s)
+
+
+def check_lease_ttl(ttl_s: float) -> None:
+    """ValueError unless a lease of ``ttl_s`` seconds leaves room for a renewal to be retried before the margin: a
+    renewal is due a third of the TTL after the last one was sent, the leader serves until the TTL less the margin,
+    and that leaves at least another third for a retry."""
+    if ttl_s < MIN_LEASE_TTL_S or ttl_s - lease_margin(ttl_s) - ttl_s / 3 < ttl_s / 3:
+        raise ValueError(f"--leader-ttl {ttl_s} is too short: a leader stops answering {lease_margin(ttl_s):g} s "
+                         "before its lease can expire at etcd and renews it every third of the TTL, which leaves no "
+                         f"time to retry a renewal; expected at least {MIN_LEASE_TTL_S} seconds")
 
 
 class StoreError(RuntimeError):
@@ -73,6 +101,13 @@ class Store(Protocol):
     """The address the current leader advertised, when another replica leads."""
     leader_attempt: int | None
     """The job attempt the current leader serves, when another replica of an older attempt holds on to the lead."""
+    serves_until: float
+    """Until when (``time.monotonic()``) this replica may answer from memory: its lease cannot have expired before
+    then, margin included. ``math.inf`` for a store without leases; ``-math.inf`` while it does not lead."""
+
+    def holds_lease(self) -> bool:
+        """Whether this replica may still answer from memory (one clock read)."""
+        ...
 
     async def acquire(self, advertise: str) -> None: ...
     async def load(self) -> list[bytes]: ...
@@ -88,10 +123,14 @@ class MemoryStore:
     description = "memory"
     leader = None
     leader_attempt = None
+    serves_until = math.inf
 
     def __init__(self) -> None:
         self.lost = asyncio.Event()
         self._entries: list[bytes] = []
+
+    def holds_lease(self) -> bool:
+        return True
 
     async def acquire(self, advertise: str) -> None:
         return None
@@ -130,12 +169,19 @@ class EtcdAccess:
 
 
 class EtcdStore:
-    """The journal in etcd, one key per batch of entries; leadership through a lease on ``leader``."""
+    """The journal in etcd, one key per batch of entries; leadership through a lease on ``leader``.
+
+    The lease: this replica answers from memory only until ``serves_until``, the send time of the grant or of the
+    last renewal etcd answered, plus the TTL, less ``lease_margin``; etcd counts the TTL from when it received the
+    request, later. A renewal is sent every third of the TTL, each try bounded so that it ends by then, and tried
+    again (on another member) at once when it fails; once ``serves_until`` passes, ``lost`` is set.
+
+    etcd members: every request carries etcd's ``hasleader`` mark (``_LeaderRequired``), so a member cut from the
+    majority refuses it at once instead of holding it, and the request goes to the next member."""
 
     def __init__(self, endpoints: list[str], cluster_id: str, *, lease_ttl_s: int = 5,
                  timeout_s: float = 3.0, access: EtcdAccess = EtcdAccess(), attempt: int = 0) -> None:
-        from etcd3aio import Etcd3Client  # the optional extra ifrt-topology[etcd]
-
+        check_lease_ttl(lease_ttl_s)
         self.description = f"etcd {','.join(endpoints)} under /ifrt/{cluster_id}/"
         self.lost = asyncio.Event()
         self.leader: str | None = None
@@ -146,11 +192,7 @@ class EtcdStore:
             # Endpoints are dialled by IP (one channel for all): check certificates against the first name given.
             tls["tls_server_name"] = split_host_port(endpoints[0])[0]
         self._access = access
-        self._client = Etcd3Client(endpoints=[_ip_endpoint(e) for e in endpoints], **tls)
-        # A journal is read in one range request, far over gRPC's 4 MiB default for an answer (etcd bounds requests,
-        # not answers): take answers of any size.
-        getattr(getattr(self._client, "_manager", None), "grpc_options", []).append(
-            ("grpc.max_receive_message_length", -1))
+        self._client = _etcd_client([_ip_endpoint(e) for e in endpoints], tls)
         self._prefix = f"/ifrt/{cluster_id}/".encode()
         self._leader_key = self._prefix + b"leader"
         self._attempt_key = self._prefix + b"attempt"
@@ -159,8 +201,10 @@ class EtcdStore:
         if attempt:
             self.description += f" (attempt {attempt})"
         self._ttl = lease_ttl_s
+        self._margin = lease_margin(lease_ttl_s)
         self._timeout = timeout_s
         self._lease = 0
+        self.serves_until = -math.inf
         self._leader_revision = 0
         self._next = 0
         self._layout: list[tuple[int, int]] = []  # (batch number, entries) of the journal as loaded and appended
@@ -187,6 +231,10 @@ class EtcdStore:
             await self._client.close()
             raise StoreError(f"etcd refused user {self._access.user!r} ({self.description}): {e}") from e
         self._client.set_token(answer.token)
+
+    def holds_lease(self) -> bool:
+        """Whether the lease cannot have expired at etcd yet, margin included: one clock read."""
+        return time.monotonic() < self.serves_until
 
     def _journal_of(self, attempt: int) -> bytes:
         return self._prefix + (b"journal/" if attempt == 0 else f"attempts/{attempt}/journal/".encode())
@@ -215,6 +263,7 @@ class EtcdStore:
                 if newest is not None and newest < self._attempt:  # the old attempt's journal goes with it
                     old = self._journal_of(newest)
                     fresh = [kv.txn_op_delete(old, range_end=prefix_range_end(old))]
+                sent = time.monotonic()  # the lease runs at most from here
                 lease = await self._client.lease.grant(self._ttl, timeout=self._timeout)
                 won = await kv.txn(
                     [kv.txn_compare_create_revision(self._leader_key, 0), *same],
@@ -236,7 +285,8 @@ class EtcdStore:
                         self._next = 0  # load() names the key that is not a batch
                     self._layout = []
                     self.lost.clear()
-                    self._keepalive = asyncio.create_task(self._keep_alive())
+                    self.serves_until = sent + min(self._ttl, lease.TTL) - self._margin
+                    self._keepalive = asyncio.create_task(self._keep_alive(lease.ID, sent))
                     log.info("leading cluster (%s)", self.description)
                     return
                 await self._client.lease.revoke(lease.ID, timeout=self._timeout)
@@ -338,6 +388,7 @@ class EtcdStore:
 
     async def release(self) -> None:
         self.leader = None
+        self.serves_until = -math.inf
         lease, self._lease = self._lease, 0  # the renewal loop ends when it sees the lease is no longer held
         if self._keepalive is not None:
             self._keepalive.cancel()
@@ -354,29 +405,49 @@ class EtcdStore:
         if self._connected:
             await self._client.close()
 
-    async def _keep_alive(self) -> None:
-        """Renews the lease every third of its TTL; sets ``lost`` once it may have expired."""
-        loop = asyncio.get_running_loop()
-        renewed = loop.time()
-        lease = self._lease
+    async def _keep_alive(self, lease: int, sent: float) -> None:
+        """Renews the lease a third of its TTL after the last renewal was sent, each try bounded so that it ends
+        by ``serves_until`` and failed tries repeated at once; moves ``serves_until`` on from each renewal's send
+        time; sets ``lost`` once it has passed."""
+        due, failing = sent + self._ttl / 3, 0
         while True:
-            await asyncio.sleep(self._ttl / 3)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             if self._lease != lease:  # released (the client library may swallow a cancellation)
                 return
+            sent = time.monotonic()
+            if (left := self.serves_until - sent) <= 0:
+                break
             try:
-                async with asyncio.timeout(self._timeout):  # etcd without a majority does not answer at all
-                    async for answer in self._client.lease.keep_alive(lease):
-                        if answer.TTL > 0:
-                            renewed = loop.time()
-                        break
-            except Exception as e:
-                log.warning("lease renewal failed: %s", e)
+                async with asyncio.timeout(min(self._timeout, self._ttl / 3, left)):
+                    ttl = await self._renew(lease)
+            except Exception as e:  # etcd without a majority does not answer at all: the timeout ends the try
+                failing += 1
+                why = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e) or type(e).__name__
+                (log.debug if failing > 1 else log.warning)("lease renewal failed (%d in a row; trying again, on "
+                                                            "another etcd member if there is one): %s", failing, why)
+                due = min(time.monotonic() + RENEW_RETRY_S, self.serves_until)
+                continue
             if self._lease != lease:
                 return
-            if loop.time() - renewed > self._ttl - 0.5:  # margin: stop before another replica may lead
-                log.error("leadership lost: the lease was not renewed for %.1fs", loop.time() - renewed)
-                self.lost.set()
-                return
+            if ttl <= 0:
+                log.error("leadership lost: etcd says the lease expired")
+                self.serves_until = -math.inf
+                break
+            self.serves_until, due, failing = sent + min(ttl, self._ttl) - self._margin, sent + self._ttl / 3, 0
+        if self._lease == lease:
+            log.error("leadership lost: the lease was not renewed in time (%.1fs margin before it may expire at "
+                      "etcd)", self._margin)
+            self.lost.set()
+
+    async def _renew(self, lease: int) -> int:
+        """One renewal of ``lease``: the TTL etcd gives it from now (0 or less: it has expired)."""
+        call = self._client.lease.keep_alive(lease)
+        try:
+            async for answer in call:
+                return answer.TTL
+        finally:
+            call.cancel()
+        raise StoreError("etcd ended the lease renewal without an answer")
 
 
 def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAccess | None = None, *,
@@ -466,6 +537,62 @@ def unpack_batch(value: bytes) -> list[bytes]:
         entries.append(value[at:at + length])
         at += length
     return entries
+
+
+def _leader_required(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    """``details`` with etcd's ``hasleader`` mark, as etcd's own client sends it: a member cut from the majority (no
+    leader) then refuses the request at once with "etcdserver: no leader" instead of holding it until it times out."""
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), ("hasleader", "true")))
+
+
+class _LeaderRequired(grpc.aio.UnaryUnaryClientInterceptor):
+    """Marks every unary request ``_leader_required``. A refused one was not applied, so it is sent again, up to once
+    per member: the channel picks members in turn (etcd3aio's round robin), so it goes to another one."""
+
+    def __init__(self, members: int) -> None:
+        self._tries = members
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        details = _leader_required(details)
+        for _ in range(self._tries - 1):
+            call = await continuation(details, request)
+            if await call.code() != grpc.StatusCode.UNAVAILABLE or NO_LEADER not in (await call.details() or ""):
+                return call
+        return await continuation(details, request)
+
+
+class _LeaderRequiredStream(grpc.aio.StreamStreamClientInterceptor):
+    """Marks every stream (the lease renewal) ``_leader_required``; a refused renewal is tried again by its caller,
+    which lands on another member the same way. (gRPC takes each interceptor for one kind of call only.)"""
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_leader_required(details), request_iterator)
+
+
+def _etcd_client(endpoints: list[str], tls: dict):  # an etcd3aio Etcd3Client
+    """etcd3aio's client on one channel to every member, with ``_LeaderRequired`` on it (etcd3aio has no hook for
+    interceptors: its channel factory is replaced by one that adds them) and answers of any size (a journal is read
+    in one range request, far over gRPC's 4 MiB default; etcd bounds requests, not answers)."""
+    from etcd3aio import Etcd3Client  # the optional extra ifrt-topology[etcd]
+    from etcd3aio.connections import ConnectionManager
+
+    class Channels(ConnectionManager):
+        def get_channel(self, ca_cert: bytes | None = None, cert_key: bytes | None = None,
+                        cert_chain: bytes | None = None, tls_server_name: str | None = None) -> grpc.aio.Channel:
+            options = [*self.grpc_options]
+            interceptors = [_LeaderRequired(len(endpoints)), _LeaderRequiredStream()]
+            if ca_cert is None:
+                return grpc.aio.insecure_channel(self.target, options=options, interceptors=interceptors)
+            if tls_server_name is not None:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca_cert, private_key=cert_key,
+                                                       certificate_chain=cert_chain)
+            return grpc.aio.secure_channel(self.target, credentials, options=options, interceptors=interceptors)
+
+    client = Etcd3Client(endpoints=endpoints, **tls)
+    client._manager = Channels(endpoints)
+    client._manager.grpc_options.append(("grpc.max_receive_message_length", -1))
+    return client
 
 
 def _read(path: str | None) -> bytes | None:

@@ -37,10 +37,10 @@ from ifrt.reachability import UnreachableReport
 from ifrt.records import LocalDevice
 from ifrt.security import new_process_secret
 from ifrt.session import Session
-from ifrt.settings import ProcessOptions, Settings, preflight_timeout, resolve
+from ifrt.settings import DISCOVERY_TIMEOUT_ENV, ProcessOptions, Settings, preflight_timeout, resolve
 from ifrt.topology import Topology
 from ifrt.transfer import Channels, Endpoint, local_address_toward
-from ifrt.transfer_keys import TransferKeys
+from ifrt.transfer_keys import PairKey, TransferKeys
 
 log = logging.getLogger("ifrt.client")
 
@@ -101,6 +101,7 @@ class Client(KeyValueCalls):
         if self.topology is None:
             if self._want_transfer and self.endpoint is None:
                 self.endpoint = self._bind_endpoint()
+                self._events.on_event(self.endpoint.heard)  # fences replaced or failed peers' transfers
             self._request = self._build_request()
             try:
                 self.topology = self._register(self._request, self.settings.timeout)
@@ -110,7 +111,8 @@ class Client(KeyValueCalls):
             if self.endpoint is not None:
                 self.endpoint.expect(self.topology)  # its processes, and only they, may connect to the endpoint
             if self._want_session:
-                self._session = Session(self, self._link, self._events.emit)
+                self._session = Session(self, self._link, self._events.emit,
+                                        bound_attach=self._link is self._connection)
                 self._session.start()
             if self.settings.preemption_signals:
                 self.report_preemption_on(self.settings.preemption_signals)
@@ -150,12 +152,14 @@ class Client(KeyValueCalls):
         return Endpoint(bind, advertise_host=local_address_toward(self.settings.coordinators) if wildcard else None,
                         token=self.settings.token, keys=keys)
 
-    def transfer_key(self, peer_process_id: int, timeout: float = 30.0) -> bytes:
-        """The key this process proves itself with to ``peer_process_id``'s transfer endpoint: one ``TransferKey``
-        call (the endpoint's ``TransferKeys`` caches it per peer; see ``ifrt.transfer_keys``)."""
-        return self._unary("TransferKey", lambda _: pb.TransferKeyRequest(
+    def transfer_key(self, peer_process_id: int, timeout: float = 30.0) -> PairKey:
+        """The key this process (its current incarnation, which the key binds) proves itself with to
+        ``peer_process_id``'s transfer endpoint: one ``TransferKey`` call (the endpoint's ``TransferKeys`` caches it
+        per peer; see ``ifrt.transfer_keys``)."""
+        answer = self._unary("TransferKey", lambda _: pb.TransferKeyRequest(
             client_uid=self.client_uid, peer_process_id=peer_process_id), time.monotonic() + timeout,
-            what=f"the transfer key toward process {peer_process_id}").key
+            what=f"the transfer key toward process {peer_process_id}")
+        return PairKey(answer.key, answer.incarnation)
 
     def wait_attached(self, timeout: float) -> bool:
         """Waits until the live session is attached (events flow); returns whether it is."""
@@ -233,6 +237,7 @@ class Client(KeyValueCalls):
         progress: Progress | None = None
         report = UnreachableReport(c)
         next_progress_line = 0.0
+        bound = f"the discovery timeout ({timeout:g} s, timeout= or {DISCOVERY_TIMEOUT_ENV})"
 
         def wait_s(remaining: float) -> float:  # answered a little before our deadline: the last answer names who
             # is missing; the first answer soon, so that a wait is said within seconds
@@ -248,7 +253,8 @@ class Client(KeyValueCalls):
 
         while True:  # not wait_for_ready: a coordinator that cannot be reached is said so, with the cause, at once
             response = self._link.call("Register", attempt, deadline, report=report, give_up=give_up,
-                                        timeout=lambda r: min(r, wait_s(r) + c.answer_slack_s), wait_for_ready=False)
+                                        timeout=lambda r: min(r, wait_s(r) + c.answer_slack_s), wait_for_ready=False,
+                                        bound=bound)
             if response.topology:
                 canonical = wire.decompress(response.encoding, response.topology)
                 topology = Topology(canonical, response.process_id, expected_fingerprint=response.fingerprint)
@@ -260,8 +266,8 @@ class Client(KeyValueCalls):
             if now >= next_progress_line:  # spaced: the short calls near the deadline do not each log a line
                 next_progress_line = now + c.poll_s
                 waiting.say(logging.WARNING if now - start >= c.warn_after_s else logging.INFO,
-                            "waiting for the topology from %s (%.0fs so far): %s", self._link.current(),
-                            now - start, progress.describe())
+                            "waiting for the topology from %s, %.0f s into %s: %s", self._link.current(),
+                            now - start, bound, progress.describe())
 
     def _withdraw(self) -> None:
         """Takes back the registration of a discover() that gave up, so a job is never completed (and published)

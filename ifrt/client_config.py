@@ -17,13 +17,15 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     # Give up a connection attempt after 2 s (gRPC's default: 20 s), so a replica whose host vanished (its SYNs
     # unanswered) does not hold a process back from the replica that took over.
     ("grpc.min_reconnect_backoff_ms", 2000),
-    # Notice a coordinator that vanished without closing the connection (host down, partition, stopped): ping after
-    # 5 s without hearing from it (its own pings, every half heartbeat timeout, count) and give up 10 s later,
-    # so a coordinator busy with a registration storm is not mistaken for a dead one. ping_timeout_ms is what
+    # Notice a connection that died without closing (coordinator host down, partition, stopped, or dropped by the
+    # coordinator during a link flap, its close lost): ping after 1 s without hearing from it (its own pings count;
+    # it allows one a second) and give up 1 s later, so that after a flap the process re-attaches within about a
+    # second of the link coming back, well inside the heartbeat timeout the coordinator allows its silence (acks
+    # come from gRPC's core, not from Python: a busy coordinator still answers them). ping_timeout_ms is what
     # gRPC's core waits for the ack; keepalive_timeout_ms alone leaves that at 60 s.
-    ("grpc.keepalive_time_ms", 5000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.http2.ping_timeout_ms", 1000),
     # One connection per client, as separate processes have; topologies of large clusters exceed 4 MiB.
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", MAX_TOPOLOGY_BYTES),

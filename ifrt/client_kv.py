@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,16 +29,26 @@ class KeyValueCalls:
     _session: Session | None
     _lock: threading.Lock
     _key_watchers: list[tuple[str, queue.Queue | KeyCalls]]
+    _calls_made = 0
+
+    def _request_id(self) -> str:
+        """The request id of a new call that changes the store: 1, 2, 3, ... in the order this client makes them, the
+        same on every retry of the call. Increasing, so that the coordinator refuses the retry of a call whose answer
+        it forgot (``coordinator.retries``) with a bounded record per client instead of applying it again."""
+        with self._lock:
+            self._calls_made += 1
+            return str(self._calls_made)
 
     if TYPE_CHECKING:
         def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0, *,
                    what: str = "", give_up: Callable[[IfrtError | None], IfrtError] | None = None) -> Any: ...
 
     def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
-        """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``). Exactly
-        once, also when the call is retried on another coordinator replica (a later write is never undone)."""
+        """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``). At most
+        once, also when the call is retried on another coordinator replica (a later write is never undone): a retry
+        whose answer the coordinator forgot (``--max-answer-bytes``) is refused, InvalidArgument, not applied."""
         request = pb.KeyValueSetRequest(client_uid=self.client_uid, key=key, value=bytes(value),
-                                        allow_overwrite=allow_overwrite, request_id=uuid.uuid4().hex)
+                                        allow_overwrite=allow_overwrite, request_id=self._request_id())
         self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout, what=f"setting key {key!r}")
 
     def kv_get(self, key: str, timeout: float) -> bytes:
@@ -91,17 +100,18 @@ class KeyValueCalls:
         if not items:
             return
         request = pb.KeyValueMultiSetRequest(client_uid=self.client_uid, allow_overwrite=allow_overwrite, entries=[
-            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items], request_id=uuid.uuid4().hex)
+            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items], request_id=self._request_id())
         self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout,
                     what=_keys("setting", [key for key, _ in items]))
 
     def kv_increment(self, key: str, amount: int = 1, timeout: float = 60.0) -> int:
         """Adds ``amount`` to the integer ``key`` holds (an unset key holds 0), atomically; returns the sum.
 
-        Exactly once, also when the call is retried on another coordinator replica. InvalidArgument if the key
-        holds something that is not a decimal integer."""
+        Exactly once, also when the call is retried on another coordinator replica (or, if the coordinator forgot
+        the answer of the call that reached it, InvalidArgument saying so: never applied twice). InvalidArgument if
+        the key holds something that is not a decimal integer."""
         request = pb.KeyValueIncrementRequest(client_uid=self.client_uid, key=key, amount=amount,
-                                              request_id=uuid.uuid4().hex)
+                                              request_id=self._request_id())
         return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout,  # the same request id
                            what=f"incrementing key {key!r}").value
 
@@ -109,9 +119,10 @@ class KeyValueCalls:
         """Sets ``key`` to ``desired`` if it holds ``expected`` (empty ``expected``: if it is unset), atomically, as
         torch's TCPStore does; returns what the key holds afterwards (None: it is unset).
 
-        Exactly once, also when the call is retried on another coordinator replica."""
+        Exactly once, also when the call is retried on another coordinator replica (or InvalidArgument, as for
+        ``kv_increment``)."""
         request = pb.KeyValueCompareSetRequest(client_uid=self.client_uid, key=key, expected=bytes(expected),
-                                               desired=bytes(desired), request_id=uuid.uuid4().hex)
+                                               desired=bytes(desired), request_id=self._request_id())
         response = self._unary("KeyValueCompareSet", lambda _: request, time.monotonic() + timeout,  # the same id
                                what=f"compare-and-set of key {key!r}")
         return response.value if response.found else None
@@ -121,7 +132,7 @@ class KeyValueCalls:
         Deleting a key that is not there is no error. Exactly once, also when the call is retried on another
         coordinator replica (a key set again after it is not deleted by its retry)."""
         request = pb.KeyValueDeleteRequest(client_uid=self.client_uid, key=key, prefix=prefix,
-                                           request_id=uuid.uuid4().hex)
+                                           request_id=self._request_id())
         response = self._unary("KeyValueDelete", lambda _: request, time.monotonic() + timeout,
                                what=f"deleting {'the keys under' if prefix else 'key'} {key!r}")
         return response.deleted

@@ -27,7 +27,7 @@ from ifrt.client_config import DEFAULTS, ClientConfig
 from ifrt.errors import CertificateRejected, CoordinatorUnavailable, IfrtError, TransportMismatch, from_rpc_error
 from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
 from ifrt.security import plain_channel, probe_transport, with_identity
-from ifrt.settings import Settings, failover_window
+from ifrt.settings import FAILOVER_WINDOW_ENV, Settings, failover_window
 
 
 class Backoff:
@@ -159,7 +159,7 @@ class Connection:
     def call(self, method: str, request: Callable[[float], Message], deadline: float, *, slack: float = 0.0,
              timeout: Callable[[float], float] | None = None, report: UnreachableReport | None = None,
              give_up: Callable[[IfrtError | None], IfrtError] | None = None, wait_for_ready: bool | None = None,
-             failover: bool = False, what: str = "") -> Any:
+             failover: bool = False, what: str = "", bound: str = "") -> Any:
         """Calls ``method`` with ``request(seconds the coordinator may wait)``, retrying what retrying can fix until
         ``deadline``.
 
@@ -173,17 +173,25 @@ class Connection:
         its own deadline; the time without a leader does not count against the coordinator's wait (each later
         attempt asks for what was left of it when the leader was lost), and a deadline later than the window still
         bounds the whole call. Past the window, CoordinatorUnavailable names ``what`` was waited for, the window and
-        the replicas tried."""
+        the replicas tried.
+
+        While it retries, ``report`` says (paced) why no replica answers and which bound the call counts against:
+        ``bound`` (the call's own, e.g. "the discovery timeout (300 s)"; default: the timeout of ``what``), or the
+        failover window once that is what keeps the call going."""
         last_error: IfrtError | None = None
         lost_since: float | None = None  # when an attempt first went unanswered: no replica has answered since
         report = report or UnreachableReport(self.config)
         single = len(self.settings.coordinators) == 1
+        own = bound or f"the {max(0.0, deadline - time.monotonic()):.0f} s timeout of {what or method}"
         while True:
             now = time.monotonic()
             ends, wait = deadline, deadline - now
+            report.bound = own
             if failover and lost_since is not None:
                 ends = max(deadline, lost_since + self.failover_window_s)
                 wait = min(max(0.0, deadline - lost_since), ends - now)
+                if ends > deadline:
+                    report.bound = self.window
             if now >= ends:
                 break
             target = self.current()
@@ -203,12 +211,16 @@ class Connection:
             raise self.leaderless(what or method, time.monotonic() - lost_since, last_error)
         raise (give_up or partial(self.unavailable, method))(last_error)
 
+    @property
+    def window(self) -> str:
+        """The failover window as lines and errors name it: ``the failover window (30 s, IFRT_FAILOVER_WINDOW)``."""
+        return f"the failover window ({self.failover_window_s:g} s, {FAILOVER_WINDOW_ENV})"
+
     def leaderless(self, what: str, waited: float, last_error: IfrtError) -> CoordinatorUnavailable:
         """What a call that rode out a failover raises when no replica took over within the failover window."""
         return CoordinatorUnavailable(
-            f"{what}: no coordinator replica answered as the leader for {waited:.1f}s, longer than a failover may take "
-            f"(the failover window, {self.failover_window_s:g}s; IFRT_FAILOVER_WINDOW sets it); replicas tried: "
-            f"{self.where}; last error: {last_error}")
+            f"{what}: no coordinator replica answered as the leader for {waited:.1f}s, longer than a failover may "
+            f"take: {self.window}; replicas tried: {self.where}; last error: {last_error}")
 
     def unavailable(self, method: str, last_error: IfrtError | None) -> CoordinatorUnavailable:
         """What a call of ``method`` that ran out of time raises by default."""

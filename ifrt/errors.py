@@ -212,6 +212,11 @@ class TransferError(IfrtError):
     status = "DATA_LOSS"
 
 
+class OldIncarnation(TransferError):
+    """A frame from an incarnation of its process that was replaced or declared failed: refused, its connection
+    closed; the receives from that process are not failed (its current incarnation may be sending)."""
+
+
 class TransferTimeout(TransferError, TimeoutError):
     """Nothing arrived from the named device within the timeout."""
 

@@ -59,6 +59,9 @@ class UnreachableReport:
         self._pacer: Pacer | None = None
         self.cause: str | None = None
         """The latest cause seen (kept after the coordinator answers, for a final error)."""
+        self.bound = ""
+        """The bound the retrying call counts against, as its lines name it ("the failover window (30 s,
+        IFRT_FAILOVER_WINDOW)", "the discovery timeout (300 s)"); set by ``Connection.call``."""
 
     def failed(self, target: str, cause: str, deadline: float, *, reached: bool = False) -> None:
         """Notes one failed attempt on ``target`` (``reached``: it answered, but not as a serving leader); says so
@@ -71,7 +74,9 @@ class UnreachableReport:
             return
         level = logging.WARNING if self._pacer.waited(now) >= self._config.warn_after_s else logging.INFO
         what = "no serving coordinator at" if reached else "cannot reach"
-        waiting.say(level, "%s %s: %s (retrying for %.0f s more)", what, target, cause, max(0.0, deadline - now))
+        bound = f": {self.bound}" if self.bound else ""
+        waiting.say(level, "%s %s: %s (retrying for %.0f s more%s)", what, target, cause, max(0.0, deadline - now),
+                    bound)
 
     def reached(self) -> None:
         """A coordinator answered: the next outage is reported afresh."""

@@ -5,6 +5,15 @@ Liveness rides on the session's connection: the coordinator and this process pin
 Heartbeat as often as the coordinator's ``attached`` answer asks (a few times per heartbeat timeout), so that a
 process that stops answering (hung, stopped) shows as slow well before its connection is dropped.
 
+After a lost stream the session re-attaches to whichever replica leads, and every wait on the way is bounded: a
+stream that a replica neither answers nor refuses (hung, cut off, its host gone without a word) is given up after
+``attach_bound`` (half the coordinator's heartbeat timeout, 1 to 10 s) and the next replica is tried, so one silent
+replica costs a process at most that much of the grace a new leader gives it to re-attach. Nothing ends the loop but
+``close()`` or the coordinator's word that this process was declared failed: an unexpected error is said and the
+stream opened again. What the session prints while it is lost goes through ``ifrt.waiting`` (the ``ifrt:`` prefix
+without logging set up), each line naming the bound it counts against: the failover window (``IFRT_FAILOVER_WINDOW``),
+the attach bound, or the discovery timeout of a re-registration.
+
 A key watch lapses when changes under it may have been missed: the stream ended, or (through an ``ifrt run`` agent)
 the agent's own session with the coordinator broke (``watch_lapsed``). Its ``Watch`` is cleared until the prefix is
 watched again, and its lapse callbacks are called: a view built on pushes (``ifrt.pushed``) ends and reads instead.
@@ -16,12 +25,13 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import grpc
 
-from ifrt import wholeness, wire
+from ifrt import waiting, wholeness, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import IfrtError, ProcessDeclaredFailed, StaleSession, UnknownClient
@@ -37,9 +47,21 @@ from ifrt.events import (
 from ifrt.protocol import NO_HEARTBEATS_MS
 from ifrt.settings import session_gate
 from ifrt.topology import Topology
+from ifrt.waiting import Pacer
 
 log = logging.getLogger("ifrt.client")
 HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat())
+ATTACH_BOUND_S = (1.0, 10.0)
+"""The least and the most one session stream may wait for the coordinator's ``attached`` answer (``attach_bound``)."""
+
+
+def attach_bound(heartbeat_timeout_s: float | None) -> float:
+    """How long one session stream to a replica may go without the coordinator's ``attached`` answer before the session
+    gives it up and tries the next replica: half the coordinator's heartbeat timeout (as its last Attached said), within
+    ``ATTACH_BOUND_S``; the most before any answer. A serving replica answers at once; one that neither answers nor
+    refuses (hung, cut off) would otherwise hold the session until the connection's keepalive gives up on it."""
+    least, most = ATTACH_BOUND_S
+    return most if heartbeat_timeout_s is None else min(most, max(least, heartbeat_timeout_s / 2))
 
 
 class SessionOwner(Protocol):
@@ -94,13 +116,20 @@ class Watch(threading.Event):
 class Session:
     """Runs in its own daemon thread; hands every event to ``emit`` and topology changes to its owner."""
 
-    def __init__(self, owner: SessionOwner, connection: Connection, emit: Callable[[Event], None]) -> None:
+    def __init__(self, owner: SessionOwner, connection: Connection, emit: Callable[[Event], None], *,
+                 bound_attach: bool = True) -> None:
+        """``bound_attach``: give up a stream not answered within ``attach_bound`` (a direct link to the coordinator;
+        not through an ``ifrt run`` agent, which holds a worker's stream open while its own reconnects)."""
         self._owner = owner
         self._connection = connection
+        self._bound_attach = bound_attach
         self._emit = wholeness.assembling(emit, lambda: owner.topology)  # JobWhole after a replacement
         self._closed = threading.Event()
         self._call: grpc.Future | None = None
         self._lost = False
+        self._lost_since: float | None = None  # when the session was lost (monotonic), until it is attached again
+        self._lost_reason = ""  # the latest reason a stream ended or was refused while lost
+        self._said: Pacer | None = None  # when the next line about a lasting loss is due
         self.attached = threading.Event()
         """Set while the coordinator has acknowledged this session."""
         self._watch_lock = threading.Lock()
@@ -144,10 +173,17 @@ class Session:
                 pass
             target = self._connection.current()
             stream_done = threading.Event()
+            unanswered = threading.Event()  # set when the attach bound gave this stream up
             outbox: queue.Queue = queue.Queue()
+            timer: threading.Timer | None = None
             try:
-                self._call = self._connection.stub(target).Session(self._requests(stream_done, outbox))
-                for event in self._call:  # type: ignore[attr-defined]
+                call = self._call = self._connection.stub(target).Session(self._requests(stream_done, outbox))
+                if self._bound_attach:
+                    bound = attach_bound(self.heartbeat_timeout_s)
+                    timer = threading.Timer(bound, self._give_up_unanswered, (call, stream_done, unanswered))
+                    timer.daemon = True
+                    timer.start()
+                for event in call:  # type: ignore[attr-defined]
                     self._handle(event, target)
                 if not self._closed.is_set():
                     self._lose("the coordinator closed the session")
@@ -155,28 +191,53 @@ class Session:
                 if self._closed.is_set():
                     break
                 error = e if isinstance(e, IfrtError) else self._connection.error_of(e, target)
-                if isinstance(error, UnknownClient | StaleSession):
+                if unanswered.is_set():
+                    reason = (f"coordinator {target} did not answer the session within {bound:g} s (the attach bound: "
+                              f"half the coordinator's heartbeat timeout, {ATTACH_BOUND_S[0]:g} to "
+                              f"{ATTACH_BOUND_S[1]:g} s)")
+                    if self._lost:  # else the loss itself says it
+                        waiting.say(logging.INFO, "%s: trying the next replica", reason)
+                    self._lose(reason)
+                elif isinstance(error, UnknownClient | StaleSession):
                     self._lapse()
+                    within = f" (within the discovery timeout, {self._connection.settings.timeout:g} s)"
                     if isinstance(error, StaleSession):
                         log.info("this process's registration belongs to an ended run or attempt of the job (%s): "
-                                 "registering again", error)
+                                 "registering again%s", error, within)
                     else:
-                        log.warning("coordinator %s does not know this process (restarted?): registering again",
-                                    target)
+                        waiting.say(logging.WARNING, "coordinator %s does not know this process (restarted?): "
+                                    "registering again%s", target, within)
                     self._rejoin()
                     continue
-                if isinstance(error, ProcessDeclaredFailed):
+                elif isinstance(error, ProcessDeclaredFailed):
                     self._emit(ProcessFailed(self._owner.process_id, str(error)))
                     break
-                self._lose(str(error))
+                else:
+                    self._lose(str(error))
+            except Exception as e:  # never the end of the session: said, and the stream opened again
+                if self._closed.is_set():
+                    break
+                if not self._lost:  # the traceback once per loss; the line below says it each time it is due
+                    log.exception("the session with coordinator %s failed unexpectedly", target)
+                self._lose(f"the session with coordinator {target} failed unexpectedly: {type(e).__name__}: {e}")
             finally:
+                if timer is not None:
+                    timer.cancel()
                 stream_done.set()
                 outbox.put(None)  # ends the request stream at once
                 self.attached.clear()
                 self._lapse()
-            if self._lost:
+            if self._lost and not self._closed.is_set():
                 self._connection.rotate(target)
+                self._say_still_lost()
                 self._closed.wait(self._connection.backoff.next())
+
+    def _give_up_unanswered(self, call: grpc.Future, stream_done: threading.Event, unanswered: threading.Event) -> None:
+        """The attach bound passed: a stream still without the coordinator's answer is cancelled, and the loop moves on
+        to the next replica."""
+        if not stream_done.is_set() and not self.attached.is_set() and not self._closed.is_set():
+            unanswered.set()
+            call.cancel()
 
     def _requests(self, stream_done: threading.Event, outbox: queue.Queue) -> Iterator[pb.SessionRequest]:
         generation = self._owner.topology.generation if self._owner.topology else 0
@@ -214,7 +275,12 @@ class Session:
             self._connection.answered(target)
             if self._lost:
                 self._lost = False
-                log.warning("session with coordinator %s restored", target)
+                if self._lost_since is not None:  # not after an ended attempt: that said so itself
+                    waited = time.monotonic() - self._lost_since
+                    window = self._connection.failover_window_s
+                    waiting.say(logging.WARNING, "session re-attached to coordinator %s after %.1f s, %s %s", target,
+                                waited, "within" if waited <= window else "past", self._connection.window)
+                self._lost_since, self._said = None, None
                 self._emit(CoordinatorRestored(target))
         elif kind == "process_failed":
             self._emit(ProcessFailed(event.process_failed.process_id, event.process_failed.reason))
@@ -252,8 +318,8 @@ class Session:
 
     def _catch_up(self, snapshot: pb.EventSnapshot) -> None:
         """The coordinator no longer holds the events this session missed: each process's state stands for them."""
-        log.warning("the coordinator's event history no longer reaches back to the last event this process "
-                    "received: catching up from each process's state as of event %d", self.position)
+        waiting.say(logging.WARNING, "the coordinator's event history no longer reaches back to the last event this "
+                    "process received: catching up from each process's state as of event %d", self.position)
         missed: list[Event] = [ProcessFailed(e.process_id, e.reason) for e in snapshot.failed]
         missed += [ProcessLeft(e.process_id) for e in snapshot.left]
         missed += [ProcessRestarted(e.process_id, e.incarnation) for e in snapshot.restarted]
@@ -280,8 +346,29 @@ class Session:
                 log.info("attempt %d of the job ended and attempt %d starts: this process's agent (ifrt run) "
                          "stops it and starts it again", *attempts)
             else:
-                log.warning("lost the coordinator: %s; reconnecting", reason)
+                self._lost_since = time.monotonic()
+                config = self._connection.config
+                self._said = Pacer(config.unreachable_report_every_s, config.unreachable_report_every_s)
+                waiting.say(logging.WARNING, "lost the coordinator: %s; re-attaching to the replica of %s that "
+                            "leads, for a takeover as long as %s", reason, self._connection.where,
+                            self._connection.window)
             self._emit(CoordinatorLost(reason))
+        self._lost_reason = reason
+
+    def _say_still_lost(self) -> None:
+        """While the session stays lost, a line every few seconds: how long, against the failover window, and why the
+        last try failed (a refusal repeated on every try is said, not retried in silence)."""
+        if self._said is None or self._lost_since is None or not self._said.due():
+            return
+        waited = time.monotonic() - self._lost_since
+        window = self._connection.failover_window_s
+        if waited <= window:
+            waiting.say(logging.INFO, "the session is not re-attached yet after %.0f s of %s; trying %s; last: %s",
+                        waited, self._connection.window, self._connection.where, self._lost_reason)
+        else:
+            waiting.say(logging.WARNING, "the session is not re-attached after %.0f s, past %s: no replica of %s has "
+                        "taken it back; still trying, about once a second; last: %s", waited, self._connection.window,
+                        self._connection.where, self._lost_reason)
 
     def _rejoin(self) -> None:
         try:

@@ -30,6 +30,7 @@ LOCAL_RANK_ENV = "IFRT_LOCAL_RANK"  # "0"; orders processes of one host when ids
 LOCAL_WORLD_SIZE_ENV = "IFRT_LOCAL_WORLD_SIZE"  # "8"; processes on this host (plugins split devices by it)
 CLUSTER_ID_ENV = "IFRT_CLUSTER_ID"  # unset: join whatever cluster the coordinator serves
 TRANSFER_BIND_ENV = "IFRT_TRANSFER_BIND"  # "0.0.0.0:9000"; unset: an ephemeral port on this host's address
+TRANSFER_FDS_ENV = "IFRT_TRANSFER_FDS"  # "127.0.0.1:34911=5": `ifrt run`'s listening sockets a worker adopts
 TOKEN_ENV = "IFRT_TOKEN"  # the cluster's shared secret itself (prefer IFRT_TOKEN_FILE: environments leak)
 TOKEN_FILE_ENV = "IFRT_TOKEN_FILE"  # "/run/secrets/ifrt-token": a file holding the token
 TLS_CA_ENV = "IFRT_TLS_CA"  # "/etc/ifrt/ca.pem": trust the coordinator's certificate through this CA (turns TLS on)

@@ -18,11 +18,22 @@ peer has ``HANDSHAKE_TIMEOUT_S`` from its connection to its first frame, at most
 in their handshake (a newer one closes the oldest), and running out of descriptors pauses accepting instead of ending
 it. Repeated refusals are counted, not each logged.
 
+Incarnations (``ifrt.transfer_keys``): a keyed connection proves which incarnation of its process it is. The endpoint
+keeps, per process, the oldest incarnation it still accepts, raised by what the job's events say (``heard``: a
+process restarted or replaced, a process declared failed) and by a proven hello of a later incarnation; raising it
+closes that process's connections from older incarnations at once, and refuses their handshakes and any frame they
+still send, each counted (``fenced``) and logged. A process told that it was itself declared failed sends nothing
+more (``Channels.send`` raises), and a sender drops its connection to a peer that was replaced or declared failed.
+
 What a connection sends is checked frame by frame: each frame's source device must be a device of the connection's
 process, its destination one of this process's devices, its header well formed (dtype, shape, length). A frame that
 breaks this fails that connection alone, at once: it is closed, logged (rate-limited), and the receives from its
 process fail at once, naming their pair, until the process connects again (``ifrt.arrivals``). What the endpoint
 holds for receives not made yet is bounded in bytes (``max_held_bytes``, 1 GiB by default).
+
+Under ``ifrt run`` the agent binds each worker's port once and keeps it listening; a worker's endpoint adopts that
+socket (``IFRT_TRANSFER_FDS``, ``adopted_listener``) instead of binding the address again, so nothing can take the
+port between the agent's pick and the worker's endpoint, nor between a worker and its restart.
 """
 
 from __future__ import annotations
@@ -32,23 +43,27 @@ import errno
 import logging
 import math
 import numbers
+import os
 import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from ifrt.arrivals import MAX_HELD_BYTES, Arrivals
-from ifrt.errors import IfrtError, InvalidArgument, TransferError, TransferTimeout
+from ifrt.errors import IfrtError, InvalidArgument, OldIncarnation, TransferError, TransferTimeout
+from ifrt.events import JobWhole, ProcessFailed, ProcessRestarted
 from ifrt.frames import ALLOWED_KINDS, ARRAY, HEADER, connect, encode_header, read_header, read_payload
 from ifrt.hostport import check_address, check_host, join_host_port, split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.ratelimit import Throttled
+from ifrt.settings import TRANSFER_FDS_ENV
 from ifrt.transfer_handshake import Admitted, Doorman, introduce
-from ifrt.transfer_keys import TransferKeys
+from ifrt.transfer_keys import PairKey, TransferKeys
 
 if TYPE_CHECKING:
     from ifrt.topology import Topology
@@ -65,6 +80,18 @@ _OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 RECV_TIMEOUT_S = 60.0
 """How long a receive waits when not told (``timeout=None``): no wait is unbounded."""
 
+
+
+@dataclass(frozen=True)
+class Fenced:
+    """What an endpoint refused of old incarnations (processes replaced or declared failed) since it was bound."""
+
+    connections: int = 0
+    """Admitted connections it closed once it learnt that their incarnation was replaced or had failed."""
+    handshakes: int = 0
+    """Handshakes it refused that proved an old incarnation's pair key."""
+    frames: int = 0
+    """Frames it refused from an old incarnation (read before its connection's close took effect)."""
 
 
 def wait_seconds(timeout: float | None, default: float) -> float:
@@ -96,8 +123,12 @@ class Endpoint:
         self.keys = keys
         self.handshake_timeout = handshake_timeout
         host, port = split_host_port(bind)
+        with Endpoint._bound_lock:
+            adopted = None if bind in Endpoint._bound else adopted_listener(bind, int(port))
+        self._adopted = adopted is not None
+        """Whether the listener is a socket ``ifrt run``'s agent handed this process (it keeps it listening)."""
         try:
-            self._listener = socket.create_server((host, int(port)), backlog=128)
+            self._listener = adopted or socket.create_server((host, int(port)), backlog=128)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot bind the transfer endpoint to {bind!r}: {e}") from e
         self.address = join_host_port(advertise_host or host, self._listener.getsockname()[1])
@@ -106,12 +137,18 @@ class Endpoint:
         self._topology_known = threading.Condition(self._lock)
         self._topology: Topology | None = None
         self._local: frozenset[int] = frozenset()  # this process's device ids in that topology
-        self._peers: set[socket.socket] = set()  # admitted connections; each leaves when it closes
+        self._peers: dict[socket.socket, Admitted] = {}  # admitted connections; each leaves when it closes
+        self._floor: dict[int, int] = {}  # process -> the oldest incarnation accepted from it (absent: any)
+        self._heard: dict[int, int] = {}  # process -> its incarnation as the job's events told it (absent: 0)
+        self._fences: dict[int, int] = {}  # process -> how often its floor rose (a sender's connection is older)
+        self._fenced = Fenced()
+        self.declared_failed: str | None = None
+        """Why the coordinator declared this process failed, once it was told (then it sends no more frames)."""
         self._handshaking: dict[socket.socket, None] = {}  # connections in their handshake, oldest first
         self._max_handshakes = MAX_HANDSHAKES
         self._noisy = Throttled(log)
         self._doorman = Doorman(auth_key=self.auth_key, keys=keys, timeout=handshake_timeout, noisy=self._noisy,
-                                topology=self._wait_topology, hung_up=self._hung_up)
+                                topology=self._wait_topology, hung_up=self._hung_up, fenced=self._old)
         self._closed = False
         threading.Thread(target=self._accept, name=f"ifrt-transfer-accept-{self.address}", daemon=True).start()
         with Endpoint._bound_lock:
@@ -139,12 +176,83 @@ class Endpoint:
             first, self._topology = self._topology is None, topology
             self._local = frozenset(d.id for d in topology.local_devices)
             self._topology_known.notify_all()
+            members = {p.process_id for p in topology.processes}
+            gone = [conn for conn, a in self._peers.items() if a.process not in members]
+        for conn in gone:  # a process the new generation dropped sends nothing more
+            _hang_up(conn)
         # Said once the endpoint serves a job, not by a discovery that failed; INFO: the coordinator, which has no
         # token either (else this process could not have registered), warns the operator once for the whole job.
         if first and self.auth_key is None and self.keys is None:
             log.info("transfers to %s are unauthenticated (no cluster token): any process that can reach this "
                         "port from a member's address can send to this process; set IFRT_TOKEN (the coordinator's "
                         "--token-file) to require the token", self.address)
+
+    @property
+    def topology(self) -> Topology | None:
+        """The newest topology this endpoint serves (None before the first)."""
+        with self._lock:
+            return self._topology
+
+    def heard(self, event: object) -> None:
+        """Fences what a job event says is gone (a ``Client`` hands it every event): a process restarted or replaced
+        (its older incarnations), a process declared failed (the incarnation the events last named, so a replacement
+        that proved itself first is kept); this process itself declared failed: it sends no more frames."""
+        if isinstance(event, JobWhole):
+            for restarted in event.replaced:
+                self.heard(restarted)
+        elif isinstance(event, ProcessRestarted):
+            with self._lock:
+                self._heard[event.process_id] = max(self._heard.get(event.process_id, 0), event.incarnation)
+            self.fence(event.process_id, event.incarnation, f"it was replaced by its incarnation {event.incarnation}")
+        elif isinstance(event, ProcessFailed):
+            with self._lock:
+                own = self._topology is not None and event.process_id == self._topology.process_id
+                failed = self._heard.get(event.process_id, 0)
+                if own:
+                    self.declared_failed = event.reason or "declared failed"
+            if not own:
+                self.fence(event.process_id, failed + 1, f"its incarnation {failed} was declared failed")
+
+    def fence(self, process: int, incarnation: int, why: str) -> None:
+        """Accepts nothing more from incarnations of ``process`` older than ``incarnation``: their connections are
+        closed now (counted in ``fenced``, logged), their handshakes and frames refused from now on."""
+        with self._lock:
+            if incarnation <= self._floor.get(process, 0):
+                return
+            self._floor[process] = incarnation
+            self._fences[process] = self._fences.get(process, 0) + 1
+            old = [conn for conn, a in self._peers.items()
+                   if a.process == process and a.incarnation is not None and a.incarnation < incarnation]
+            self._fenced = replace(self._fenced, connections=self._fenced.connections + len(old))
+        for conn in old:
+            _hang_up(conn)
+        if old:
+            self._noisy.warning("old incarnation", "closed %d transfer connection(s) from an old incarnation of "
+                                "process %d (older than %d): %s", len(old), process, incarnation, why)
+
+    @property
+    def fenced(self) -> Fenced:
+        """What this endpoint refused of old incarnations so far."""
+        with self._lock:
+            return self._fenced
+
+    def fences_of(self, process: int) -> int:
+        """How often the oldest incarnation accepted from ``process`` rose: a connection to it made before is
+        older than the process it reaches (``Channels`` drops it)."""
+        return self._fences.get(process, 0)
+
+    def _old(self, process: int, incarnation: int) -> str | None:
+        """Why a hello proving ``incarnation`` of ``process`` is refused (an older one than accepted), or None (a
+        later one than known raises the floor: the coordinator hands its key only to an id's current incarnation)."""
+        floor = self._floor.get(process, 0)
+        if incarnation < floor:
+            with self._lock:
+                self._fenced = replace(self._fenced, handshakes=self._fenced.handshakes + 1)
+            return (f"process {process} is at incarnation {floor} or later here (it was replaced or declared "
+                    "failed)")
+        if incarnation > floor:
+            self.fence(process, incarnation, f"its incarnation {incarnation} proved itself")
+        return None
 
     @property
     def open_connections(self) -> int:
@@ -170,14 +278,19 @@ class Endpoint:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            peers, self._peers = [*self._peers, *self._handshaking], set()
+            peers, self._peers = [*self._peers, *self._handshaking], {}
             self._handshaking = {}
             self._topology_known.notify_all()  # a handshake waiting for the topology ends now
         self._noisy.flush()
         with Endpoint._bound_lock:
             Endpoint._bound.pop(self.address, None)
         with contextlib.suppress(OSError):  # wakes the accepting thread; close alone leaves the port accepting once
-            self._listener.shutdown(socket.SHUT_RDWR)
+            if self._adopted:  # shared with the agent, which keeps it for the next worker: woken by a connection
+                host, port = self._listener.getsockname()[:2]
+                here = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind: its loopback
+                socket.create_connection((here, port), timeout=1).close()
+            else:
+                self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         for peer in peers:
             with contextlib.suppress(OSError):  # wakes its reading thread, which closes it
@@ -245,7 +358,10 @@ class Endpoint:
                 if admitted is None or conn not in self._handshaking:  # refused, or closed meanwhile as the oldest
                     return
                 del self._handshaking[conn]
-                self._peers.add(conn)
+                if admitted.incarnation is not None and admitted.incarnation < self._floor.get(admitted.process, 0):
+                    self._fenced = replace(self._fenced, connections=self._fenced.connections + 1)
+                    return  # fenced while its handshake ended
+                self._peers[conn] = admitted
             if admitted.carries_frames:
                 self._arrivals.admitted(admitted.process, conn, lambda: _hang_up(conn))
             self._read(conn, admitted)
@@ -257,16 +373,22 @@ class Endpoint:
                 self._arrivals.closed(admitted.process, conn)
             with self._lock:
                 self._handshaking.pop(conn, None)
-                self._peers.discard(conn)
+                self._peers.pop(conn, None)
             conn.close()
 
     def _read(self, conn: socket.socket, admitted: Admitted) -> None:
         """Frames from an admitted connection until it closes cleanly; TransferError at the first bad one."""
-        process, expected = admitted.process, {}
+        process, incarnation, expected = admitted.process, admitted.incarnation, {}
+        floors = self._floor
         while True:
             if not conn.recv(HEADER.size, socket.MSG_PEEK):
                 return  # a clean close between frames
             header = read_header(conn, hello=False)
+            if incarnation is not None and incarnation < floors.get(process, 0):
+                with self._lock:
+                    self._fenced = replace(self._fenced, frames=self._fenced.frames + 1)
+                raise OldIncarnation(f"frame {header.seq} from an old incarnation of process {process} (incarnation "
+                                     f"{incarnation}; it was replaced or declared failed): refused, connection closed")
             if not admitted.carries_frames:
                 raise TransferError(f"a frame on a connection that did not prove process {process}'s transfer key "
                                     "(a token or address hello, as a pre-flight probe sends): closed")
@@ -303,6 +425,9 @@ class Endpoint:
                 self._noisy.warning("handshake", "closed a transfer connection from %s in its handshake: %s", peer,
                                     why)
             return
+        if isinstance(e, OldIncarnation):  # not its process's failure: the current incarnation may be sending
+            self._noisy.warning("old incarnation", "closed a transfer connection from %s: %s", peer, e)
+            return
         prefix = f"transfer from process {admitted.process} failed: "
         error = e if isinstance(e, TransferError) and why.startswith(prefix) else TransferError(prefix + why)
         if admitted.carries_frames:
@@ -335,6 +460,7 @@ class Channels:
         self.recv_timeout = wait_seconds(recv_timeout, RECV_TIMEOUT_S)
         """How long ``recv`` waits when called without a timeout."""
         self._out: dict[int, socket.socket] = {}
+        self._out_fences: dict[int, int] = {}  # process -> the endpoint's fences_of(process) when connected
         self._out_locks: dict[int, threading.Lock] = {}  # process -> held while a frame is numbered and written
         self._seq: dict[tuple[int, int], int] = {}
         self._local: dict[tuple[int, int], queue.Queue] = {}
@@ -351,6 +477,10 @@ class Channels:
         if dst.process_id == self.topology.process_id:
             self._local_queue(src, dst.id).put(array.copy())
             return
+        if (why := self.endpoint.declared_failed) is not None:
+            raise TransferError(f"not sending to device {dst.id}: the coordinator declared this process (process "
+                                f"{self.topology.process_id}) failed, so its peers refuse its frames ({why}); restart "
+                                "it")
         with self._lock:
             lock = self._out_locks.setdefault(dst.process_id, threading.Lock())
         with lock:  # number and write in one step: a frame numbered later never reaches the wire first
@@ -416,9 +546,16 @@ class Channels:
 
     def _connection(self, process_id: int) -> socket.socket:
         sock = self._out.get(process_id)
+        fences = self.endpoint.fences_of(process_id)
         if sock is not None:
-            return sock
-        address = self.topology.process(process_id).address
+            if self._out_fences.get(process_id) == fences:
+                return sock
+            self._drop(process_id)  # made to an incarnation that was replaced or declared failed since
+            if self.endpoint.keys is not None:
+                self.endpoint.keys.forget(process_id)
+        newest = self.endpoint.topology
+        topology = newest if newest is not None and newest.generation > self.topology.generation else self.topology
+        address = topology.process(process_id).address
         if not address:
             raise TransferError(f"process {process_id} advertised no transfer endpoint")
         keys, token = self.endpoint.keys, self.endpoint.auth_key
@@ -449,9 +586,10 @@ class Channels:
         sock.settimeout(None)
         with self._lock:
             self._out[process_id] = sock
+            self._out_fences[process_id] = fences
         return sock
 
-    def _key(self, keys: TransferKeys, process_id: int) -> bytes:
+    def _key(self, keys: TransferKeys, process_id: int) -> PairKey:
         """K(this process -> ``process_id``), from the cache or the coordinator."""
         try:
             return keys.outgoing(process_id)
@@ -467,6 +605,43 @@ class Channels:
                 del self._seq[pair]
         if sock is not None:
             sock.close()
+
+
+def adopted_listener(bind: str, port: int, environ: Mapping[str, str] | None = None) -> socket.socket | None:
+    """A duplicate of the listening socket ``ifrt run`` handed this process for ``bind`` (``IFRT_TRANSFER_FDS``:
+    ``address=descriptor,...``), or None when it handed none; InvalidArgument for a malformed value. A descriptor that
+    is not (or no longer: a launcher in between closed it) a listening TCP socket on ``port`` is skipped, logged."""
+    value = (os.environ if environ is None else environ).get(TRANSFER_FDS_ENV, "").strip()
+    if not value:
+        return None
+    handed: dict[str, int] = {}
+    for entry in value.split(","):
+        address, sep, fd = entry.strip().rpartition("=")
+        if not sep or not address or not fd.isdigit():
+            raise InvalidArgument(f"{TRANSFER_FDS_ENV}={value!r}: entry {entry!r} is not address=descriptor "
+                                  "(expected e.g. '127.0.0.1:34911=5', as `ifrt run` sets it)")
+        handed[address] = int(fd)
+    if bind not in handed:
+        return None
+    fd = None
+    try:
+        fd = os.dup(handed[bind])
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        if fd is not None:
+            os.close(fd)
+        log.warning("%s names descriptor %d for %s, which is not an open socket here (%s): binding %s instead",
+                    TRANSFER_FDS_ENV, handed[bind], bind, e, bind)
+        return None
+    listening = (sock.type == socket.SOCK_STREAM and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                 and sock.getsockname()[1] == port)
+    if not listening:
+        sock.close()
+        log.warning("%s names descriptor %d for %s, which is not a socket listening on port %d: binding %s instead",
+                    TRANSFER_FDS_ENV, handed[bind], bind, port, bind)
+        return None
+    sock.setblocking(True)
+    return sock
 
 
 def _hang_up(conn: socket.socket) -> None:

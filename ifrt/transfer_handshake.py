@@ -3,10 +3,12 @@
 The connecting process i sends a HELLO naming itself and the endpoint's process j. Its sequence field says how it
 proves it (``ifrt.frames``):
 
-- KEYED (an endpoint with transfer keys, i.e. made by a ``Client``): j sends a random challenge; i answers with
-  ``hello_proof(K(i -> j), challenge, i, j)`` (``ifrt.transfer_keys``), which only process i (and the coordinator)
-  can compute; j checks it in constant time and answers ADMITTED or REFUSED (i then fetches its key again once: j
-  may have restarted with a new secret). Only such a connection carries frames into an endpoint with keys.
+- KEYED (an endpoint with transfer keys, i.e. made by a ``Client``): j sends a random challenge; i answers with its
+  incarnation n (4 bytes) and ``hello_proof(K(i -> j, n), challenge, i, j)`` (``ifrt.transfer_keys``), which only
+  incarnation n of process i (and the coordinator) can compute; j checks it in constant time, then checks n against
+  the latest incarnation of i it knows (``fence``: from the job's events, and from earlier proven hellos), and answers
+  ADMITTED or REFUSED (i then fetches its key again once: j may have restarted with a new secret; an old incarnation
+  of i is refused that key by the coordinator). Only such a connection carries frames into an endpoint with keys.
 - PLAIN (an endpoint without keys: a bare ``Endpoint``/``Channels`` used without a client; and pre-flight probes):
   with the cluster's token, j challenges i to prove it holds the token; without one, i must connect from the address
   process i advertised. Into an endpoint with keys such a connection is a probe: admitted, but any frame on it closes
@@ -41,7 +43,7 @@ from ifrt.frames import (
 )
 from ifrt.hostport import split_host_port
 from ifrt.ratelimit import Throttled
-from ifrt.transfer_keys import TransferKeys, hello_proof
+from ifrt.transfer_keys import INCARNATION, PairKey, TransferKeys, hello_proof
 
 if TYPE_CHECKING:
     from ifrt.topology import Topology
@@ -54,6 +56,8 @@ class Admitted(NamedTuple):
     carries_frames: bool
     proven: bool
     """Whether it proved the process's own pair key (not only the token or an address)."""
+    incarnation: int | None = None
+    """The incarnation of the process its pair key proved (None: not proven by a key)."""
 
 
 class Doorman:
@@ -61,10 +65,12 @@ class Doorman:
     counted when repeated)."""
 
     def __init__(self, *, auth_key: bytes | None, keys: TransferKeys | None, timeout: float, noisy: Throttled,
-                 topology: Callable[[float], Topology | None], hung_up: Callable[[socket.socket], bool]) -> None:
+                 topology: Callable[[float], Topology | None], hung_up: Callable[[socket.socket], bool],
+                 fenced: Callable[[int, int], str | None] = lambda process, incarnation: None) -> None:
         self.auth_key, self.keys, self.timeout, self._noisy = auth_key, keys, timeout, noisy
         self._topology = topology  # waits until the deadline (monotonic) for the endpoint's topology
         self._hung_up = hung_up  # whether the endpoint closed the connection meanwhile (then nothing is logged)
+        self._fenced = fenced  # why a proven incarnation of a process is an old one (refused), or None
 
     def admit(self, conn: socket.socket, peer: tuple) -> Admitted | None:
         """The process a new connection speaks for, once admitted within the handshake timeout; None if refused."""
@@ -88,9 +94,7 @@ class Doorman:
             return None
         assert topology is not None
         if hello.seq == KEYED:
-            assert self.keys is not None
-            key = self.keys.incoming(hello.src, topology.process_id)
-            return self._challenge(conn, peer, hello.src, topology.process_id, deadline, key, keyed=True)
+            return self._challenge(conn, peer, hello.src, topology.process_id, deadline, None, keyed=True)
         if self.auth_key is not None:
             return self._challenge(conn, peer, hello.src, topology.process_id, deadline, self.auth_key, keyed=False)
         conn.settimeout(None)
@@ -117,31 +121,45 @@ class Doorman:
                     f"{topology.generation}")
         return None
 
-    def _challenge(self, conn: socket.socket, peer: tuple, src: int, own: int, deadline: float, key: bytes,
+    def _challenge(self, conn: socket.socket, peer: tuple, src: int, own: int, deadline: float, key: bytes | None,
                    keyed: bool) -> Admitted | None:
-        """Challenges a new connection to prove the pair key (``keyed``) or the cluster's token."""
+        """Challenges a new connection to prove the pair key of the incarnation it names (``keyed``: ``key`` None)
+        or the cluster's token (``key``)."""
         what = f"process {src}'s transfer key" if keyed else "the cluster's token"
         challenge = os.urandom(CHALLENGE_BYTES)
         conn.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             conn.sendall(challenge)
-            answer = bytearray(CHALLENGE_BYTES)
+            answer = bytearray((INCARNATION.size if keyed else 0) + CHALLENGE_BYTES)
             recv_exactly(conn, memoryview(answer), f"the answer to the challenge for {what}", deadline)
         except (OSError, TransferError) as e:
             kind = "token " if not keyed else ""
             self._refused(conn, peer, src, f"no answer to the {kind}challenge: {e}")
             return None
-        expected = hello_proof(key, challenge, src, own) if keyed else token_proof(key, challenge)
+        incarnation = None
+        if keyed:
+            assert self.keys is not None
+            (incarnation,), answer = INCARNATION.unpack_from(answer), answer[INCARNATION.size:]
+            expected = hello_proof(self.keys.incoming(src, own, incarnation), challenge, src, own)
+        else:
+            assert key is not None
+            expected = token_proof(key, challenge)
         if not hmac.compare_digest(bytes(answer), expected):
             if keyed:
                 _say(conn, REFUSED)
             self._refused(conn, peer, src, f"it does not hold {what}" if keyed else "it does not hold the cluster's "
                                                                                     "token")
             return None
+        if incarnation is not None and (why := self._fenced(src, incarnation)) is not None:
+            _say(conn, REFUSED)
+            if not self._hung_up(conn):
+                self._noisy.warning("old incarnation", "refused a transfer connection from %s: it proves incarnation "
+                                    "%d of process %d, an old incarnation: %s", peer, incarnation, src, why)
+            return None
         if keyed and not _say(conn, ADMITTED):
             return None
         conn.settimeout(None)
-        return Admitted(src, keyed or self.keys is None, keyed)
+        return Admitted(src, keyed or self.keys is None, keyed, incarnation)
 
     def _refused(self, conn: socket.socket, peer: tuple, src: int, why: str) -> None:
         if not self._hung_up(conn):
@@ -157,22 +175,22 @@ def _say(conn: socket.socket, verdict: bytes) -> bool:
     return True
 
 
-def introduce(sock: socket.socket, src: int, dst: int, *, key: bytes | None, token: bytes | None,
+def introduce(sock: socket.socket, src: int, dst: int, *, key: PairKey | None, token: bytes | None,
               what: str) -> bool:
     """The connecting side: says who this process (``src``) is to process ``dst``'s endpoint and proves it with the
-    pair ``key`` (KEYED) or the cluster's ``token`` (PLAIN; neither: the address it connects from). Returns False when
-    the endpoint refused the pair key (fetch it again), True once admitted; TransferError (or OSError) if the
-    endpoint fails or closes the handshake (``what`` names it)."""
+    pair ``key`` and the incarnation it binds (KEYED) or the cluster's ``token`` (PLAIN; neither: the address it
+    connects from). Returns False when the endpoint refused the pair key (fetch it again), True once admitted;
+    TransferError (or OSError) if the endpoint fails or closes the handshake (``what`` names it)."""
     sock.sendall(encode_header(HELLO, KEYED if key is not None else PLAIN, src, dst))
-    secret = key if key is not None else token
-    if secret is None:
+    if key is None and token is None:
         return True
     challenge = bytearray(CHALLENGE_BYTES)
     recv_exactly(sock, memoryview(challenge), f"{what}'s challenge")
     if key is None:
-        sock.sendall(token_proof(secret, bytes(challenge)))
+        assert token is not None
+        sock.sendall(token_proof(token, bytes(challenge)))
         return True
-    sock.sendall(hello_proof(key, bytes(challenge), src, dst))
+    sock.sendall(INCARNATION.pack(key.incarnation) + hello_proof(key.key, bytes(challenge), src, dst))
     verdict = sock.recv(1)
     if verdict == ADMITTED:
         return True

@@ -17,6 +17,7 @@ from coordinator import compaction, journal
 from coordinator.effects import KeyChanged
 from coordinator.limits import DEFAULT_LIMITS, Limits
 from coordinator.replica import Replica
+from coordinator.retries import record_cost
 from coordinator.state import ClusterState
 from coordinator.store import EtcdStore, MemoryStore
 from ifrt._generated import coordinator_pb2 as pb
@@ -51,13 +52,19 @@ def play(s: ClusterState, script) -> None:
                 case ("set", key, value):
                     s.current.keys.set("p0", key, value, True)
                 case ("incr", key, amount, uid, request):
-                    s.current.keys.increment(uid, key, amount, f"r{request}")
+                    s.current.keys.increment(uid, key, amount, _request_id(request))
                 case ("swap", key, expected, desired, uid, request):
-                    s.current.keys.compare_set(uid, key, expected, desired, f"r{request}")
+                    s.current.keys.compare_set(uid, key, expected, desired, _request_id(request))
                 case ("del", key, prefix):
                     s.current.keys.delete("p1", key, prefix)
         except IfrtError:
             pass
+
+
+def _request_id(request: int) -> str:
+    """Ordered request ids (1, 2, ...) and, for 0, one that is not ordered: a caller's forgotten calls are refused
+    by number, or once one unordered call is forgotten, every unordered one not remembered."""
+    return str(request) if request else "r0"
 
 
 def replayed(entries, limits: Limits = DEFAULT_LIMITS) -> ClusterState:
@@ -73,7 +80,7 @@ def observable(s: ClusterState):
     """What replay must rebuild: the topology, every key's value, and what a retry of each call is answered."""
     retries = s.current.kv.retries
     return (s.topology, s.current.kv.dir(""), {uid: list(done.items()) for uid, done in retries.answers.items()},
-            retries.calls(), retries.held, s.current.kv.store.held)
+            retries.calls(), retries.held, s.current.kv.store.held, dict(retries.records))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -197,19 +204,29 @@ def test_deleted_keys_leave_nothing():
 
 
 def test_increments_keep_the_answers_a_retry_may_ask_for_within_the_answer_bytes():
-    limits = Limits(answer_bytes=100 * (256 + len("p0call-000n")))  # 100 increments' answers
+    # 100 increments' answers (caller p0, request ids of 4 digits, key n) and p0's record of what it forgot
+    limits = Limits(answer_bytes=100 * (256 + len("p01000n")) + record_cost("p0"))
     s = published(n=2, limits=limits)
-    for i in range(300):
-        s.current.keys.increment("p0", "n", 1, f"call-{i:03d}")
+    for i in range(1000, 1300):
+        s.current.keys.increment("p0", "n", 1, str(i))
     entries = kept(kv_entries(s), limits)
-    # The last 100 calls, and the newest call forgotten before them (so that a replay forgets what came before)
-    assert [e.request_id for e in entries] == [f"call-{i:03d}" for i in range(199, 300)]
+    # The last 100 calls, the newest call forgotten before them (so that a replay forgets what came before) and the
+    # newest record of what p0 forgot (its calls up to 1199), which a replay no longer finds in the calls
+    calls = [e.request_id for e in entries if isinstance(e, journal.KeyIncremented)]
+    assert calls == [str(i) for i in range(1199, 1300)]
+    records = [e for e in entries if isinstance(e, journal.AnswersForgotten)]
+    assert records == [journal.AnswersForgotten("p0", 1199, False)]
     again = replayed(entries, limits)
-    assert again.current.keys.increment("p0", "n", 1, "call-299") == (300, [])  # answered, not applied again
+    assert again.current.keys.increment("p0", "n", 1, "1299") == (300, [])  # answered, not applied again
     with pytest.raises(ifrt.InvalidArgument, match="was answered before this client's last 64 calls"):
-        again.current.keys.increment("p0", "n", 1, "call-235")  # remembered as a call, its answer forgotten: refused
-    # forgotten: a new call
-    assert again.current.keys.increment("p0", "n", 1, "call-000") == (301, [KeyChanged("n", b"301")])
+        again.current.keys.increment("p0", "n", 1, "1235")  # remembered as a call, its answer forgotten: refused
+    # forgotten, by the bytes: refused too, never applied twice
+    for forgotten in ("1000", "1199"):
+        with pytest.raises(ifrt.InvalidArgument, match="the answers of this client's calls up to request_id 1199 "
+                                                       "were pushed out of the coordinator's --max-answer-bytes"):
+            again.current.keys.increment("p0", "n", 1, forgotten)
+    assert again.current.keys.get("p1", "n") == b"300"
+    assert again.current.keys.increment("p0", "n", 1, "1300") == (301, [KeyChanged("n", b"301")])  # a new call
 
 
 def test_swaps_of_big_values_deleted_at_once_leave_at_most_the_answer_bytes_in_the_journal():

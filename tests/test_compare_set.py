@@ -158,8 +158,12 @@ def test_retries_are_remembered_within_the_answer_bytes_over_all_callers():
     for i in range(100):
         s.current.keys.compare_set(f"agent-{i}", f"torchrun/{i}", b"", value, "r1")
     assert s.current.kv.retries.held <= 50 * 1400
-    # The first agent is forgotten now: its retry compares again (and finds B there).
-    assert s.current.keys.compare_set(first, "torchrun/k", b"", b"A", "r1")[0] == b"B"
+    # The first agent's answer is forgotten now: its retry is refused (it may have been applied), never applied again.
+    s.take_journal()
+    with pytest.raises(InvalidArgument, match=r"request_id 'r1' on key 'torchrun/k': an answer of this client's calls "
+                                              r"with request_ids that are not increasing numbers was pushed out"):
+        s.current.keys.compare_set(first, "torchrun/k", b"", b"A", "r1")
+    assert s.current.keys.get("p1", "torchrun/k") == b"B" and s.take_journal() == []
     assert s.current.keys.compare_set("agent-99", "torchrun/99", b"", value, "r1") == (value, [])  # the newest: kept
 
 

@@ -109,6 +109,7 @@ STATUS = {
     "BackendAlreadyInitialized": "FAILED_PRECONDITION",
     "PreflightFailed": "FAILED_PRECONDITION",
     "TransferError": "DATA_LOSS",
+    "OldIncarnation": "DATA_LOSS",
     "TransferTimeout": "DEADLINE_EXCEEDED",
 }
 

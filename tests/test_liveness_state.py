@@ -27,7 +27,11 @@ from tests.helpers import TIMEOUT, admit, failures, lose_session, published, reg
 def test_the_timing_adds_up_to_the_heartbeat_timeout():
     config = ClusterConfig(num_processes=1, heartbeat_timeout_s=10.0)
     server = CoordinatorConfig(cluster=config)
-    assert (server.keepalive_interval_s, server.keepalive_timeout_s, config.reconnect_grace_s) == (5.0, 3.75, 1.25)
+    assert (server.keepalive_interval_s, server.keepalive_timeout_s, config.reconnect_grace_s) == (2.5, 5.0, 1.25)
+    assert config.answering_within_s == 3.0  # 1.5 heartbeat intervals, within 0.8 of the ping timeout (4 s)
+    assert config.grace_after_session(1.0) == 1.25  # closed while answering: a kill, reported fast
+    assert config.grace_after_session(3.5) == 6.5  # heard 3.5 s before the drop: failed 10 s after that
+    assert config.grace_after_session(20.0) == config.grace_after_session(None) == 5.0  # silent since the ping
 
 
 def test_an_attached_process_is_alive_however_long_it_sends_nothing():
@@ -261,17 +265,20 @@ def test_a_session_that_stopped_heartbeating_shows_slow_and_fails_as_stopped_ans
     for uid in ("p0", "p1", "p2"):
         s.current.heard(uid, 0.1)
     s.current.heard("p0", 0.45)
+    s.current.heard("p2", 0.3)  # every 0.2 s or so, as sessions send them
     s.current.heard("p2", 0.45)
     report = s.current.report(0.5)
     assert [p.process_id for p in report.slow] == [1]  # quiet for 0.4 s
     assert [round(p.heartbeat_age_s, 2) for p in report.processes] == [0.05, 0.4, 0.05]
     s.current.detach("p1", 0.6)  # its connection dropped after 0.5 s without a heartbeat: it stopped answering
     s.current.heard("p2", 0.59)
-    s.current.detach("p2", 0.6)  # heard from just before: its connection was lost
-    assert failures(s.tick(0.8)) == [
+    s.current.detach("p2", 0.6)  # heard from just before: its connection was closed (killed), not dropped
+    assert failures(s.tick(0.8)) == [ProcessFailed(2, "lost its connection and did not come back within 0.125s")]
+    # last heard at its Heartbeat (0.1; the unanswered ping was sent 0.5 s before the drop, as late): failed at 1.1
+    assert failures(s.tick(1.09)) == []
+    assert failures(s.tick(1.11)) == [
         ProcessFailed(1, "stopped answering (no heartbeat for 0.5s, then its connection was dropped: hung, or its "
-                         "host cut off) and did not come back within 0.125s"),
-        ProcessFailed(2, "lost its connection and did not come back within 0.125s")]
+                         "host cut off) and did not come back within 0.5s")]
 
 
 def test_a_session_that_never_heartbeats_is_judged_by_its_connection_alone():

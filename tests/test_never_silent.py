@@ -14,7 +14,8 @@ import ifrt
 from tests.helpers import BIN, discover_process, finish
 from tests.tls import make_certs
 
-REPORT = re.compile(r"cannot reach 127\.0\.0\.1:(\d+): (.+) \(retrying for (\d+) s more\)")
+REPORT = re.compile(r"cannot reach 127\.0\.0\.1:(\d+): (.+) \(retrying for (\d+) s more: the discovery timeout "
+                    r"\(8 s, timeout= or IFRT_DISCOVERY_TIMEOUT\)\)")
 
 
 @pytest.fixture(scope="module")

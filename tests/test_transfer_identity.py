@@ -25,7 +25,7 @@ from ifrt.frames import ARRAY, CHALLENGE_BYTES, HEADER, HELLO, KEYED, MAGIC, VER
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA, proof_of
 from ifrt.transfer import Channels
 from ifrt.transfer_handshake import introduce
-from ifrt.transfer_keys import pair_key
+from ifrt.transfer_keys import PairKey, pair_key
 from tests.helpers import clients, poll_until
 from tests.run_agents import RunAgent, loopback_env
 
@@ -275,12 +275,12 @@ def test_a_frame_for_a_device_of_another_process_is_refused(trio):
 
 def test_a_stale_cached_key_is_fetched_again_once(trio):
     (receiver, sender, _), _ = trio
-    sender.endpoint.keys._toward[0] = bytes(32)  # as after process 0 restarted with a new secret
+    sender.endpoint.keys._toward[0] = PairKey(bytes(32), 0)  # as after process 0 restarted with a new secret
     with Channels(sender.topology, sender.endpoint) as out, Channels(receiver.topology, receiver.endpoint) as into:
         out.send(np.array([3]), device(receiver))
         assert into.recv(device(sender), timeout=10).tolist() == [3]
     secret_hash = proof_of(receiver.process_secret)
-    assert sender.endpoint.keys.outgoing(0) == pair_key(secret_hash, 1, 0)
+    assert sender.endpoint.keys.outgoing(0) == (pair_key(secret_hash, 1, 0, 0), 0)
 
 
 # The TransferKey call itself.
@@ -301,8 +301,8 @@ def test_the_coordinator_hands_a_pair_key_only_to_the_process_that_proves_it_is_
     address = sender.settings.coordinators[0]
     code, answer = transfer_key(address, sender.client_uid, 0, sender.process_secret, token)
     assert code == grpc.StatusCode.OK
-    assert (answer.key, answer.process_id, answer.peer_process_id) == (
-        pair_key(proof_of(receiver.process_secret), 1, 0), 1, 0)
+    assert (answer.key, answer.process_id, answer.peer_process_id, answer.incarnation) == (
+        pair_key(proof_of(receiver.process_secret), 1, 0, 0), 1, 0, 0)
     # Process 2 asking as process 1 (its uid, its own secret), a caller without a secret, an unknown caller or peer.
     assert transfer_key(address, sender.client_uid, 0, member.process_secret, token)[0] == \
         grpc.StatusCode.PERMISSION_DENIED

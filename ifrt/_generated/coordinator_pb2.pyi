@@ -892,11 +892,13 @@ class TransferKeyRequest(_message.Message):
     def __init__(self, client_uid: _Optional[str] = ..., peer_process_id: _Optional[int] = ...) -> None: ...
 
 class TransferKeyResponse(_message.Message):
-    __slots__ = ("key", "process_id", "peer_process_id")
+    __slots__ = ("key", "process_id", "peer_process_id", "incarnation")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     process_id: int
     peer_process_id: int
-    def __init__(self, key: _Optional[bytes] = ..., process_id: _Optional[int] = ..., peer_process_id: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, key: _Optional[bytes] = ..., process_id: _Optional[int] = ..., peer_process_id: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...

@@ -211,9 +211,10 @@ class CoordinatorServicer:
         """The live session of a registered process: SessionOpen first; the
         coordinator answers `attached`, then streams cluster events back. The
         session's connection carries liveness: the coordinator pings it (HTTP/2
-        keepalive, every half --heartbeat-timeout) and drops it when a ping goes
-        unanswered, which ends the session; a process whose session ended and
-        that does not attach again within the reconnect grace is failed. No
+        keepalive, four times per --heartbeat-timeout) and drops it when a ping
+        goes unanswered, which ends the session; a process is failed once nothing
+        was heard from it for longer than --heartbeat-timeout (a killed one, whose
+        connection closed while it answered, after a short reconnect grace). No
         message needs to flow to stay alive. WatchKeys on the stream asks for
         every later change of keys under a prefix (KeyValueChange events),
         acknowledged by a `watching` event once changes flow.

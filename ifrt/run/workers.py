@@ -33,6 +33,7 @@ from ifrt.settings import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     TRANSFER_BIND_ENV,
+    TRANSFER_FDS_ENV,
     Settings,
 )
 
@@ -63,14 +64,31 @@ def check_command(argv: Sequence[str], env: Mapping[str, str]) -> None:
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
 
 
+_HELD: dict[str, socket.socket] = {}
+"""The listening sockets ``transfer_binds`` made, by address: held by the agent for as long as it lives."""
+_HELD_LOCK = threading.Lock()
+
+
 def transfer_binds(address: str, count: int) -> list[str]:
-    """``count`` ``address:port`` on ports free now, one per local worker, kept for every attempt."""
-    listeners = [socket.create_server((address, 0)) for _ in range(count)]
-    try:
-        return [join_host_port(address, s.getsockname()[1]) for s in listeners]
-    finally:
-        for s in listeners:
-            s.close()
+    """``count`` ``address:port``, one per local worker, kept for every attempt. Each port stays bound and listening in
+    this agent (never accepting) for as long as it lives, and each worker started with one of them as its
+    ``IFRT_TRANSFER_BIND`` is handed that very socket (``Worker``, ``IFRT_TRANSFER_FDS``) and accepts on it: no other
+    socket can take the port between the pick and the worker's endpoint, nor between a worker and its restart."""
+    listeners = [socket.create_server((address, 0), backlog=128) for _ in range(count)]
+    binds = [join_host_port(address, s.getsockname()[1]) for s in listeners]
+    with _HELD_LOCK:
+        _HELD.update(zip(binds, listeners, strict=True))
+    return binds
+
+
+def held_listeners(env: Mapping[str, str], spare: bool) -> dict[str, int]:
+    """The held listening sockets (address -> descriptor) a worker with ``env`` adopts: the one of its
+    ``IFRT_TRANSFER_BIND``; every one for a ``spare``, which learns its bind only when handed a rank."""
+    with _HELD_LOCK:
+        if spare:
+            return {address: s.fileno() for address, s in _HELD.items()}
+        held = _HELD.get(env.get(TRANSFER_BIND_ENV, ""))
+        return {} if held is None else {env[TRANSFER_BIND_ENV]: held.fileno()}
 
 
 def worker_env(base: Mapping[str, str], settings: Settings, *, attempt: int, local_rank: int, nproc: int,
@@ -144,8 +162,12 @@ class Worker:
         # on once, and a stop reaches the worker's own children too (a `bash -c` wrapper's, DataLoader workers).
         # Started through ifrt.run.child, by the spawning thread: the worker dies with its agent.
         check_command(argv, env)
+        fds = held_listeners(env, spare)  # its endpoint accepts on the socket the agent holds (transfer_binds)
+        env = {k: v for k, v in env.items() if k != TRANSFER_FDS_ENV}
+        if fds:
+            env[TRANSFER_FDS_ENV] = ",".join(f"{address}={fd}" for address, fd in fds.items())
         self.process: subprocess.Popen = _SPAWNER.submit(
-            subprocess.Popen, guarded(argv), env=dict(env), stdout=piped, stderr=piped,
+            subprocess.Popen, guarded(argv), env=env, stdout=piped, stderr=piped, pass_fds=tuple(fds.values()),
             stdin=subprocess.PIPE if spare else subprocess.DEVNULL, process_group=0).result()
         self.prefixer: Prefixer | None = None
         if label is not None:
