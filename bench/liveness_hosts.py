@@ -75,8 +75,8 @@ async def drive(address: str, firsts: list[int], cluster: Cluster, per_host: int
                     arrivals[agent.first] = time.monotonic()
                     if len(arrivals) == len(others):
                         everyone.set()
-            elif not (kind == "worker_ended" and agent is reporter):  # the reporter's session ends its worker's
-                counts[kind] += 1
+            elif not (kind in ("worker_ended", "exit_noted") and agent is reporter):
+                counts[kind] += 1  # the reporter's session ends its worker's and acknowledges the report
         return seen
 
     started = time.monotonic()
