@@ -108,8 +108,9 @@ class JobAgentsService:
                 agent = Agent(uid, request.host, peer_host(context.peer()), proof, request.workers,
                               request.spare_host, max(0.0, request.replace_timeout_s), time.time())
                 budget = request.max_restarts if request.HasField("max_restarts") else None
+                bound = service.config.agent_key is not None  # a credential proved the host: one agent per host
                 await service.command(context, what, lambda: (None, service.state.join_agent(
-                    agent, budget, self._absent(), request.recover, frozenset(self._watching) - {uid})))
+                    agent, budget, self._absent(), request.recover, frozenset(self._watching) - {uid}, bound)))
             await service.commit(context, what)  # only durable state is sent
             if (refused := self._check_room(len(self._watches))) is not None:  # no await from here until counted
                 await abort(context, refused, what)
@@ -228,7 +229,8 @@ class JobAgentsService:
             return pb.NextAttemptResponse(state=_job_state(answer.view), shrink_refused=answer.refused,
                                           shrink_wait_s=answer.wait_s).SerializeToString()
         view = await service.command(context, f"NextAttempt after attempt {request.ended_attempt} from agent "
-                                     f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(call, proof))
+                                     f"{shown(request.agent_uid)}", lambda: service.state.next_attempt(
+                                         call, proof, bound=service.config.agent_key is not None))
         return pb.NextAttemptResponse(state=_job_state(view)).SerializeToString()
 
     def _on_effects(self, effects: list[Effect]) -> None:

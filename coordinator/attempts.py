@@ -19,17 +19,26 @@ Authority: only the job decides about the job.
   in the place of one that is gone (absent longer than the heartbeat timeout) or of one on its own host (its
   restart). A new agent of a job whose restarts are exhausted, or whose agents are all gone, starts the job's next
   run: the next attempt, with no failure and the whole budget.
+- Where agents are bound to hosts (``bound``: the coordinator's ``--agent-key-file``, each agent proving its host
+  with that host's credential), a host has one agent: a new agent of a host whose agent watches the job now is
+  refused (``HostHeld``, naming that agent); one whose agent does not watch takes its place (a restart, or a new
+  agent after a partition), whether or not the job is covered. A host's place is its own: a gone agent's place is
+  kept for an agent of its host, never taken by another host's credential (a host that replaces a lost one joins as
+  a spare host, which the coordinator hands the lost host's ids). Unbound, where host names prove nothing, several
+  agents may share one (as on one test machine) and a newcomer takes a gone agent's place, as described above.
 - The restart budget is the job's: the coordinator's ``--max-restarts``, else the first agent's of the run, else 0.
   An agent stating another is refused (``ClusterMismatch``).
 - Replacing a process needs an agent of the job asking about one of its own workers (registered with its hostname
-  from its address, or not registered at all): an agent cannot replace, nor make the job spend its budget on, another
-  host's process. A replacement is decided once per request (retries answered the same) and bounded by the budget.
+  from its address, or not registered at all; where agents are bound, not registered while one of its workers is
+  not): an agent cannot replace, nor make the job spend its budget on, another host's process. A replacement is
+  decided once per request (retries answered the same) and bounded by the budget.
 - The job's ``--recover`` mode is its first agent's (of the run); an agent stating another is refused
   (``ClusterMismatch``). A spare host (``ifrt run --spare-host``) joins as an agent that runs nothing and covers no
   process; only the coordinator hands it a lost host's ids (``coordinator.takeover``), counted as one replacement.
 - Ending an attempt needs an agent of the job and a cause it may give: a process the coordinator declared failed in
   the attempt, or one of the agent's own workers (a process registered with its hostname from its address, or one
-  it could not name, such as a worker that failed before it registered). A failure of another host's process that
+  it could not name, such as a worker that failed before it registered; where agents are bound, an id nobody holds
+  is its own only while one of its workers is not registered). A failure of another host's process that
   the coordinator did not declare is refused (``PermissionDenied``), changing nothing.
 """
 
@@ -37,7 +46,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from coordinator import journal
 from coordinator.job_records import (
@@ -56,7 +65,7 @@ from coordinator.job_records import (
 )
 from coordinator.limits import FLAGS, Limits, check_call_id, shown
 from coordinator.registration import Registration
-from ifrt.errors import ClusterMismatch, InvalidArgument, PermissionDenied, ResourceExhausted
+from ifrt.errors import ClusterMismatch, HostHeld, InvalidArgument, PermissionDenied, ResourceExhausted
 
 FAILURES_KEPT = 32
 """Ended attempts whose failure a JobState lists (the latest ones; the others are only counted): each is at most two
@@ -105,8 +114,8 @@ class Attempts:
 
     # Agents.
     def join(self, agent: Agent, max_restarts: int | None, num_processes: int, limits: Limits,
-             absent: frozenset[str] = frozenset(), recover: str = "",
-             watching: frozenset[str] = frozenset()) -> journal.AgentJoined | None:
+             absent: frozenset[str] = frozenset(), recover: str = "", watching: frozenset[str] = frozenset(),
+             bound: bool = False) -> journal.AgentJoined | None:
         """The entry that makes ``agent`` one of the job's (to journal and ``apply_joined``); None when it is one
         already, as it is. ``absent``: the agents that have not watched the job for a while (gone, as far as the
         coordinator can tell); ``watching``: those whose job watch is open now. A new agent starts a new run of the job
@@ -115,12 +124,22 @@ class Attempts:
         the job's agents would otherwise run more than ``num_processes`` workers. ``recover``: the ``--recover`` mode
         it states ("": none), which must be the job's. A spare host (``agent.spare``) runs no worker: it counts
         against no process, starts no run, and takes the place of absent spare hosts (at most ``--max-agents`` of
-        them). PermissionDenied, ClusterMismatch, InvalidArgument or ResourceExhausted, changing nothing, when it may
-        not join."""
+        them). ``bound``: agents are bound to hosts by their credentials, so a host has one agent (see the module's
+        docstring). PermissionDenied (HostHeld), ClusterMismatch, InvalidArgument or ResourceExhausted, changing
+        nothing, when it may not join."""
         _check_agent(agent, limits)
         known = self._agents.get(agent.uid)
         if known is not None:
             _check_secret(known, agent.secret_hash)
+            if bound and known.host != agent.host:
+                raise PermissionDenied(f"agent {shown(known.uid)} joined for host {shown(known.host)}: it acts for "
+                                       f"that host only, not for {shown(agent.host)}")
+        own_host = [a for a in self._agents.values() if a.host == agent.host] if bound and known is None else []
+        if holding := [a for a in own_host if a.uid in watching]:
+            raise HostHeld(f"host {shown(agent.host)} has an agent of the job that watches it: "
+                           f"{', '.join(f'agent {shown(a.uid)} ({a.address})' for a in holding)}; a host has one "
+                           "agent, and another presenting its credential takes its place only once that one is gone "
+                           "(its watch ended, as a restarted agent's predecessor's has)")
         new_run = known is None and not agent.spare and (
             self.exhausted or (bool(self._agents) and self._agents.keys() <= absent))
         if recover and self._mode and not new_run and recover != self._mode:
@@ -135,16 +154,18 @@ class Attempts:
                                       "without it to take the job's")
         if known == agent or (known is not None and agent.spare and not known.spare):
             return None  # one of the job's already (a spare host that took over a lost host's ids watches again)
-        replaced: list[str] = []
+        replaced = [] if new_run else [a.uid for a in own_host]  # gone: a restart, or back after a partition
         if known is None and agent.spare:
-            replaced = spare_places(self._agents.values(), absent, limits.agents)
+            others = [a for a in self._agents.values() if a.uid not in replaced]
+            replaced += spare_places(others, absent, limits.agents)
         elif known is None and not new_run:
-            running = self._seen()[1]
-            running_agents = [a for a in self._agents.values() if not a.spare] if (
+            running = self._seen()[1] - sum(a.workers for a in own_host if not a.spare)
+            running_agents = [a for a in self._agents.values() if not a.spare and a.uid not in replaced] if (
                 running + agent.workers > num_processes) else []  # a spare host runs nothing yet
-            places = [*(a for a in running_agents if a.uid in absent),
-                      *(a for a in running_agents
-                        if a.where == agent.where and a.uid not in absent and a.uid not in watching)]
+            places = [] if bound else [  # bound: a host's place is its own agent's only
+                *(a for a in running_agents if a.uid in absent),
+                *(a for a in running_agents
+                  if a.where == agent.where and a.uid not in absent and a.uid not in watching)]
             for old in places:
                 if running + agent.workers <= num_processes:
                     break
@@ -152,10 +173,17 @@ class Attempts:
                 running -= old.workers
             if running + agent.workers > num_processes:
                 hosts = sorted({f"{shown(a.host)} ({a.address})" for a in running_agents})
+                kept = [f"host {shown(a.host)} (agent {shown(a.uid)}, not watching now)" for a in running_agents
+                        if a.uid not in watching]
+                held = (f"; the places of {', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''} are kept for "
+                        "their own hosts' agents" if kept else "")
+                why = (f"{held}: a host's credential takes no other host's place (an agent restarted on its host takes "
+                       "its predecessor's; a host that replaces a lost one joins as a spare host, ifrt run "
+                       "--spare-host)" if bound else
+                       " (an agent restarted on its host, or one that comes once an agent is gone, takes its place)")
                 raise ClusterMismatch(f"the job's agents on {', '.join(hosts[:8])}{' ...' if len(hosts) > 8 else ''} "
                                       f"run {running} workers; this agent's {agent.workers} would exceed the job's "
-                                      f"{num_processes} processes: it is no agent of this job (an agent restarted on "
-                                      "its host, or one that comes once an agent is gone, takes its place)")
+                                      f"{num_processes} processes: it is no agent of this job{why}")
         return journal.AgentJoined(agent.uid, agent.host, agent.address, agent.secret_hash, agent.workers,
                                    max_restarts, new_run, tuple(replaced), recover, agent.spare,
                                    agent.replace_timeout_s, agent.joined_unix_s)
@@ -224,13 +252,16 @@ class Attempts:
         return known is not None and hmac.compare_digest(known.secret_hash, proof)
 
     # Decisions.
-    def decide(self, call: NextAttempt, limits: Limits, agent: Agent,
-               where_of: Callable[[int], Host | None]) -> journal.AttemptDecided | None:
+    def decide(self, call: NextAttempt, limits: Limits, agent: Agent, where_of: Callable[[int], Host | None],
+               registered_from: Callable[[Host], tuple[int | None, ...]] = lambda where: ()
+               ) -> journal.AttemptDecided | None:
         """The decision ``call`` of ``agent`` makes, to journal and ``apply``; None when it changes nothing (a retry,
         an attempt that ended already, or restarts exhausted already): the caller is answered ``view()``.
         InvalidArgument, ClusterMismatch or PermissionDenied, changing nothing, for an attempt ahead of the current
         one, strings over the limits, another budget, or a cause the agent may not give. ``where_of``: where the process
-        holding an id in the current attempt registered from (None: no process holds it)."""
+        holding an id in the current attempt registered from (None: no process holds it); ``registered_from``: the ids
+        of the live processes registered from a host (None for an id not assigned yet; always empty where several
+        agents may share a host, unbound)."""
         check_call(call, limits)
         if call.max_restarts is not None and call.max_restarts != self.budget:
             _, origin = self._budget_origin(False)
@@ -242,8 +273,8 @@ class Attempts:
                                   f"{self.current})")
         if call.request_id in self._decided_by or call.ended_attempt < self.current or self.exhausted:
             return None
-        failure = self._own(call.failure, agent, where_of) if call.replace else self._cause(call.failure, agent,
-                                                                                            where_of)
+        own = _OwnWorkers(agent, where_of, registered_from)
+        failure = self._own(call.failure, own) if call.replace else self._cause(call.failure, own)
         return journal.AttemptDecided(
             ended=call.ended_attempt, process_id=failure.process_id, host=failure.host, reason=failure.reason,
             exhausted=self.restarts >= self.budget, request_id=call.request_id, replace=call.replace)
@@ -324,38 +355,31 @@ class Attempts:
         self._declared.setdefault(process_id, failure)
         return AttemptProcessFailed(failure)
 
-    def _cause(self, reported: AttemptFailure, agent: Agent, where_of: Callable[[int], Host | None]) -> AttemptFailure:
+    def _cause(self, reported: AttemptFailure, own: _OwnWorkers) -> AttemptFailure:
         """The failure that ends the attempt: the coordinator's own word on the process named, the agent's own worker
         as reported, else the first process the coordinator declared failed; PermissionDenied if none."""
-        pid = reported.process_id
+        pid, agent = reported.process_id, own.agent
         if (declared := self._declared.get(pid)) is not None:
             return declared
-        own = replace(reported, attempt=self.current, host=agent.host)
-        where = where_of(pid) if pid != UNKNOWN_PROCESS else None
-        if where is None or where == agent.where:
-            return own  # its own worker: registered from its host, or not registered (yet) at all
+        if pid == UNKNOWN_PROCESS or (why := own.not_own(pid)) is None:
+            return replace(reported, attempt=self.current, host=agent.host)  # its own worker, or one it cannot name
         if self._declared:
             return next(iter(self._declared.values()))
-        raise PermissionDenied(
-            f"process {pid} registered from {shown(where[0])} ({where[1]}), not from this agent's host "
-            f"{shown(agent.host)} ({agent.address}), and the coordinator did not declare it failed: an agent may end "
-            "an attempt only for its own workers or a failure the coordinator declared")
+        raise PermissionDenied(f"{why}, and the coordinator did not declare it failed: an agent may end an attempt "
+                               "only for its own workers or a failure the coordinator declared")
 
-    def _own(self, reported: AttemptFailure, agent: Agent, where_of: Callable[[int], Host | None]) -> AttemptFailure:
+    def _own(self, reported: AttemptFailure, own: _OwnWorkers) -> AttemptFailure:
         """The failure of the agent's own worker that a replacement replaces (the coordinator's word on it, if it
         declared it failed); PermissionDenied for another host's process, InvalidArgument for no process."""
-        pid = reported.process_id
+        pid, agent = reported.process_id, own.agent
         if pid == UNKNOWN_PROCESS:
             raise InvalidArgument("a replacement names the process to replace: expected failure.process_id >= 0 (an "
                                   "agent that does not know its worker's id asks for the next attempt instead)")
         if pid in self.shrunk:
             raise ClusterMismatch(f"process {pid} was dropped by a shrink in attempt {self.current}: the job goes on "
                                   "without it until its next attempt, so it is not replaced")
-        where = where_of(pid)
-        if where is not None and where != agent.where:
-            raise PermissionDenied(
-                f"process {pid} registered from {shown(where[0])} ({where[1]}), not from this agent's host "
-                f"{shown(agent.host)} ({agent.address}): an agent may replace only its own workers")
+        if (why := own.not_own(pid)) is not None:
+            raise PermissionDenied(f"{why}: an agent may replace only its own workers")
         return self._declared.get(pid) or replace(reported, attempt=self.current, host=agent.host)
 
     def _budget_origin(self, new_run: bool) -> tuple[int | None, str]:
@@ -364,6 +388,31 @@ class Attempts:
         if self._stated is not None and not new_run:
             return self._stated, f"stated by the job's first agent, on {shown(self._stated_by)}"
         return None, "none stated: 0"
+
+
+@dataclass(frozen=True)
+class _OwnWorkers:
+    """Which processes may be ``agent``'s own workers: one registered from its host, or one not registered at all
+    while some of its workers are not registered either (a worker that failed before it registered)."""
+
+    agent: Agent
+    where_of: Callable[[int], Host | None]
+    registered_from: Callable[[Host], tuple[int | None, ...]]
+
+    def not_own(self, pid: int) -> str | None:
+        """Why process ``pid`` is none of the agent's workers; None when it is, or may be."""
+        agent = self.agent
+        where = self.where_of(pid)
+        if where is not None:
+            return None if where == agent.where else (
+                f"process {pid} registered from {shown(where[0])} ({where[1]}), not from this agent's host "
+                f"{shown(agent.host)} ({agent.address})")
+        registered = self.registered_from(agent.where)
+        if len(registered) < agent.workers:
+            return None  # one of its workers is not registered: this may be it
+        ids = ", ".join("(not assigned yet)" if i is None else str(i) for i in registered)
+        return (f"process {pid} is not registered, and the {agent.workers} workers of agent {shown(agent.uid)} on "
+                f"{shown(agent.host)} are registered as processes {ids}: it is none of them")
 
 
 def spare_places(agents: Iterable[Agent], absent: frozenset[str], most: int) -> list[str]:

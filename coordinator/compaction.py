@@ -4,13 +4,13 @@ A key's value needs only its latest write. An increment or swap that a retry may
 ``coordinator.retries`` still remembers, within ``--max-answer-bytes``) keeps its entry for the answer, even when a
 later write replaced its value; a deletion stays only while it removes such a kept write; of a caller's records of
 the answers it forgot (``journal.AnswersForgotten``), the newest stays, so that the retries of the calls dropped stay
-refused. A finished barrier that a later barrier of its series forgot (``supersedes``) goes. Everything else
-(registrations, failures, departures, barriers, live-set agreements, preemption) stays, within the current job
-attempt; of the attempts that ended, key-values, barriers and agreements go (a new attempt starts them empty), and so
-do those of the ended runs of the current attempt (``coordinator.runs``), but the agents' keys, which a new run
-keeps. Replaying the kept entries, in their order, builds the same state as replaying them all, and so does a journal
-of which only an oldest part was compacted (a store that cannot replace its journal at once applies the result
-oldest first, in steps).
+refused. A finished barrier that a later barrier of its series forgot (``supersedes``) goes, with the record of a
+second participant arriving at it. Everything else (registrations, failures, departures, barriers, live-set
+agreements, preemption) stays, within the current job attempt; of the attempts that ended, key-values, barriers
+and agreements go (a new attempt starts them empty), and so do those of the ended runs of the current attempt
+(``coordinator.runs``), but the agents' keys, which a new run keeps. Replaying the kept entries, in their order,
+builds the same state as replaying them all, and so does a journal of which only an oldest part was compacted (a
+store that cannot replace its journal at once applies the result oldest first, in steps).
 
     set k=A   set k=B   incr n (call r1)   del k   incr n (call r2)        ->   incr n (r1)   incr n (r2)
     dropped   dropped   kept: r1's answer  dropped kept: n's value
@@ -31,8 +31,8 @@ MIN_ENTRIES = 10_000
 """Superseded entries below which no compaction runs."""
 
 _WRITES = (journal.KeySet, journal.KeyIncremented, journal.KeySwapped)
-_STANDALONE = (*_WRITES, journal.KeysDeleted, journal.BarrierFinished, journal.LiveSetDecided,
-               journal.AnswersForgotten)
+_BARRIERS = (journal.BarrierFinished, journal.BarrierJoined)
+_STANDALONE = (*_WRITES, journal.KeysDeleted, *_BARRIERS, journal.LiveSetDecided, journal.AnswersForgotten)
 """Entries that name no registration, so an ended attempt's are dropped: the next attempt starts without them, and a
 replay of a journal compacted only in part needs none of them to apply what follows (a failure or a departure
 needs the registration it names, so those stay)."""
@@ -51,17 +51,17 @@ def needed(entries: Sequence[journal.Entry], limits: Limits = DEFAULT_LIMITS) ->
 
 
 def _forgotten_barriers(entries: Sequence[journal.Entry]) -> set[int]:
-    """Indices of the finished barriers that a later barrier of their series forgot (``supersedes``): a replay
-    forgets them anyway (forgetting one it never saw changes nothing). A name used again after it was forgotten
-    keeps its new entry."""
+    """Indices of the finished barriers that a later barrier of their series forgot (``supersedes``), and of the
+    second arrivals at them: a replay forgets them anyway (forgetting one it never saw changes nothing). A name used
+    again after it was forgotten keeps its new entries."""
     forgotten: set[int] = set()
     later: set[str] = set()  # names some later entry forgot
     for i in range(len(entries) - 1, -1, -1):
         entry = entries[i]
-        if isinstance(entry, journal.BarrierFinished):
+        if isinstance(entry, _BARRIERS):
             if entry.name in later:
                 forgotten.add(i)
-            if entry.forgot:
+            if isinstance(entry, journal.BarrierFinished) and entry.forgot:
                 later.add(entry.forgot)
     return forgotten
 
@@ -174,7 +174,9 @@ class Garbage:
 
     def __init__(self) -> None:
         self._latest: dict[str, int] = {}  # key -> bytes of its latest write
-        self._barriers: dict[str, int] = {}  # finished barrier -> bytes of its entry, until its series forgets it
+        self._barriers: dict[str, tuple[int, int]] = {}
+        """Finished barrier -> bytes and count of its entries (its early cancels' and second arrival's too), until its
+        series forgets it."""
         self._records: dict[str, int] = {}  # caller -> bytes of its newest record of forgotten answers
         self.bytes = self.entries = 0  # superseded, since this estimate started
         self.total_bytes = self.total_entries = 0
@@ -207,11 +209,13 @@ class Garbage:
                     else [entry.key] * (entry.key in self._latest))
             self.bytes += size + sum(self._latest.pop(k) for k in gone)
             self.entries += 1 + len(gone)
-        elif isinstance(entry, journal.BarrierFinished):  # a barrier its series' next one forgot
-            self._barriers[entry.name] = size
-            if entry.forgot and (old := self._barriers.pop(entry.forgot, None)) is not None:
-                self.bytes += old
-                self.entries += 1
+        elif isinstance(entry, _BARRIERS):  # a barrier its series' next one forgot
+            held, count = self._barriers.get(entry.name, (0, 0))
+            self._barriers[entry.name] = (held + size, count + 1)
+            forgot = entry.forgot if isinstance(entry, journal.BarrierFinished) else ""
+            if forgot and (old := self._barriers.pop(forgot, None)) is not None:
+                self.bytes += old[0]
+                self.entries += old[1]
         elif isinstance(entry, journal.AnswersForgotten):  # a caller's newer record supersedes its older one
             if (old := self._records.get(entry.client_uid)) is not None:
                 self.bytes += old

@@ -1,10 +1,10 @@
 """The durable decisions of the state machine, as records a store keeps in order and a new leader replays.
 
 Only what must survive a coordinator restart is journaled: registrations, failures, departures, forgotten
-registrations, key-values and their deletions, finished barriers, live-set agreements, a preemption notice
-and its sync step, each decision of the job's next attempt, the job's agents, a lost host taken over by a spare
-one, and the start of each run of the job. Liveness (heartbeats, open calls) is not: after a replay, every process
-gets a grace period to re-attach.
+registrations, key-values and their deletions, finished barriers (and a second participant arriving at one that
+finished with one), live-set agreements, a preemption notice and its sync step, each decision of the job's next
+attempt, the job's agents, a lost host taken over by a spare one, and the start of each run of the job. Liveness
+(heartbeats, open calls) is not: after a replay, every process gets a grace period to re-attach.
 """
 
 from __future__ import annotations
@@ -67,6 +67,23 @@ class BarrierFinished:
     error: str
     forgot: str = ""
     """The barrier it superseded and the coordinator forgot as it completed ("": none); a replay forgets it too."""
+    canceller: int | None = None
+    """With no participants: a cancel before anyone arrived, by this process (None: written before cancels named
+    their canceller; it takes effect whoever the participants are). It takes effect when the barrier starts only if
+    the canceller is a participant then."""
+    held_by: int | None = None
+    """The only participant that had arrived when it finished, which holds it in its share of the barrier bounds until
+    a second one arrives (``BarrierJoined``); None: two or more had (or a journal written before barriers were held
+    by a process)."""
+
+
+@dataclass(frozen=True)
+class BarrierJoined:
+    """A second participant, ``process_id``, arrived at barrier ``name`` after it finished held by another one: it is
+    shared from now on (``coordinator.barriers``)."""
+
+    name: str
+    process_id: int
 
 
 @dataclass(frozen=True)
@@ -202,13 +219,13 @@ class RunStarted:
     run: int
 
 
-Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | KeyIncremented | KeySwapped | KeysDeleted
-         | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined | RunStarted
-         | HostTakenOver | Shrunk | AnswersForgotten)
+Entry = (Registered | Failed | Left | Forgot | KeySet | BarrierFinished | BarrierJoined | KeyIncremented | KeySwapped
+         | KeysDeleted | LiveSetDecided | PreemptionNoticed | PreemptionSyncDecided | AttemptDecided | AgentJoined
+         | RunStarted | HostTakenOver | Shrunk | AnswersForgotten)
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (Registered, Failed, Left, Forgot, KeySet, BarrierFinished,
-                                                         KeyIncremented, KeySwapped, KeysDeleted, LiveSetDecided,
-                                                         PreemptionNoticed, PreemptionSyncDecided, AttemptDecided,
-                                                         AgentJoined, RunStarted, HostTakenOver, Shrunk,
+                                                         BarrierJoined, KeyIncremented, KeySwapped, KeysDeleted,
+                                                         LiveSetDecided, PreemptionNoticed, PreemptionSyncDecided,
+                                                         AttemptDecided, AgentJoined, RunStarted, HostTakenOver, Shrunk,
                                                          AnswersForgotten)}
 
 
@@ -231,6 +248,10 @@ def encode(entry: Entry) -> bytes:
             fields.pop(name, None)
     if isinstance(entry, BarrierFinished) and not entry.forgot:  # a barrier that forgot none: as written before
         del fields["forgot"]
+    if isinstance(entry, BarrierFinished) and entry.canceller is None:  # a barrier that started: as written before
+        del fields["canceller"]
+    if isinstance(entry, BarrierFinished) and entry.held_by is None:  # a shared barrier: as written before
+        del fields["held_by"]
     return json.dumps({"type": type(entry).__name__, **fields}, separators=(",", ":")).encode()
 
 

@@ -77,7 +77,8 @@ class Limits:
     0: gRPC's own default (no limit)."""
     barriers: int = 1 << 20
     """Most barriers kept (a name is used once and its result repeated to late callers; a cancel of a name nobody
-    used yet is kept too): 64 for each of 2**14 processes."""
+    used yet is kept too): 64 for each of 2**14 processes. What one process holds alone (its cancels of barriers nobody
+    arrived at, its barriers nobody else arrived at) is at most its share, this divided by the processes."""
     watches_per_session: int = 1024
     """Most key prefixes one session watches (each at most --kv-max-key-bytes long): a process watches a few."""
     session_backlog_bytes: int = 64 << 20
@@ -130,7 +131,9 @@ class Limits:
     barrier_bytes: int = 64 << 20
     """Most bytes barriers hold, cancelled and finished ones included (each name is kept to answer late arrivals):
     their names (in the barrier, its error and its journal entry), BARRIER_OVERHEAD_BYTES each and their participants
-    (a set shared by barriers of the same processes is counted once)."""
+    (a set shared by barriers of the same processes is counted once). What one process holds alone (its cancels of
+    barriers nobody arrived at, its barriers nobody else arrived at) is at most its share, this divided by the
+    processes, so it cannot spend the others' room."""
     sessions_per_process: int = 2
     """Sessions one process may hold open at once (two overlap briefly while a client reconnects); a newer one ends
     the oldest."""

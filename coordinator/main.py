@@ -130,8 +130,9 @@ def parser() -> argparse.ArgumentParser:
                              "one to end instead of failing (default %(default)s; 0: gRPC's own, no limit)")
     limits.add_argument("--max-barriers", dest="barriers", type=int, default=default.barriers, metavar="N",
                         help="most barriers kept, finished and cancelled ones included (a name is used once and "
-                             "its result repeated to late callers); a new name beyond them is refused "
-                             "(default %(default)s)")
+                             "its result repeated to late callers); a new name beyond them is refused; what one "
+                             "process holds alone (cancels of barriers nobody arrived at, barriers nobody else "
+                             "arrived at) is at most this divided by --num-processes (default %(default)s)")
     limits.add_argument("--max-watches-per-session", dest="watches_per_session", type=int,
                         default=default.watches_per_session, metavar="N",
                         help="most key prefixes one process's session watches (each at most --kv-max-key-bytes "
@@ -204,8 +205,10 @@ def parser() -> argparse.ArgumentParser:
                                                "refused, never applied twice (default %(default)s)")
     budgets.add_argument("--max-barrier-bytes", dest="barrier_bytes", type=int, default=default.barrier_bytes,
                          metavar="BYTES", help="bytes barriers hold, finished and cancelled ones included (names, "
-                                               "participants); a new barrier past it is refused (default "
-                                               "%(default)s)")
+                                               "participants); a new barrier past it is refused; what one "
+                                               "process holds alone (cancels of barriers nobody arrived at, "
+                                               "barriers nobody else arrived at) is at most this divided by "
+                                               "--num-processes (default %(default)s)")
     budgets.add_argument("--max-sessions-per-process", dest="sessions_per_process", type=int,
                          default=default.sessions_per_process, metavar="N",
                          help="sessions one process holds open at once; a newer one ends the oldest (default "

@@ -136,7 +136,8 @@ RPCS: dict[str, Rpc] = {
     "CancelBarrier": Rpc(
         pb.CancelBarrierRequest, lambda q: f"cancel of barrier {q.name!r}",
         lambda cancelled: pb.CancelBarrierResponse(cancelled=cancelled).SerializeToString(),
-        command=lambda s, q, c: s.current.cancel_barrier(q.client_uid, q.name, c.now, proof=c.proof)),
+        command=lambda s, q, c: s.current.cancel_barrier(q.client_uid, q.name, c.now,
+                                                         process_ids=frozenset(q.process_ids), proof=c.proof)),
     "KeyValueSet": Rpc(
         pb.KeyValueSetRequest, lambda q: f"key-value set of {q.key!r}", _empty,
         command=lambda s, q, c: _no_result(s.current.keys.set(q.client_uid, q.key, q.value, q.allow_overwrite,

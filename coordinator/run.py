@@ -76,7 +76,7 @@ class Run:
         self.config, self.number, self._attempts, self._record = config, number, attempts, record
         self.admission = Admission(config)
         self.liveness = Liveness(config)
-        self.barriers = Barriers(config.limits)
+        self.barriers = Barriers(config.limits, config.num_processes)
         self.kv = KeyValues(config.limits, record)
         self.keys = KeyValueCalls(self.kv, self._check_kv_caller, self._is_agent)
         """The run's key-value calls, each checking its caller for every key it touches."""
@@ -111,8 +111,11 @@ class Run:
                   | journal.AnswersForgotten()):
                 self.kv.replay(entry, agent=self._is_agent(getattr(entry, "client_uid", "")))
             case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message,
-                                         forgot=forgot):
-                self.barriers.restore(name, frozenset(participants), journal.error_of(kind, message), forgot)
+                                         forgot=forgot, canceller=canceller, held_by=held_by):
+                self.barriers.restore(name, frozenset(participants), journal.error_of(kind, message), forgot,
+                                      canceller, held_by=held_by)
+            case journal.BarrierJoined(name=name):
+                self.barriers.restore_joined(name)
             case journal.LiveSetDecided(callers=callers, members=decided, error_type=kind, error=message):
                 self._live_sets.restore(callers, decided, journal.error_of(kind, message))
             case journal.PreemptionNoticed(process_id=pid):
@@ -235,7 +238,8 @@ class Run:
                now: float, *, proof: str = "", supersedes: str = "") -> tuple[BarrierResolved | None, list[Effect]]:
         """This process arrived at barrier ``name`` (all processes of the topology when ``process_ids`` is empty),
         which forgets the barrier it ``supersedes`` once it completes. Returns the barrier's result once it is
-        resolved (None while others are awaited) and the effects."""
+        resolved (None while others are awaited) and the effects. A second participant arriving at a finished
+        barrier that one held alone is journaled (``journal.BarrierJoined``): a replay gives it back to its share."""
         pid = self.process_id_of(client_uid, proof=proof)
         participants = process_ids or frozenset(self.admission.in_topology)
         unknown = participants - self.admission.claims.keys()
@@ -243,19 +247,33 @@ class Run:
             raise InvalidArgument(f"barrier {name!r} names process ids {sorted(unknown)} that are not in the "
                                   f"topology (process ids 0..{self.config.num_processes - 1})")
         down = self.liveness.down
+        finished, holder = self.barriers.outcome(name), self.barriers.holder(name)
         _, effects = self.barriers.arrive(name, pid, participants, timeout_s, now,
                                           {p: down[p] for p in participants & down.keys()}, supersedes=supersedes)
+        if finished is not None and holder is not None and self.barriers.holder(name) is None:
+            self._record(journal.BarrierJoined(name, pid))
         return self.barriers.outcome(name), self._journal_barriers(effects)
 
     def barrier_outcome(self, name: str) -> BarrierResolved | None:
         """How barrier ``name`` ended, or None while it is pending (or unknown)."""
         return self.barriers.outcome(name)
 
-    def cancel_barrier(self, client_uid: str, name: str, now: float, *, proof: str = "") -> tuple[bool, list[Effect]]:
-        """Fails barrier ``name`` with BarrierCancelled for every current and future waiter (also before anyone
-        arrived); returns False, changing nothing, when it had completed or failed already."""
+    def cancel_barrier(self, client_uid: str, name: str, now: float, *, process_ids: frozenset[int] = frozenset(),
+                       proof: str = "") -> tuple[bool, list[Effect]]:
+        """This participant fails barrier ``name`` with BarrierCancelled for every current and future waiter; before
+        anyone arrived, when the barrier starts, if it is a participant then (``Barriers.cancel``). ``process_ids``:
+        the participants as the caller names them (empty: not named). False, changing nothing, when the barrier had
+        completed or failed already; PermissionDenied, changing nothing, for a caller that is not a participant."""
+        del now  # a cancel's effect does not depend on the time
         pid = self.process_id_of(client_uid, proof=proof)
-        cancelled, effects = self.barriers.cancel(name, f"process {self.describe_process(pid)}", now)
+        unknown = process_ids - self.admission.claims.keys()
+        if unknown:
+            raise InvalidArgument(f"the cancel of barrier {name!r} names process ids {sorted(unknown)} that are not "
+                                  f"in the topology (process ids 0..{self.config.num_processes - 1})")
+        cancelled, effects = self.barriers.cancel(name, pid, process_ids, f"process {self.describe_process(pid)}")
+        if cancelled and not effects:  # nobody arrived yet: kept for when the barrier starts
+            error = self.barriers.early_cancels(name)[pid]
+            self._record(journal.BarrierFinished(name, (), *journal.error_fields(error), canceller=pid))
         return cancelled, self._journal_barriers(effects)
 
     # Agreement on who is alive.
@@ -449,13 +467,14 @@ class Run:
         return [Republish(topology, self.published_at)]
 
     def _journal_barriers(self, effects: list[BarrierResolved]) -> list[Effect]:
-        """Records each barrier that just finished (with its participants, error and the barrier it forgot); returns
-        the effects."""
+        """Records each barrier that just finished (with its participants, error, the barrier it forgot and the
+        process that holds it alone, if one does); returns the effects."""
         for e in effects:
             barrier = self.barriers.get(e.name)
             assert barrier is not None
             self._record(journal.BarrierFinished(e.name, tuple(sorted(barrier.participants)),
-                                                 *journal.error_fields(e.error), forgot=barrier.supersedes))
+                                                 *journal.error_fields(e.error), forgot=barrier.supersedes,
+                                                 held_by=self.barriers.holder(e.name)))
         return list(effects)
 
     def _notify(self, event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice) -> Notify:

@@ -31,6 +31,7 @@ from coordinator.host_calls import check_agent_named, check_batch, check_carried
 from coordinator.job_records import Agent, AttemptStarted, Host, HostTakenOver, JobView, NextAttempt
 from coordinator.kv import AGENT_KEY_PREFIX
 from coordinator.limits import shown
+from coordinator.members import claim_of
 from coordinator.registration import Registration
 from coordinator.run import Run
 from coordinator.shrink import ShrinkAnswer, Wait
@@ -149,24 +150,28 @@ class ClusterState:
 
     # Attempts: ifrt run's agents joining, NextAttempt's decisions.
     def join_agent(self, agent: Agent, max_restarts: int | None, absent: frozenset[str] = frozenset(),
-                   recover: str = "", watching: frozenset[str] = frozenset()) -> list[Effect]:
+                   recover: str = "", watching: frozenset[str] = frozenset(), bound: bool = False) -> list[Effect]:
         """An ``ifrt run`` agent joins the job (journaled; nothing when it is one already); ``absent``: the agents the
-        shell has not seen watching for a while, ``watching``: those watching now. A new run of the job (see
-        coordinator.attempts) starts a new attempt with a new Run."""
+        shell has not seen watching for a while, ``watching``: those watching now, ``bound``: agents prove their
+        host with its credential (one agent per host). A new run of the job (see coordinator.attempts) starts a new
+        attempt with a new Run."""
         entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent, recover,
-                                   watching)
+                                   watching, bound)
         if entry is None:
             return []
         self._journal.append(entry)
         return self._agent_joined(entry)
 
-    def next_attempt(self, call: NextAttempt, proof: str = "") -> tuple[JobView, list[Effect]]:
+    def next_attempt(self, call: NextAttempt, proof: str = "", bound: bool = False) -> tuple[JobView, list[Effect]]:
         """NextAttempt from the agent ``call.agent_uid`` (``proof``: the hash of the secret its call carries): ends
         the job's current attempt once (journaled) and starts the next with a new Run, or marks the restarts
         exhausted; a retry or a later caller is answered the same, changing nothing. PermissionDenied for a caller
-        that is no agent of the job, or a cause it may not give (see coordinator.attempts)."""
+        that is no agent of the job, or a cause it may not give (see coordinator.attempts). ``bound``: agents prove
+        their host (one agent per host), so a process id nobody holds is none of an agent whose workers are all
+        registered."""
         agent = self.attempts.deciding_agent(call.agent_uid, proof)
-        entry = self.attempts.decide(call, self.config.limits, agent, self._registered_from)
+        entry = self.attempts.decide(call, self.config.limits, agent, self._registered_from,
+                                     self._ids_registered_from if bound else lambda where: ())
         if entry is None:
             return self.attempts.view(), []
         replacing = entry.replace and not entry.exhausted and self.current.topology is not None
@@ -198,6 +203,14 @@ class ClusterState:
             member = next((m for m in admission.members.values()
                            if m.registration.process_id == process_id and m.live), None)
         return None if member is None else (member.registration.hostname, member.registration.host_address)
+
+    def _ids_registered_from(self, where: Host) -> tuple[int | None, ...]:
+        """The ids of the live processes of this attempt registered from ``where`` (hostname, address), in their
+        order; None for one whose id is not assigned yet."""
+        admission = self.current.admission
+        return tuple(admission.process_ids.get(claim_of(m.registration)) if admission.topology is not None
+                     else m.registration.process_id for m in admission.members.values()
+                     if m.live and (m.registration.hostname, m.registration.host_address) == where)
 
     # Lost hosts (coordinator.takeover) and shrinks (coordinator.shrink).
     def lost_hosts(self, absent: frozenset[str]) -> list[LostHost]:

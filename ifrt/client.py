@@ -335,11 +335,15 @@ class Client(KeyValueCalls):
             timeout_ms=max(1, int(remaining * 1000)), supersedes=supersedes), deadline,
             slack=self.config.answer_slack_s, what=f"barrier {name!r}")
 
-    def cancel_barrier(self, name: str, timeout: float = 60.0) -> bool:
-        """Ends barrier ``name`` for every current and future waiter with BarrierCancelled (also before anyone
-        arrived). Returns False when it had completed or failed already (its result stands)."""
+    def cancel_barrier(self, name: str, timeout: float = 60.0, process_ids: Sequence[int] | None = None) -> bool:
+        """Ends barrier ``name`` for every current and future waiter with BarrierCancelled. Only a participant may
+        (PermissionDenied names them). Before anyone arrived, the cancel is kept and takes effect when the barrier
+        starts if this process is a participant then. ``process_ids``: the participants as the barrier's callers
+        name them (None: not named). Returns False when it had completed or failed already (its result stands), or
+        when this process had cancelled it already."""
         response = self._unary("CancelBarrier", lambda _: pb.CancelBarrierRequest(
-            client_uid=self.client_uid, name=name), time.monotonic() + timeout, what=f"cancelling barrier {name!r}")
+            client_uid=self.client_uid, name=name, process_ids=process_ids or ()), time.monotonic() + timeout,
+            what=f"cancelling barrier {name!r}")
         return response.cancelled
 
     def live_processes(self, timeout: float) -> dict[int, int]:

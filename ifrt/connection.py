@@ -24,7 +24,14 @@ from google.protobuf.message import Message
 
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.client_config import DEFAULTS, ClientConfig
-from ifrt.errors import CertificateRejected, CoordinatorUnavailable, IfrtError, TransportMismatch, from_rpc_error
+from ifrt.errors import (
+    CertificateRejected,
+    CoordinatorUnavailable,
+    IfrtError,
+    Overloaded,
+    TransportMismatch,
+    from_rpc_error,
+)
 from ifrt.reachability import UnreachableReport, certificate_problem, unreached_cause
 from ifrt.security import plain_channel, probe_transport, with_identity
 from ifrt.settings import FAILOVER_WINDOW_ENV, Settings, failover_window
@@ -173,7 +180,8 @@ class Connection:
         its own deadline; the time without a leader does not count against the coordinator's wait (each later
         attempt asks for what was left of it when the leader was lost), and a deadline later than the window still
         bounds the whole call. Past the window, CoordinatorUnavailable names ``what`` was waited for, the window and
-        the replicas tried.
+        the replicas tried. A refusal for load (Overloaded, an agent's) is an answer, not a failover: it is retried
+        until the call's own deadline, and then raised as Overloaded naming the refusal.
 
         While it retries, ``report`` says (paced) why no replica answers and which bound the call counts against:
         ``bound`` (the call's own, e.g. "the discovery timeout (300 s)"; default: the timeout of ``what``), or the
@@ -202,11 +210,14 @@ class Connection:
             except grpc.RpcError as e:
                 failed_at = time.monotonic()
                 last_error = self.failed(e, target, report, ends)
-                lost_since = failed_at if lost_since is None else lost_since
+                if lost_since is None and not isinstance(last_error, Overloaded):  # a refusal for load is no failover
+                    lost_since = failed_at
                 continue
             self.answered(target)
             report.reached()
             return answer
+        if failover and isinstance(last_error, Overloaded):  # said as what it was, not as a failover or a timeout
+            raise Overloaded(f"{what or method}: refused for load until its time ran out; last refusal: {last_error}")
         if failover and lost_since is not None and last_error is not None:
             raise self.leaderless(what or method, time.monotonic() - lost_since, last_error)
         raise (give_up or partial(self.unavailable, method))(last_error)

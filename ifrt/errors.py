@@ -97,8 +97,8 @@ class ResourceExhausted(InvalidArgument):
 class Overloaded(IfrtError):
     """A server refused the call for load: every slot it keeps for callers of this kind is taken (e.g. an ``ifrt run``
     agent's local server, ``docs/hosts.md``). Unlike ResourceExhausted (a bound the call's own content or its caller's
-    budget passes), retrying may succeed: the slots free within a short bound, and the call is retried as an
-    unreachable coordinator's is."""
+    budget passes), retrying may succeed: the slots free within a short bound, and the call is retried until its own
+    deadline (never for a failover window: the server answered), then raises this, naming the refusal."""
 
     status = "RESOURCE_EXHAUSTED"
     retryable = True
@@ -117,7 +117,7 @@ class BarrierTimeout(BarrierFailed, TimeoutError):
 
 
 class BarrierCancelled(BarrierFailed):
-    """A process cancelled the barrier (``cancel_barrier``): every current and future waiter gets this."""
+    """A participant cancelled the barrier (``cancel_barrier``): every current and future waiter gets this."""
 
     status = "CANCELLED"
 
@@ -144,6 +144,12 @@ class PermissionDenied(IfrtError):
     """The call acts for a process it does not own (its process secret is missing or wrong)."""
 
     status = "PERMISSION_DENIED"
+
+
+class HostHeld(PermissionDenied):
+    """Another agent of the job acts for this host and watches the job now: a host has one agent, and a second one
+    presenting its credential takes its place only once the first is gone (its watch ended, as a restarted agent's
+    predecessor's does). The message names the host and the agent that holds it."""
 
 
 class TransportMismatch(IfrtError):
@@ -274,7 +280,9 @@ class CollectiveFailed(IfrtError):
 
 class StateLost(IfrtError):
     """A replacement's state cannot be healed from its peers (``ifrt.torch.Replica``): no survivor holds a copy of
-    it, or the survivors hold different steps; the message names the process and its replica set."""
+    it, or the survivors hold different steps (the message names the process and its replica set), or the state a
+    peer describes does not fit the replacement's own (the message names the peer, the tensor and both
+    descriptions)."""
 
     status = "FAILED_PRECONDITION"
 

@@ -2,7 +2,7 @@
 
 torch keeps its rendezvous state as a pickle, and any holder of the cluster token can write the key it lives at, so
 an agent must not hand torch bytes it did not check (``ifrt/torchrun_state.py``). ``read`` is the first half of that
-check: it follows the unpickler's stack machine for the opcodes of protocols 2 to 5 that a pickle of plain objects
+check: it follows the unpickler's stack machine for the opcodes of protocols 4 and 5 that a pickle of plain objects
 uses, but builds only the records below. A class is resolved from an allow-list and never called (an object is a
 ``Call`` record); a dict is a list of pairs and a set a list of items, so no key is ever hashed; every integer's
 length is read before the integer is (at most ``MAX_INT_BYTES``); the objects built of each class are counted as
@@ -20,8 +20,9 @@ MAX_INT_BYTES = 8
 """The longest integer a state may hold, in bytes (19 decimal digits): a round, a pid, a rank, a timedelta's part."""
 MAX_TUPLE_DEPTH = 4
 """Tuples in a state are constructor arguments, one level deep; deeper ones are refused as they are read."""
-PROTOCOLS = range(2, 6)
-"""The pickle protocols read here: torch's state holder writes ``pickle.DEFAULT_PROTOCOL`` (4; 5 from Python 3.14)."""
+PROTOCOLS = range(4, 6)
+"""The pickle protocols read here: torch's state holder writes ``pickle.DEFAULT_PROTOCOL`` (4; 5 from Python 3.14);
+protocols 2 and 3 name classes with the opcode GLOBAL, which is not read."""
 
 _NAMES = {op.code.encode("latin-1")[0]: op.name for op in pickletools.opcodes}
 
@@ -235,7 +236,7 @@ def read(data: bytes, classes: Mapping[tuple[str, str], type], limits: Mapping[t
         elif code == 0x80:  # PROTO
             protocol = length(1)
             if protocol not in PROTOCOLS:
-                raise Refused(f"it is a pickle of protocol {protocol}; ifrt reads protocols {PROTOCOLS[0]} to "
+                raise Refused(f"it is a pickle of protocol {protocol}; ifrt reads protocols {PROTOCOLS[0]} and "
                               f"{PROTOCOLS[-1]}, those torch's state holder writes", other_torch=True)
         elif code == 0x95:  # FRAME: a hint for buffering, its opcodes follow inline
             take(8)

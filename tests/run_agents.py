@@ -79,6 +79,12 @@ class RunAgent:
                 self.process.wait()
 
 
+def own_hostname(name: str) -> list[str]:
+    """A ``RunAgent`` wrapper that runs the agent (and its workers) in a UTS namespace of its own, named ``name``: two
+    agents on this machine as two hosts, where the coordinator binds agents to hosts (one agent per host name)."""
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name]
+
+
 def agents_started() -> Iterator[Callable[..., RunAgent]]:
     """For a test module's ``agents`` fixture: starts agents (RunAgent's arguments), each stopped afterwards."""
     started: list[RunAgent] = []

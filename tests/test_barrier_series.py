@@ -73,10 +73,12 @@ def test_only_a_finished_step_of_the_same_participants_is_forgotten():
 
 
 def test_a_step_cancelled_before_anyone_arrived_is_forgotten_by_the_next_one():
-    barriers = Barriers()  # a vote's no: its caller cancels the round before the others arrive
-    assert barriers.cancel("s/0", "process 0", 0.0)[0]
+    barriers = Barriers()  # a vote's no: its caller cancels the round before the others arrive, then arrives
+    assert barriers.cancel("s/0", 0, PAIR, "process 0") == (True, [])
+    assert step(barriers, "s/0") == []  # the first arrival started it, cancelled
+    assert isinstance(barriers.outcome("s/0").error, BarrierCancelled)
     assert step(barriers, "s/1", "s/0") == [BarrierResolved("s/1", None)]
-    assert barriers.get("s/0") is None
+    assert barriers.get("s/0") is None and barriers.early_cancels("s/0") == {}
 
 
 def test_a_failed_timed_out_or_cancelled_step_forgets_nothing():
@@ -89,7 +91,7 @@ def test_a_failed_timed_out_or_cancelled_step_forgets_nothing():
     barriers.arrive("s/3", 0, PAIR, 1, 0.0, {}, supersedes="s/0")
     assert isinstance(barriers.expire(5.0, str)[0].error, BarrierTimeout)
     barriers.arrive("s/4", 0, PAIR, 60, 0.0, {}, supersedes="s/0")
-    assert isinstance(barriers.cancel("s/4", "process 1", 0.0)[1][0].error, BarrierCancelled)
+    assert isinstance(barriers.cancel("s/4", 1, frozenset(), "process 1")[1][0].error, BarrierCancelled)
     _, effects = barriers.arrive("s/0", 1, PAIR, 60, 6.0, {})  # a late caller of s/0
     assert barriers.outcome("s/0") == BarrierResolved("s/0", None) and effects == []
 

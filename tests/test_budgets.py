@@ -87,7 +87,7 @@ def test_barriers_are_bounded_in_bytes_and_share_their_sets_of_participants():
     cancelled = 0
     with pytest.raises(ResourceExhausted) as info:
         while True:
-            barriers.cancel(f"unknown-{cancelled}-" + "b" * 1000, "process 0", 0.0)
+            barriers.cancel(f"unknown-{cancelled}-" + "b" * 1000, 0, frozenset(), "process 0")
             cancelled += 1
     assert cancelled == (64 * KiB - held) // (3 * len("unknown-0-" + "b" * 1000) + 1024)
     assert "would pass the coordinator's --max-barrier-bytes of 65536 bytes" in str(info.value)

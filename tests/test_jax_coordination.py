@@ -124,8 +124,10 @@ def test_the_stand_in_refuses_calls_for_another_task_or_start_and_stays_private(
                                                request_serializer=type(request).SerializeToString)(request, timeout=10)
 
                 xla = "xla.coordination.CoordinationService"
+                this_start = xla_pb.Incarnations(service_incarnation=server.standin.incarnation)
                 with pytest.raises(grpc.RpcError) as other_task:
-                    call(xla, "Heartbeat", xla_pb.HeartbeatRequest(source_task_id=3), xla_pb.HeartbeatResponse)
+                    call(xla, "Heartbeat", xla_pb.HeartbeatRequest(incarnations=this_start, source_task_id=3),
+                         xla_pb.HeartbeatResponse)
                 assert other_task.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert "task 3" in other_task.value.details() and "process 0 only" in other_task.value.details()
                 with pytest.raises(grpc.RpcError) as other_start:
@@ -140,10 +142,12 @@ def test_the_stand_in_refuses_calls_for_another_task_or_start_and_stays_private(
                          tf_pb.ReportErrorToTaskResponse)
                 assert service_only.value.code() == grpc.StatusCode.UNIMPLEMENTED
                 assert "never the other way" in service_only.value.details()
-                call(xla, "InsertKeyValue", xla_pb.InsertKeyValueRequest(kv={"key": "k", "value": b"v"}),
+                call(xla, "InsertKeyValue", xla_pb.InsertKeyValueRequest(incarnations=this_start,
+                                                                         kv={"key": "k", "value": b"v"}),
                      xla_pb.InsertKeyValueResponse)
                 with pytest.raises(grpc.RpcError) as again:
-                    call(xla, "InsertKeyValue", xla_pb.InsertKeyValueRequest(kv={"key": "k", "value": b"w"}),
+                    call(xla, "InsertKeyValue", xla_pb.InsertKeyValueRequest(incarnations=this_start,
+                                                                             kv={"key": "k", "value": b"w"}),
                          xla_pb.InsertKeyValueResponse)
                 assert again.value.code() == grpc.StatusCode.ALREADY_EXISTS
                 assert client.kv_try_get("test/bad-input/kv/k") == b"v"

@@ -98,6 +98,7 @@ STATUS = {
     "DiscoveryTimeout": "DEADLINE_EXCEEDED",
     "Unauthenticated": "UNAUTHENTICATED",
     "PermissionDenied": "PERMISSION_DENIED",
+    "HostHeld": "PERMISSION_DENIED",
     "TransportMismatch": "UNAVAILABLE",
     "CertificateRejected": "UNAVAILABLE",
     "JobFailed": "ABORTED",

@@ -296,15 +296,15 @@ def test_max_concurrent_streams_holds_further_calls_of_one_connection(start_coor
 def test_barriers_past_the_limit_are_refused_cancelled_ones_included():
     barriers = Barriers(Limits(barriers=2))
     barriers.arrive("first", 0, frozenset({0, 1}), 10.0, 0.0, {})
-    assert barriers.cancel("never used", "process 0", 0.0)[0]
+    assert barriers.cancel("never used", 0, frozenset(), "process 0")[0]
     with pytest.raises(InvalidArgument) as info:
-        barriers.cancel("third", "process 0", 0.0)
+        barriers.cancel("third", 0, frozenset(), "process 0")
     assert str(info.value) == ("barrier 'third' would be barrier number 3: expected at most 2 barriers (the "
                                "coordinator's --max-barriers)")
     with pytest.raises(InvalidArgument, match="expected at most 2 barriers"):
         barriers.arrive("third", 0, frozenset({0, 1}), 10.0, 0.0, {})
     assert barriers.get("third") is None
-    assert barriers.cancel("first", "process 1", 0.0)[0]  # a barrier it keeps is no new entry
+    assert barriers.cancel("first", 1, frozenset(), "process 1")[0]  # a barrier it keeps is no new entry
 
 
 def test_a_get_of_a_key_no_set_could_store_is_refused():

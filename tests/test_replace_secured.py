@@ -20,7 +20,7 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from ifrt.security import _WithMetadata
 from tests.helpers import clients, poll_until, secret_file
-from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env, own_hostname, started_lines
 from tests.tls import make_certs
 
 TOKEN = "the replaced job's token"
@@ -74,7 +74,7 @@ def test_a_worker_is_replaced_behind_the_token_and_tls_and_no_token_holder_can_a
                                     log_level="DEBUG")
     both = [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",
                    "--recover", "replace", "--max-restarts", "2", "--", sys.executable, str(RUN_WORKER), "loop",
-                   env=loopback_env(coordinator.address, **env)) for h in range(2)]
+                   env=loopback_env(coordinator.address, **env), wrapper=own_hostname(f"host-{h}")) for h in range(2)]
     first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
              for a in both]
     pids = {pid: int(m.group(3)) for lines in first for pid, m in lines.items()}

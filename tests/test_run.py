@@ -46,7 +46,16 @@ from tests.helpers import BIN, poll_until, secret_file
 from tests.netns import Hosts, skip_without_netns
 from tests.replicas import Replicas
 from tests.requirements import require
-from tests.run_agents import RUN_WORKER, WAIT_S, RunAgent, agents_started, kinds, loopback_env, started_lines
+from tests.run_agents import (
+    RUN_WORKER,
+    WAIT_S,
+    RunAgent,
+    agents_started,
+    kinds,
+    loopback_env,
+    own_hostname,
+    started_lines,
+)
 from tests.tls import make_certs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,10 +202,13 @@ def agents():
     yield from agents_started()
 
 
-def two_agents(agents, address: str, scenario: str, *flags: str, env: dict[str, str] | None = None) -> list[RunAgent]:
-    """Two agents on loopback as hosts 0 and 1 (explicit host ranks), two tests/run_worker.py workers each."""
+def two_agents(agents, address: str, scenario: str, *flags: str, env: dict[str, str] | None = None,
+               hostnames: bool = False) -> list[RunAgent]:
+    """Two agents on loopback as hosts 0 and 1 (explicit host ranks), two tests/run_worker.py workers each; with
+    ``hostnames``, each with a host name of its own (``host-<rank>``: one agent per host, as an agent key binds)."""
     return [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",
-                   *flags, "--", sys.executable, str(RUN_WORKER), scenario, env=env or loopback_env(address))
+                   *flags, "--", sys.executable, str(RUN_WORKER), scenario, env=env or loopback_env(address),
+                   wrapper=own_hostname(f"host-{h}") if hostnames else None)
             for h in range(2)]
 
 
@@ -337,7 +349,7 @@ def test_a_job_behind_the_token_and_tls_restarts_in_place_and_finishes(start_coo
     coordinator = start_coordinator(*flags, num_processes=4, log_level="WARNING")
     env = loopback_env(coordinator.address, **extra)
     both = two_agents(agents, coordinator.address, "once", "--max-restarts", "1", "--token-file", str(token_file),
-                      env=env)
+                      env=env, hostnames=True)
     first = [poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
              for a in both]
     os.kill(int(first[1][3].group(3)), signal.SIGKILL)  # WatchJob (unary-stream) and NextAttempt carry the token
@@ -454,13 +466,15 @@ def jax_env(address: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def own_hostname_addresses(hosts: Hosts, count: int = 2):
-    """In each test host, this machine's hostname resolves to the host's own address, as on separate machines (JAX's
-    gloo listens where the hostname resolves): ``ip netns exec`` puts /etc/netns/<namespace>/hosts over /etc/hosts."""
+    """In each test host, this machine's hostname (and ``host-<i>``, its own name where it has one: ``own_hostname``)
+    resolves to the host's own address, as on separate machines (JAX's gloo listens where the hostname resolves): ``ip
+    netns exec`` puts /etc/netns/<namespace>/hosts over /etc/hosts."""
     made = [Path("/etc/netns", name) for name in hosts.names[:count]]
     try:
         for i, directory in enumerate(made, start=1):
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / "hosts").write_text(f"127.0.0.1 localhost\n{hosts.address(i)} {socket.gethostname()}\n")
+            (directory / "hosts").write_text(f"127.0.0.1 localhost\n{hosts.address(i)} {socket.gethostname()} "
+                                             f"host-{i}\n")
         yield
     finally:
         for directory in made:
@@ -487,7 +501,8 @@ def test_a_killed_jax_worker_restarts_the_whole_job_in_place_from_checkpoints(tm
             both = [agents("--nproc-per-host", "2", "--max-restarts", "2", "--grace-seconds", "2",
                            "--token-file", str(token_file), "--",
                            sys.executable, str(TRAIN), "--runtime", "jax", "--checkpoint-dir", str(tmp_path),
-                           "--steps", str(STEPS), "--step-seconds", "0.2", env=env, wrapper=hosts.command(h, []))
+                           "--steps", str(STEPS), "--step-seconds", "0.2", env=env,
+                           wrapper=hosts.command(h, own_hostname(f"host-{h}")))  # one agent per host name
                     for h in (1, 2)]
             victim = both[1].wait_line(rf"^\[(\d+)\] step {KILLED_AT} process (\d+) attempt 0 pid (\d+)")
             os.kill(int(victim.group(3)), signal.SIGKILL)

@@ -178,7 +178,12 @@ def test_a_state_of_a_torch_of_another_layout_is_named_as_such_with_this_torchs_
     del state.extra, state.closed
     assert f"it lacks the field 'closed' of torch {torch.__version__}'s _RendezvousState" in refusal(
         pickle.dumps(state))
-    assert "it is a pickle of protocol 6; ifrt reads protocols 2 to 5" in refusal(b"\x80\x06N.")
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 6])
+def test_a_pickle_of_a_protocol_torch_does_not_write_is_refused_naming_the_protocols_read(protocol):
+    data = pickle.dumps(torch_state(2), protocol=protocol) if protocol < 6 else b"\x80\x06N."
+    assert f"it is a pickle of protocol {protocol}; ifrt reads protocols 4 and 5" in refusal(data)
 
 
 def test_an_installed_torch_of_another_layout_is_named_when_the_handler_is_made(monkeypatch):

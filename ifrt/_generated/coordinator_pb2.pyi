@@ -674,12 +674,14 @@ class KeyValueDeleteResponse(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class CancelBarrierRequest(_message.Message):
-    __slots__ = ("client_uid", "name")
+    __slots__ = ("client_uid", "name", "process_ids")
     CLIENT_UID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_IDS_FIELD_NUMBER: _ClassVar[int]
     client_uid: str
     name: str
-    def __init__(self, client_uid: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+    process_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, client_uid: _Optional[str] = ..., name: _Optional[str] = ..., process_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CancelBarrierResponse(_message.Message):
     __slots__ = ("cancelled",)

@@ -279,7 +279,7 @@ class CoordinatorServicer:
         Waits until every named process arrived at the barrier.
         DEADLINE_EXCEEDED    a participant's timeout passed (names who is missing).
         ABORTED              a participant failed or left.
-        CANCELLED            a process cancelled the barrier (CancelBarrier).
+        CANCELLED            a participant cancelled the barrier (CancelBarrier).
         INVALID_ARGUMENT     the name is empty or too long, names ids outside the
         topology, or the caller is not one of the
         participants; or processes named two different
@@ -292,10 +292,22 @@ class CoordinatorServicer:
 
     def CancelBarrier(self, request, context):
         """Ends the barrier for every current and future waiter with CANCELLED, even
-        before anyone arrived.
+        before anyone arrived. Only a participant may cancel a barrier. A cancel
+        before anyone arrived is kept for its caller and takes effect when the
+        barrier starts only if the caller is one of the participants the first
+        arrival names; else it is dropped, changing nothing.
         OK                   cancelled is true; false when the barrier had
-        already completed or failed (its result stands).
-        INVALID_ARGUMENT     the name is empty or too long.
+        already completed or failed (its result stands), or
+        this process had cancelled it before anyone arrived.
+        PERMISSION_DENIED    the caller is not a participant of the barrier (as
+        started, or as process_ids name it): names them.
+        INVALID_ARGUMENT     the name is empty or too long, process_ids names ids
+        outside the topology or another set than the
+        barrier's (names both), or --max-barriers is reached.
+        RESOURCE_EXHAUSTED   keeping a cancel of a barrier nobody arrived at would
+        pass --max-barrier-bytes, or this process's share of
+        --max-barriers and --max-barrier-bytes (each divided
+        by --num-processes): only this caller is refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

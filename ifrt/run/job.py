@@ -16,7 +16,7 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.agent_credential import AGENT_CREDENTIAL_METADATA, agent_credential
 from ifrt.connection import Connection
-from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, from_rpc_error
+from ifrt.errors import EXIT_COORDINATOR_LOST, HostHeld, IfrtError, from_rpc_error
 from ifrt.run.agent import EXIT_USAGE
 from ifrt.run.messages import (
     Event,
@@ -136,18 +136,26 @@ class JobLink:
                     self.connection.check_transport(target)
                 except IfrtError as e:
                     error = e
-            if not error.retryable:
+            held = isinstance(error, HostHeld)  # its host's other agent may be gone without the coordinator knowing yet
+            if not error.retryable and not held:
                 emit(LinkFailed(f"the coordinator refuses this agent: {type(error).__name__}: {error}", EXIT_USAGE))
                 return
             now = time.monotonic()
             window, why = (self.failover_window_s, "the failover window") if watched else self.first_contact
             if lost_since is None:
                 lost_since = now
-                if watched:
+                if held:
+                    log.warning("%s: waiting up to %gs (%s) for that agent's watch to end: one cut off from the "
+                                "coordinator is dropped within its heartbeat timeout", error, window, why)
+                elif watched:
                     log.warning("lost the job's watch (%s); reconnecting", error)
                 else:
                     log.warning("cannot reach the coordinator yet (%s); trying every replica for up to %gs (%s; "
                                 "%s or IFRT_FAILOVER_WINDOW sets it)", error, window, why, DISCOVERY_TIMEOUT_ENV)
+            elif now - lost_since > window and held:
+                emit(LinkFailed(f"the coordinator refuses this agent for {now - lost_since:.0f}s ({why}): {error}",
+                                EXIT_USAGE))
+                return
             elif now - lost_since > window:
                 emit(LinkFailed(f"no coordinator replica ({', '.join(self.settings.coordinators)}) answered for "
                                 f"{now - lost_since:.0f}s ({why}): {error}", EXIT_COORDINATOR_LOST))

@@ -9,7 +9,8 @@ worker proves who it is with its process secret as it would to the coordinator: 
 its registration did. What a caller can make the agent hold is bounded: requests of ``MAX_REQUEST_BYTES``, a few
 pending registrations per worker (``host_rules.PENDING_PER_WORKER``), the job events kept for catch-up
 (``host_rules.EVENTS_KEPT``), what one session leaves unread, and calls (``Slots``): each registered worker's calls
-and each local rank's registrations have slots of their own, so a caller that proves nothing (no registered
+and each local rank's registrations have slots of their own, a worker's forwarded calls that wait (``WAITING``) apart
+from those that do not, so that a set never queues behind gets that wait, so a caller that proves nothing (no registered
 worker's secret) cannot keep a worker out; it holds at most ``UNPROVEN_CALLS`` calls at once, each for at most
 ``FIRST_MESSAGE_S`` if it sends nothing, and ``STRANGER_CALLS`` forwarded calls. A refusal for load is ``Overloaded``,
 which the worker retries.
@@ -72,16 +73,22 @@ UNPROVEN_CALLS = 4
 PROVEN_CALLS = 4
 """Calls at once of each registered worker (its session, a registration again, a session that reconnects)."""
 FORWARDED_CALLS = 16
-"""Forwarded calls at once of each registered worker, beside its ``PROVEN_CALLS``: waits (a get that waits for a key, a
-barrier) hold theirs while they wait, and a start-up's few concurrent waits stay well inside."""
+"""Forwarded calls at once of each registered worker that do not wait (a set, a read, an increment), beside its
+``PROVEN_CALLS`` and ``WAITING_CALLS``."""
+WAITING_CALLS = 16
+"""Forwarded calls at once of each registered worker that wait (``WAITING``: a get that waits for a key, a barrier),
+each holding its slot while it waits; a start-up's few concurrent waits stay well inside. Apart from
+``FORWARDED_CALLS``: waits that hold all of theirs never keep out the worker's calls that do not wait."""
+WAITING = frozenset({"Barrier", "KeyValueGet", "LiveProcesses", "PreemptionSync"})
+"""The forwarded methods that wait on the coordinator (for a key, for the other processes)."""
 STRANGER_CALLS = 4
 """Forwarded calls at once, all together, that no registered worker's secret proves (a process that did not register
 through this agent: the coordinator decides what it may do, as for a direct call)."""
 SPARE_THREADS = 4
 """Threads beyond the slots: for calls during their ``BUSY_GRACE_S`` and refusals."""
 UNPROVEN, STRANGER = ("unproven",), ("stranger",)
-_LIMITS = {"worker": PROVEN_CALLS, "calls": FORWARDED_CALLS, "rank": PENDING_PER_WORKER, "unproven": UNPROVEN_CALLS,
-           "stranger": STRANGER_CALLS}
+_LIMITS = {"worker": PROVEN_CALLS, "calls": FORWARDED_CALLS, "waits": WAITING_CALLS, "rank": PENDING_PER_WORKER,
+           "unproven": UNPROVEN_CALLS, "stranger": STRANGER_CALLS}
 _HEARTBEAT = pb.SessionRequest(heartbeat=pb.Heartbeat()).SerializeToString()
 
 
@@ -107,7 +114,8 @@ def keepalive_options(heartbeat_timeout_s: float) -> list[tuple[str, int]]:
 
 class Slots:
     """The calls the local server holds, by whose they are: ``("worker", proof)`` a registered worker's (at most
-    ``PROVEN_CALLS``) and ``("calls", proof)`` its forwarded ones (``FORWARDED_CALLS``), ``("rank", r)`` the
+    ``PROVEN_CALLS``), ``("calls", proof)`` its forwarded ones that do not wait (``FORWARDED_CALLS``) and
+    ``("waits", proof)`` those that do (``WAITING_CALLS``), ``("rank", r)`` the
     registrations of local rank ``r`` (``PENDING_PER_WORKER``; -1 for a rank the agent does not run), ``UNPROVEN`` the
     calls waiting for a first message that prove nothing (``UNPROVEN_CALLS``), ``STRANGER`` the forwarded calls that
     prove nothing (``STRANGER_CALLS``)."""
@@ -120,7 +128,8 @@ class Slots:
     @staticmethod
     def threads(workers: int) -> int:
         """Threads for every slot of ``workers`` workers at once, and the spare ones: no call that has a slot waits."""
-        return (workers * (PROVEN_CALLS + FORWARDED_CALLS + PENDING_PER_WORKER) + PENDING_PER_WORKER + UNPROVEN_CALLS
+        return (workers * (PROVEN_CALLS + FORWARDED_CALLS + WAITING_CALLS + PENDING_PER_WORKER) + PENDING_PER_WORKER
+                + UNPROVEN_CALLS
                 + STRANGER_CALLS + SPARE_THREADS)
 
     def rank(self, local_rank: int) -> tuple[str, int]:
@@ -280,7 +289,7 @@ class LocalServer:
             assert self._forwarder is not None
             requests = _Requests(raw)
             try:
-                with self._opened(requests, context, forwarded=True) as (first, _):
+                with self._opened(requests, context, forwarded=method) as (first, _):
                     if first is None:
                         _abort(context, InvalidArgument(f"the call carried no {method} request"))
                     try:
@@ -334,20 +343,24 @@ class LocalServer:
 
     @contextlib.contextmanager
     def _opened(self, requests: _Requests, context: grpc.ServicerContext,
-                forwarded: bool = False) -> Iterator[tuple[bytes | None, bool]]:
+                forwarded: str | None = None) -> Iterator[tuple[bytes | None, bool]]:
         """The call's first message (None: its stream ended without one) and whether a registered worker's secret
-        proves the call, while the call holds its slot (a ``forwarded`` call one of its worker's forwarded calls, or
-        of the strangers'). A call that sends nothing within FIRST_MESSAGE_S is ended; one that finds its slots held
-        is refused for load (Overloaded), the caller retries."""
+        proves the call, while the call holds its slot (a call of ``forwarded``, a method forwarded to the
+        coordinator, one of its worker's forwarded calls that wait or of those that do not, or of the strangers'). A
+        call that sends nothing within FIRST_MESSAGE_S is ended; one that finds its slots held is refused for load
+        (Overloaded), the caller retries."""
         began = time.monotonic()
         proof = _proof(context)
         proven = any(hmac.compare_digest(proof, r.proof) for r in list(self._registrar.registered.values()))
         held = _Held(self.slots)
         context.add_callback(held.give_all)  # the call ended: at once, whenever its handler is done with it
         try:
-            if proven and forwarded:
-                held.take(context, ("calls", proof), f"this worker has {FORWARDED_CALLS} calls forwarded by its agent "
-                                                     "open already")
+            if proven and forwarded in WAITING:
+                held.take(context, ("waits", proof), f"{forwarded}: this worker has {WAITING_CALLS} calls that wait "
+                                                     "(gets of a key, barriers) forwarded by its agent open already")
+            elif proven and forwarded:
+                held.take(context, ("calls", proof), f"{forwarded}: this worker has {FORWARDED_CALLS} calls that do "
+                                                     "not wait forwarded by its agent open already")
             elif proven:
                 held.take(context, ("worker", proof), f"this worker has {PROVEN_CALLS} calls open with its agent "
                                                       "already")

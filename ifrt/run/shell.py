@@ -14,7 +14,13 @@ import threading
 import time
 
 from ifrt import clusters, failfast
-from ifrt.agent_credential import AGENT_CREDENTIAL_FILE_ENV, AGENT_KEY_FILE_ENV
+from ifrt.agent_credential import (
+    AGENT_CREDENTIAL_FILE_ENV,
+    AGENT_KEY_FILE_ENV,
+    UnixUser,
+    hide_this_process,
+    reach_warnings,
+)
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
 from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, exit_reason, workers_status
 from ifrt.run.job import JobLink
@@ -45,7 +51,7 @@ from ifrt.run.messages import (
 )
 from ifrt.run.spares import HandOff, HandOffFailed, SpareExited, SparePool, StartSpare
 from ifrt.run.worker_link import AGENT, WORKER_LINKS, AgentLink
-from ifrt.run.workers import Worker, stop_all, transfer_binds, worker_env
+from ifrt.run.workers import Worker, WorkerUser, stop_all, transfer_binds, worker_env, worker_user
 from ifrt.safe_text import SafeFormatter, safe
 from ifrt.settings import AGENT_SOCKET_ENV, COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 from ifrt.spare import HANDED, SPARE_ENV, hand_off_line
@@ -125,11 +131,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file holding this host's agent credential (`ifrt agent-credential --host H` prints it), "
                         "if the coordinator binds agents to hosts (its --agent-key-file; required with a token): the "
                         "agent acts for the host the credential names and no other (default "
-                        f"${AGENT_CREDENTIAL_FILE_ENV}); the workers never get it")
+                        f"${AGENT_CREDENTIAL_FILE_ENV}). '-' (or /dev/fd/N) reads it from stdin (descriptor N) to "
+                        "its end, then closes it, before any worker starts. The agent reads it once, keeps it in "
+                        "memory only and is non-dumpable (its /proc entries closed to other processes of its "
+                        "user); the workers never get it, but a file stays readable by whoever its mode allows: the "
+                        "agent warns at start when the workers' user can read it (see --worker-user and "
+                        "docs/security.md)")
     p.add_argument("--agent-key-file", metavar="PATH",
                    help="the coordinator's agent key, to derive this host's credential from (default "
-                        f"${AGENT_KEY_FILE_ENV}): simpler to hand out, but a host that holds the key can act for any "
-                        "host; the workers never get it")
+                        f"${AGENT_KEY_FILE_ENV}; '-' or /dev/fd/N as for --agent-credential-file): simpler to hand "
+                        "out, but a host that holds the key can act for any host; the workers never get it")
+    p.add_argument("--worker-user", metavar="USER",
+                   help="run the workers as USER (a name or uid; the agent must run as root): its uid, gid and "
+                        "groups, HOME, USER and LOGNAME. With the credential or key file owned by the agent's user "
+                        "and mode 0400, no worker can read it (workers that run as root can read everything). USER "
+                        "must be able to run the worker command and read the token and TLS files the workers are "
+                        "given; with --worker-link agent the agent's socket is handed to USER (default: the agent's "
+                        "own user)")
     p.add_argument("--host-rank", type=int, metavar="R",
                    help=f"this host's rank among the job's hosts: worker ids are R * N + local rank (default "
                         f"${PROCESS_ID_ENV} or the launcher's rank of this agent, one agent per host; unset: the "
@@ -153,6 +171,18 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"ifrt run: {safe(problem)}", file=sys.stderr)
         return EXIT_USAGE
+    user = _worker_user(args)
+    if isinstance(user, str):
+        print(f"ifrt run: {safe(user)}", file=sys.stderr)
+        return EXIT_USAGE
+    hidden = hide_this_process()  # before any secret is read: nothing of it shows in /proc to the workers' user
+    sources = {"the agent credential file": args.agent_credential_file or os.environ.get(AGENT_CREDENTIAL_FILE_ENV),
+               "the agent key file": args.agent_key_file or os.environ.get(AGENT_KEY_FILE_ENV)}
+    if hidden is not None and any(sources.values()):
+        log.warning("this agent stays dumpable (%s): processes of its user may read its memory and the credential "
+                    "in it", hidden)
+    for line in reach_warnings(sources, UnixUser.current() if user is None else user.ids):
+        log.warning("%s", line)
     try:
         link = JobLink(args.coordinator, failfast.failover_window_from_env(), workers=args.nproc_per_host,
                        max_restarts=args.max_restarts, token_file=args.token_file, recover=args.recover,
@@ -162,7 +192,24 @@ def main(args: argparse.Namespace) -> int:
         print(f"ifrt run: {type(e).__name__}: {safe(e)}", file=sys.stderr)
         return EXIT_USAGE
     with link:
-        return Shell(args, command, link).run()
+        return Shell(args, command, link, user).run()
+
+
+def _worker_user(args: argparse.Namespace) -> WorkerUser | str | None:
+    """The user ``--worker-user`` names (None: the agent's own, nothing to switch), or what is wrong with it."""
+    spec = getattr(args, "worker_user", None)
+    if spec is None:
+        return None
+    try:
+        user = worker_user(spec)
+    except IfrtError as e:
+        return str(e)
+    if user.ids.uid == os.geteuid():
+        return None
+    if os.geteuid() != 0:
+        return (f"--worker-user {spec} needs an agent that runs as root (it runs as uid {os.geteuid()}): only root may "
+                "start processes as another user; start `ifrt run` as root, or leave --worker-user out")
+    return user
 
 
 def _check(args: argparse.Namespace, command: list[str]) -> str | None:
@@ -200,8 +247,9 @@ class Shell:
     """The agent's I/O: one queue of events (the watch, the workers' exits, signals, answers, ticks) fed to the
     decisions one at a time, and their actions carried out."""
 
-    def __init__(self, args: argparse.Namespace, command: list[str], link: JobLink) -> None:
-        self.args, self.command, self.link = args, command, link
+    def __init__(self, args: argparse.Namespace, command: list[str], link: JobLink,
+                 user: WorkerUser | None = None) -> None:
+        self.args, self.command, self.link, self.user = args, command, link, user
         settings = link.settings
         self.host_rank = args.host_rank if args.host_rank is not None else settings.process_id
         self.num_hosts = args.num_hosts if args.num_hosts is not None else settings.num_processes
@@ -260,6 +308,10 @@ class Shell:
                             "directly, as with --worker-link direct", type(e).__name__, e)
                 self.args.worker_link = "direct"
                 return {k: v for k, v in env.items() if k != AGENT_SOCKET_ENV}
+            if self.user is not None:  # the workers' user enters the directory and connects; nobody else
+                server = self.worker_link.server
+                for path in (server.directory, server.path):
+                    os.chown(path, self.user.ids.uid, self.user.ids.gid)
         return {**env, AGENT_SOCKET_ENV: self.worker_link.socket}
 
     def _running(self) -> int:
@@ -297,7 +349,7 @@ class Shell:
         self.envs = {rank: worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=nproc,
                                       host_rank=self.host_rank, num_hosts=self.num_hosts,
                                       token_file=self.args.token_file, launcher_variables=self.launcher_variables,
-                                      transfer_bind=self.binds[rank])
+                                      transfer_bind=self.binds[rank], user=self.user)
                      for rank in range(nproc)}
         self.envs = {rank: self._link_workers(env) for rank, env in self.envs.items()}
         if self.worker_link is not None:
@@ -327,7 +379,7 @@ class Shell:
         for rank, process_id in ids.items():
             env = worker_env(os.environ, self.link.settings, attempt=attempt, local_rank=rank, nproc=len(ids),
                              host_rank=None, num_hosts=None, token_file=self.args.token_file,
-                             launcher_variables=self.launcher_variables, transfer_bind=self.binds[rank])
+                             launcher_variables=self.launcher_variables, transfer_bind=self.binds[rank], user=self.user)
             self.envs[rank] = self._link_workers({**env, PROCESS_ID_ENV: str(process_id)})
             self._spawn(attempt, rank, 0)
 
@@ -337,7 +389,7 @@ class Shell:
         serial = self._started(rank)  # before it can register
         try:
             worker = Worker(self.command, self.envs[rank], attempt=attempt, local_rank=rank, label=label,
-                            incarnation=incarnation)
+                            incarnation=incarnation, user=None if self.user is None else self.user.ids)
         except OSError as e:
             self.events.put(WorkerExited(attempt, rank, 127, incarnation, f"could not start: {e}"))
             return
@@ -370,7 +422,8 @@ class Shell:
 
         try:
             spare = Worker(self.command, env, attempt=-1, local_rank=-1, spare=True,
-                           label=None if self.args.no_prefix else label)
+                           label=None if self.args.no_prefix else label,
+                           user=None if self.user is None else self.user.ids)
         except OSError as e:
             self.events.put(SpareExited(serial, 127))
             log.info("spare %d could not start: %s", serial, e)

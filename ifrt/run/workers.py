@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -15,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import BinaryIO
 
-from ifrt.agent_credential import AGENT_ENV
+from ifrt.agent_credential import AGENT_ENV, UnixUser
+from ifrt.errors import InvalidArgument
 from ifrt.hostport import join_host_port
 from ifrt.run import child
 from ifrt.settings import (
@@ -45,12 +48,34 @@ not its process: this thread lives as long as the agent (an idle pool thread nev
 worker."""
 
 
-def guarded(argv: Sequence[str]) -> list[str]:
-    """``argv`` started through ``ifrt.run.child``: the worker asks for SIGKILL when this process (its agent) dies,
-    then becomes ``argv`` itself. Unchanged where there is no such signal (not Linux) or no interpreter to run it."""
+@dataclass(frozen=True)
+class WorkerUser:
+    """The user the workers run as (``ifrt run --worker-user``): its name, home and ids."""
+
+    name: str
+    home: str
+    ids: UnixUser
+
+
+def worker_user(spec: str) -> WorkerUser:
+    """The user ``spec`` names (a user name or a uid in the password database); InvalidArgument otherwise."""
+    try:
+        entry = pwd.getpwuid(int(spec)) if spec.isdigit() else pwd.getpwnam(spec)
+    except (KeyError, OverflowError):
+        raise InvalidArgument(f"--worker-user {spec!r} is no user of this host: expected a user name or uid from its "
+                              "password database (getent passwd)") from None
+    groups = tuple(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    return WorkerUser(entry.pw_name, entry.pw_dir, UnixUser(entry.pw_uid, entry.pw_gid, groups))
+
+
+def guarded(argv: Sequence[str], user: UnixUser | None = None) -> list[str]:
+    """``argv`` started through ``ifrt.run.child``: the worker becomes ``user`` (None: stays this process's), asks for
+    SIGKILL when this process (its agent) dies, then becomes ``argv`` itself. Unchanged where there is no such signal
+    (not Linux) or no interpreter to run it."""
     if not sys.platform.startswith("linux") or not sys.executable:
         return list(argv)
-    return [sys.executable, "-I", "-S", child.__file__, str(os.getpid()), *argv]
+    who = "" if user is None else f":{user.uid}:{user.gid}:{','.join(map(str, user.groups))}"
+    return [sys.executable, "-I", "-S", child.__file__, f"{os.getpid()}{who}", *argv]
 
 
 def check_command(argv: Sequence[str], env: Mapping[str, str]) -> None:
@@ -93,14 +118,18 @@ def held_listeners(env: Mapping[str, str], spare: bool) -> dict[str, int]:
 
 def worker_env(base: Mapping[str, str], settings: Settings, *, attempt: int, local_rank: int, nproc: int,
                host_rank: int | None, num_hosts: int | None, token_file: str | None,
-               launcher_variables: Sequence[str] = (), transfer_bind: str | None = None) -> dict[str, str]:
+               launcher_variables: Sequence[str] = (), transfer_bind: str | None = None,
+               user: WorkerUser | None = None) -> dict[str, str]:
     """The environment of local worker ``local_rank``: the agent's, without its launcher's per-task variables (which
     describe the agent, not the worker), with the resolved settings as ``IFRT_*``. The process id is
     ``host_rank * nproc + local_rank`` when the host rank is known, else the coordinator assigns it (by host, then
     local rank: the same in every attempt). ``transfer_bind`` (unless the agent's environment sets one for every
     worker) keeps the worker's transfer endpoint at one address in every attempt, so the topology is identical. The
-agent's credential and key (``ifrt.agent_credential``) stay with the agent."""
+agent's credential and key (``ifrt.agent_credential``) stay with the agent. Run as ``user``, the worker gets its HOME,
+USER and LOGNAME, as ``runuser`` gives them."""
     env = {k: v for k, v in base.items() if k not in launcher_variables and k not in AGENT_ENV}  # no agent powers
+    if user is not None:
+        env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
     if transfer_bind is not None and not env.get(TRANSFER_BIND_ENV):
         env[TRANSFER_BIND_ENV] = transfer_bind
     env.update({COORDINATOR_ENV: ",".join(settings.coordinators), LOCAL_RANK_ENV: str(local_rank),
@@ -150,10 +179,11 @@ class Worker:
     """One local worker of one attempt (``incarnation``: 0 for the rank's first, one more for each replacement)."""
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], *, attempt: int, local_rank: int,
-                 label: Callable[[], str] | None, incarnation: int = 0, spare: bool = False) -> None:
+                 label: Callable[[], str] | None, incarnation: int = 0, spare: bool = False,
+                 user: UnixUser | None = None) -> None:
         """``label`` (None: no prefix, the worker writes to the agent's own stdout and stderr) names the worker
         in front of each of its output lines. A ``spare`` (``local_rank`` -1 until ``hand_off``) reads its stdin
-        from the agent."""
+        from the agent. ``user``: whom the worker runs as (None: this process's user)."""
         self.attempt, self.local_rank, self.incarnation = attempt, local_rank, incarnation
         self.lock = threading.Lock()
         """Held while a spare is handed a process, so that its exit is reported as the role it had."""
@@ -166,9 +196,12 @@ class Worker:
         env = {k: v for k, v in env.items() if k != TRANSFER_FDS_ENV}
         if fds:
             env[TRANSFER_FDS_ENV] = ",".join(f"{address}={fd}" for address, fd in fds.items())
+        command = guarded(argv, user)
+        switch = {} if user is None or command != list(argv) else {  # no wrapper to switch: Popen does
+            "user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         self.process: subprocess.Popen = _SPAWNER.submit(
-            subprocess.Popen, guarded(argv), env=env, stdout=piped, stderr=piped, pass_fds=tuple(fds.values()),
-            stdin=subprocess.PIPE if spare else subprocess.DEVNULL, process_group=0).result()
+            subprocess.Popen, command, env=env, stdout=piped, stderr=piped, pass_fds=tuple(fds.values()),
+            stdin=subprocess.PIPE if spare else subprocess.DEVNULL, process_group=0, **switch).result()
         self.prefixer: Prefixer | None = None
         if label is not None:
             self.prefixer = Prefixer(label)

@@ -231,12 +231,17 @@ class XlaLayout(Layout):
                                             incarnations=[incarnation for _, incarnation in alive])
 
     def check(self, standin: CoordinationStandIn, request: Any) -> None:
-        """XLA's incarnation check: a request for another service incarnation (another start of the job) is
-        refused."""
+        """XLA's incarnation check, as strict as XLA's own service: a request for another service incarnation
+        (another start of the job), or for none (0: JAX's client names the one RegisterTask answered on every later
+        call), is refused."""
         if "incarnations" not in request.DESCRIPTOR.fields_by_name:  # RegisterTask: the incarnations come after it
             return
         theirs = request.incarnations.service_incarnation
-        if theirs and theirs != standin.incarnation:
+        if not theirs:
+            raise CoordinationError(FAILED_PRECONDITION, f"the request names no service incarnation (0); this start's "
+                                    f"is {standin.incarnation:#x}, as RegisterTask answered: JAX's client names it on "
+                                    "every call after registering")
+        if theirs != standin.incarnation:
             raise CoordinationError(FAILED_PRECONDITION, f"service incarnation {theirs:#x} is not this start's "
                                     f"({standin.incarnation:#x}): the request belongs to another start of the job")
 

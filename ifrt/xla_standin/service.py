@@ -8,11 +8,12 @@ got. A peer's failure, as ifrt decides it, ends every wait at once with ifrt's w
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -41,7 +42,12 @@ TOPOLOGY_SLICE_S = 1.0
 """The same for a wait on JAX's topology records, which also ends when any process refused one: every process then
 fails its start with the same words within a second."""
 NO_DEADLINE_S = 365 * 86400.0
-"""The wait of a call JAX made without a deadline (its preemption-notice watch)."""
+"""The wait of a call JAX made without a deadline (its preemption-notice watch): a get, a watch or an error poll, each
+of which ends when its call does (the caller cancels it)."""
+BARRIER_BOUND_S = 3600.0
+"""The longest a barrier (a registration, a shutdown) waits without a deadline of its own: XLA's default registration
+timeout, the longest of its waits' defaults (XLA's own service bounds every barrier by its timeout). Such a wait is
+one coordinator call that the caller's cancel cannot end, so it has a bound."""
 BACKSTOP_S = failfast.RAISE_GRACE_S + 1.0
 """How long ``PollForError`` holds a failure back from JAX, whose client terminates its process on the answer:
 fail-fast ends the process first in every ``on_failure`` mode (at once with ``"exit"``, after the program's grace
@@ -93,15 +99,52 @@ class CoordinationStandIn:
         self._changed = threading.Condition()
         self._version = 0
         self._states: dict[int, TaskStatus] = {}
+        self._registered: int | None = None  # the incarnation this process's JAX client registered with
+        self._register_lock = threading.Lock()
+        self._serving = threading.local()  # the call being answered in this thread: ``ended`` once it ended
         client.on_event(self._on_event, since_topology=True)
+
+    # Calls.
+    @contextlib.contextmanager
+    def serving(self, ended: threading.Event) -> Iterator[None]:
+        """Answers one call in this thread; ``ended`` is set once the call ended (its caller cancelled it, or its
+        deadline passed), and every wait of the call then ends (``wake`` wakes those that sleep)."""
+        self._serving.ended = ended
+        try:
+            yield
+        finally:
+            self._serving.ended = None
+
+    def wake(self) -> None:
+        """Wakes every wait that sleeps, to see whether its call ended."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def _ended(self) -> bool:
+        ended = getattr(self._serving, "ended", None)
+        return ended is not None and ended.is_set()
+
+    def _raise_ended(self, what: str) -> None:
+        if self._ended():
+            raise CoordinationError(CANCELLED, f"{what}: the call ended (cancelled by its caller, or past its "
+                                    "deadline)")
 
     # Tasks.
     def register(self, task: int, incarnation: int, timeout: float | None) -> int:
         """Registers this process's JAX client; returns once every process of the topology has registered (XLA's
         registration barrier; jaxlib 0.4.30 adds its own connect barrier after it)."""
         self.check_task(task, "RegisterTask")
-        self._call(lambda t: self.client.kv_set(self._key(f"incarnation/{task}"), str(incarnation).encode(),
-                                                allow_overwrite=True, timeout=t), timeout)
+        with self._register_lock:
+            if self._registered is None:
+                self._call(lambda t: self.client.kv_set(
+                    self._key(f"incarnation/{task}"), str(incarnation).encode(), allow_overwrite=True, timeout=t),
+                    timeout)
+                self._registered = incarnation
+            elif incarnation != self._registered:
+                raise CoordinationError(ALREADY_EXISTS, (
+                    f"RegisterTask of task {task} with incarnation {incarnation:#x}: task {task} is registered with "
+                    f"incarnation {self._registered:#x} here already. This stand-in serves one JAX client for its "
+                    "process's life; a restarted process registers with its own new stand-in"))
         self._barrier("register", None, timeout, "registration (every process's JAX client connects)")
         return self.incarnation
 
@@ -113,7 +156,10 @@ class CoordinationStandIn:
     def poll_for_error(self, task: int) -> None:
         """Waits for the job's first failure as ifrt decides it; then, once fail-fast has had its time, raises it."""
         self.check_task(task, "PollForError")
-        self._failed.wait()
+        with self._changed:
+            while not self._failed.is_set() and not self._ended():
+                self._changed.wait(WAIT_SLICE_S)
+        self._raise_ended("PollForError")
         time.sleep(BACKSTOP_S)
         raise self._failure_error()
 
@@ -140,9 +186,10 @@ class CoordinationStandIn:
         timeout: XLA's long poll on the job's state."""
         deadline = time.monotonic() + (NO_DEADLINE_S if timeout is None else timeout)
         with self._changed:
-            while self._version == version and time.monotonic() < deadline:
+            while self._version == version and time.monotonic() < deadline and not self._ended():
                 self._changed.wait(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic())))
             current = self._version
+        self._raise_ended("the watch of the tasks' states")
         return current, self.task_states()
 
     def alive_tasks(self, task: int, tasks: Sequence[int], timeout: float | None) -> list[tuple[int, int]]:
@@ -184,10 +231,12 @@ class CoordinationStandIn:
             raise _translated(e) from None
 
     def get(self, key: str, timeout: float | None) -> bytes:
-        """The value of ``key``, waiting for some process to set it (DEADLINE_EXCEEDED at the timeout)."""
+        """The value of ``key``, waiting for some process to set it (DEADLINE_EXCEEDED at the timeout); the wait is
+        asked of ifrt in slices, and ends after the slice in which its call ended (CANCELLED)."""
         deadline = time.monotonic() + (NO_DEADLINE_S if timeout is None else timeout)
         topology_record = topology_check.is_record(key)
         while True:
+            self._raise_ended(f"the get of key {key!r}")
             self._raise_failure()
             if topology_record:
                 self._raise_refusal()
@@ -239,11 +288,16 @@ class CoordinationStandIn:
         return counter
 
     def cancel_barrier(self, task: int, barrier_id: str, counter: int) -> None:
-        """Cancels ``barrier_id`` (its ``counter``-th use) for every waiter, before or after they arrive."""
+        """Cancels ``barrier_id`` (its ``counter``-th use) for every waiter, before or after they arrive (the
+        coordinator takes a cancel only from a participant). Logged as a warning: it ends the barrier in every
+        process, and whoever can reach this process's socket can ask it."""
         self.check_task(task, "CancelBarrier")
         name = self._key(f"barrier/{barrier_id}/{counter}")
+        log.warning("JAX barrier %r (use %d) cancelled for every participant, as asked on process %d's coordination "
+                    "socket", barrier_id, counter, self.task)
         if not self._call(lambda t: self.client.cancel_barrier(name, timeout=t), None):
-            raise CoordinationError(FAILED_PRECONDITION, f"barrier {barrier_id!r} has completed or failed already")
+            raise CoordinationError(FAILED_PRECONDITION, f"barrier {barrier_id!r} has completed, failed or been "
+                                    "cancelled already")
 
     # Inside.
     def _key(self, name: str) -> str:
@@ -254,8 +308,8 @@ class CoordinationStandIn:
         when a participant fails."""
         self._raise_failure()
         try:
-            self.client.barrier(self._key(name), timeout=NO_DEADLINE_S if timeout is None else max(0.001, timeout),
-                                process_ids=tasks)
+            bound = BARRIER_BOUND_S if timeout is None else max(0.001, timeout)
+            self.client.barrier(self._key(name), timeout=bound, process_ids=tasks)
         except BarrierCancelled as e:
             raise CoordinationError(CANCELLED, f"{what} was cancelled: {e}") from None
         except BarrierTimeout as e:
@@ -313,6 +367,7 @@ class CoordinationStandIn:
         if failure is not None and self.failure is None:
             self.failure = failure
             self._failed.set()
+            self.wake()
 
 
 def _translated(error: IfrtError) -> CoordinationError:
