@@ -24,7 +24,13 @@ from ifrt.protocol import read_secret_file
 DEFAULTS = CoordinatorConfig(cluster=ClusterConfig(num_processes=1))
 
 
-def parser() -> argparse.ArgumentParser:
+TUNING = ("--max-heartbeat-rate", "--hung-timeouts", "--progress-interval")
+"""Flags besides the limits and budgets that ``--help`` leaves to ``--help-limits``: rates and timings."""
+
+
+def parser(full: bool = False) -> argparse.ArgumentParser:
+    """The daemon's flags. ``--help`` shows what starting it takes (the job, its store, who may call, logs and
+    metrics); ``--help-limits`` (``full``) adds the limits, budgets and timings, which have safe defaults."""
     p = argparse.ArgumentParser(
         prog="ifrt-coordinator",
         description="Gathers the local devices of every process of a job over gRPC, assigns process and global "
@@ -33,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="Processes connect with IFRT_COORDINATOR=HOST:PORT and ifrt.discover(). Stops cleanly on SIGTERM "
                "or SIGINT.",
     )
+    p.add_argument("--help-limits", action=_FullHelp, nargs=0,
+                   help="show every flag, the limits, memory budgets and timings included, and exit")
     p.add_argument("--num-processes", type=int, required=True, metavar="N",
                    help="how many processes the job has; the topology is published when all N registered")
     p.add_argument("--bind", default=DEFAULTS.bind, metavar="HOST:PORT",
@@ -273,7 +281,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-token", action="store_true",
                    help="the metrics port asks for the --token-file token too: `Authorization: Bearer TOKEN` "
                         "(Prometheus: authorization.credentials_file), or any user and TOKEN as password")
+    if not full:
+        tuning = [a for a in p._actions
+                  if a in limits._group_actions + budgets._group_actions or set(a.option_strings) & set(TUNING)]
+        for action in tuning:
+            action.help = argparse.SUPPRESS
+        p.epilog += (f" Limits, memory budgets and timings ({len(tuning)} more flags, each with a safe default): "
+                     "ifrt-coordinator --help-limits.")
     return p
+
+
+class _FullHelp(argparse.Action):
+    """``--help-limits``: prints the help of every flag and exits, as ``--help`` does."""
+
+    def __call__(self, p: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser(full=True).print_help()
+        p.exit()
 
 
 def _etcd_access(args: argparse.Namespace) -> EtcdAccess:

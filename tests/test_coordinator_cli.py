@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,14 +18,26 @@ from ifrt import Topology
 from tests.helpers import discover_process, finish, register_request, run_coordinator, taken_port
 
 
-def test_help_explains_every_flag():
-    out = run_coordinator("--help").stdout
-    flags = [a.option_strings[-1] for a in parser()._actions if a.option_strings and a.dest != "help"]
-    assert len(flags) >= 15
-    for action in parser()._actions:
+def listed(flag: str, help_text: str) -> bool:
+    """Whether ``help_text`` explains ``flag`` (it begins one of its entries)."""
+    return re.search(rf"^  {re.escape(flag)}(?=[ \n])", help_text, re.MULTILINE) is not None
+
+
+def test_help_shows_how_to_start_and_help_limits_explains_every_flag():
+    short, full = run_coordinator("--help").stdout, run_coordinator("--help-limits").stdout
+    actions = [a for a in parser(full=True)._actions if a.option_strings and a.dest != "help"]
+    assert len(actions) >= 60
+    for action in actions:
         assert action.help, f"{action.option_strings} has no help"
-    for flag in flags:
-        assert flag in out
+        assert listed(action.option_strings[-1], full), action.option_strings
+    for flag in ("--num-processes", "--bind", "--store", "--token-file", "--agent-key-file", "--tls-cert",
+                 "--heartbeat-timeout", "--on-failure", "--metrics-port", "--help-limits"):
+        assert listed(flag, short), flag
+    hidden = [a.option_strings[-1] for a in actions if not listed(a.option_strings[-1], short)]
+    assert {"--max-barrier-bytes", "--kv-max-bytes", "--max-connections", "--hung-timeouts"} <= set(hidden)
+    assert f"({len(hidden)} more flags, each with a safe default): ifrt-coordinator --help-limits" in " ".join(
+        short.split())
+    assert short.count("\n") < full.count("\n") / 1.8  # the short help is the shorter by far
 
 
 def test_ifrt_cli_help_explains_every_flag():
