@@ -66,8 +66,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.assignment import assign_process_ids
-from coordinator.registration import Registration
+from coordinator.core.assignment import assign_process_ids
+from coordinator.core.registration import Registration
 from ifrt import wire
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.records import Device, Process, TopologyContent
@@ -388,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = {"hosts": HOSTS, "devices_per_host": DEVICES, "bandwidth_gbps": BANDWIDTH_GBPS, "bucket_bytes": BUCKET,
            "unequal_racks": unequal_racks(), "unequal_racks_full_blocks": unequal_racks_full_blocks(),
            "ifrt_order": "Topology.mesh over canonical topology bytes carrying each process's network path, "
-                         "process ids the launcher's; ifrt_ids: coordinator.assignment.assign_process_ids on "
+                         "process ids the launcher's; ifrt_ids: coordinator.core.assignment.assign_process_ids on "
                          "registrations in arrival order (the coordinator's own decision, without its gRPC front)",
            "cases": cases}
     if args.jaxlib_check:

@@ -1,4 +1,4 @@
-"""One process of bench/healing.py's job on ifrt: ``ifrt.torch.Replica`` heals a replacement from its peer and votes
+"""One process of bench/healing.py's job on ifrt: ``ifrt.torch.Healing`` heals a replacement from its peer and votes
 on each step; run by ``ifrt run --recover replace --spare 1`` (bench/healing_ifrt.py).
 
 Prints one JSON line per committed step ``{"replica", "step", "t", "digest", "pid"}`` (digest of parameters +
@@ -48,10 +48,10 @@ def main() -> None:
     emit(event="start", replica=me, t=time.time(), pid=os.getpid(), lines=len(RECOVERY_LINES))
     model, optimizer = healing_model.build(state_mb)
     inputs, targets = healing_model.batch(state_mb, me)
-    replica = ifrt.torch.Replica({"model": model, "optimizer": optimizer})  # [ifrt]
-    ddp = replica.data_parallel(model)  # [ifrt]
-    healed = replica.healed
-    emit(event="joined", replica=me, t=time.time(), pid=os.getpid(), step=replica.step,
+    healing = ifrt.torch.Healing({"model": model, "optimizer": optimizer})  # [ifrt]
+    ddp = healing.data_parallel(model)  # [ifrt]
+    healed = healing.healed
+    emit(event="joined", replica=me, t=time.time(), pid=os.getpid(), step=healing.step,
          healed=healed and {"source": healed.source, "bytes": healed.bytes, "seconds": healed.seconds})
 
     def die() -> None:
@@ -69,7 +69,7 @@ def main() -> None:
 
         ddp.ddp.register_comm_hook(None, allreduce_then_die)
 
-    last, recoveries = replica.step, 0
+    last, recoveries = healing.step, 0
     while time.monotonic() < deadline:
         if moment and kill_file.exists():
             kill_file.rename(kill_file.with_suffix(".done"))
@@ -78,20 +78,20 @@ def main() -> None:
                 die()
             if moment == "at_ms":
                 threading.Timer(healing_model.AT_MS / 1000, die).start()
-        with replica.attempt():  # [ifrt]
+        with healing.try_step():  # [ifrt]
             optimizer.zero_grad()
             healing_model.loss_of(ddp, inputs, targets).backward()
             if armed[0] and moment == "after":
                 die()
-            if replica.should_commit():  # [ifrt]
+            if healing.should_commit():  # [ifrt]
                 optimizer.step()
-        if replica.recoveries != recoveries:  # this process lived through one more recovery
-            recoveries = replica.recoveries
+        if healing.recoveries != recoveries:  # this process lived through one more recovery
+            recoveries = healing.recoveries
             emit(event="recovered", recoveries=recoveries, t=time.time(), pid=os.getpid(), **healing_model.usage())
-        if replica.step != last:
-            emit(replica=me, step=replica.step, t=time.time(), digest=healing_model.digest(model, optimizer),
+        if healing.step != last:
+            emit(replica=me, step=healing.step, t=time.time(), digest=healing_model.digest(model, optimizer),
                  pid=os.getpid())
-            last = replica.step
+            last = healing.step
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Whether key-value histories are linearizable: Wing & Gong's search with Lowe's memoization (the way Porcupine and
-Knossos check histories), per key, over a sequential model of the coordinator's store (coordinator/kv.py).
+Knossos check histories), per key, over a sequential model of the coordinator's store (coordinator/core/kv.py).
 
 An operation that failed with an unknown outcome (a lost reply, a timeout) has ``ret`` infinity and result
 ``UNKNOWN``: it may take effect at any moment after its call, or never. One refused for sure (it was never applied)

@@ -79,8 +79,8 @@ from liveness_readings import (
 )
 
 import ifrt
-from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
+from coordinator.core.cluster import ClusterConfig
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client_config import CHANNEL_OPTIONS

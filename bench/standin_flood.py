@@ -21,8 +21,8 @@ import grpc
 import ifrt
 from coordinator.local import LocalCoordinator
 from ifrt._generated import xla_coordination_pb2 as xla_pb
-from ifrt.xla_standin.server import WORKERS, StandInServer
-from ifrt.xla_standin.service import CoordinationStandIn
+from ifrt.jax.xla_standin.server import WORKERS, StandInServer
+from ifrt.jax.xla_standin.service import CoordinationStandIn
 
 XLA = "xla.coordination.CoordinationService"
 

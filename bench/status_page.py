@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.status_page import fragment, page
+from coordinator.core.status_page import fragment, page
 from ifrt import status_svg, status_view
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.records import Device

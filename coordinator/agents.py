@@ -4,7 +4,7 @@ An agent is no process of the job: it joins the job and watches it (``WatchJob``
 failure of a process of it, each new attempt and the end of the restarts, in the order the coordinator decided them)
 and, after a failure, asks for the next attempt (``NextAttempt``, decided once by the state machine and journaled).
 An agent proves who it is as a process does: a secret of its own in the call metadata, whose hash the job keeps
-(see coordinator.attempts for who may decide what). Watches are bounded in number (``--max-agents``) and each in
+(see coordinator.core.attempts for who may decide what). Watches are bounded in number (``--max-agents``) and each in
 unread bytes (``--max-session-backlog-bytes``), like sessions.
 """
 
@@ -19,8 +19,8 @@ import time
 import grpc
 
 from coordinator.calls import abort, caller_proof, internal_errors, metadata_value, parse, peer_host
-from coordinator.effects import Effect
-from coordinator.job_records import (
+from coordinator.core.effects import Effect
+from coordinator.core.job_records import (
     UNKNOWN_PROCESS,
     Agent,
     AttemptFailure,
@@ -33,7 +33,7 @@ from coordinator.job_records import (
     NextAttempt,
     ProcessReplaced,
 )
-from coordinator.limits import FLAGS, Limits, shown
+from coordinator.core.limits import FLAGS, Limits, shown
 from coordinator.outbox import Outbox
 from coordinator.service import CoordinatorService
 from ifrt._generated import coordinator_pb2 as pb
@@ -182,7 +182,7 @@ class JobAgentsService:
         return time.monotonic() - self._declared_at.get(process_id, self._since)
 
     async def watch_hosts_every(self, interval_s: float) -> None:
-        """Hands a lost host's process ids to a spare host once (coordinator.takeover); without one, says every
+        """Hands a lost host's process ids to a spare host once (coordinator.core.takeover); without one, says every
         ``WAIT_LOGGED_S`` which host the job waits for."""
         logged, service = -math.inf, self._service
         while True:

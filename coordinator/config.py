@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.cluster import ClusterConfig
+from coordinator.core.cluster import ClusterConfig
 from coordinator.store import EtcdAccess
 
 

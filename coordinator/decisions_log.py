@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.effects import Admitted
-from coordinator.state import ClusterState
+from coordinator.core.effects import Admitted
+from coordinator.core.state import ClusterState
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.safe_text import safe
 

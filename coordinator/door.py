@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from coordinator.limits import FLAGS
+from coordinator.core.limits import FLAGS
 from coordinator.noise import noisy
 
 log = logging.getLogger("ifrt.coordinator")

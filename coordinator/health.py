@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from coordinator.limits import FLAGS, Limits
+from coordinator.core.limits import FLAGS, Limits
 from coordinator.noise import noisy
 from ifrt.errors import ERROR_TRAILER, IfrtError, InvalidArgument, ResourceExhausted
 

@@ -10,22 +10,22 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from coordinator import registration as reg
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped, parse, peer_host
-from coordinator.effects import Effect, Published, Waiting, WaitingForNextRun
-from coordinator.limits import Limits
+from coordinator.core import registration as reg
+from coordinator.core.effects import Effect, Published, Waiting, WaitingForNextRun
+from coordinator.core.limits import Limits
+from coordinator.core.state import Admitted
+from coordinator.core.waits import wait_s
 from coordinator.messages import next_run_answer
-from coordinator.state import Admitted
 from coordinator.waiters import PUBLISHED, resolved_within
-from coordinator.waits import wait_s
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError, InvalidArgument, UnknownClient
 
 if TYPE_CHECKING:
+    from coordinator.core.state import ClusterState
     from coordinator.messages import PublishedGeneration
     from coordinator.replica import Replica
-    from coordinator.state import ClusterState
     from coordinator.waiters import Waiters
 
 log = logging.getLogger("ifrt.coordinator")

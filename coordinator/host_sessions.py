@@ -16,9 +16,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped
-from coordinator.catchup import check_since
-from coordinator.job_records import Agent
-from coordinator.limits import shown
+from coordinator.core.catchup import check_since
+from coordinator.core.job_records import Agent
+from coordinator.core.limits import shown
 from coordinator.noise import noisy
 from coordinator.outbox import Outbox
 from coordinator.sessions import END, Sessions, worker_ended

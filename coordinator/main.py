@@ -10,10 +10,10 @@ import os
 import sys
 
 from coordinator import logs
-from coordinator.cluster import ClusterConfig, FailurePolicy
 from coordinator.config import CoordinatorConfig
-from coordinator.limits import FLAGS as LIMIT_FLAGS
-from coordinator.limits import Limits
+from coordinator.core.cluster import ClusterConfig, FailurePolicy
+from coordinator.core.limits import FLAGS as LIMIT_FLAGS
+from coordinator.core.limits import Limits
 from coordinator.server import BindError, serve
 from coordinator.store import MIN_LEASE_TTL_S, EtcdAccess, check_lease_ttl, lease_margin, open_store
 from ifrt.agent_credential import AGENT_KEY_FILE_ENV, read_agent_key

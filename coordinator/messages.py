@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.effects import WaitingForHolder, WaitingForNextRun
-from coordinator.history import Numbered, Snapshot
-from coordinator.limits import shown
+from coordinator.core.effects import WaitingForHolder, WaitingForNextRun
+from coordinator.core.history import Numbered, Snapshot
+from coordinator.core.limits import shown
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_a
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator import health, operator_view, status_page
+from coordinator import health, operator_view
+from coordinator.core import status_page
+from coordinator.core.status import DEGRADED, PUBLISHED, WAITING, StatusReport
 from coordinator.http_server import BoundedWSGIServer, token_required
-from coordinator.status import DEGRADED, PUBLISHED, WAITING, StatusReport
 from ifrt import status_svg, status_view
 from ifrt._generated import coordinator_pb2
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub

@@ -11,11 +11,11 @@ from typing import Protocol
 
 import grpc
 
-from coordinator import status as status_view
 from coordinator.calls import parse
+from coordinator.core import status as status_view
+from coordinator.core.state import ClusterState
 from coordinator.messages import PublishedGeneration
 from coordinator.replica import NotServing, Replica
-from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 
 log = logging.getLogger("ifrt.coordinator")

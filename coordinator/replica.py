@@ -13,7 +13,7 @@ One writer, one store write in flight: each write carries every entry queued mea
 while many calls wait, writes are spaced out so that a burst costs a few large store transactions.
 
 The journal holds what replay needs, not every write ever made: once superseded entries (overwritten or
-deleted keys) outweigh the rest, the writer compacts it between two writes (``coordinator.compaction``), and a
+deleted keys) outweigh the rest, the writer compacts it between two writes (``coordinator.core.compaction``), and a
 replica that finds such a journal on taking over compacts it before serving.
 """
 
@@ -24,10 +24,10 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 
-from coordinator import compaction, journal
-from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
-from coordinator.state import ClusterState
+from coordinator.core import compaction, journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.state import ClusterState
 from coordinator.store import Store, StoreError
 from ifrt import wire
 
@@ -73,6 +73,7 @@ class Replica:
         self._wake = asyncio.Event()
         self._down = asyncio.Event()
         self._aside_until = -math.inf  # until when this replica stands aside after suspecting itself (step_aside)
+        self._stepped_down = False  # since it last served: a second step-down does nothing more
         self.on_append: Callable[[float], None] = _ignore
         """Called with the seconds each successful store append took (metrics)."""
 
@@ -227,7 +228,7 @@ class Replica:
 
     def stop_serving(self, why: str) -> None:
         """Refuses new calls from now on (on shutdown); writes already queued still complete."""
-        self.serving, self.reason = False, why
+        self.serving, self.reason, self._stepped_down = False, why, False
 
     async def _rebuild(self) -> None:
         self._down.clear()
@@ -257,10 +258,10 @@ class Replica:
         self._on_serving()
 
     async def _step_down(self, why: str) -> None:
-        if not self._serving and self.reason.startswith("this coordinator stepped down"):
+        if not self._serving and self._stepped_down:
             return
         was_serving = self._serving
-        self.serving, self.epoch = False, self.epoch + 1
+        self.serving, self.epoch, self._stepped_down = False, self.epoch + 1, True
         self.reason = f"this coordinator stepped down ({why}); another replica may lead"
         self.state = ClusterState(self.config)
         self._pending, self._enqueued, self._durable = [], 0, 0

@@ -21,8 +21,8 @@ from coordinator import noise, operator_view
 from coordinator.agents import AGENTS_SERVICE, JobAgentsService
 from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
+from coordinator.core.limits import FLAGS, SPARE_CONNECTIONS, Limits, accept_cap, connection_cap, descriptors_needed
 from coordinator.health import HealthService
-from coordinator.limits import FLAGS, SPARE_CONNECTIONS, Limits, accept_cap, connection_cap, descriptors_needed
 from coordinator.metrics import Metrics, MetricsBindError
 from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import Store, open_store

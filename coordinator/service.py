@@ -1,6 +1,6 @@
 """The gRPC face of the state machine, a shell around it: every call is parsed, turned into a command (or a read),
 journaled durably (``Replica.commit``), its effects carried out, and answered with pre-serialized bytes. The unary
-RPCs are rows of ``coordinator.rpcs``; Register and Session have small handlers of their own on the same steps."""
+RPCs are rows of ``coordinator.core.rpcs``; Register and Session have small handlers of their own on the same steps."""
 
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ from typing import TypeVar
 import grpc
 
 from coordinator import operator_view
-from coordinator import registration as reg
-from coordinator.barriers import BarrierResolved
 from coordinator.calls import abort, caller_proof, internal_errors, parse, peer_host
 from coordinator.config import CoordinatorConfig
-from coordinator.decisions_log import log_admitted, log_event
-from coordinator.effects import (
+from coordinator.core import registration as reg
+from coordinator.core.barriers import BarrierResolved
+from coordinator.core.effects import (
     Effect,
     Evict,
     Forgotten,
@@ -36,21 +35,22 @@ from coordinator.effects import (
     WaitingForHolder,
     WaitingForNextRun,
 )
-from coordinator.history import Numbered
+from coordinator.core.history import Numbered
+from coordinator.core.job_records import AttemptStarted, JobView
+from coordinator.core.preemption import PreemptionResolved
+from coordinator.core.replies import PendingReplies
+from coordinator.core.rpcs import RPCS, Call, Rpc, Wait, answers
+from coordinator.core.state import Admitted, ClusterState
+from coordinator.core.waits import progress_stale, wait_s
+from coordinator.decisions_log import log_admitted, log_event
 from coordinator.host_register import HostRegister
 from coordinator.host_sessions import HostSessions
-from coordinator.job_records import AttemptStarted, JobView
 from coordinator.messages import PublishedGeneration, event_message, next_run_answer, progress_answer, waiting_answer
-from coordinator.preemption import PreemptionResolved
 from coordinator.replica import NotServing, Replica
-from coordinator.replies import PendingReplies
-from coordinator.rpcs import RPCS, Call, Rpc, Wait, answers
 from coordinator.sessions import Sessions
-from coordinator.state import Admitted, ClusterState
 from coordinator.store import Store
 from coordinator.transfer_keys import transfer_key_handler
 from coordinator.waiters import PUBLISHED, WOKEN, Waiters, resolved_within
-from coordinator.waits import progress_stale, wait_s
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import AttemptEnded, CoordinatorUnavailable, IfrtError, UnknownClient
@@ -60,7 +60,7 @@ log = logging.getLogger("ifrt.coordinator")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 NEXT_RUN = ("next-run",)
-"""What a Register call waits for while its id waits for the job's next run (``coordinator.runs``)."""
+"""What a Register call waits for while its id waits for the job's next run (``coordinator.core.runs``)."""
 NEXT_RUN_LOG_S = 3.0
 HOLDER_POLL_S = 0.05
 """How often a registration waiting for its id's holder to attach or fail looks again (a holder attaches within
@@ -150,7 +150,7 @@ class CoordinatorService(HostRegister):
         self._on_serving()
 
     def _run_started(self, ended: int, run: int) -> None:
-        """A new run of the job on this coordinator (``coordinator.runs``): what waited in the ended run looks
+        """A new run of the job on this coordinator (``coordinator.core.runs``): what waited in the ended run looks
         again, and the new run's first topology is serialized afresh."""
         log.warning("run %d of the job is over (every process of it left or failed); run %d starts with the processes "
                     "that register now", ended, run, extra={"event": "run_started", "run": run})

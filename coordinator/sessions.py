@@ -12,12 +12,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped, parse
-from coordinator.history import GenerationPublished
-from coordinator.limits import FLAGS, WATCH_OVERHEAD_BYTES, Limits
+from coordinator.core.history import GenerationPublished
+from coordinator.core.limits import FLAGS, WATCH_OVERHEAD_BYTES, Limits
+from coordinator.core.state import ClusterState
 from coordinator.messages import PublishedGeneration, event_message, snapshot_message
 from coordinator.noise import noisy
 from coordinator.outbox import Backlogs, Outbox
-from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, ResourceExhausted
 

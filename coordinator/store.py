@@ -11,7 +11,7 @@ The contract, the same for every backend (tests/test_store.py runs one suite aga
 - ``holds_lease()`` says whether this replica may still answer anything from memory: its lease cannot have expired
   at etcd yet, margin included (one clock read; always for ``memory``). ``lost`` is set soon after it turns false.
 - ``compact(entries, keep)`` drops the entries a replay no longer needs: ``entries`` is what ``load()`` just
-  returned (nothing appended since), ``keep`` says for each whether it stays (see ``coordinator.compaction``).
+  returned (nothing appended since), ``keep`` says for each whether it stays (see ``coordinator.core.compaction``).
   Afterwards ``load()`` returns the kept entries in order. It may be applied oldest first in several steps (etcd):
   a journal compacted only in part replays to the same state. Fenced and failing like ``append``.
 
@@ -40,32 +40,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import socket
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
 
-from ifrt.hostport import join_host_port, split_host_port
+from coordinator.etcd_client import etcd_client, ip_endpoint
+from coordinator.journal_batches import MAX_BATCH_BYTES, batch_value, compaction_runs, pack_counted, unpack_batch
+from ifrt.hostport import split_host_port
 
 log = logging.getLogger("ifrt.coordinator")
 
 ETCD_SCHEME = "etcd://"
-MAX_BATCH_BYTES = 1 << 20
-"""Entry bytes per etcd key: etcd refuses requests over --max-request-bytes (1.5 MiB by default). A single
-entry larger than this still goes in a key of its own."""
-BATCH_VERSION = b"\x01"
-MAX_COMPACTED_BATCHES = 1000
-"""Batches one compaction transaction merges at most (a range deletion and one put, whatever the count)."""
-_LENGTH = struct.Struct(">I")
 MIN_LEASE_TTL_S = 2
 """The shortest ``--leader-ttl`` whose margin holds with a renewal every third of it (``check_lease_ttl``)."""
 RENEW_RETRY_S = 0.1
-"""Pause before a failed lease renewal is tried again (on the next etcd member, see ``_LeaderRequired``)."""
-NO_LEADER = "etcdserver: no leader"
-"""What an etcd member without a leader answers a request that requires one (etcd's ``hasleader`` metadata)."""
+"""Pause before a failed lease renewal is tried again (on the next etcd member, see coordinator.etcd_client)."""
 
 
 def lease_margin(ttl_s: float) -> float:
@@ -176,7 +167,7 @@ class EtcdStore:
     request, later. A renewal is sent every third of the TTL, each try bounded so that it ends by then, and tried
     again (on another member) at once when it fails; once ``serves_until`` passes, ``lost`` is set.
 
-    etcd members: every request carries etcd's ``hasleader`` mark (``_LeaderRequired``), so a member cut from the
+    etcd members: every request carries etcd's ``hasleader`` mark (coordinator.etcd_client), so a member cut from the
     majority refuses it at once instead of holding it, and the request goes to the next member."""
 
     def __init__(self, endpoints: list[str], cluster_id: str, *, lease_ttl_s: int = 5,
@@ -192,7 +183,7 @@ class EtcdStore:
             # Endpoints are dialled by IP (one channel for all): check certificates against the first name given.
             tls["tls_server_name"] = split_host_port(endpoints[0])[0]
         self._access = access
-        self._client = _etcd_client([_ip_endpoint(e) for e in endpoints], tls)
+        self._client = etcd_client([ip_endpoint(e) for e in endpoints], tls)
         self._prefix = f"/ifrt/{cluster_id}/".encode()
         self._leader_key = self._prefix + b"leader"
         self._attempt_key = self._prefix + b"attempt"
@@ -347,7 +338,7 @@ class EtcdStore:
         from etcd3aio import EtcdError
 
         kv = await self._kv()
-        for value, count in _pack(entries, MAX_BATCH_BYTES):
+        for value, count in pack_counted(entries, MAX_BATCH_BYTES):
             key = self._key(self._next)
             await self._fenced(kv, [kv.txn_compare_version(key, 0)], [kv.txn_op_put(key, value)], EtcdError)
             self._layout.append((self._next, count))
@@ -372,12 +363,13 @@ class EtcdStore:
 
         _check_compaction(sum(count for _, count in self._layout), entries, keep)
         kv = await self._kv()
-        runs, self._layout = _runs(self._layout, entries, keep), []  # a failure midway leaves no layout to trust
+        # a failure midway leaves no layout to trust
+        runs, self._layout = compaction_runs(self._layout, entries, keep), []
         layout: list[tuple[int, int]] = []
         for run in runs:
             numbers, kept = [number for number, _, _ in run], [e for _, batch, _ in run for e in batch]
             if len(run) > 1 or run[0][2]:  # a single unchanged batch stays as it is
-                ops = [kv.txn_op_put(self._key(numbers[0]), _batch(kept)) if kept
+                ops = [kv.txn_op_put(self._key(numbers[0]), batch_value(kept)) if kept
                        else kv.txn_op_delete(self._key(numbers[0]))]
                 if len(numbers) > 1:
                     ops.append(kv.txn_op_delete(self._key(numbers[1]), range_end=self._key(numbers[-1] + 1)))
@@ -468,131 +460,10 @@ def open_store(spec: str, cluster_id: str, lease_ttl_s: int = 5, access: EtcdAcc
     raise ValueError(f"--store {spec!r}: expected memory or etcd://HOST:PORT[,HOST:PORT...]")
 
 
-def pack_batches(entries: list[bytes], limit: int = MAX_BATCH_BYTES) -> list[bytes]:
-    """``entries`` as etcd values in order, each at most ``limit`` bytes of entries (an entry over it alone)."""
-    return [value for value, _ in _pack(entries, limit)]
-
-
-def _pack(entries: list[bytes], limit: int) -> list[tuple[bytes, int]]:
-    """``pack_batches`` with the number of entries in each value."""
-    values: list[tuple[bytes, int]] = []
-    batch: list[bytes] = []
-    size = 0
-    for entry in entries:
-        if batch and size + len(entry) > limit:
-            values.append((_batch(batch), len(batch)))
-            batch, size = [], 0
-        batch.append(entry)
-        size += len(entry)
-    if batch:
-        values.append((_batch(batch), len(batch)))
-    return values
-
-
-def _batch(entries: list[bytes]) -> bytes:
-    """One etcd value holding ``entries``."""
-    return b"".join([BATCH_VERSION, *(part for entry in entries for part in (_LENGTH.pack(len(entry)), entry))])
-
-
 def _check_compaction(held: int, entries: list[bytes], keep: list[bool]) -> None:
     if not held == len(entries) == len(keep):
         raise StoreError(f"cannot compact: the journal holds {held} entries, the compaction was decided on "
                          f"{len(entries)} with {len(keep)} marks (load() it again)", retryable=False)
-
-
-def _runs(layout: list[tuple[int, int]], entries: list[bytes],
-          keep: list[bool]) -> list[list[tuple[int, list[bytes], bool]]]:
-    """The batches as runs that one transaction rewrites each: (batch number, its kept entries, whether any was
-    dropped) for consecutive batches holding at most ``MAX_BATCH_BYTES`` of kept entries (a batch over it alone)."""
-    runs: list[list[tuple[int, list[bytes], bool]]] = []
-    run: list[tuple[int, list[bytes], bool]] = []
-    size = at = 0
-    for number, count in layout:
-        kept = [entry for entry, k in zip(entries[at:at + count], keep[at:at + count], strict=True) if k]
-        at += count
-        kept_size = sum(len(entry) for entry in kept)
-        if run and (size + kept_size > MAX_BATCH_BYTES or len(run) >= MAX_COMPACTED_BATCHES):
-            runs.append(run)
-            run, size = [], 0
-        run.append((number, kept, len(kept) < count))
-        size += kept_size
-    if run:
-        runs.append(run)
-    return runs
-
-
-def unpack_batch(value: bytes) -> list[bytes]:
-    """The entries ``pack_batches`` put in one value; ValueError if it is not one."""
-    if value[:1] != BATCH_VERSION:
-        raise ValueError(f"not a journal batch of version {BATCH_VERSION[0]} (it starts {value[:8]!r})")
-    entries = []
-    at, end = 1, len(value)
-    while at < end:
-        if at + _LENGTH.size > end:
-            raise ValueError(f"truncated entry length at byte {at} of {end}")
-        (length,) = _LENGTH.unpack_from(value, at)
-        at += _LENGTH.size
-        if at + length > end:
-            raise ValueError(f"entry of {length} bytes at byte {at} runs past the end ({end})")
-        entries.append(value[at:at + length])
-        at += length
-    return entries
-
-
-def _leader_required(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    """``details`` with etcd's ``hasleader`` mark, as etcd's own client sends it: a member cut from the majority (no
-    leader) then refuses the request at once with "etcdserver: no leader" instead of holding it until it times out."""
-    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), ("hasleader", "true")))
-
-
-class _LeaderRequired(grpc.aio.UnaryUnaryClientInterceptor):
-    """Marks every unary request ``_leader_required``. A refused one was not applied, so it is sent again, up to once
-    per member: the channel picks members in turn (etcd3aio's round robin), so it goes to another one."""
-
-    def __init__(self, members: int) -> None:
-        self._tries = members
-
-    async def intercept_unary_unary(self, continuation, details, request):
-        details = _leader_required(details)
-        for _ in range(self._tries - 1):
-            call = await continuation(details, request)
-            if await call.code() != grpc.StatusCode.UNAVAILABLE or NO_LEADER not in (await call.details() or ""):
-                return call
-        return await continuation(details, request)
-
-
-class _LeaderRequiredStream(grpc.aio.StreamStreamClientInterceptor):
-    """Marks every stream (the lease renewal) ``_leader_required``; a refused renewal is tried again by its caller,
-    which lands on another member the same way. (gRPC takes each interceptor for one kind of call only.)"""
-
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(_leader_required(details), request_iterator)
-
-
-def _etcd_client(endpoints: list[str], tls: dict):  # an etcd3aio Etcd3Client
-    """etcd3aio's client on one channel to every member, with ``_LeaderRequired`` on it (etcd3aio has no hook for
-    interceptors: its channel factory is replaced by one that adds them) and answers of any size (a journal is read
-    in one range request, far over gRPC's 4 MiB default; etcd bounds requests, not answers)."""
-    from etcd3aio import Etcd3Client  # the optional extra ifrt-topology[etcd]
-    from etcd3aio.connections import ConnectionManager
-
-    class Channels(ConnectionManager):
-        def get_channel(self, ca_cert: bytes | None = None, cert_key: bytes | None = None,
-                        cert_chain: bytes | None = None, tls_server_name: str | None = None) -> grpc.aio.Channel:
-            options = [*self.grpc_options]
-            interceptors = [_LeaderRequired(len(endpoints)), _LeaderRequiredStream()]
-            if ca_cert is None:
-                return grpc.aio.insecure_channel(self.target, options=options, interceptors=interceptors)
-            if tls_server_name is not None:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            credentials = grpc.ssl_channel_credentials(root_certificates=ca_cert, private_key=cert_key,
-                                                       certificate_chain=cert_chain)
-            return grpc.aio.secure_channel(self.target, credentials, options=options, interceptors=interceptors)
-
-    client = Etcd3Client(endpoints=endpoints, **tls)
-    client._manager = Channels(endpoints)
-    client._manager.grpc_options.append(("grpc.max_receive_message_length", -1))
-    return client
 
 
 def _read(path: str | None) -> bytes | None:
@@ -606,10 +477,3 @@ def _auth_expired(error: Exception) -> bool:
     return "auth token" in str(error).lower()
 
 
-def _ip_endpoint(endpoint: str) -> str:
-    """``etcd1:2379`` -> ``10.0.0.5:2379``: the etcd client dials IP literals only."""
-    host, port = split_host_port(endpoint)
-    try:
-        return join_host_port(socket.gethostbyname(host), port)
-    except OSError:
-        return endpoint

@@ -13,8 +13,8 @@ from typing import Protocol, TypeVar
 import grpc
 
 from coordinator.calls import caller_proof, parse
-from coordinator.run import Run
-from coordinator.state import ClusterState
+from coordinator.core.run import Run
+from coordinator.core.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import PermissionDenied, ProcessDeclaredFailed, UnknownClient
 from ifrt.transfer_keys import pair_key

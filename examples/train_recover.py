@@ -5,7 +5,7 @@ a peer, the step the failure broke kept nowhere, no checkpoint.
 
 starts a coordinator and two `ifrt run --recover replace` agents on loopback (half the processes each, as two hosts
 would). Every process calls ``ifrt.torch.init_process_group(on_failure="recover")`` and trains a small model with
-DDP over gloo through ``ifrt.torch.Replica`` (the lines marked in ``run_process``: all a program writes for its
+DDP over gloo through ``ifrt.torch.Healing`` (the lines marked in ``run_process``: all a program writes for its
 recovery), each step on its shard of a fixed batch. At step FAIL_STEP process FAILED sends itself the signal, before
 the step's forward pass or after its backward and before its vote: KILL (it dies; its agent sees it at once) or STOP
 (it hangs; the coordinator declares it failed after the heartbeat timeout and its agent kills it). Its agent starts
@@ -97,23 +97,23 @@ def run_process() -> NoReturn:
     # The recovery: all a program writes for it, from here to the vote (docs/pytorch.md shows these lines)
     if me == SECOND and os.environ.get("TRAIN_RECOVER_SECOND") == "1":
         ifrt.torch.client().on_event(die_during_the_recovery)
-    replica = ifrt.torch.Replica({"model": model, "optimizer": optimizer})
-    ddp = replica.data_parallel(model)
-    say({"event": "joined", "process_id": me, "pid": os.getpid(), "step": replica.step,
-         "source": replica.healed and replica.healed.source})
-    while replica.step < STEPS:
-        step, recoveries, began = replica.step, replica.recoveries, time.monotonic()
-        with replica.attempt():
+    healing = ifrt.torch.Healing({"model": model, "optimizer": optimizer})
+    ddp = healing.data_parallel(model)
+    say({"event": "joined", "process_id": me, "pid": os.getpid(), "step": healing.step,
+         "source": healing.healed and healing.healed.source})
+    while healing.step < STEPS:
+        step, recoveries, began = healing.step, healing.recoveries, time.monotonic()
+        with healing.try_step():
             fail_here(me, step, "before")
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(ddp(x), y).backward()
             fail_here(me, step, "after")
-            if replica.should_commit():
+            if healing.should_commit():
                 optimizer.step()
-            say({"event": "vote", "process_id": me, "step": step, "committed": replica.step > step})
-        if replica.recoveries > recoveries:
-            say({"event": "recovered", "process_id": me, "pid": os.getpid(), "step": replica.step,
-                 "recoveries": replica.recoveries, "seconds": round(time.monotonic() - began, 2)})
+            say({"event": "vote", "process_id": me, "step": step, "committed": healing.step > step})
+        if healing.recoveries > recoveries:
+            say({"event": "recovered", "process_id": me, "pid": os.getpid(), "step": healing.step,
+                 "recoveries": healing.recoveries, "seconds": round(time.monotonic() - began, 2)})
     reference, reference_x, reference_y = model_and_batch()
     reference_optimizer = optimizer_of(reference)
     for _ in range(STEPS):
@@ -129,7 +129,7 @@ def run_process() -> NoReturn:
     dist.barrier()  # every rank done with the group before any tears it down
     dist.destroy_process_group()
     say({"event": "done", "process_id": me, "pid": os.getpid(), "max_difference": difference,
-         "same_in_every_process": same, "recoveries": replica.recoveries})
+         "same_in_every_process": same, "recoveries": healing.recoveries})
     sys.exit(0)
 
 

@@ -118,7 +118,7 @@ def parser() -> argparse.ArgumentParser:
     ac.add_argument("--host", required=True, metavar="HOST", help="the host the credential is for")
     ac.add_argument("--key-file", metavar="PATH", default=os.environ.get(AGENT_KEY_FILE_ENV),
                     help=f"the agent key (the coordinator's --agent-key-file; default ${AGENT_KEY_FILE_ENV})")
-    from ifrt.run.shell import add_arguments as run_arguments
+    from ifrt.run.flags import add_arguments as run_arguments
 
     run_arguments(commands.add_parser(
         "run", help="start this host's workers and restart the whole job in place when a process fails (or, with "

@@ -34,7 +34,7 @@ class KeyValueCalls:
     def _request_id(self) -> str:
         """The request id of a new call that changes the store: 1, 2, 3, ... in the order this client makes them, the
         same on every retry of the call. Increasing, so that the coordinator refuses the retry of a call whose answer
-        it forgot (``coordinator.retries``) with a bounded record per client instead of applying it again."""
+        it forgot (``coordinator.core.retries``) with a bounded record per client instead of applying it again."""
         with self._lock:
             self._calls_made += 1
             return str(self._calls_made)

@@ -269,7 +269,7 @@ class CollectiveFailed(IfrtError):
     """A collective of this process failed or was aborted because peers failed (``ifrt.torch`` with
     ``on_failure="recover"``): ``process_ids`` names them. Call ``ifrt.torch.recover()`` to re-form the groups once
     they are replaced (``ifrt run --recover replace``), then bring the newcomers up to date
-    (``ifrt.torch.Replica`` does both)."""
+    (``ifrt.torch.Healing`` does both)."""
 
     status = "ABORTED"
 
@@ -279,7 +279,7 @@ class CollectiveFailed(IfrtError):
 
 
 class StateLost(IfrtError):
-    """A replacement's state cannot be healed from its peers (``ifrt.torch.Replica``): no survivor holds a copy of
+    """A replacement's state cannot be healed from its peers (``ifrt.torch.Healing``): no survivor holds a copy of
     it, or the survivors hold different steps (the message names the process and its replica set), or the state a
     peer describes does not fit the replacement's own (the message names the peer, the tensor and both
     descriptions)."""

@@ -7,6 +7,9 @@ import re
 
 from ifrt.errors import InvalidArgument
 
+MAX_SOCKET_PATH = 107
+"""The longest path a Unix socket may have (the kernel's sun_path holds 108 bytes, its terminating NUL included)."""
+
 
 def split_host_port(address: str) -> tuple[str, str]:
     """(host without brackets, port text) of an address; the port is "" when there is no colon.

@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ifrt.client_config import DEFAULTS
 from ifrt.errors import InvalidArgument, PreflightFailed
-from ifrt.frames import CHALLENGE_BYTES, HELLO, connect, encode_header, token_proof
 from ifrt.hostport import split_host_port
 from ifrt.records import Process
+from ifrt.transfer.frames import CHALLENGE_BYTES, HELLO, connect, encode_header, token_proof
 
 if TYPE_CHECKING:
     from ifrt.topology import Topology

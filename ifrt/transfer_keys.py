@@ -13,7 +13,7 @@ it (the ``TransferKey`` RPC, answered only to a caller proving it is the current
 secret, for a peer j of the same run: the answer names n), once per pair, then caches it (``TransferKeys``). A
 connection to j's endpoint then names n and answers j's random challenge with ``hello_proof(K(i -> j, n), ...)``:
 only incarnation n of process i (and the coordinator) can. So a key binds both processes' incarnations: j's through
-its secret, i's through n, which j checks against the latest incarnation of i it knows (``ifrt.transfer_handshake``):
+its secret, i's through n, which j checks against the latest incarnation of i it knows (``ifrt.transfer.handshake``):
 an old incarnation of i, replaced or declared failed, cannot pass for the current one with the key it cached. The
 cluster token proves nothing about which process a connection speaks for. A restarted process j has a new secret, so
 keys toward it change, and a sender whose cached key is refused fetches it again (``forget``). Shared by the

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up .venv with the test dependencies and runs the whole suite (lint, then pytest). Extra
-# arguments go to pytest, e.g. scripts/test.sh -k discover -x
+# Sets up .venv with the test dependencies and runs the whole suite (lint, then pytest in two phases, below). Extra
+# arguments go to pytest, e.g. scripts/test.sh -k discover -x; IFRT_TEST_WORKERS sets how many run side by side.
 source "$(dirname "$0")/venv.sh" test,jax,etcd
 # Real parts the tests start: etcd servers, network namespaces as several hosts (iptables for a firewall in one),
 # a real JAX runtime, and a Docker engine for docker-compose.yml (Compose v1, debootstrap for a local base image).
@@ -99,4 +99,18 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 ruff check .
-exec python -m pytest "$@"
+# The tests run side by side on $IFRT_TEST_WORKERS processes (pytest-xdist; each takes its loopback ports from a range
+# of its own, tests/helpers.py), then those marked `serial` one at a time on an otherwise idle machine: they judge CPU
+# progress or timing that a loaded machine would distort, or use machine-wide resources (Docker). Each phase ends
+# with the time per test file. A phase with no test selected by "$@" is not a failure.
+workers=${IFRT_TEST_WORKERS:-4}
+side_by_side=0
+python -m pytest -n "$workers" -m "not serial" "$@" || side_by_side=$?
+alone=0
+python -m pytest -p no:xdist -m serial "$@" || alone=$?
+if [ "$side_by_side" = 5 ] && [ "$alone" = 5 ]; then
+  exit 5
+fi
+for status in "$side_by_side" "$alone"; do
+  [ "$status" = 0 ] || [ "$status" = 5 ] || exit "$status"
+done

@@ -1,5 +1,6 @@
-"""Shared fixtures: a real ifrt-coordinator daemon on loopback, worker processes, real etcd servers (the helpers
-they and the tests share are in tests/helpers.py).
+"""Shared fixtures: a real ifrt-coordinator daemon on loopback, worker processes, ``ifrt run`` agents, real etcd
+servers, certificates and a token file (the helpers they and the tests share are in tests/helpers.py); and two checks
+every test gets: the state machines it drove replay to themselves, and it leaves no client session running.
 
 What the suite needs from the machine (etcd, network namespaces, jax) is checked by tests/requirements.py's
 ``require``: a failure under CI=true, a skip that says why elsewhere.
@@ -7,12 +8,22 @@ What the suite needs from the machine (etcd, network namespaces, jax) is checked
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import threading
+import time
+import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+import ifrt
 from coordinator.local import LocalCoordinator
 from tests import helpers
+from tests.replay_check import Recorder
+from tests.run_agents import RunAgent, agents_started
+from tests.tls import make_certs
 from tests.workers import COORDINATION_WORKER, Worker
 
 
@@ -104,3 +115,73 @@ def etcd3(tmp_path):
     skip_without_etcd()
     with EtcdCluster.start(3, tmp_path=tmp_path) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def agents() -> Iterator[Callable[..., RunAgent]]:
+    """Starts ``ifrt run`` agents (tests/run_agents.py's RunAgent), each stopped afterwards."""
+    yield from agents_started()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> Path:
+    """A CA and a server certificate for 127.0.0.1 and localhost (tests/tls.py), made once per test process."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def token_file(tmp_path) -> Path:
+    """The cluster token ``helpers.TOKEN`` in a file only its owner reads, as ``--token-file`` expects."""
+    return helpers.secret_file(tmp_path / "token", helpers.TOKEN)
+
+
+@pytest.fixture
+def short_tmp_path() -> Iterator[Path]:
+    """A temporary directory with a short path, removed afterwards: for Unix sockets under it (the kernel takes 107
+    bytes at most, and pytest's own directories grow past that under pytest-xdist)."""
+    path = Path(tempfile.mkdtemp(prefix="ifrt-test-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def live_and_replayed_agree() -> Iterator[None]:
+    """Every ClusterState the test drove, replayed from what it journaled, is the same state (tests/replay_check.py)."""
+    recorder = Recorder()
+    recorder.install()
+    try:
+        yield
+    finally:
+        recorder.uninstall()
+    differences = recorder.differences()
+    assert not differences, "a replay of the journal differs from the live state: " + "; ".join(differences)
+
+
+@pytest.fixture
+def default_client_closed() -> Iterator[None]:
+    """For a test that calls ``ifrt.discover()``: the default client the process keeps until exit is closed when the
+    test ends (each test stands for a process)."""
+    yield
+    ifrt._close_default_client()
+
+
+class SessionLeft(UserWarning):
+    """A test ended with an ifrt client session of its own still running: a Client it never closed."""
+
+
+@pytest.fixture(autouse=True)
+def no_client_session_left() -> Iterator[None]:
+    """Warns (in pytest's summary, naming the test) when the test leaves a client's session thread running: it would
+    go on re-attaching to a coordinator long gone, and write about it into later tests' output."""
+    before = set(_sessions())
+    yield
+    deadline = time.monotonic() + 2.0
+    while (left := set(_sessions()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        warnings.warn(f"{len(left)} ifrt client session(s) this test opened still run: close each Client it made",
+                      SessionLeft, stacklevel=1)
+
+
+def _sessions() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ifrt-session" and t.is_alive()]

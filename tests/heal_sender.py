@@ -1,6 +1,6 @@
 """The sending side of tests/test_heal_description.py: rank 0 of a 2-rank gloo group on loopback, on the TCP store
 at ``argv[1]`` (port). It trains a small model one Adam step (a survivor's state) and sends the description of that
-state and then its tensors to rank 1, as ``ifrt.torch_heal.send`` does; ``argv[2]`` names how the description is
+state and then its tensors to rank 1, as ``ifrt.torch.heal.send`` does; ``argv[2]`` names how the description is
 altered first (``honest``: not at all, sent by ``send`` itself).
 """
 
@@ -14,8 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ifrt import torch_heal
-from ifrt.torch_heal import TENSOR
+from ifrt.torch import heal
+from ifrt.torch.heal import TENSOR
 
 TIB = 1 << 40
 
@@ -85,10 +85,10 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=30))
     state = survivor()
     if scenario == "honest":
-        torch_heal.send(state, 1, torch.device("cpu"))
+        heal.send(state, 1, torch.device("cpu"))
     else:
         tensors: list[torch.Tensor] = []
-        described = {name: torch_heal._describe(obj.state_dict(), tensors) for name, obj in state.items()}
+        described = {name: heal._describe(obj.state_dict(), tensors) for name, obj in state.items()}
         specs = [(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.device.type) for t in tensors]
         header = torch.frombuffer(bytearray(altered(scenario, described, specs)), dtype=torch.uint8)
         dist.send(torch.tensor([header.numel()], dtype=torch.int64), 1)

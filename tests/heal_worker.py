@@ -75,36 +75,36 @@ def main() -> None:
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + (me if scenario != "sharded" else own))), \
         torch.randn(8, 1, generator=torch.Generator().manual_seed(200 + own))
     sets = [[0, 2], [1, 3]] if scenario == "sharded" else None
-    replica = ifrt.torch.Replica({"model": net, "optimizer": optimizer}, replica_sets=sets)
-    model = net if scenario == "sharded" else replica.data_parallel(net)
-    say(event="state", process_id=me, pid=os.getpid(), step=replica.step, digest=digest(net, optimizer),
-        healed_from=replica.healed and replica.healed.source)
+    healing = ifrt.torch.Healing({"model": net, "optimizer": optimizer}, replica_sets=sets)
+    model = net if scenario == "sharded" else healing.data_parallel(net)
+    say(event="state", process_id=me, pid=os.getpid(), step=healing.step, digest=digest(net, optimizer),
+        healed_from=healing.healed and healing.healed.source)
     kills = int(os.environ.get("HEAL_KILLS", "0"))
     steps = (kills + 1) * LEAK_STEPS + 2 if scenario == "leak" else STEPS
     mine = 0
-    while replica.step < steps:
-        recoveries = replica.recoveries
-        with replica.attempt():
+    while healing.step < steps:
+        recoveries = healing.recoveries
+        with healing.try_step():
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             if scenario == "sharded":
                 dist.all_reduce(torch.zeros(1))
-            if scenario != "leak" and me == VICTIM and replica.step == KILL_STEP:
+            if scenario != "leak" and me == VICTIM and healing.step == KILL_STEP:
                 die_once("victim")
-            committed = replica.should_commit()
-            say(event="vote", process_id=me, step=replica.step - committed, committed=committed)
+            committed = healing.should_commit()
+            say(event="vote", process_id=me, step=healing.step - committed, committed=committed)
             if committed:
                 optimizer.step()
                 mine += 1
-        if replica.recoveries > recoveries:
-            say(event="state", process_id=me, pid=os.getpid(), step=replica.step, digest=digest(net, optimizer),
-                recoveries=replica.recoveries, **(usage() if scenario == "leak" else {}))
+        if healing.recoveries > recoveries:
+            say(event="state", process_id=me, pid=os.getpid(), step=healing.step, digest=digest(net, optimizer),
+                recoveries=healing.recoveries, **(usage() if scenario == "leak" else {}))
         if scenario == "leak" and me == 1 and mine == LEAK_STEPS:
             done = len(os.listdir(os.environ["HEAL_DIR"]))
             if done < kills:
                 die_once(f"kill-{done}")
-    say(event="done", process_id=me, pid=os.getpid(), step=replica.step, digest=digest(net, optimizer),
-        recoveries=replica.recoveries)
+    say(event="done", process_id=me, pid=os.getpid(), step=healing.step, digest=digest(net, optimizer),
+        recoveries=healing.recoveries)
     dist.barrier()
 
 

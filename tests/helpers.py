@@ -25,11 +25,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import ifrt
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import Notify
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import Notify
+from coordinator.core.registration import Registration
+from coordinator.core.state import ClusterState
 from coordinator.local import LocalCoordinator
-from coordinator.registration import Registration
-from coordinator.state import ClusterState
 from ifrt import global_device_id
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.events import ProcessFailed
@@ -40,20 +40,48 @@ BIN = Path(sys.executable).parent
 SERVICE = "/ifrt.topology.v1.Coordinator"
 """The coordinator service's path, before a method's name, as gRPC calls it."""
 T = TypeVar("T")
+TOKEN = "suite-token-5a1f7c1d"
+"""The cluster token of the ``token_file`` fixture."""
 
 
 # Loopback ports and polling.
 
+PORT_BASE = 10_000
+PORT_SPAN = 2_000
+"""Each pytest-xdist worker takes its ports from its own ``PORT_SPAN`` ports from ``PORT_BASE`` on: below the
+kernel's ephemeral range (32768 up), so no bind to port 0 and no outgoing connection is ever given one, and apart
+from every other worker's, so two tests running at once never pick the same port."""
+_next_port = [0]
+
+
+def _port_range() -> range:
+    """This process's ports: worker gwN of pytest-xdist its own slice, a run without workers the slice before them."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) + 1 if worker.startswith("gw") else 0
+    start = PORT_BASE + index * PORT_SPAN
+    assert start + PORT_SPAN <= 32_768, f"pytest-xdist worker {worker} has no port range below the ephemeral range"
+    return range(start, start + PORT_SPAN)
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that were free a moment ago (all bound at once, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """``count`` distinct loopback ports of this worker's own range that nothing is bound to now, none handed out
+    before in this process (the range wraps only after ``PORT_SPAN`` ports)."""
+    ports = _port_range()
+    if not _next_port[0]:
+        _next_port[0] = secrets.randbelow(len(ports))  # runs without workers rarely start on each other's ports
+    found: list[int] = []
+    for _ in range(len(ports)):
+        port = ports[_next_port[0] % len(ports)]
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise AssertionError(f"fewer than {count} free loopback ports in {ports.start}-{ports.stop - 1}")
 
 
 def secret_file(path: Path, text: str | None = None) -> Path:

@@ -40,8 +40,8 @@ def refuse() -> None:
     from jax._src import distributed
 
     from ifrt._generated import xla_topology_pb2 as xla_pb
-    from ifrt.xla_standin.server import StandInServer
-    from ifrt.xla_standin.service import CoordinationStandIn
+    from ifrt.jax.xla_standin.server import StandInServer
+    from ifrt.jax.xla_standin.service import CoordinationStandIn
 
     client = ifrt.Client(timeout=60)
     topology = client.discover()

@@ -30,18 +30,13 @@ from ifrt.run.local_server import STRANGER_CALLS, LocalServer
 from ifrt.settings import resolve
 from tests.helpers import poll_until, rpc_calls, secret_file
 from tests.replicas import Replicas, serving
-from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env
+from tests.run_agents import WAIT_S, RunAgent, loopback_env
 from tests.tls import make_certs
 
 WORKER = Path(__file__).with_name("agent_calls_worker.py")
 KEY_VALUE_SET = "/ifrt.topology.v1.Coordinator/KeyValueSet"
 KEY_VALUE_GET = "/ifrt.topology.v1.Coordinator/KeyValueGet"
 ESTABLISHED = "01"
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def connections_to(port: int) -> set[int]:

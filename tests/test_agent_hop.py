@@ -4,16 +4,11 @@ a leader failover and a new run. Real coordinators (replicas on etcd for the fai
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
 import re
-import secrets
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -23,18 +18,13 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import ERROR_TRAILER
 from ifrt.protocol import proof_of
 from ifrt.run.host_rules import Exits, Silence, Watches, batch_window
-from tests.helpers import poll_until, register_request
+from tests.helpers import poll_until
 from tests.replicas import Replicas
-from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env
-from tests.wire_agent import WireAgent
+from tests.run_agents import WAIT_S, RunAgent, loopback_env
+from tests.wire_agent import HostAgent
 
 HOP_WORKER = Path(__file__).with_name("agent_hop_worker.py")
 LINK_WORKER = Path(__file__).with_name("host_link_worker.py")
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def agent(agents, address: str, worker: Path, scenario: str, *flags: str, nproc: int = 2,
@@ -58,68 +48,25 @@ def heard(a: RunAgent, pid: int) -> list[re.Match]:
     return [m for m in found if m]
 
 
-class WireHost(WireAgent):
+class WireHost(HostAgent):
     """An agent over a raw channel whose two workers (``host-0``, ``host-1`` on 127.0.0.1) are registered in one call
     and carried on its host session; the session's events arrive in ``events``."""
 
     def __init__(self, address: str) -> None:
         super().__init__(address, "host", workers=2)
-        self.secrets = [secrets.token_hex(16) for _ in range(2)]
-        self.events: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
 
     def carry(self) -> None:
         """Registers both workers, opens the host session and attaches them (each attach answered)."""
-        processes = [pb.HostProcess(proof=proof_of(self.secrets[rank]), request=register_request(
-            client_uid=f"host-{rank}", hostname="host", local_rank=rank, address=f"127.0.0.1:{7100 + rank}"))
-            for rank in (0, 1)]
-        answer = self.coordinator.RegisterHost(pb.RegisterHostRequest(agent_uid=self.uid, processes=processes,
-                                                                      wait_ms=20_000), timeout=30,
-                                               metadata=self.metadata)
-        position = pb.RegisterResponse.FromString(answer.answer).event_position
-        self.send(open=pb.HostSessionOpen(agent_uid=self.uid, since_event=position))
-
-        def requests() -> Iterator[pb.HostSessionRequest]:
-            while (item := self._outbox.get()) is not None:
-                yield item
-
-        stream = self.coordinator.HostSession(requests(), metadata=self.metadata)
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+        answer = self.register(self.request(0), self.request(1))
+        self.open(pb.RegisterResponse.FromString(answer.answer).event_position)
         assert self.next("attached").attached.client_uid == ""
         for rank in (0, 1):
-            self.send(attach=pb.WorkerSession(client_uid=f"host-{rank}", proof=proof_of(self.secrets[rank])))
+            self.attach(rank)
             assert self.next("attached").attached.client_uid == f"host-{rank}"
-
-    def _read(self, stream) -> None:
-        with contextlib.suppress(Exception):  # cancelled, or the channel closed at the test's end
-            for event in stream:
-                self.events.put(event)
-
-    def send(self, **kind) -> None:
-        self._outbox.put(pb.HostSessionRequest(**kind))
-
-    def next(self, kind: str, timeout: float = 10) -> pb.SessionEvent:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = self.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if event.WhichOneof("kind") == kind:
-                return event
-        raise AssertionError(f"no {kind} event on the host session within {timeout}s")
 
     def kinds(self) -> list[str]:
         """The kinds of the events received and not read yet."""
-        found = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                found.append(self.events.get_nowait().WhichOneof("kind"))
-        return found
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        super().close()
+        return [event.WhichOneof("kind") for event in self.drained()]
 
 
 @pytest.fixture
@@ -225,6 +172,7 @@ def test_both_workers_of_a_host_failing_at_once_under_recover_replace_register_o
 
 # Busy, not hung.
 
+@pytest.mark.serial  # judges the worker's CPU progress: other tests' load would starve it
 def test_a_silent_worker_burning_cpu_is_busy_not_hung(start_coordinator, agents):
     coordinator = start_coordinator("--heartbeat-timeout", "1", num_processes=2, log_level="WARNING")  # hung: 3 s
     a = agent(agents, coordinator.address, HOP_WORKER, "busy", "--recover", "replace", "--max-restarts", "1")

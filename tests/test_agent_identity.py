@@ -11,10 +11,10 @@ import secrets
 import grpc
 import pytest
 
-from coordinator import journal
-from coordinator.cluster import ClusterConfig
-from coordinator.job_records import Agent, AttemptFailure, NextAttempt
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.job_records import Agent, AttemptFailure, NextAttempt
+from coordinator.core.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.agent_credential import host_credential

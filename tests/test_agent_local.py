@@ -26,18 +26,13 @@ from ifrt.run.local_server import BUSY_GRACE_S, FIRST_MESSAGE_S, UNPROVEN_CALLS,
 from ifrt.run.workers import Worker, stop_all
 from ifrt.settings import resolve
 from tests.helpers import poll_until
-from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env
+from tests.run_agents import WAIT_S, RunAgent, loopback_env
 
 WORKER = Path(__file__).with_name("host_link_worker.py")
 SESSION = "/ifrt.topology.v1.Coordinator/Session"
 WRAPPED = ('if [ "$IFRT_LOCAL_RANK" = 1 ]; then "{python}" "{worker}" listen & wait; '
            'else exec "{python}" "{worker}" listen; fi')
 """Local rank 0's worker is the program itself; local rank 1's is a shell whose child is the program."""
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def started(a: RunAgent, count: int, since: int = 0) -> dict[int, int]:

@@ -23,7 +23,6 @@ from ifrt.errors import ResourceExhausted
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from tests.resources import open_fds, rss_bytes
 
-TOKEN = "attack-suite-token-7c1d"
 COORDINATOR = "/ifrt.topology.v1.Coordinator/"
 HEALTH = "/grpc.health.v1.Health/"
 MiB = 1 << 20
@@ -32,13 +31,6 @@ GROWTH = 48 * MiB
 OWN = (("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1),
        ("grpc.max_send_message_length", -1))
 """Options of an attacker's channel: a connection of its own, messages of any size."""
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    return path
 
 
 class Resources:
@@ -665,6 +657,7 @@ def big_registration(uid: str) -> bytes:
                               devices=devices).SerializeToString()
 
 
+@pytest.mark.serial  # the daemon's RSS: with other tests' load, freed registrations are returned later
 def test_leaving_and_registering_again_holds_at_most_the_registration_bytes(start_coordinator):
     # Each leave and re-register kept the old registration's request in memory and in the journal for good.
     coordinator = start_coordinator("--max-registration-bytes", str(10 * MiB), num_processes=1)

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ifrt
-from coordinator import compaction, journal
-from coordinator.barriers import ALWAYS_HELD, BarrierResolved, Barriers
-from coordinator.limits import BARRIER_OVERHEAD_BYTES, PARTICIPANT_BYTES, Limits
-from coordinator.state import ClusterState
+from coordinator.core import compaction, journal
+from coordinator.core.barriers import ALWAYS_HELD, BarrierResolved, Barriers
+from coordinator.core.limits import BARRIER_OVERHEAD_BYTES, PARTICIPANT_BYTES, Limits
+from coordinator.core.state import ClusterState
 from ifrt.errors import BarrierCancelled, IfrtError, PermissionDenied, ResourceExhausted
 from tests.helpers import barrier_started_for, clients, in_thread, published, together
 from tests.replicas import Replicas

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 import ifrt
-from coordinator import journal
-from coordinator.barriers import BarrierResolved, Barriers
-from coordinator.limits import Limits
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.barriers import BarrierResolved, Barriers
+from coordinator.core.limits import Limits
+from coordinator.core.state import ClusterState
 from ifrt.errors import BarrierCancelled, BarrierFailed, BarrierTimeout, InvalidArgument
 from tests.helpers import barrier_started_for, clients, in_thread, published, together
 from tests.replicas import Replicas

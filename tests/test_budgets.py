@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from coordinator import journal
-from coordinator.barriers import Barriers
-from coordinator.kv import KeyValueStore
-from coordinator.limits import KEY_OVERHEAD_BYTES, Limits
+from coordinator.core import journal
+from coordinator.core.barriers import Barriers
+from coordinator.core.kv import KeyValueStore
+from coordinator.core.limits import KEY_OVERHEAD_BYTES, Limits
+from coordinator.core.state import ClusterState
 from coordinator.outbox import Backlogs, Outbox
-from coordinator.state import ClusterState
 from ifrt.errors import ProcessDeclaredFailed, ResourceExhausted, UnknownClient
 from tests.helpers import published, reg
 

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ifrt
-from coordinator import compaction, journal
-from coordinator.effects import KeyChanged
-from coordinator.limits import DEFAULT_LIMITS, Limits
+from coordinator.core import compaction, journal
+from coordinator.core.effects import KeyChanged
+from coordinator.core.limits import DEFAULT_LIMITS, Limits
+from coordinator.core.retries import record_cost
+from coordinator.core.state import ClusterState
 from coordinator.replica import Replica
-from coordinator.retries import record_cost
-from coordinator.state import ClusterState
 from coordinator.store import EtcdStore, MemoryStore
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError

@@ -9,10 +9,10 @@ import uuid
 import pytest
 
 import ifrt
-from coordinator import journal
-from coordinator.effects import KeyChanged
-from coordinator.limits import DEFAULT_LIMITS, Limits
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.effects import KeyChanged
+from coordinator.core.limits import DEFAULT_LIMITS, Limits
+from coordinator.core.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument
 from tests.helpers import COMPARE_SET_TABLE, clients, published

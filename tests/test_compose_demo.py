@@ -25,6 +25,7 @@ DEMO_TIMEOUT = 900  # seconds: a first run builds the base image (about 80 s her
 CLOSING = re.compile(r"^(compose|multihost): 4 workers on 4 hosts hold one topology "
                      r"\(fingerprint ([0-9a-f]{12})\.\.\.\), failover kept it, a killed worker was reported to 3$")
 ADVICE = "scripts/test.sh installs it as root, or run: apt-get install -y docker.io docker-compose debootstrap"
+pytestmark = pytest.mark.serial  # Docker, and checks that nothing of the demo is left anywhere on the machine
 
 
 def _docker_ready() -> None:

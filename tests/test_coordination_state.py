@@ -5,12 +5,12 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator import journal
-from coordinator.agreement import LeftOut, LiveSetResolved
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import KeyChanged, Notify
-from coordinator.preemption import PreemptionResolved
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.agreement import LeftOut, LiveSetResolved
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import KeyChanged, Notify
+from coordinator.core.preemption import PreemptionResolved
+from coordinator.core.state import ClusterState
 from ifrt.errors import BarrierCancelled, BarrierTimeout, ClusterMismatch, InvalidArgument, ProcessDeclaredFailed
 from ifrt.events import PreemptionNotice
 from tests.helpers import TIMEOUT, admit, lose_session, published, reg

@@ -15,18 +15,18 @@ from itertools import pairwise
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator import journal
-from coordinator.assignment import assign_process_ids
-from coordinator.registration import Registration
+from coordinator.core import journal
+from coordinator.core.assignment import assign_process_ids
+from coordinator.core.registration import Registration
 from ifrt.network import natural_key, path_key
 from ifrt.records import LocalDevice
 
 SEEDS = ("0", "1", "2", "3", "4", "5")
 REPLAY = """
 import json, sys
-from coordinator import journal
-from coordinator.cluster import ClusterConfig
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.state import ClusterState
 from ifrt import wire
 out = []
 for scenario in json.load(sys.stdin):

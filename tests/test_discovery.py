@@ -96,7 +96,7 @@ def test_assigned_ids_follow_local_rank_not_arrival_order(start_coordinator):
         assert len(t.local_devices) == rank + 1
 
 
-def test_discover_reads_its_settings_from_the_environment(start_coordinator, monkeypatch):
+def test_discover_reads_its_settings_from_the_environment(start_coordinator, monkeypatch, default_client_closed):
     coordinator = start_coordinator(num_processes=1)
     monkeypatch.setenv("IFRT_COORDINATOR", coordinator.address)
     monkeypatch.setenv("IFRT_PROCESS_ID", "0")

@@ -13,14 +13,13 @@ from typing import Any
 
 import grpc
 import grpc.aio
-import pytest
 from grpc_health.v1 import health_pb2
 
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.client_config import CHANNEL_OPTIONS
 from ifrt.protocol import TOKEN_METADATA
+from tests.helpers import TOKEN
 
-TOKEN = "door-suite-token-41ab"
 HEALTH = "/grpc.health.v1.Health/"
 STATUS = "/ifrt.topology.v1.Coordinator/Status"
 OWN = (("grpc.use_local_subchannel_pool", 1),)
@@ -35,13 +34,6 @@ GET_IN_S = 8.0
 """A token holder's fresh connection gets in within this long, attack or not."""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 REQUEST = health_pb2.HealthCheckRequest(service="").SerializeToString()
-
-
-@pytest.fixture
-def token_file(tmp_path):
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    return path
 
 
 class Attack:

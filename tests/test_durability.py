@@ -15,9 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
-from coordinator.kv_calls import KeyValueCalls
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.kv_calls import KeyValueCalls
 from coordinator.server import serve
 from coordinator.store import EtcdStore
 from ifrt import wire

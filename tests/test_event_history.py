@@ -3,11 +3,11 @@ a position is sent, the bound and its snapshot, and the same history after a rep
 
 import pytest
 
-from coordinator import compaction
-from coordinator.cluster import FailurePolicy
-from coordinator.history import CatchUp, GenerationPublished, Numbered, Snapshot
-from coordinator.limits import DEFAULT_LIMITS, Limits
-from coordinator.state import ClusterState
+from coordinator.core import compaction
+from coordinator.core.cluster import FailurePolicy
+from coordinator.core.history import CatchUp, GenerationPublished, Numbered, Snapshot
+from coordinator.core.limits import DEFAULT_LIMITS, Limits
+from coordinator.core.state import ClusterState
 from ifrt.errors import InvalidArgument
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.ids import MAX_PROCESSES

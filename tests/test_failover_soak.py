@@ -7,10 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.etcd_cluster import requires_etcd
 
 SOAK = Path(__file__).resolve().parent.parent / "bench" / "failover_soak.py"
-pytestmark = requires_etcd
+pytestmark = [requires_etcd, pytest.mark.serial]  # heartbeat timeouts of 3 s, leader leases of 2 s: an idle machine
 
 
 def test_a_few_failovers_keep_every_history_linearizable_and_every_event_delivered_once_in_order(tmp_path):

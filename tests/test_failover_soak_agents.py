@@ -9,10 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.etcd_cluster import requires_etcd
 
 SOAK = Path(__file__).resolve().parent.parent / "bench" / "failover_soak.py"
-pytestmark = requires_etcd
+pytestmark = [requires_etcd, pytest.mark.serial]  # heartbeat timeouts of 3 s, leader leases of 2 s: an idle machine
 
 
 def test_a_few_failovers_through_agents_keep_histories_linearizable_events_once_and_no_worker_past_its_agent(tmp_path):

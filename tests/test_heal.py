@@ -1,4 +1,4 @@
-"""Healing in the library (``ifrt.torch.Replica``): a replacement holds its replica peers' state before its first
+"""Healing in the library (``ifrt.torch.Healing``): a replacement holds its replica peers' state before its first
 step, a step that a failure interrupted between backward and vote is kept nowhere, and a surviving process does not
 grow over 20 recoveries. Real coordinator, ``ifrt run --recover replace`` agents and gloo workers
 (tests/heal_worker.py); the pure plan of who heals whom, and the vote on a real coordinator."""
@@ -15,18 +15,13 @@ import pytest
 
 import ifrt
 from ifrt.errors import BarrierTimeout, InvalidArgument, StateLost
-from ifrt.torch_heal import Standing, data_parallel, exchange, plan, replica_sets
-from tests.run_agents import agents_started, loopback_env
+from ifrt.torch.heal import Standing, data_parallel, exchange, plan, replica_sets
+from tests.run_agents import loopback_env
 
 WORKER = Path(__file__).with_name("heal_worker.py")
 VICTIM, KILL_STEP = 3, 3  # as tests/heal_worker.py
 HEARTBEAT_S = 2.0
 JOB_TIMEOUT_S = 120.0
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def run_job(start_coordinator, agents, tmp_path, scenario: str, processes: int = 4, restarts: int = 1,
@@ -79,6 +74,7 @@ def test_a_replacement_of_a_shard_gets_that_shard_from_its_replica(start_coordin
     assert states[VICTIM]["digest"] == states[1]["digest"] != states[0]["digest"] == states[2]["digest"], states
 
 
+@pytest.mark.serial  # twenty torch restarts within the agent's 120 s wait
 @pytest.mark.slow
 def test_twenty_recoveries_leave_a_surviving_process_no_bigger(start_coordinator, agents, tmp_path):
     kills = 20

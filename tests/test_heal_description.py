@@ -2,7 +2,7 @@
 holds must be described alike, one it does not hold (an optimizer's state before its first step) is bounded by its
 own parameters, the count and size of the description are bounded, and a device kind it cannot use is refused.
 Each refusal is one StateLost naming the peer, the tensor and both descriptions. The sender is a real process
-(tests/heal_sender.py) over a real gloo group on loopback; this process receives as ``torch_heal.run`` does.
+(tests/heal_sender.py) over a real gloo group on loopback; this process receives as ``heal.run`` does.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ifrt import torch_heal
 from ifrt.errors import StateLost
+from ifrt.torch import heal
 from tests.heal_sender import survivor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def fresh_state() -> dict:
 @pytest.fixture
 def heal_from() -> Iterator[Callable[[str], Callable[[dict], int]]]:
     """``heal_from(scenario)``: starts the sender of ``scenario`` and returns the receive of this process (rank 1),
-    as ``torch_heal.run`` runs it for a plan where process SOURCE heals this one."""
+    as ``heal.run`` runs it for a plan where process SOURCE heals this one."""
     senders: list[subprocess.Popen] = []
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
 
@@ -43,8 +43,8 @@ def heal_from() -> Iterator[Callable[[str], Callable[[dict], int]]]:
         senders.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "heal_sender.py"), str(store.port),
                                          scenario], cwd=ROOT))
         dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=30))
-        the_plan = torch_heal.Plan(((SOURCE, 1),), 3)
-        return lambda state: torch_heal.run(the_plan, 1, {SOURCE: 0, 1: 1}, state, torch.device("cpu"))
+        the_plan = heal.Plan(((SOURCE, 1),), 3)
+        return lambda state: heal.run(the_plan, 1, {SOURCE: 0, 1: 1}, state, torch.device("cpu"))
 
     yield start
     store.set("done", b"1")

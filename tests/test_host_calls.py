@@ -5,10 +5,7 @@ proves, and a worker's exit reaches every other host at once."""
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -16,18 +13,18 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import Published, Waiting
-from coordinator.job_records import Agent
-from coordinator.state import ClusterState
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import Published, Waiting
+from coordinator.core.job_records import Agent
+from coordinator.core.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import InvalidArgument, PermissionDenied, UnknownClient
 from ifrt.events import ProcessFailed
 from ifrt.protocol import SECRET_METADATA, proof_of
-from tests.helpers import device, reg, register_request, together
+from tests.helpers import device, reg, together
 from tests.replicas import Replicas
-from tests.wire_agent import WireAgent
+from tests.wire_agent import HostAgent
 
 AGENT_PROOF = proof_of("the secret of the agent on h1")
 
@@ -104,80 +101,6 @@ def test_an_exit_the_agent_reports_fails_its_worker_at_once_and_only_its_own_age
 
 
 # Over the wire: a real coordinator, agents on raw channels.
-
-class HostAgent(WireAgent):
-    """A WireAgent that registers its workers in one call and carries their sessions on one stream."""
-
-    def __init__(self, address: str, host: str, workers: int = 2) -> None:
-        super().__init__(address, host, workers=workers)
-        self.secrets = {rank: secrets.token_hex(16) for rank in range(workers)}
-        self.events: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
-
-    def request(self, rank: int, **fields) -> pb.HostProcess:
-        defaults = {"client_uid": f"{self.host}-{rank}", "hostname": self.host, "local_rank": rank,
-                    "address": f"127.0.0.1:{7100 + rank}"}
-        return pb.HostProcess(request=register_request(**{**defaults, **fields}),
-                              proof=proof_of(self.secrets[rank]))
-
-    def register(self, *processes: pb.HostProcess, wait_ms: int = 20_000) -> pb.RegisterHostResponse:
-        request = pb.RegisterHostRequest(agent_uid=self.uid, processes=processes, wait_ms=wait_ms)
-        return self.coordinator.RegisterHost(request, timeout=30, metadata=self.metadata)
-
-    def open(self, since_event: int) -> None:
-        """Opens the host session from ``since_event``; its events arrive in ``events``."""
-        self.send(open=pb.HostSessionOpen(agent_uid=self.uid, since_event=since_event))
-
-        def requests() -> Iterator[pb.HostSessionRequest]:
-            while (item := self._outbox.get()) is not None:
-                yield item
-
-        self.stream = self.coordinator.HostSession(requests(), metadata=self.metadata)
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        with contextlib.suppress(grpc.RpcError):  # cancelled, or the channel closed at the test's end
-            for event in self.stream:
-                self.events.put(event)
-
-    def send(self, **kind) -> None:
-        self._outbox.put(pb.HostSessionRequest(**kind))
-
-    def attach(self, rank: int, secret: str | None = None) -> None:
-        self.send(attach=pb.WorkerSession(client_uid=f"{self.host}-{rank}",
-                                          proof=proof_of(secret or self.secrets[rank])))
-
-    def next(self, kind: str, timeout: float = 10) -> pb.SessionEvent:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = self.events.get(timeout=left)
-            except queue.Empty:
-                break
-            if event.WhichOneof("kind") == kind:
-                return event
-        raise AssertionError(f"no {kind} event on the host session of {self.host} within {timeout}s")
-
-    def reconnect(self, address: str) -> None:
-        """Drops the host session and channel (its coordinator is gone) for a channel to ``address``."""
-        self._outbox.put(None)
-        self.channel.close()
-        self._outbox, self.events = queue.Queue(), queue.Queue()
-        self.channel = grpc.insecure_channel(address)
-        self.coordinator = CoordinatorStub(self.channel)
-
-    def drained(self) -> list[pb.SessionEvent]:
-        """The events received and not read yet."""
-        events = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                events.append(self.events.get_nowait())
-        return events
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        super().close()
-
 
 def carried(agents: list[HostAgent]) -> None:
     """Each agent's two workers registered in one call, then attached on its host session (each attach answered)."""

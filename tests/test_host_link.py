@@ -16,11 +16,12 @@ import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.connection import Connection
 from ifrt.errors import ERROR_TRAILER, AgentGone, InvalidArgument, ResourceExhausted
+from ifrt.hostport import MAX_SOCKET_PATH
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.host_register import HostRegistrar, Registered
 from ifrt.run.host_rules import PENDING_PER_WORKER, Batcher, EventBuffer, Ranks, Silence, Watches, not_its_own
 from ifrt.run.host_session import HostSession
-from ifrt.run.local_server import MAX_SOCKET_PATH, LocalServer
+from ifrt.run.local_server import LocalServer
 from ifrt.settings import resolve
 from tests.helpers import BIN
 

@@ -19,7 +19,7 @@ from ifrt.errors import PermissionDenied, ProcessIdTaken
 from ifrt.run.host_register import HostRegistrar, Refused
 from ifrt.run.host_rules import Batcher
 from tests.helpers import poll_until, rpc_calls
-from tests.run_agents import WAIT_S, agents_started, loopback_env
+from tests.run_agents import WAIT_S, loopback_env
 
 STAGGER_S = 2.5
 """Seconds between two local ranks' ``discover()``: more than a first long poll (1.5 s), so that each worker's first
@@ -215,11 +215,6 @@ def test_the_registrar_answers_a_late_workers_wait_from_the_hosts_progress_and_b
     assert published == [(1, 7, 1, 0)] and registrar.registered["a"].process_id == 0 and "b" not in registrar.registered
     a_call.put(progress(1, 1))  # nobody waits on it any more
     assert connection.calls.empty()
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def test_workers_that_ask_seconds_apart_cost_their_host_about_one_call_each(start_coordinator, agents):

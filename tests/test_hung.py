@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import ifrt
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import Evict
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import Evict
 from ifrt import events
 from ifrt.errors import InvalidArgument
 from ifrt.events import ProcessFailed

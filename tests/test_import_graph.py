@@ -4,6 +4,7 @@ function or only for type checking, a module that imports it back."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
@@ -97,11 +98,16 @@ def borrowed_names(path: Path, known: dict[str, Path]) -> list[str]:
         source = known.get(node.module or "") if isinstance(node, ast.ImportFrom) and not node.level else None
         if source is None or source.name == "__init__.py":
             continue
-        imported = {a.asname or a.name for n in ast.parse(source.read_text()).body
-                    if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names}
         found += [f"{path}:{node.lineno}: {a.name} from {node.module}" for a in node.names
-                  if a.name in imported and f"{node.module}.{a.name}" not in known]
+                  if a.name in imported_names(source) and f"{node.module}.{a.name}" not in known]
     return found
+
+
+@functools.cache
+def imported_names(path: Path) -> frozenset[str]:
+    """The names ``path``'s top level binds by importing them."""
+    return frozenset(a.asname or a.name for n in ast.parse(path.read_text()).body
+                     if isinstance(n, ast.Import | ast.ImportFrom) for a in n.names)
 
 
 def test_the_finder_sees_a_name_taken_from_a_module_that_only_imported_it(tmp_path):

@@ -1,4 +1,4 @@
-"""JAX's coordination served by ifrt (ifrt/xla_standin/): no process is special, and a failover is not JAX's.
+"""JAX's coordination served by ifrt (ifrt/jax/xla_standin/): no process is special, and a failover is not JAX's.
 
 Real JAX processes (jaxlib 0.10 in the suite's interpreter, 0.4.30 in IFRT_TEST_JAX04_PYTHON: the two service names
 XLA's protocol has had) against a real coordinator, or real replicas on a real etcd.
@@ -7,6 +7,7 @@ XLA's protocol has had) against a real coordinator, or real replicas on a real e
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import time
@@ -103,14 +104,42 @@ def test_a_local_topology_unlike_ifrts_is_refused_in_every_process_naming_both(s
     assert answers[0]["after_s"] < 15  # the waiting process hears of it at once, not at its 30 s timeout
 
 
+def test_a_temporary_directory_too_deep_for_a_socket_serves_jax_from_tmp(start_coordinator, tmp_path):
+    import grpc
+
+    import ifrt
+    from ifrt._generated import xla_coordination_pb2 as xla_pb
+    from ifrt.hostport import MAX_SOCKET_PATH
+    from ifrt.jax.xla_standin.server import StandInServer
+    from ifrt.jax.xla_standin.service import CoordinationStandIn
+
+    deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))  # room for no socket inside it
+    deep.mkdir()
+    coordinator = start_coordinator(num_processes=1, log_level="WARNING")
+    with ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer=False, timeout=30) as client:
+        server = StandInServer(CoordinationStandIn(client, client.discover(), "test/deep"), within=str(deep))
+        try:
+            assert len(os.fsencode(server.path)) <= MAX_SOCKET_PATH and server.path.startswith("/tmp/ifrt-xla-")
+            assert oct(Path(server.path).parent.stat().st_mode & 0o777) == "0o700" and list(deep.iterdir()) == []
+            with grpc.insecure_channel(server.address) as channel:
+                heartbeat = channel.unary_unary("/xla.coordination.CoordinationService/Heartbeat",
+                                                request_serializer=xla_pb.HeartbeatRequest.SerializeToString,
+                                                response_deserializer=xla_pb.HeartbeatResponse.FromString)
+                incarnations = xla_pb.Incarnations(service_incarnation=server.standin.incarnation)
+                heartbeat(xla_pb.HeartbeatRequest(incarnations=incarnations, source_task_id=0), timeout=10)
+        finally:
+            server.close()
+        assert not Path(server.path).parent.exists()
+
+
 def test_the_stand_in_refuses_calls_for_another_task_or_start_and_stays_private(start_coordinator):
     import grpc
 
     import ifrt
     from ifrt._generated import tensorflow_coordination_pb2 as tf_pb
     from ifrt._generated import xla_coordination_pb2 as xla_pb
-    from ifrt.xla_standin.server import StandInServer
-    from ifrt.xla_standin.service import CoordinationStandIn
+    from ifrt.jax.xla_standin.server import StandInServer
+    from ifrt.jax.xla_standin.service import CoordinationStandIn
 
     coordinator = start_coordinator(num_processes=1, log_level="WARNING")
     with ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer=False, timeout=30) as client:

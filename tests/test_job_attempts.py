@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 import ifrt
-from coordinator import compaction, journal
-from coordinator.attempts import FAILURES_KEPT
-from coordinator.job_records import (
+from coordinator.core import compaction, journal
+from coordinator.core.attempts import FAILURES_KEPT, Attempts
+from coordinator.core.job_records import (
     UNKNOWN_PROCESS,
     Agent,
     AttemptFailure,
@@ -28,8 +28,8 @@ from coordinator.job_records import (
     AttemptStarted,
     NextAttempt,
 )
+from coordinator.core.state import ClusterState
 from coordinator.local import LocalCoordinator
-from coordinator.state import ClusterState
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
@@ -475,7 +475,7 @@ def test_failures_kept_are_bounded_in_count_and_text():
     view = s.attempts.view()
     assert len(view.failures) == FAILURES_KEPT and view.earlier == 8
     assert view.failures[-1].attempt == FAILURES_KEPT + 7
-    failed = s.attempts.process_failed(0, "h" * 5000, "why " * 1000, s.config.limits).failure
+    failed = Attempts(0).process_failed(0, "h" * 5000, "why " * 1000, s.config.limits).failure  # bounded as kept
     assert len(failed.host.encode()) == len(failed.reason.encode()) == s.config.limits.string_bytes
 
 

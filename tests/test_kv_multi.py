@@ -7,8 +7,8 @@ import grpc
 import pytest
 
 import ifrt
-from coordinator.kv import KeyValueStore, cost
-from coordinator.limits import Limits
+from coordinator.core.kv import KeyValueStore, cost
+from coordinator.core.limits import Limits
 from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub

@@ -40,7 +40,7 @@ def test_values_ids_errors_and_plugins_import_without_grpc_or_numpy():
 CLIENT = ("ifrt.client", "ifrt.client_kv", "ifrt.agent_link", "ifrt.pushed", "ifrt.connection", "ifrt.session",
           "ifrt.settings", "ifrt.clusters", "ifrt.security",
           "ifrt.status", "ifrt.topology", "ifrt.transfer", "ifrt.preflight", "ifrt.failfast", "ifrt.jax", "ifrt.torch",
-          "ifrt.torch_store", "ifrt.run", "plugins")
+          "ifrt.torch.store", "ifrt.run", "plugins")
 """What a job's process imports to reach the coordinator: the coordinator and the shared modules load none of it."""
 
 

@@ -7,13 +7,13 @@ import grpc
 import pytest
 
 import ifrt
-from coordinator import journal
-from coordinator.barriers import Barriers
-from coordinator.cluster import ClusterConfig
-from coordinator.kv import KeyValueStore
-from coordinator.limits import Limits
-from coordinator.registration import from_request
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.barriers import Barriers
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.kv import KeyValueStore
+from coordinator.core.limits import Limits
+from coordinator.core.registration import from_request
+from coordinator.core.state import ClusterState
 from ifrt import Client
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import InvalidArgument, KeyExists
@@ -210,7 +210,7 @@ def test_a_journal_replays_under_lower_limits_than_it_was_written_with():
 
 # The flags, against a real daemon.
 
-def test_registration_limit_flags_reach_the_daemon(start_coordinator, monkeypatch):
+def test_registration_limit_flags_reach_the_daemon(start_coordinator, monkeypatch, default_client_closed):
     coordinator = start_coordinator("--max-devices-per-process", "2", "--max-attributes", "1",
                                     "--max-string-bytes", "64", num_processes=1)
     with grpc.insecure_channel(coordinator.address) as channel:

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 
-from coordinator import journal
-from coordinator.barriers import BarrierResolved
-from coordinator.cluster import ClusterConfig, FailurePolicy
 from coordinator.config import CoordinatorConfig
-from coordinator.effects import Evict, Forgotten, Notify, Republish, WaitingForHolder
-from coordinator.limits import Limits
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.barriers import BarrierResolved
+from coordinator.core.cluster import ClusterConfig, FailurePolicy
+from coordinator.core.effects import Evict, Forgotten, Notify, Republish, WaitingForHolder
+from coordinator.core.limits import Limits
+from coordinator.core.state import ClusterState
 from ifrt.errors import (
     BarrierFailed,
     BarrierTimeout,

@@ -17,8 +17,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.cluster import ClusterConfig
 from coordinator.config import CoordinatorConfig
+from coordinator.core.cluster import ClusterConfig
 from coordinator.http_server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S
 from coordinator.server import serve
 from ifrt._generated import coordinator_pb2 as pb

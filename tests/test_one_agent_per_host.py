@@ -13,15 +13,15 @@ import time
 import grpc
 import pytest
 
-from coordinator.cluster import ClusterConfig
-from coordinator.job_records import Agent
-from coordinator.state import ClusterState
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.job_records import Agent
+from coordinator.core.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.agent_credential import host_credential
 from ifrt.errors import ClusterMismatch, HostHeld, PermissionDenied, from_rpc_error
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA, proof_of
 from tests.helpers import HOST, register_request, secret_file, status_json
-from tests.run_agents import agents_started, loopback_env
+from tests.run_agents import loopback_env
 from tests.wire_agent import WireAgent
 
 TOKEN = "the job's token"
@@ -169,11 +169,6 @@ def test_unbound_agents_may_share_a_hostname_and_bound_ones_may_not():
 
 
 # A real `ifrt run` whose host's old agent still watches (its connection not yet dropped: a partition).
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
-
 
 def test_an_ifrt_run_agent_waits_for_its_hosts_old_watch_to_end_then_runs(start_coordinator, agents, tmp_path):
     token = secret_file(tmp_path / "token", TOKEN)

@@ -48,8 +48,8 @@ def test_the_docs_loop_is_the_examples_own(page):
     """The lines docs/ shows for a recovery are the example's, in order and nested as shown (the example adds
     only its failure injection and its records between them), so the example's run runs them."""
     text = (ROOT / "docs" / page).read_text()
-    block = re.search(r"```python\n(replica = ifrt\.torch\.Replica.*?)```", text, re.S)
-    assert block, f"docs/{page} shows no Replica loop"
+    block = re.search(r"```python\n(healing = ifrt\.torch\.Healing.*?)```", text, re.S)
+    assert block, f"docs/{page} shows no Healing loop"
     shown = block.group(1).splitlines()
     lines = EXAMPLE.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == shown[0])

@@ -16,11 +16,11 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from coordinator import journal
-from coordinator.effects import Notify
-from coordinator.job_records import Agent as JobAgent
-from coordinator.job_records import AttemptFailure, AttemptsExhausted, NextAttempt, ProcessReplaced
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.effects import Notify
+from coordinator.core.job_records import Agent as JobAgent
+from coordinator.core.job_records import AttemptFailure, AttemptsExhausted, NextAttempt, ProcessReplaced
+from coordinator.core.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import JobAgentsStub
 from ifrt.errors import PermissionDenied
@@ -50,7 +50,7 @@ from ifrt.run.messages import (
 )
 from tests.helpers import poll_until, published
 from tests.replicas import Replicas
-from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, kinds, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, kinds, loopback_env, started_lines
 
 HEARTBEAT_S = 1.0
 
@@ -192,11 +192,6 @@ def test_an_agent_cannot_replace_another_hosts_process():
 
 
 # Real agents and workers.
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
-
 
 def two_replacing_agents(agents, address: str, *flags: str):
     return [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",

@@ -20,16 +20,10 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA
 from ifrt.security import _WithMetadata
 from tests.helpers import clients, poll_until, secret_file
-from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env, own_hostname, started_lines
-from tests.tls import make_certs
+from tests.run_agents import RUN_WORKER, WAIT_S, loopback_env, own_hostname, started_lines
 
 TOKEN = "the replaced job's token"
 HEARTBEAT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 @pytest.fixture
@@ -42,11 +36,6 @@ def secured(tmp_path, certs) -> tuple[tuple[str, ...], dict[str, str]]:
     return (("--token-file", str(token_file), "--agent-key-file", str(key), "--tls-cert", str(certs / "server.pem"),
              "--tls-key", str(certs / "server-key.pem")),
             {"IFRT_TOKEN_FILE": str(token_file), "IFRT_TLS_CA": str(certs / "ca.pem"), "IFRT_AGENT_KEY_FILE": str(key)})
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def holder_of_the_token(address: str, certs: Path, secret: str) -> grpc.Channel:

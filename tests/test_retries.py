@@ -9,12 +9,12 @@ import time
 import pytest
 
 import ifrt
-from coordinator import compaction, journal
-from coordinator.effects import KeyChanged
-from coordinator.limits import Limits
+from coordinator.core import compaction, journal
+from coordinator.core.effects import KeyChanged
+from coordinator.core.limits import Limits
+from coordinator.core.retries import Forgotten, RetryAnswers, Stored, ordered, record_cost
+from coordinator.core.state import ClusterState
 from coordinator.local import LocalCoordinator
-from coordinator.retries import Forgotten, RetryAnswers, Stored, ordered, record_cost
-from coordinator.state import ClusterState
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import ResourceExhausted
 from tests.helpers import clients, published

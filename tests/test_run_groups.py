@@ -16,15 +16,10 @@ from ifrt.run.job import JobLink
 from ifrt.run.shell import Shell
 from ifrt.run.workers import Worker, stop_all
 from tests.helpers import poll_until
-from tests.run_agents import agents_started, loopback_env
+from tests.run_agents import loopback_env
 
 WRAPPER = "sleep 300 & echo $! > {file}; wait"
 """A worker that is a shell: its child (the sleep) writes its pid, and outlives the shell unless its group is ended."""
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def alive(pid: int) -> bool:

@@ -11,18 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.helpers import poll_until, rpc_calls
 from tests.replicas import Replicas
-from tests.run_agents import WAIT_S, RunAgent, agents_started, loopback_env
+from tests.run_agents import WAIT_S, RunAgent, loopback_env
 
 WORKER = Path(__file__).with_name("host_link_worker.py")
-
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
 
 
 def agent(agents, address: str, host_rank: int | None, scenario: str, *flags: str, window: str = "10") -> RunAgent:

@@ -4,11 +4,11 @@ no generation holds a process known to be gone, and a replay of the journal deci
 
 import pytest
 
-from coordinator import compaction, journal
-from coordinator.cluster import FailurePolicy
-from coordinator.effects import Evict, Published, Republish, RunEnded, RunStarted, Waiting, WaitingForNextRun
-from coordinator.limits import Limits
-from coordinator.state import ClusterState
+from coordinator.core import compaction, journal
+from coordinator.core.cluster import FailurePolicy
+from coordinator.core.effects import Evict, Published, Republish, RunEnded, RunStarted, Waiting, WaitingForNextRun
+from coordinator.core.limits import Limits
+from coordinator.core.state import ClusterState
 from ifrt import wire
 from ifrt.errors import ClusterMismatch, ProcessIdTaken, ResourceExhausted, UnknownClient
 from tests.helpers import published, reg

@@ -19,27 +19,13 @@ import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import TransferTimeout
-from ifrt.frames import CHALLENGE_BYTES, HELLO, encode_header
 from ifrt.protocol import SECRET_METADATA
 from ifrt.transfer import Channels
-from tests.helpers import BIN, clients, discover_processes, health, poll_until
-from tests.tls import make_certs
+from ifrt.transfer.frames import CHALLENGE_BYTES, HELLO, encode_header
+from tests.helpers import BIN, TOKEN, clients, discover_processes, health, poll_until
 
-TOKEN = "s3cret-token-5a1f"
 MISMATCH_WITHIN_S = 10.0
 """A transport mismatch is reported this fast; the discovery timeout it replaces is 120 s."""
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture
-def token_file(tmp_path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return path
 
 
 def timed_discover(**kwargs) -> tuple[Exception | None, float]:

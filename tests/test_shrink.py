@@ -1,4 +1,4 @@
-"""A replace-mode job shrunk to its survivors (``coordinator.shrink``): with no replacement within the agents'
+"""A replace-mode job shrunk to its survivors (``coordinator.core.shrink``): with no replacement within the agents'
 ``--replace-timeout``, the coordinator started with ``--min-processes`` drops the failed processes, once (journaled),
 and the survivors' torch group re-forms over fewer ranks. The decisions (pure), then a real job on loopback."""
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import journal
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import Republish
-from coordinator.job_records import Agent as JobAgent
-from coordinator.job_records import AttemptFailure, JobShrunk, NextAttempt
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import Republish
+from coordinator.core.job_records import Agent as JobAgent
+from coordinator.core.job_records import AttemptFailure, JobShrunk, NextAttempt
+from coordinator.core.state import ClusterState
 from ifrt.errors import InvalidArgument, PermissionDenied
 from ifrt.protocol import proof_of
 from ifrt.run.agent import Agent, Phase, Recover
@@ -27,7 +27,7 @@ from ifrt.run.messages import AskShrink, Failure, JobUpdate, JobView, ProcessFai
 from ifrt.topology import Topology
 from tests.helpers import TIMEOUT, reg
 from tests.requirements import require
-from tests.run_agents import WAIT_S, agents_started, loopback_env
+from tests.run_agents import WAIT_S, loopback_env
 
 TAKEOVER_WORKER = Path(__file__).with_name("takeover_worker.py")
 
@@ -153,11 +153,6 @@ def test_torch_ranks_follow_the_survivors_generation():
 
 
 # A real job on loopback: three agents of one torch worker each; process 0's host dies, nothing replaces it.
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
-
 
 def test_the_survivors_torch_group_re_forms_over_two_ranks_once_process_0s_host_is_lost(start_coordinator, agents):
     if importlib.util.find_spec("torch") is None:

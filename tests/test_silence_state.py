@@ -1,12 +1,13 @@
 """The heartbeat timeout is the tolerance it says, and a leader that loses most of the job at once suspects itself
-first: the pure state machine's rules (coordinator.liveness, ClusterConfig.grace_after_session), without a network."""
+first: the pure state machine's rules (coordinator.core.liveness, ClusterConfig.grace_after_session), without a
+network."""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.effects import SuspectSelf
-from coordinator.journal import Failed
+from coordinator.core.effects import SuspectSelf
+from coordinator.core.journal import Failed
 from ifrt.events import ProcessFailed
 from tests.helpers import TIMEOUT, failures, published
 

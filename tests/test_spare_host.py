@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import journal
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import Published
-from coordinator.job_records import Agent as JobAgent
-from coordinator.job_records import AttemptProcessFailed, AttemptsExhausted, HostTakenOver
+from coordinator.core import journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import Published
+from coordinator.core.job_records import Agent as JobAgent
+from coordinator.core.job_records import AttemptProcessFailed, AttemptsExhausted, HostTakenOver
+from coordinator.core.state import ClusterState
 from coordinator.local import LocalCoordinator
-from coordinator.state import ClusterState
 from ifrt.errors import ClusterMismatch, PermissionDenied, ResourceExhausted
 from ifrt.protocol import proof_of
 from ifrt.run import agent as core
@@ -48,7 +48,7 @@ from ifrt.run.messages import (
 from tests.helpers import TIMEOUT, reg
 from tests.netns import Hosts, skip_without_netns
 from tests.requirements import require
-from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, loopback_env
+from tests.run_agents import RUN_WORKER, WAIT_S, loopback_env
 
 TAKEOVER_WORKER = Path(__file__).with_name("takeover_worker.py")
 HEARTBEAT_S = 1.0
@@ -277,11 +277,6 @@ def test_a_survivor_stops_waiting_once_the_host_is_taken_over_or_its_agent_is_ba
 
 
 # Real agents on loopback.
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
-
 
 def test_an_agent_started_with_another_recover_mode_is_refused_naming_both(start_coordinator, agents):
     coordinator = start_coordinator(num_processes=1, log_level="WARNING")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from coordinator.registration import Registration
+from coordinator.core.registration import Registration
 from ifrt.errors import ClusterMismatch, InvalidArgument
 from ifrt.run import agent as core
 from ifrt.run.agent import Agent, Recover
@@ -41,7 +41,7 @@ from ifrt.run.spares import (
 )
 from ifrt.spare import HANDED, SPARE_ENV, await_hand_off, hand_off_line
 from tests.helpers import BIN, lose_session, poll_until, published, reg
-from tests.run_agents import RUN_WORKER, WAIT_S, agents_started, kinds, loopback_env, started_lines
+from tests.run_agents import RUN_WORKER, WAIT_S, kinds, loopback_env, started_lines
 
 HEARTBEAT_S = 1.0
 
@@ -118,8 +118,8 @@ def test_a_spare_waits_for_its_hand_off_then_takes_only_the_ranks_variables():
 # The coordinator's decisions.
 
 def test_a_decided_replacement_with_other_devices_is_refused_naming_both_and_changing_nothing():
-    from coordinator.job_records import Agent as JobAgent
-    from coordinator.job_records import AttemptFailure, NextAttempt
+    from coordinator.core.job_records import Agent as JobAgent
+    from coordinator.core.job_records import AttemptFailure, NextAttempt
     from ifrt.protocol import proof_of
 
     proof = proof_of("the secret of the agent on h1")
@@ -147,11 +147,6 @@ def test_a_plain_restart_with_other_devices_is_not_checked():
 
 
 # Real agents, spares and workers.
-
-@pytest.fixture
-def agents():
-    yield from agents_started()
-
 
 def agents_with_spares(agents, address: str, scenario: str, *flags: str):
     return [agents("--nproc-per-host", "2", "--host-rank", str(h), "--num-hosts", "2", "--grace-seconds", "2",

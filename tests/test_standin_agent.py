@@ -1,6 +1,6 @@
-"""A JAX process's coordination socket under ``ifrt run``: waits opened on its stand-in (ifrt/xla_standin/) never keep
-out the worker's calls that do not wait, a cancelled wait stops calling, and the agent's refusal for load is said as
-such, never as a failover.
+"""A JAX process's coordination socket under ``ifrt run``: waits opened on its stand-in (ifrt/jax/xla_standin/) never
+keep out the worker's calls that do not wait, a cancelled wait stops calling, and the agent's refusal for load is said
+as such, never as a failover.
 
 A real coordinator, the agent's real local server forwarding to it (as ``ifrt run --worker-link agent`` serves its
 workers), a worker's real ifrt client registered through it, and the stand-in's real server; the waits come over a raw
@@ -21,12 +21,12 @@ import ifrt
 from ifrt._generated import xla_coordination_pb2 as xla_pb
 from ifrt.connection import Connection
 from ifrt.errors import Overloaded
+from ifrt.jax.xla_standin.server import StandInServer
+from ifrt.jax.xla_standin.service import WAIT_SLICE_S, CoordinationStandIn
 from ifrt.run.host_register import HostRegistrar
 from ifrt.run.host_session import HostSession
 from ifrt.run.local_server import WAITING_CALLS, LocalServer
 from ifrt.settings import AGENT_SOCKET_ENV, FAILOVER_WINDOW_ENV, resolve
-from ifrt.xla_standin.server import StandInServer
-from ifrt.xla_standin.service import WAIT_SLICE_S, CoordinationStandIn
 from tests.helpers import poll_until
 from tests.wire_agent import WireAgent
 

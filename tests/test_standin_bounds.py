@@ -1,5 +1,5 @@
-"""What a caller of a JAX process's coordination socket (ifrt/xla_standin/) can hold: each kind of wait a bounded number
-of calls, a wait only as long as its call, and never a heartbeat's or a quick call's thread.
+"""What a caller of a JAX process's coordination socket (ifrt/jax/xla_standin/) can hold: each kind of wait a bounded
+number of calls, a wait only as long as its call, and never a heartbeat's or a quick call's thread.
 
 A real coordinator, a real ifrt client and the stand-in's real server; the calls come over a raw gRPC channel on its
 socket, as any process of the same Unix user could make them (JAX's own client makes the same calls).
@@ -18,8 +18,8 @@ import pytest
 import ifrt
 from ifrt._generated import tensorflow_coordination_pb2 as tf_pb
 from ifrt._generated import xla_coordination_pb2 as xla_pb
-from ifrt.xla_standin.server import LIMITS, WORKERS, StandInServer
-from ifrt.xla_standin.service import CoordinationStandIn
+from ifrt.jax.xla_standin.server import LIMITS, WORKERS, StandInServer
+from ifrt.jax.xla_standin.service import CoordinationStandIn
 from tests.helpers import poll_until
 
 XLA, TENSORFLOW = "xla.coordination.CoordinationService", "tensorflow.CoordinationService"
@@ -168,7 +168,8 @@ def test_a_request_without_a_service_incarnation_is_refused_saying_which_is_expe
 
 
 def test_a_cancelbarrier_is_logged_as_a_warning_naming_the_barrier_and_this_processs_socket(standin, caplog):
-    with caplog.at_level(logging.WARNING, logger="ifrt.xla_standin"), grpc.insecure_channel(standin.address) as channel:
+    logger = "ifrt.jax.xla_standin"
+    with caplog.at_level(logging.WARNING, logger=logger), grpc.insecure_channel(standin.address) as channel:
         method(channel, XLA, "CancelBarrier", xla_pb.CancelBarrierResponse)(xla_pb.CancelBarrierRequest(
             incarnations=incarnations(standin), barrier_id="step_barrier", counter=3, source_task_id=0), timeout=10)
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator import journal
-from coordinator.cluster import ClusterConfig
-from coordinator.effects import Published, Waiting
-from coordinator.registration import to_request
-from coordinator.state import ClusterState
+from coordinator.core import journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.effects import Published, Waiting
+from coordinator.core.registration import to_request
+from coordinator.core.state import ClusterState
 from ifrt import wire
 from ifrt.errors import ClusterMismatch, InvalidArgument, ProcessDeclaredFailed, ProcessIdTaken
 from tests.helpers import admit, reg

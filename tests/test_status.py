@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from coordinator.cluster import ClusterConfig
-from coordinator.state import ClusterState
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.state import ClusterState
 from tests.helpers import (
     FAILED_REASON,
     HOST,

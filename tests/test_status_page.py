@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.status_page import events, fragment, page
+from coordinator.core.status_page import events, fragment, page
 from ifrt import status_svg
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.records import Device

@@ -6,20 +6,12 @@ import asyncio
 
 import pytest
 
-from coordinator import journal
-from coordinator.cluster import ClusterConfig
-from coordinator.registration import Registration
-from coordinator.state import ClusterState
-from coordinator.store import (
-    BATCH_VERSION,
-    MAX_BATCH_BYTES,
-    EtcdStore,
-    MemoryStore,
-    StoreError,
-    open_store,
-    pack_batches,
-    unpack_batch,
-)
+from coordinator.core import journal
+from coordinator.core.cluster import ClusterConfig
+from coordinator.core.registration import Registration
+from coordinator.core.state import ClusterState
+from coordinator.journal_batches import BATCH_VERSION, MAX_BATCH_BYTES, pack_batches, unpack_batch
+from coordinator.store import EtcdStore, MemoryStore, StoreError, open_store
 from ifrt import wire
 from ifrt.records import LocalDevice
 

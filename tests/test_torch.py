@@ -97,6 +97,15 @@ def test_a_default_group_that_exists_already_is_refused_saying_what_to_do():
     assert not ifrt.torch.is_initialized()
 
 
+def test_the_old_name_replica_still_works_warning_it_is_now_healing():
+    assert ifrt.torch.Replica.attempt is ifrt.torch.Healing.try_step and issubclass(ifrt.torch.Replica,
+                                                                                    ifrt.torch.Healing)
+    with pytest.warns(DeprecationWarning, match=r"ifrt.torch.Replica is now ifrt.torch.Healing \(and "
+                                                r"Replica.attempt\(\) Healing.try_step\(\)\)"), \
+            pytest.raises(RuntimeError, match=r"call ifrt.torch.init_process_group\(\) first"):
+        ifrt.torch.Replica({})  # as before: it needs a started group
+
+
 def test_importing_ifrt_does_not_import_torch_until_ifrt_torch_is_used():
     probe = ("import sys, ifrt\n"
              "before = 'torch' in sys.modules\n"

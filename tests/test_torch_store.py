@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import ifrt
 import ifrt.torch
-from coordinator.limits import DEFAULT_LIMITS
+from coordinator.core.limits import DEFAULT_LIMITS
 from coordinator.local import LocalCoordinator
 from tests.helpers import COMPARE_SET_TABLE, rpc_calls
 from tests.tls import make_certs

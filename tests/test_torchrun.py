@@ -23,10 +23,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters, Rende
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 import ifrt
-from coordinator.assignment import assign_process_ids
-from coordinator.registration import Registration
+from coordinator.core.assignment import assign_process_ids
+from coordinator.core.registration import Registration
 from ifrt.errors import InvalidArgument
-from ifrt.torchrun import (
+from ifrt.torchrun.backend import (
     KEY_PREFIX,
     HostKey,
     IfrtRendezvousBackend,
@@ -38,7 +38,6 @@ from ifrt.torchrun import (
 )
 from tests.helpers import finish, poll_until
 from tests.replicas import Replicas
-from tests.tls import make_certs
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).with_name("torchrun_worker.py")
@@ -53,11 +52,6 @@ class Security:
 
     flags: tuple[str, ...]
     env: dict[str, str]
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 SECURED = pytest.mark.parametrize("security", ["token-tls"], indirect=True)

@@ -15,10 +15,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousParameters, Rende
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
 
 import ifrt
-import ifrt.torchrun_state
+import ifrt.torchrun.state
 from coordinator.local import LocalCoordinator
-from ifrt.torchrun import KEY_PREFIX, IfrtRendezvousBackend, create_rendezvous_handler
-from ifrt.torchrun_state import CheckedStateBackend
+from ifrt.torchrun.backend import KEY_PREFIX, IfrtRendezvousBackend, create_rendezvous_handler
+from ifrt.torchrun.state import CheckedStateBackend
 
 _keys = itertools.count()
 
@@ -125,8 +125,8 @@ def test_the_check_refuses_bytes_that_are_no_state_where_torch_would_unpickle_th
 
 def test_an_unchanged_state_is_checked_once(backend, client, key, monkeypatch):
     checks = []
-    check = ifrt.torchrun_state.check_state
-    monkeypatch.setattr(ifrt.torchrun_state, "check_state", lambda *a: checks.append(a) or check(*a))
+    check = ifrt.torchrun.state.check_state
+    monkeypatch.setattr(ifrt.torchrun.state, "check_state", lambda *a: checks.append(a) or check(*a))
     checked = CheckedStateBackend(backend, key, max_nodes=4)
     s1, s2 = state_bytes(1), state_bytes(2)
     client.kv_set(key, s1)

@@ -1,4 +1,4 @@
-"""torchrun's rendezvous state is read back without running anything, in linear time (ifrt/torchrun_state.py):
+"""torchrun's rendezvous state is read back without running anything, in linear time (ifrt/torchrun/state.py):
 states torch makes pass, anything else is refused as RendezvousStateError naming the key and what was found (states
 built to cost quadratic time or huge integers included, in well under a second); torch's state holder, reading
 through the check against a real coordinator, never unpickles a pickle planted at the state key."""
@@ -28,9 +28,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 import ifrt
-from ifrt.torchrun import KEY_PREFIX, IfrtRendezvousBackend, host_entry
-from ifrt.torchrun_pickle import MAX_INT_BYTES, MAX_TUPLE_DEPTH
-from ifrt.torchrun_state import (
+from ifrt.torchrun.backend import KEY_PREFIX, IfrtRendezvousBackend, host_entry
+from ifrt.torchrun.opcodes import MAX_INT_BYTES, MAX_TUPLE_DEPTH
+from ifrt.torchrun.state import (
     MAX_NODES,
     MAX_SAME_HASH,
     CheckedStateBackend,
@@ -322,13 +322,6 @@ def test_a_real_state_with_bytes_changed_is_refused_or_still_a_state(changes):
 
 
 # Against a real coordinator with a token: a plain client that holds it plants the pickle.
-@pytest.fixture
-def token_file(tmp_path) -> Path:
-    path = tmp_path / "token"
-    path.write_text("torchrun-state-test-token\n")
-    return path
-
-
 def test_torchs_state_holder_never_unpickles_a_state_planted_through_a_plain_client(start_coordinator, token_file,
                                                                                     tmp_path):
     coordinator = start_coordinator("--token-file", str(token_file), num_processes=2)

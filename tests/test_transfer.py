@@ -26,9 +26,9 @@ from coordinator.local import LocalCoordinator
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
 from ifrt.errors import InvalidArgument, TransferError, TransferTimeout
-from ifrt.frames import ARRAY, HEADER, HELLO, MAGIC, VERSION, encode_header
 from ifrt.transfer import Channels, Endpoint, wait_seconds
-from ifrt.transfer_handshake import introduce
+from ifrt.transfer.frames import ARRAY, HEADER, HELLO, MAGIC, VERSION, encode_header
+from ifrt.transfer.handshake import introduce
 from tests.helpers import poll_until, register_request, status_json
 from tests.netns import Hosts, skip_without_netns
 from tests.resources import open_fds
@@ -485,7 +485,7 @@ with ifrt.Client(timeout=60) as client, client.channels() as channels:
 """
 STRANGER = """
 import socket, sys
-from ifrt.frames import HELLO, encode_header
+from ifrt.transfer.frames import HELLO, encode_header
 with socket.create_connection((sys.argv[1], 9000), timeout=10) as stranger:
     stranger.sendall(encode_header(HELLO, 0, 0, 1) + b"JUNK" + bytes(60))  # says it is process 0
     try:

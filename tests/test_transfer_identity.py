@@ -21,10 +21,10 @@ import pytest
 import ifrt
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import TransferError, TransferTimeout
-from ifrt.frames import ARRAY, CHALLENGE_BYTES, HEADER, HELLO, KEYED, MAGIC, VERSION, encode_header
 from ifrt.protocol import SECRET_METADATA, TOKEN_METADATA, proof_of
 from ifrt.transfer import Channels
-from ifrt.transfer_handshake import introduce
+from ifrt.transfer.frames import ARRAY, CHALLENGE_BYTES, HEADER, HELLO, KEYED, MAGIC, VERSION, encode_header
+from ifrt.transfer.handshake import introduce
 from ifrt.transfer_keys import PairKey, pair_key
 from tests.helpers import clients, poll_until
 from tests.run_agents import RunAgent, loopback_env

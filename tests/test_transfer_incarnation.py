@@ -23,11 +23,11 @@ import pytest
 import ifrt
 from ifrt.errors import TransferError, TransferTimeout
 from ifrt.events import ProcessFailed, ProcessRestarted
-from ifrt.frames import ARRAY, encode_header
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.protocol import proof_of
 from ifrt.transfer import Channels
-from ifrt.transfer_handshake import introduce
+from ifrt.transfer.frames import ARRAY, encode_header
+from ifrt.transfer.handshake import introduce
 from ifrt.transfer_keys import PairKey, pair_key
 from tests.helpers import clients, poll_until
 

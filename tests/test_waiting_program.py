@@ -19,7 +19,7 @@ from tests.helpers import BIN, discover_process
 from tests.replicas import Replicas
 
 PROGRAM = """
-import sys, ifrt
+import sys, ifrt, ifrt.client  # what discover loads first: the clock starts at the wait, not at the imports
 print("discovering", flush=True)
 try:
     ifrt.discover(timeout={timeout})
@@ -27,8 +27,8 @@ except ifrt.IfrtError as e:
     print("gave up:", type(e).__name__, flush=True)
 """
 FIRST_LINE_S = 3.0
-"""The first line is due 1.5 s into the wait (ClientConfig.first_report_s, unreachable_report_after_s); the bound
-leaves room for a loaded machine."""
+"""The first line is due 1.5 s into the wait (ClientConfig.first_report_s, unreachable_report_after_s), counted from
+the program's first line, after its imports; the bound leaves room for a loaded machine."""
 
 
 def waiting_program(coordinator: str, timeout: float = 6, setup: str = "", **env: str) -> subprocess.Popen:

@@ -1,7 +1,7 @@
 """proto/ifrt/xla/v1/ against what each installed jaxlib embeds: the coordination service JAX's client calls, and the
 topology records JAX writes, at the same field numbers and types (only these travel on the wire).
 
-The stand-in (ifrt/xla_standin/) decodes JAX's requests with our messages: a field jaxlib renumbered, retyped or
+The stand-in (ifrt/jax/xla_standin/) decodes JAX's requests with our messages: a field jaxlib renumbered, retyped or
 added to a request would be misread or lost without any error, and a method the stand-in lacks fails the job. These
 tests read the jaxlib of this interpreter and the one of $IFRT_TEST_JAX04_PYTHON (jaxlib 0.4.30, made by
 scripts/test.sh), and fail naming the drift and what to update.
@@ -24,7 +24,7 @@ from google.protobuf.descriptor_pb2 import (
 )
 
 from ifrt._generated import xla_coordination_pb2, xla_topology_pb2
-from ifrt.xla_standin.layouts import LAYOUTS, XLA, Layout
+from ifrt.jax.xla_standin.layouts import LAYOUTS, XLA, Layout
 from tests.jaxlib_descriptors import Embedded, Jaxlib, locate_jaxlib, read_jaxlib
 from tests.requirements import jax04_python, require
 
@@ -162,7 +162,7 @@ def layout_for(file: FileDescriptorProto) -> Layout:
     """The stand-in's layout for the service jaxlib's ``file`` declares (by its wire name, "package.Service")."""
     wire = f"{file.package}.{file.service[0].name}"
     found = [layout for layout in LAYOUTS if layout.service == wire]
-    assert found, (f"JAX's client calls /{wire}/* ({file.name}) and no layout in ifrt/xla_standin/layouts.py "
+    assert found, (f"JAX's client calls /{wire}/* ({file.name}) and no layout in ifrt/jax/xla_standin/layouts.py "
                    f"serves it (they serve {[layout.service for layout in LAYOUTS]})")
     return found[0]
 
@@ -196,7 +196,7 @@ def test_our_coordination_service_matches_the_one_jax_calls(jaxlib: Jaxlib):
     layout = layout_for(embedded.file)
     ours = ours_of(layout.messages)
     drift = service_drift(ours, embedded.file, coordination_naming(embedded.file, layout))
-    assert not drift, report(jaxlib, embedded, ours, drift, "update ifrt/xla_standin/layouts.py (its method "
+    assert not drift, report(jaxlib, embedded, ours, drift, "update ifrt/jax/xla_standin/layouts.py (its method "
                              f"table {layout.name.upper()} and the versions it supports)")
 
 
@@ -204,14 +204,14 @@ def test_our_topology_records_match_jaxs(jaxlib: Jaxlib):
     embedded = jaxlib.protocol()
     ours = ours_of(xla_topology_pb2)
     drift = subset_drift(ours, embedded.file, Naming(embedded.file.package, ours.package, TOPOLOGY_NAMES))
-    assert not drift, report(jaxlib, embedded, ours, drift, "update ifrt/xla_standin/topology_check.py")
+    assert not drift, report(jaxlib, embedded, ours, drift, "update ifrt/jax/xla_standin/topology_check.py")
 
 
 def test_the_stand_in_serves_every_method_jax_calls_with_our_request(jaxlib: Jaxlib):
     embedded = jaxlib.coordination()
     layout = layout_for(embedded.file)
     methods = {m.name: m for m in embedded.file.service[0].method}
-    where = f"jaxlib {jaxlib.version}'s {embedded.file.name} vs ifrt/xla_standin/layouts.py's {layout.name.upper()}"
+    where = f"jaxlib {jaxlib.version}'s {embedded.file.name} vs ifrt/jax/xla_standin/layouts.py's {layout.name.upper()}"
     missing = sorted(set(methods) - set(layout.methods))
     # a method JAX calls that the stand-in does not serve fails the job (UNIMPLEMENTED)
     assert not missing, f"{where}: the stand-in does not serve {missing}"
@@ -302,9 +302,9 @@ def test_report_says_which_jaxlib_and_file_differ_and_what_to_update(tmp_path):
     embedded = Embedded(tmp_path / "libjax_common.so", spelled_as_jaxlib(ours, "xla.coordination"))
     embedded.file.name = "xla/pjrt/distributed/coordination/coordination_service.proto"
     text = report(Jaxlib("0.10.9", tmp_path, {}), embedded, ours, ["method X is missing from ours"],
-                  "update ifrt/xla_standin/layouts.py")
+                  "update ifrt/jax/xla_standin/layouts.py")
     assert text == (f"jaxlib 0.10.9's xla/pjrt/distributed/coordination/coordination_service.proto (embedded in "
                     f"{tmp_path}/libjax_common.so) differs from proto/ifrt/xla/v1/xla_coordination.proto:\n"
                     "  - method X is missing from ours\n"
                     "Update proto/ifrt/xla/v1/xla_coordination.proto to jaxlib's numbers and types, run "
-                    "scripts/gen-proto.sh, and update ifrt/xla_standin/layouts.py.")
+                    "scripts/gen-proto.sh, and update ifrt/jax/xla_standin/layouts.py.")

@@ -67,7 +67,7 @@ def main() -> None:
     # Every rank done with the group before any tears it down: gloo aborts a process (std::terminate) whose peer
     # closes a connection while it still has work on it. A rank leaves the barrier before its peers may have, so the
     # store (its own connections) says when every rank has. The DDP goes before the group is destroyed: its reducer,
-    # were it the group's last holder, would run gloo's destructor holding the GIL (see ifrt/torch_groups.py).
+    # were it the group's last holder, would run gloo's destructor holding the GIL (see ifrt/torch/groups.py).
     dist.barrier()
     store = dist.distributed_c10d._get_default_store()  # the group's own: a restarted group has another
     store.set(f"left-barrier/{rank}", "1")

@@ -16,7 +16,7 @@ A lost host (its agent and workers gone) is taken over by a spare host (``spare`
 runs no worker until the coordinator hands it the lost host's ids (``HostTakenOverSeen``), then one worker per id.
 Survivors wait for another host's failed processes (``ifrt.run.waits``) up to ``replace_timeout``, then ask the
 coordinator to shrink the job to them (``AskShrink``: it drops those processes where it runs with --min-processes,
-see coordinator.shrink), and where it refuses, ask for the next attempt as without replace::
+see coordinator.core.shrink), and where it refuses, ask for the next attempt as without replace::
 
     RUNNING --replace-timeout--> asked to shrink --shrunk--> RUNNING (the workers go on, fewer processes)
                                                  \\--refused--> RESTARTING (stop, ask for the next attempt)

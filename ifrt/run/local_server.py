@@ -44,6 +44,7 @@ from ifrt.errors import (
     PermissionDenied,
     UnknownClient,
 )
+from ifrt.hostport import MAX_SOCKET_PATH
 from ifrt.protocol import SECRET_METADATA, proof_of
 from ifrt.run.forward import FORWARDED, SERVICE, Forwarder, Refusal
 from ifrt.run.host_register import HostRegistrar, Refused
@@ -54,8 +55,6 @@ from ifrt.run.worker_stream import Ended, WorkerStream
 log = logging.getLogger("ifrt.run")
 
 SOCKET_NAME = "agent.sock"
-MAX_SOCKET_PATH = 107
-"""The longest path a Unix socket may have (the kernel's sun_path holds 108 bytes, its terminating NUL included)."""
 MAX_REQUEST_BYTES = 16 << 20
 """The largest message a worker may send its agent: the coordinator's default ``--max-request-bytes``, so that a
 forwarded call (a key-value multi-set) passes whole as far as the coordinator takes it."""
