@@ -97,7 +97,13 @@ command -v docker >/dev/null || die "Docker is not installed; on Debian: apt-get
 if ! docker info >/dev/null 2>&1; then
   command -v dockerd >/dev/null || die "the docker client cannot reach an engine and there is no dockerd here; on Debian: apt-get install -y docker.io"
   [ "$(id -u)" = 0 ] || die "the Docker engine is not running; start it (e.g. sudo systemctl start docker) or run this script as root"
-  [ -S /var/run/docker.sock ] && die "/var/run/docker.sock exists but the engine does not answer; see the engine's log (journalctl -u docker)"
+  if [ -S /var/run/docker.sock ]; then  # an engine that answers nothing, or the socket of one that is gone
+    engine_pid=$(cat /var/run/docker.pid 2>/dev/null || true)
+    if [ -n "$engine_pid" ] && kill -0 "$engine_pid" 2>/dev/null; then
+      die "the Docker engine (pid $engine_pid) runs but does not answer on /var/run/docker.sock; see its log (journalctl -u docker)"
+    fi
+    say "/var/run/docker.sock is left by an engine that is gone (no live pid in /var/run/docker.pid); dockerd replaces it"
+  fi
   mkdir -p "$CACHE_DIR"
   dockerd >"$CACHE_DIR/dockerd.log" 2>&1 &
   dockerd_pid=$!

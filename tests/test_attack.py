@@ -83,6 +83,7 @@ async def forever() -> AsyncIterator[bytes]:
 
 # 1. The health service needs no token: it costs an unauthenticated caller kilobytes.
 
+@pytest.mark.serial  # the daemon's RSS: with other tests' load, more refused names are in memory at once
 def test_health_watches_with_huge_names_hold_nothing(start_coordinator, token_file):
     coordinator = start_coordinator("--token-file", str(token_file), "--max-request-bytes", str(8 * MiB),
                                     num_processes=1)
