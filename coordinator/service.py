@@ -71,7 +71,7 @@ _CALL_ATTEMPT: ContextVar[int | None] = ContextVar("call_attempt", default=None)
 R = TypeVar("R")
 
 
-class CoordinatorService(HostRegister):
+class CoordinatorService:
     """Serves the Coordinator service. Each generation's topology is serialized once and sent as the same bytes.
 
     Every state change is journaled (``Replica.commit``) before it is acknowledged; a replica that does not
@@ -91,7 +91,8 @@ class CoordinatorService(HostRegister):
         self.generation = PublishedGeneration()
         self._announced = 0  # the latest generation sent to the sessions
         self._progress_cache: tuple[float, int, bytes] = (-math.inf, -1, b"")
-        self._waiters = Waiters()
+        self.waiters = Waiters()
+        self.host_register = HostRegister(self)
         self._next_run_logged = -math.inf  # when the log last said who a registration for the next run waits for
         self.sessions = Sessions(self, self.replica.config.limits)
         self.host_sessions = HostSessions(self.sessions)
@@ -127,7 +128,7 @@ class CoordinatorService(HostRegister):
     def _on_step_down(self, why: str) -> None:
         # Wake every waiting call at once: each finds the replica not serving and answers UNAVAILABLE, so its
         # client moves on to the new leader instead of waiting out its own timeout here.
-        self._waiters.wake_all()
+        self.waiters.wake_all()
         self.sessions.close(f"the coordinator stepped down ({why})")
         for listener in self.step_down_listeners:
             listener(why)
@@ -144,7 +145,7 @@ class CoordinatorService(HostRegister):
                         ended.process_id, ended.host or "an unknown host", ended.reason, view.attempt,
                         extra={"event": "attempt_started", "attempt": view.attempt, "process_id": ended.process_id,
                                "host": ended.host, "reason": ended.reason})
-        self._waiters.wake_all()
+        self.waiters.wake_all()
         self.sessions.close(attempt_ended(view.attempt - 1, view.attempt), ended_attempt=view.attempt - 1,
                             next_attempt=view.attempt)
         self._on_serving()
@@ -154,8 +155,9 @@ class CoordinatorService(HostRegister):
         again, and the new run's first topology is serialized afresh."""
         log.warning("run %d of the job is over (every process of it left or failed); run %d starts with the processes "
                     "that register now", ended, run, extra={"event": "run_started", "run": run})
-        self._waiters.wake_all()
-        self.sessions.close(f"run {ended} of the job is over; run {run} starts (its processes register anew)")
+        self.waiters.wake_all()
+        self.sessions.close(f"run {ended} of the job is over; run {run} starts (its processes register anew)",
+                            ended_run=ended, next_run=run)
         self._on_serving()
 
     # The pipeline's steps.
@@ -199,7 +201,7 @@ class CoordinatorService(HostRegister):
         if before_commit is not None:
             before_commit(result)
         await self.commit(context, what)
-        self._apply(effects)
+        self.carry_out(effects)
         return result
 
     async def read(self, context: grpc.aio.ServicerContext, what: str, query: Callable[[], R]) -> R:
@@ -217,7 +219,7 @@ class CoordinatorService(HostRegister):
 
         methods = {name: unary(self._unary_of(rpc), name) for name, rpc in RPCS.items()}
         methods["Register"] = unary(self.register, "Register")
-        methods["RegisterHost"] = unary(self.register_host, "RegisterHost")
+        methods["RegisterHost"] = unary(self.host_register.register_host, "RegisterHost")
         methods["Status"] = unary(functools.partial(operator_view.status_rpc, self), "Status")
         methods["TransferKey"] = unary(transfer_key_handler(self), "TransferKey")
         methods["Session"] = grpc.stream_stream_rpc_method_handler(internal_errors(self.sessions.serve, "Session"))
@@ -241,7 +243,7 @@ class CoordinatorService(HostRegister):
         def expect(result: object) -> None:  # before any await: nothing that answers the call can be missed
             nonlocal future, epoch
             if result is None and wait is not None:
-                future, epoch = self._waiters.expect(wait.on(request)), self.replica.epoch
+                future, epoch = self.waiters.expect(wait.on(request)), self.replica.epoch
 
         try:
             if (query := rpc.query) is not None:
@@ -256,7 +258,7 @@ class CoordinatorService(HostRegister):
                 result = await self._wait(context, wait, request, call, future, what, epoch)
         finally:
             if wait is not None and future is not None:
-                self._waiters.drop(wait.on(request), future)
+                self.waiters.drop(wait.on(request), future)
         if isinstance(result, IfrtError):
             await abort(context, result, what, level=logging.DEBUG)
         try:
@@ -302,22 +304,22 @@ class CoordinatorService(HostRegister):
             if isinstance(outcome, WaitingForHolder):
                 return waiting_answer(outcome, state.config.num_processes, self.clock() - began)
         if isinstance(outcome, WaitingForNextRun):
-            outcome, effects = await self._wait_for_next_run(registration, outcome, until, context, what, epoch)
+            outcome, effects = await self.wait_for_next_run(registration, outcome, until, context, what, epoch)
             if isinstance(outcome, WaitingForNextRun):
                 return next_run_answer(outcome, self.clock() - began)
         uid = registration.client_uid
         state.current.call_started(uid, self.clock())  # alive while its call is held, by the journal too (under load)
-        published = self._waiters.expect(PUBLISHED) if isinstance(outcome, Waiting) else None
+        published = self.waiters.expect(PUBLISHED) if isinstance(outcome, Waiting) else None
         try:
             await self.commit(context, "registration")
-            self._announce(outcome)
-            self._apply(effects)
+            self.announce(outcome)
+            self.carry_out(effects)
             if published is None:
                 return self.current_generation().answer(outcome.process_id)  # type: ignore[union-attr]
             woke = await resolved_within(published, max(0.0, until - self.clock()))
         finally:
             if published is not None:
-                self._waiters.drop(PUBLISHED, published)
+                self.waiters.drop(PUBLISHED, published)
             state.current.call_ended(uid, self.clock())
         await self.serving(context, "registration", epoch)
         try:
@@ -330,9 +332,9 @@ class CoordinatorService(HostRegister):
             await self.commit(context, "registration")  # read off the state, not carried by the publication
         if isinstance(outcome, Published):
             return self.current_generation().answer(outcome.process_id)
-        return self._progress_answer()
+        return self.progress_answer()
 
-    async def _wait_for_next_run(self, r: reg.Registration, outcome: WaitingForNextRun, until: float,
+    async def wait_for_next_run(self, r: reg.Registration, outcome: WaitingForNextRun, until: float,
                                  context: grpc.aio.ServicerContext, what: str,
                                  epoch: int) -> tuple[Waiting | Published | WaitingForNextRun, list[Effect]]:
         """Holds a registration whose id waits for the next run until that run can start (then registers it
@@ -341,11 +343,11 @@ class CoordinatorService(HostRegister):
         state = self.state
         self._log_next_run(outcome)
         while (remaining := until - self.clock()) > 0:
-            future = self._waiters.expect(NEXT_RUN)
+            future = self.waiters.expect(NEXT_RUN)
             try:
                 woke = await resolved_within(future, remaining)
             finally:
-                self._waiters.drop(NEXT_RUN, future)
+                self.waiters.drop(NEXT_RUN, future)
             await self.serving(context, "registration", epoch)
             if woke is None:
                 break
@@ -384,7 +386,7 @@ class CoordinatorService(HostRegister):
             log.info("a registration waits for the next run: %s", outcome.describe(),
                      extra={"event": "waiting_for_next_run", "run": outcome.run})
 
-    def _announce(self, outcome: Waiting | Published) -> None:
+    def announce(self, outcome: Waiting | Published) -> None:
         """Logs an admission; a first publication is serialized and wakes every waiting Register call, as does a
         restart that made the generation whole (restarted processes waiting for it look again)."""
         if outcome.admitted is not None:
@@ -392,11 +394,11 @@ class CoordinatorService(HostRegister):
         if isinstance(outcome, Published) and outcome.first is not None:
             self.time_to_publish_s = outcome.first.waited_s
             self.current_generation()
-            self._waiters.resolve(PUBLISHED, outcome.first)
+            self.waiters.resolve(PUBLISHED, outcome.first)
         elif isinstance(outcome, Published):
-            self._waiters.resolve(PUBLISHED, WOKEN)
+            self.waiters.resolve(PUBLISHED, WOKEN)
 
-    def _progress_answer(self) -> bytes:
+    def progress_answer(self) -> bytes:
         """Who is still missing, made again only when the core's rule says the last answer is stale."""
         now, state = self.clock(), self.state
         at, registered, answer = self._progress_cache
@@ -424,7 +426,7 @@ class CoordinatorService(HostRegister):
                 await self.replica.commit()
             except NotServing:
                 continue
-            self._apply(effects)
+            self.carry_out(effects)
             for effect in effects:
                 if isinstance(effect, SuspectSelf):
                     await self.replica.step_aside(effect.why, effect.for_s)
@@ -443,10 +445,10 @@ class CoordinatorService(HostRegister):
             await self.replica.commit()
         except NotServing:
             return False
-        self._apply(effects)
+        self.carry_out(effects)
         return True
 
-    def _apply(self, effects: list[Effect]) -> None:
+    def carry_out(self, effects: list[Effect]) -> None:
         """Carries out durable effects: logs, session events, and the answers of waiting calls."""
         for effect in effects:
             match effect:
@@ -457,13 +459,13 @@ class CoordinatorService(HostRegister):
                 case RunEnded(run=run):
                     log.info("every process of run %d of the job left or failed: the next registration starts run "
                              "%d", run, run + 1, extra={"event": "run_ended", "run": run})
-                    self._waiters.resolve(NEXT_RUN, WOKEN)
-                    self._waiters.resolve(PUBLISHED, WOKEN)  # restarts still waiting in it look again
+                    self.waiters.resolve(NEXT_RUN, WOKEN)
+                    self.waiters.resolve(PUBLISHED, WOKEN)  # restarts still waiting in it look again
                 case Notify(event=event, number=number):
                     log_event(event, self.state)
                     self.sessions.broadcast(*event_message(Numbered(number, event)))
                 case Republish():
-                    self._waiters.resolve(PUBLISHED, WOKEN)  # restarts waiting for a whole generation look again
+                    self.waiters.resolve(PUBLISHED, WOKEN)  # restarts waiting for a whole generation look again
                     generation = self.current_generation()
                     if generation.generation > self._announced:  # once, however many calls synced it meanwhile
                         self._announced = generation.generation
@@ -484,6 +486,6 @@ class CoordinatorService(HostRegister):
                     elif error is not None:
                         log.info("%s", error)
             for key, answer in answers(effect):
-                self._waiters.resolve(key, answer)
+                self.waiters.resolve(key, answer)
         for listener in self.effect_listeners:
             listener(effects)

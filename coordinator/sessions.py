@@ -315,9 +315,12 @@ class Sessions:
             self.hosts.get(carrier, {}).pop(client_uid, None)  # no longer one of the workers its host carries
             carrier.put_nowait(worker_ended(client_uid, error))
 
-    def close(self, reason: str, *, ended_attempt: int = 0, next_attempt: int = 0) -> None:
-        """Tells every session why it ends (with the attempts, when the job's attempt ended), then ends it."""
-        shutdown = pb.Shutdown(reason=reason, ended_attempt=ended_attempt, next_attempt=next_attempt)
+    def close(self, reason: str, *, ended_attempt: int = 0, next_attempt: int = 0, ended_run: int = 0,
+              next_run: int = 0) -> None:
+        """Tells every session why it ends (with the attempts or runs, when the job's attempt or run ended), then
+        ends it."""
+        shutdown = pb.Shutdown(reason=reason, ended_attempt=ended_attempt, next_attempt=next_attempt,
+                               ended_run=ended_run, next_run=next_run)
         self.broadcast(0, pb.SessionEvent(shutdown=shutdown).SerializeToString())
         for queues in self._open.values():
             for queue in queues:

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import grpc
 
@@ -62,6 +62,14 @@ def attach_bound(heartbeat_timeout_s: float | None) -> float:
     refuses (hung, cut off) would otherwise hold the session until the connection's keepalive gives up on it."""
     least, most = ATTACH_BOUND_S
     return most if heartbeat_timeout_s is None else min(most, max(least, heartbeat_timeout_s / 2))
+
+
+class JobMoved(NamedTuple):
+    """What a Shutdown says when the job's attempt or run ended: not a lost coordinator."""
+
+    what: Literal["attempt", "run"]
+    ended: int
+    next: int
 
 
 class SessionOwner(Protocol):
@@ -296,8 +304,12 @@ class Session:
                 self._emit(TopologyChanged(topology))
         elif kind == "shutdown":
             shutdown = event.shutdown
-            self._lose(shutdown.reason, (shutdown.ended_attempt, shutdown.next_attempt) if shutdown.next_attempt
-                       else None)
+            if shutdown.next_attempt:
+                self._lose(shutdown.reason, JobMoved("attempt", shutdown.ended_attempt, shutdown.next_attempt))
+            elif shutdown.next_run:
+                self._lose(shutdown.reason, JobMoved("run", shutdown.ended_run, shutdown.next_run))
+            else:
+                self._lose(shutdown.reason)
         elif kind == "key_changed":
             change = event.key_changed
             self._owner.key_changed(change.key, None if change.deleted else change.value)
@@ -335,16 +347,19 @@ class Session:
         for watch in watches:
             watch.lapse()
 
-    def _lose(self, reason: str, attempts: tuple[int, int] | None = None) -> None:
-        """The coordinator is lost (``attempts``: the job's attempt ended and the next starts, as its Shutdown
-        said)."""
+    def _lose(self, reason: str, moved: JobMoved | None = None) -> None:
+        """The coordinator is lost, or (``moved``) the job's attempt or run ended and the next starts, as its
+        Shutdown said."""
         self.attached.clear()
         if not self._lost:
             self._lost = True
             self._lapse()  # before anyone hears of the loss: a view that hears it answers nothing more
-            if attempts is not None:  # not a lost coordinator: ifrt run restarts us
+            if moved is not None and moved.what == "attempt":  # not a lost coordinator: ifrt run restarts us
                 log.info("attempt %d of the job ended and attempt %d starts: this process's agent (ifrt run) "
-                         "stops it and starts it again", *attempts)
+                         "stops it and starts it again", moved.ended, moved.next)
+            elif moved is not None:  # not a lost coordinator: the session, found stale, registers again
+                log.info("run %d of the job is over (every process of it left or failed) and run %d starts: this "
+                         "process registers again to take part", moved.ended, moved.next)
             else:
                 self._lost_since = time.monotonic()
                 config = self._connection.config

@@ -83,7 +83,7 @@ class Recorder:
         """For each live state, where its replay differs from it."""
         found = []
         for state, taken in self.states:
-            entries = [*taken, *state._journal]
+            entries = [*taken, *self._originals["take_journal"](state)]
             if not entries:
                 continue
             fresh = ClusterState(state.config)

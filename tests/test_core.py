@@ -8,8 +8,12 @@ import ast
 import json
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
+from coordinator.core import journal
+from coordinator.core.run import REPLAYS
+from coordinator.core.state import APPLY
 from tests.helpers import published
 from tests.replay_check import Recorder
 
@@ -75,10 +79,19 @@ def test_the_replay_check_names_a_part_that_changed_outside_the_journal():
     recorder.install()
     try:
         state = published(n=2)
-        state.attempts.replacing.add(1)  # as a decision would that applied something it did not journal
+        state.attempts._replacing.add(1)  # as a decision would that applied something it did not journal
     finally:
         recorder.uninstall()
     try:
         assert recorder.differences() == ["after 2 journal entries, replacing: live [1], replayed []"]
     finally:
-        state.attempts.replacing.discard(1)  # the same again, for the suite's own check of this test
+        state.attempts._replacing.discard(1)  # the same again, for the suite's own check of this test
+
+
+def test_every_journal_entry_applies_through_exactly_one_row():
+    """Live and replay share one apply per entry: the router's decisions in state.APPLY, the run's in run.REPLAYS.
+    An entry type with no row would fail its first replay; one with two would be ambiguous."""
+    entries = set(typing.get_args(journal.Entry))
+    assert set(APPLY).isdisjoint(REPLAYS)
+    assert set(APPLY) | set(REPLAYS) == entries
+

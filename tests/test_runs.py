@@ -200,8 +200,16 @@ def test_runs_and_attempts_are_typed_fields_and_event_numbers_never_go_back(star
     first = register("run-1")
     assert (first.run, first.attempt, first.event_position) == (1, 0, 1)
     assert session("run-1", 1, first.event_position).attached.run == 1
+    requests: queue.Queue = queue.Queue()  # a session of run 1 kept open past its process's leave
+    opening = pb.SessionRequest(open=pb.SessionOpen(client_uid="run-1", since_event=first.event_position, run=1))
+    requests.put(opening)
+    kept = stub.Session(iter(requests.get, None), metadata=((SECRET_METADATA, "run-1"),), timeout=30)
+    assert next(kept).attached.run == 1
     stub.Leave(pb.LeaveRequest(client_uid="run-1"), metadata=((SECRET_METADATA, "run-1"),), timeout=10)  # event 2
     second = register("run-2")
+    shutdown = next(e for e in kept if e.WhichOneof("kind") == "shutdown").shutdown
+    assert (shutdown.ended_run, shutdown.next_run, shutdown.ended_attempt, shutdown.next_attempt) == (1, 2, 0, 0)
+    requests.put(None)
     assert (second.run, second.attempt) == (2, 0)
     assert second.event_position > 2  # run 2's events go on from run 1's last: a position never goes back
     attached = session("run-2", 2, second.event_position).attached

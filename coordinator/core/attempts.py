@@ -91,11 +91,8 @@ class Attempts:
         self._replacements = 0  # processes replaced in this run
         self._mode = ""  # the job's --recover mode, as its first agent of the run stated it ("": none stated)
         self._mode_by = ""
-        self.shrunk: set[int] = set()
-        """Process ids a shrink dropped in this attempt (``coordinator.core.shrink``)."""
-        self.replacing: set[int] = set()
-        """Process ids whose replacement was decided in this attempt and has not registered yet: its registration
-        must bring the replaced process's devices (``coordinator.core.replacements``)."""
+        self._shrunk: set[int] = set()  # process ids a shrink dropped in this attempt (coordinator.core.shrink)
+        self._replacing: set[int] = set()  # ids whose decided replacement has not registered yet in this run
 
     @property
     def budget(self) -> int:
@@ -195,7 +192,7 @@ class Attempts:
             self.current += 1
             self.first, self.exhausted = self.current, False
             self._failures, self._earlier, self._declared, self._replacements = [], 0, {}, 0
-            self.replacing, self.shrunk = set(), set()
+            self._replacing, self._shrunk = set(), set()
             self._agents, self._stated, self._stated_by, self._mode, self._mode_by = {}, None, "", "", ""
         back = any(a.host == entry.host for uid in entry.replaced if (a := self._agents.get(uid)) is not None)
         for uid in entry.replaced:
@@ -289,10 +286,10 @@ class Attempts:
         if entry.replace:
             self._replacements += 1
             self._declared.pop(entry.process_id, None)  # a later failure of that id is its new process's
-            self.replacing.add(entry.process_id)
+            self._replacing.add(entry.process_id)
             return ProcessReplaced(self._failures[-1], self.view())
         self.current = entry.ended + 1
-        self._declared, self.replacing, self.shrunk = {}, set(), set()
+        self._declared, self._replacing, self._shrunk = {}, set(), set()
         return AttemptStarted(self.view())
 
     def apply_taken_over(self, entry: journal.HostTakenOver) -> HostTakenOver | AttemptsExhausted:
@@ -306,7 +303,7 @@ class Attempts:
         self._replacements += 1
         for pid in entry.process_ids:
             self._declared.pop(pid, None)
-        self.replacing.update(entry.process_ids)  # the spare host's workers must bring the lost processes' devices
+        self._replacing.update(entry.process_ids)  # the spare host's workers must bring the lost processes' devices
         self._agents.pop(entry.lost_uid, None)
         spare = self._agents[entry.spare_uid]
         self._agents[spare.uid] = replace(spare, spare=False, workers=len(entry.process_ids))
@@ -323,8 +320,27 @@ class Attempts:
         self._remember(entry.request_id)
         for pid in entry.process_ids:
             self._declared.pop(pid, None)
-        self.shrunk.update(entry.process_ids)
+        self._shrunk.update(entry.process_ids)
         return JobShrunk(entry.process_ids, self.view())
+
+    @property
+    def replacing(self) -> frozenset[int]:
+        """The process ids whose replacement was decided in this run and has not registered yet: its registration
+        must bring the replaced process's devices (``coordinator.core.replacements``)."""
+        return frozenset(self._replacing)
+
+    def replacement_registered(self, process_id: int) -> None:
+        """The decided replacement of ``process_id`` registered: later processes of that id are ordinary restarts."""
+        self._replacing.discard(process_id)
+
+    def run_started(self) -> None:
+        """A new run of the job: a replacement decided in the ended run takes no id of this one over."""
+        self._replacing.clear()
+
+    @property
+    def shrunk(self) -> frozenset[int]:
+        """The process ids a shrink dropped in this attempt (``coordinator.core.shrink``)."""
+        return frozenset(self._shrunk)
 
     @property
     def declared(self) -> dict[int, AttemptFailure]:
@@ -375,7 +391,7 @@ class Attempts:
         if pid == UNKNOWN_PROCESS:
             raise InvalidArgument("a replacement names the process to replace: expected failure.process_id >= 0 (an "
                                   "agent that does not know its worker's id asks for the next attempt instead)")
-        if pid in self.shrunk:
+        if pid in self._shrunk:
             raise ClusterMismatch(f"process {pid} was dropped by a shrink in attempt {self.current}: the job goes on "
                                   "without it until its next attempt, so it is not replaced")
         if (why := own.not_own(pid)) is not None:

@@ -10,14 +10,16 @@ failure fails the barriers that wait on the process, a restart republishes once 
 A run starts empty, as a new object: the router (``coordinator.core.state``) makes one for every new attempt and every
 new run of the job, and the run's events go on numbering from the last event of the one before, so an event position
 never goes back within a journal. Every method is an event (time arrives as data, ``now``) and returns its effects;
-a rejected event raises a typed ``ifrt.errors`` error and changes nothing. What it decides durably it records through
-``record`` (the router's journal).
+a rejected event raises a typed ``ifrt.errors`` error and changes nothing. What it decides durably it keeps, in order,
+for the router to take (``take_entries``) into the journal ahead of the router's own next decision; a replay runs the
+same event again (``REPLAYS``), so a run's decision cannot apply one way live and another after a failover.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from coordinator.core import journal, runs
 from coordinator.core.admission import (
@@ -71,13 +73,14 @@ class Run:
     barriers, key-values and events. ``attempts`` is the job's (it outlives runs): a failure is recorded there, and
     a replacement it decided is checked here."""
 
-    def __init__(self, config: ClusterConfig, number: int, attempts: Attempts,
-                 record: Callable[[journal.Entry], None], first_event: int = 0) -> None:
-        self.config, self.number, self._attempts, self._record = config, number, attempts, record
+    def __init__(self, config: ClusterConfig, number: int, attempts: Attempts, first_event: int = 0) -> None:
+        self.config, self.number, self._attempts = config, number, attempts
+        self._entries: list[journal.Entry] = []
+        self._record = self._entries.append
         self.admission = Admission(config)
         self.liveness = Liveness(config)
         self.barriers = Barriers(config.limits, config.num_processes)
-        self.kv = KeyValues(config.limits, record)
+        self.kv = KeyValues(config.limits, self._record)
         self.keys = KeyValueCalls(self.kv, self._check_kv_caller, self._is_agent)
         """The run's key-value calls, each checking its caller for every key it touches."""
         self._live_sets = LiveSets()
@@ -95,35 +98,10 @@ class Run:
     def topology(self) -> TopologyContent | None:
         return self.admission.topology
 
-    def replay(self, entry: journal.Entry) -> None:
-        """Applies one of the run's journaled decisions again (on restart or takeover)."""
-        members = self.admission.members
-        match entry:
-            case journal.Registered(registration=r, now=now):
-                self.register(r, now, restoring=True)
-            case journal.Failed(client_uid=uid, why=why):
-                self.fail(members[uid], why)
-            case journal.Left(client_uid=uid):
-                self._leave(members[uid])
-            case journal.Forgot(client_uid=uid, why=why):
-                self._forget(members[uid], why)
-            case (journal.KeySet() | journal.KeyIncremented() | journal.KeySwapped() | journal.KeysDeleted()
-                  | journal.AnswersForgotten()):
-                self.kv.replay(entry, agent=self._is_agent(getattr(entry, "client_uid", "")))
-            case journal.BarrierFinished(name=name, participants=participants, error_type=kind, error=message,
-                                         forgot=forgot, canceller=canceller, held_by=held_by):
-                self.barriers.restore(name, frozenset(participants), journal.error_of(kind, message), forgot,
-                                      canceller, held_by=held_by)
-            case journal.BarrierJoined(name=name):
-                self.barriers.restore_joined(name)
-            case journal.LiveSetDecided(callers=callers, members=decided, error_type=kind, error=message):
-                self._live_sets.restore(callers, decided, journal.error_of(kind, message))
-            case journal.PreemptionNoticed(process_id=pid):
-                self._preemption = Preemption(pid)
-                self._history.add(PreemptionNotice(pid))
-            case journal.PreemptionSyncDecided(step=step):
-                assert self._preemption is not None
-                self._preemption.sync_step = step
+    def take_entries(self) -> list[journal.Entry]:
+        """The durable decisions the run made since the last call, in order (the router journals them)."""
+        entries, self._entries[:] = list(self._entries), []
+        return entries
 
     # Registration.
     def register(self, r: Registration, now: float, *, restoring: bool = False
@@ -140,10 +118,10 @@ class Run:
             holder = decision.holder
             return WaitingForHolder(admission.describe_process(admission.process_id(holder)),
                                     now - holder.last_seen), []
-        replacing = self._attempts.replacing
-        if isinstance(decision, Takeover) and (pid := admission.process_id(decision.holder)) in replacing:
+        attempts = self._attempts
+        if isinstance(decision, Takeover) and (pid := admission.process_id(decision.holder)) in attempts.replacing:
             check_devices(r, decision.holder.registration, pid)  # a decided replacement: refused, nothing changed
-            replacing.discard(pid)
+            attempts.replacement_registered(pid)
         self._record(journal.Registered(r, now))
         if isinstance(decision, Takeover):
             return self._restart(r, decision.holder, now)
@@ -506,3 +484,43 @@ class Run:
     def _is_agent(self, client_uid: str) -> bool:
         """Whether the caller is no process (a torchrun agent): only the latest such callers' answers are kept."""
         return client_uid not in self.admission.members
+
+
+def _replay_kv(run: Run, entry: Any) -> None:
+    run.kv.replay(entry, agent=run._is_agent(getattr(entry, "client_uid", "")))
+
+
+def _replay_barrier(run: Run, e: journal.BarrierFinished) -> None:
+    run.barriers.restore(e.name, frozenset(e.participants), journal.error_of(e.error_type, e.error), e.forgot,
+                         e.canceller, held_by=e.held_by)
+
+
+def _replay_notice(run: Run, e: journal.PreemptionNoticed) -> None:
+    run._preemption = Preemption(e.process_id)
+    run._history.add(PreemptionNotice(e.process_id))
+
+
+def _replay_sync(run: Run, e: journal.PreemptionSyncDecided) -> None:
+    assert run._preemption is not None
+    run._preemption.sync_step = e.step
+
+
+REPLAYS: dict[type, Callable[[Run, Any], object]] = {
+    journal.Registered: lambda run, e: run.register(e.registration, e.now, restoring=True),
+    journal.Failed: lambda run, e: run.fail(run.admission.members[e.client_uid], e.why),
+    journal.Left: lambda run, e: run._leave(run.admission.members[e.client_uid]),
+    journal.Forgot: lambda run, e: run._forget(run.admission.members[e.client_uid], e.why),
+    journal.KeySet: _replay_kv,
+    journal.KeyIncremented: _replay_kv,
+    journal.KeySwapped: _replay_kv,
+    journal.KeysDeleted: _replay_kv,
+    journal.AnswersForgotten: _replay_kv,
+    journal.BarrierFinished: _replay_barrier,
+    journal.BarrierJoined: lambda run, e: run.barriers.restore_joined(e.name),
+    journal.LiveSetDecided: lambda run, e: run._live_sets.restore(e.callers, e.members,
+                                                                  journal.error_of(e.error_type, e.error)),
+    journal.PreemptionNoticed: _replay_notice,
+    journal.PreemptionSyncDecided: _replay_sync,
+}
+"""A run's journaled decision, applied again on replay: the same event the live path ran (``restoring``: a
+registration is not refused for what only the live path checks), whose new entries the router drops."""

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.core import journal
-from coordinator.core.attempts import Attempts, check_call
-from coordinator.core.job_records import Host, JobView, NextAttempt
+from coordinator.core.attempts import check_call
+from coordinator.core.job_records import Agent, Host, JobView, NextAttempt
 from coordinator.core.limits import Limits
 from ifrt.errors import InvalidArgument, PermissionDenied
 
@@ -47,13 +47,26 @@ class ShrinkAnswer:
 
 
 @dataclass(frozen=True)
+class AttemptFacts:
+    """What a shrink decision reads of the job's attempts (``Attempts.shrink_facts``)."""
+
+    current: int
+    settled: bool
+    """Whether the call decided already (a retry) or the restarts are exhausted."""
+    shrunk: frozenset[int]
+    declared: frozenset[int]
+    """The processes the coordinator declared failed in this attempt, none replaced since."""
+    agents: tuple[Agent, ...]
+
+
+@dataclass(frozen=True)
 class Wait:
     """Not decided yet: a named process's own agent may still replace it for ``seconds``."""
 
     seconds: float
 
 
-def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allowed: bool, min_processes: int,
+def decide(call: NextAttempt, attempts: AttemptFacts, in_topology: set[int], *, allowed: bool, min_processes: int,
            num_processes: int, limits: Limits, where_of: Callable[[int], Host | None] = lambda pid: None,
            waited: Callable[[int], float] = lambda pid: math.inf,
            absent: frozenset[str] = frozenset()) -> journal.Shrunk | str | Wait | None:
@@ -70,13 +83,12 @@ def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allo
     if call.ended_attempt > attempts.current:
         raise InvalidArgument(f"ended_attempt {call.ended_attempt} is ahead of the job's current attempt "
                               f"{attempts.current}: expected the attempt the agent's workers run")
-    if attempts.decided(call.request_id) or call.ended_attempt < attempts.current or attempts.exhausted:
+    if attempts.settled or call.ended_attempt < attempts.current:
         return None
     rest = [pid for pid in ids if pid not in attempts.shrunk]
     if not rest:
         return None  # dropped already: a second agent that gave up on the same processes is answered the same
-    declared = attempts.declared
-    undeclared = [pid for pid in rest if pid not in declared]
+    undeclared = [pid for pid in rest if pid not in attempts.declared]
     if undeclared:
         raise PermissionDenied(f"process {undeclared[0]} is not a failure the coordinator declared in attempt "
                                f"{attempts.current} and that nothing replaces: a shrink drops only such processes")
@@ -93,11 +105,11 @@ def decide(call: NextAttempt, attempts: Attempts, in_topology: set[int], *, allo
     return journal.Shrunk(attempts.current, tuple(sorted(rest)), call.request_id)
 
 
-def _replace_time_left(pid: int, attempts: Attempts, where_of: Callable[[int], Host | None],
+def _replace_time_left(pid: int, attempts: AttemptFacts, where_of: Callable[[int], Host | None],
                        waited: Callable[[int], float], absent: frozenset[str]) -> float:
     """How long ``pid``'s own agent (on the host it registered from, watching still) may yet replace it: the rest of
     its --replace-timeout since the coordinator declared ``pid`` failed; 0 when none may."""
     where = where_of(pid)
-    own = [a for a in attempts.listed() if where is not None and a.where == where and not a.spare
+    own = [a for a in attempts.agents if where is not None and a.where == where and not a.spare
            and a.uid not in absent]
     return max((a.replace_timeout_s - waited(pid) for a in own), default=0.0)

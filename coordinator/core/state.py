@@ -14,6 +14,11 @@ is an event (time arrives as data, ``now``) and returns its effects for the shel
 raises a typed ``ifrt.errors`` error and leaves the state exactly as it was. Every durable decision is journaled
 (``take_journal``) for the shell to persist before acknowledging; ``replay`` of those entries gives the same state and
 byte-identical topologies, on this coordinator or on the one that takes over.
+
+A decision of the router's own has one shape: a pure ``decide`` over plain facts returns the entry, a refusal or
+nothing; the live path journals the entry and applies it with ``APPLY``, the same row a replay applies, so a decision
+cannot apply one way live and another after a failover. The run's decisions come first in the journal, in the order
+they were made (``Run.take_entries``), and replay through ``coordinator.core.run.REPLAYS``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from coordinator.core import journal, runs
 from coordinator.core.admission import Admission
@@ -41,8 +47,8 @@ from coordinator.core.kv import AGENT_KEY_PREFIX
 from coordinator.core.limits import shown
 from coordinator.core.members import claim_of
 from coordinator.core.registration import Registration
-from coordinator.core.run import Run
-from coordinator.core.shrink import ShrinkAnswer, Wait
+from coordinator.core.run import REPLAYS, Run
+from coordinator.core.shrink import AttemptFacts, ShrinkAnswer, Wait
 from coordinator.core.shrink import decide as decide_shrink
 from coordinator.core.takeover import LostHost, find_lost
 from coordinator.core.takeover import decide as decide_takeover
@@ -59,7 +65,7 @@ class ClusterState:
         self.config = config
         self._journal: list[journal.Entry] = []
         self.attempts = Attempts(config.attempt, config.max_restarts)
-        self.current = Run(config, runs.FIRST_RUN, self.attempts, self._journal.append)
+        self.current = Run(config, runs.FIRST_RUN, self.attempts)
         """The current run: every per-run call goes to it."""
 
     @property
@@ -70,30 +76,34 @@ class ClusterState:
     def _next_run(self, number: int) -> None:
         """Run ``number`` of the current attempt starts empty, its events numbered on from the last one's."""
         config = replace(self.config, attempt=self.attempts.current)
-        self.current = Run(config, number, self.attempts, self._journal.append, self.current.event_position)
+        self._journal += self.current.take_entries()  # the ended run's decisions stay ahead of the next one's
+        self.current = Run(config, number, self.attempts, self.current.event_position)
 
     # Journal.
     def take_journal(self) -> list[journal.Entry]:
         """The durable decisions made since the last call, in order, for the shell to persist."""
-        entries, self._journal[:] = list(self._journal), []
+        entries, self._journal[:] = [*self._journal, *self.current.take_entries()], []
         return entries
 
     def replay(self, entry: journal.Entry) -> None:
         """Applies one journaled decision again (on restart or takeover); nothing is journaled anew."""
-        match entry:
-            case journal.AttemptDecided():
-                self._end_attempt(entry)
-            case journal.AgentJoined():
-                self._agent_joined(entry)
-            case journal.RunStarted():
-                self._start_run(entry)
-            case journal.HostTakenOver():
-                self._taken_over(entry)
-            case journal.Shrunk():
-                self._shrunk(entry)
-            case _:
-                self.current.replay(entry)
+        self._apply(entry)
         self._journal.clear()
+        self.current.take_entries()
+
+    def _commit(self, entry: journal.Entry) -> list[Effect]:
+        """Journals one of the router's decisions, after what the run decided before it, and applies it as a replay
+        would (``APPLY``)."""
+        self._journal += self.current.take_entries()
+        self._journal.append(entry)
+        return self._apply(entry)
+
+    def _apply(self, entry: journal.Entry) -> list[Effect]:
+        apply = APPLY.get(type(entry))
+        if apply is not None:
+            return apply(self, entry)
+        REPLAYS[type(entry)](self.current, entry)
+        return []
 
     def reset_liveness(self, now: float) -> None:
         """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
@@ -120,9 +130,7 @@ class ClusterState:
             trial = Admission(self.current.config)
             trial.held = admission.held
             trial.check_fits(r, self.attempts.current)  # refused, it changes nothing (not even the run)
-            entry = journal.RunStarted(self.run + 1)
-            self._journal.append(entry)
-            started = self._start_run(entry)
+            started = self._commit(journal.RunStarted(self.run + 1))
         outcome, effects = self.current.register(r, now, restoring=restoring)
         return outcome, started + effects
 
@@ -137,7 +145,7 @@ class ClusterState:
         ended = self.current
         self._next_run(entry.run)
         self.current.admission.held = ended.admission.held
-        self.attempts.replacing.clear()  # a replacement decided in the ended run takes no id of this one over
+        self.attempts.run_started()
         self.current.kv.carry(ended.kv, AGENT_KEY_PREFIX)
         return [RunStarted(ended.number, entry.run)]
 
@@ -165,10 +173,7 @@ class ClusterState:
         attempt with a new Run."""
         entry = self.attempts.join(agent, max_restarts, self.config.num_processes, self.config.limits, absent, recover,
                                    watching, bound)
-        if entry is None:
-            return []
-        self._journal.append(entry)
-        return self._agent_joined(entry)
+        return [] if entry is None else self._commit(entry)
 
     def next_attempt(self, call: NextAttempt, proof: str = "", bound: bool = False) -> tuple[JobView, list[Effect]]:
         """NextAttempt from the agent ``call.agent_uid`` (``proof``: the hash of the secret its call carries): ends
@@ -186,8 +191,7 @@ class ClusterState:
         member = self.current.admission.member_of(entry.process_id) if replacing else None
         failed = (self.current.fail(member, f"its agent replaces it: {entry.reason}")
                   if member and member.live else [])
-        self._journal.append(entry)  # after its holder's failure: watches hear of both in this order, as a replay does
-        effects = failed + self._end_attempt(entry)
+        effects = failed + self._commit(entry)  # after its holder's failure: watches and a replay hear both in order
         return self.attempts.view(), effects
 
     def _end_attempt(self, entry: journal.AttemptDecided) -> list[Effect]:
@@ -240,8 +244,7 @@ class ClusterState:
         members = [] if entry.exhausted else [self.current.admission.member_of(pid) for pid in entry.process_ids]
         failed = [e for m in members if m is not None and m.live
                   for e in self.current.fail(m, f"its host is taken over: {entry.reason}")]
-        self._journal.append(entry)
-        return failed + self._taken_over(entry)
+        return failed + self._commit(entry)
 
     def _taken_over(self, entry: journal.HostTakenOver) -> list[Effect]:
         effect = self.attempts.apply_taken_over(entry)
@@ -262,15 +265,18 @@ class ClusterState:
         self.attempts.deciding_agent(call.agent_uid, proof)
         config = self.config
         in_topology = self.current.admission.in_topology if self.current.topology is not None else set()
-        decision = decide_shrink(call, self.attempts, in_topology, allowed=config.shrink,
+        attempts = self.attempts
+        facts = AttemptFacts(attempts.current, attempts.decided(call.request_id) or attempts.exhausted,
+                             attempts.shrunk, frozenset(attempts.declared), tuple(attempts.listed()))
+        decision = decide_shrink(call, facts, in_topology, allowed=config.shrink,
                                  min_processes=config.min_processes, num_processes=config.num_processes,
                                  limits=config.limits, where_of=self._registered_from, waited=waited, absent=absent)
         if isinstance(decision, Wait):
             return ShrinkAnswer(self.attempts.view(), wait_s=decision.seconds), []
         if isinstance(decision, str) or decision is None:
             return ShrinkAnswer(self.attempts.view(), decision or ""), []
-        self._journal.append(decision)
-        return ShrinkAnswer(self.attempts.view()), self._shrunk(decision)
+        effects = self._commit(decision)
+        return ShrinkAnswer(self.attempts.view()), effects
 
     def _shrunk(self, entry: journal.Shrunk) -> list[Effect]:
         return [self.attempts.apply_shrunk(entry), *self.current.drop(entry.process_ids)]
@@ -342,3 +348,14 @@ class ClusterState:
     def event_position(self) -> int:
         """The number of the latest job event (0: none yet)."""
         return self.current.event_position
+
+
+APPLY: dict[type, Callable[[ClusterState, Any], list[Effect]]] = {
+    journal.AttemptDecided: ClusterState._end_attempt,
+    journal.AgentJoined: ClusterState._agent_joined,
+    journal.RunStarted: ClusterState._start_run,
+    journal.HostTakenOver: ClusterState._taken_over,
+    journal.Shrunk: ClusterState._shrunk,
+}
+"""The router's journaled decisions and how each applies: the live path (after ``decide`` and the journal) and a
+replay alike. Every other entry is the current run's (``coordinator.core.run.REPLAYS``)."""

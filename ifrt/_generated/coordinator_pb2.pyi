@@ -538,14 +538,18 @@ class ProcessEvent(_message.Message):
     def __init__(self, process_id: _Optional[int] = ..., reason: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Shutdown(_message.Message):
-    __slots__ = ("reason", "ended_attempt", "next_attempt")
+    __slots__ = ("reason", "ended_attempt", "next_attempt", "ended_run", "next_run")
     REASON_FIELD_NUMBER: _ClassVar[int]
     ENDED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NEXT_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_RUN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_RUN_FIELD_NUMBER: _ClassVar[int]
     reason: str
     ended_attempt: int
     next_attempt: int
-    def __init__(self, reason: _Optional[str] = ..., ended_attempt: _Optional[int] = ..., next_attempt: _Optional[int] = ...) -> None: ...
+    ended_run: int
+    next_run: int
+    def __init__(self, reason: _Optional[str] = ..., ended_attempt: _Optional[int] = ..., next_attempt: _Optional[int] = ..., ended_run: _Optional[int] = ..., next_run: _Optional[int] = ...) -> None: ...
 
 class BarrierRequest(_message.Message):
     __slots__ = ("client_uid", "name", "process_ids", "timeout_ms", "supersedes")
