@@ -35,7 +35,7 @@ def log_admitted(admitted: Admitted) -> None:
 
 def log_event(event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice, state: ClusterState) -> None:
     """One line for a job event, naming the process and its host."""
-    who = safe(state.current.describe_process(event.process_id))
+    who = safe(state.describe_process(event.process_id))
     match event:
         case ProcessFailed(process_id=pid, reason=reason):
             log.warning("process %s failed: %s", who, safe(reason),
@@ -52,6 +52,6 @@ def log_event(event: ProcessFailed | ProcessRestarted | ProcessLeft | Preemption
 
 def _about(state: ClusterState, process_id: int, event: str, **fields: object) -> dict[str, object]:
     """``extra`` for a log line about one process: the event, its id and host (for --log-format json)."""
-    r = state.current.registration_of(process_id)
+    r = state.registration_of(process_id)
     where = {"host": r.hostname, "host_address": r.host_address} if r is not None else {}
     return {"event": event, "process_id": process_id, **where, **fields}

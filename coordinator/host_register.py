@@ -56,7 +56,7 @@ class HostRegister:
         admitted = [(registrations[i].client_uid, outcome) for i, outcome in enumerate(results)  # type: ignore[union-attr]
                     if isinstance(outcome, Waiting | Published)]
         for uid, _ in admitted:
-            state.current.call_started(uid, service.clock())  # alive while held, as a Register call's process is
+            state.call_started(uid, service.clock())  # alive while held, as a Register call's process is
         waiting = any(isinstance(o, Waiting) for _, o in admitted)
         published = service.waiters.expect(PUBLISHED) if waiting else None
         try:
@@ -70,7 +70,7 @@ class HostRegister:
             if published is not None:
                 service.waiters.drop(PUBLISHED, published)
             for uid, _ in admitted:
-                state.current.call_ended(uid, service.clock())
+                state.call_ended(uid, service.clock())
         await service.serving(context, "host registration", epoch)
         if waiting:
             await service.commit(context, "host registration")
@@ -92,7 +92,7 @@ class HostRegister:
                 continue
             assert isinstance(r, reg.Registration)
             try:
-                current = state.current.answer(r.client_uid, service.clock())
+                current = state.answer(r.client_uid, service.clock())
             except UnknownClient:  # forgotten while it waited: its next call registers it again
                 complete = False
                 continue

@@ -73,7 +73,7 @@ class HostSessions:
             for uid in carried:
                 if sessions.carried.get(uid) is queue:
                     del sessions.carried[uid]
-                service.state.current.detach(uid, now, carried=True)  # closed or dropped: silence is assumed
+                service.state.detach(uid, now, carried=True)  # closed or dropped: silence is assumed
             log.info("%s ended (%d workers attached on it)", what, len(carried))
 
     async def _read(self, requests: AsyncIterator[bytes], queue: Outbox, agent: Agent,
@@ -108,7 +108,7 @@ class HostSessions:
                     return
                 if uid in carried:
                     # attached again (its session with the agent reconnected): counted once
-                    state.current.detach(uid, now)
+                    state.detach(uid, now)
                 carried[uid] = None
                 sessions.carried[uid] = queue
                 queue.put_nowait(sessions.attached(service.current_generation().generation, client_uid=uid,
@@ -118,7 +118,7 @@ class HostSessions:
                 if carried.pop(uid, 0) is None:
                     if sessions.carried.get(uid) is queue:
                         del sessions.carried[uid]
-                    state.current.detach(uid, now)
+                    state.detach(uid, now)
             case "exited":
                 await self._exited(request.exited, queue, agent, context)
             case "watch":

@@ -54,7 +54,7 @@ async def status_answer(service: CoordinatorService) -> pb.StatusResponse:
                                           store=replica.store.description, reason=replica.not_serving_reason(),
                                           attempt=config.attempt)
     generation = service.current_generation()  # no await since the commit: the report and fingerprint agree
-    return status_view.leader_answer(service.state.current.report(service.clock()), fingerprint=generation.fingerprint,
+    return status_view.leader_answer(service.state.report(service.clock()), fingerprint=generation.fingerprint,
                                      replica=service.advertise, leader=replica.store.leader or service.advertise,
                                      store=replica.store.description, time_to_publish_s=service.time_to_publish_s,
                                      attempt=service.state.attempts.current, agents=service.state.attempts.listed(),
@@ -63,7 +63,7 @@ async def status_answer(service: CoordinatorService) -> pb.StatusResponse:
 
 def report(service: CoordinatorService) -> status_view.StatusReport | None:
     """The state machine's report as of now (for metrics); None while this replica does not serve."""
-    return service.state.current.report(service.clock()) if service.replica.serving else None
+    return service.state.report(service.clock()) if service.replica.serving else None
 
 
 def status(service: CoordinatorService) -> str:
@@ -73,7 +73,7 @@ def status(service: CoordinatorService) -> str:
     topology = service.state.topology
     if topology is not None:
         return f"generation {topology.generation} published with {len(topology.processes)} processes"
-    return service.state.current.progress(service.clock()).describe()
+    return service.state.progress(service.clock()).describe()
 
 
 async def log_progress_every(service: CoordinatorService, interval_s: float) -> None:

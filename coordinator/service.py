@@ -308,7 +308,7 @@ class CoordinatorService:
             if isinstance(outcome, WaitingForNextRun):
                 return next_run_answer(outcome, self.clock() - began)
         uid = registration.client_uid
-        state.current.call_started(uid, self.clock())  # alive while its call is held, by the journal too (under load)
+        state.call_started(uid, self.clock())  # alive while its call is held, by the journal too (under load)
         published = self.waiters.expect(PUBLISHED) if isinstance(outcome, Waiting) else None
         try:
             await self.commit(context, "registration")
@@ -320,10 +320,10 @@ class CoordinatorService:
         finally:
             if published is not None:
                 self.waiters.drop(PUBLISHED, published)
-            state.current.call_ended(uid, self.clock())
+            state.call_ended(uid, self.clock())
         await self.serving(context, "registration", epoch)
         try:
-            outcome = state.current.answer(uid, self.clock())
+            outcome = state.answer(uid, self.clock())
         except UnknownClient:  # forgotten while it waited: its next call registers it again
             outcome = None
         except IfrtError as e:  # failed or replaced while it waited
@@ -403,7 +403,7 @@ class CoordinatorService:
         now, state = self.clock(), self.state
         at, registered, answer = self._progress_cache
         if progress_stale(state.config, now, at, registered, state.registered):
-            p = state.current.progress(now)
+            p = state.progress(now)
             answer = progress_answer(p, self._config.progress_hosts)
             self._progress_cache = (now, p.registered, answer)
         return answer

@@ -92,7 +92,7 @@ class Sessions:
         state = service.state
         try:
             state.check_current(opening.open.run, opening.open.attempt)
-            process_id = state.current.attach(uid, service.clock(), proof=caller_proof(context))
+            process_id = state.attach(uid, service.clock(), proof=caller_proof(context))
         except IfrtError as e:
             await abort(context, e, f"session of client {uid}")
         queue = self.outbox()
@@ -106,7 +106,7 @@ class Sessions:
         finally:
             reader.cancel()
             self.release(uid, queue)
-            state.current.detach(uid, service.clock())
+            state.detach(uid, service.clock())
 
     async def first(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext, cls: type[M],
                     name: str) -> M | None:
@@ -149,7 +149,7 @@ class Sessions:
         generation = self.service.current_generation()
         if opening.generation != generation.generation:
             await context.write(generation.event)
-        for notice in self.service.state.current.notices():  # a notice given while this session was away
+        for notice in self.service.state.notices():  # a notice given while this session was away
             await context.write(pb.SessionEvent(preemption_notice=pb.ProcessEvent(
                 process_id=notice.process_id)).SerializeToString())
         return 0
@@ -209,7 +209,7 @@ class Sessions:
         service = self.service
         await service.commit(context, what)  # only durable events are sent
         try:  # no await since the commit: nothing newer than what is durable is read
-            catch_up = state.current.catch_up(process_id, opening.since_event, opening.generation)
+            catch_up = state.catch_up(process_id, opening.since_event, opening.generation)
         except IfrtError as e:
             await abort(context, e, what)
         topology_event = service.current_generation().event
@@ -229,7 +229,7 @@ class Sessions:
         try:
             async for raw in requests:
                 if raw == _HEARTBEAT:
-                    service.state.current.heard(uid, service.clock())
+                    service.state.heard(uid, service.clock())
                 else:
                     self._request(raw, queue)
         except (grpc.RpcError, asyncio.CancelledError):

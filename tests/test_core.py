@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 
 from coordinator.core import journal
-from coordinator.core.run import REPLAYS
+from coordinator.core.replays import REPLAYS
 from coordinator.core.state import APPLY
 from tests.helpers import published
 from tests.replay_check import Recorder
@@ -89,7 +89,7 @@ def test_the_replay_check_names_a_part_that_changed_outside_the_journal():
 
 
 def test_every_journal_entry_applies_through_exactly_one_row():
-    """Live and replay share one apply per entry: the router's decisions in state.APPLY, the run's in run.REPLAYS.
+    """Live and replay share one apply per entry: the router's decisions in state.APPLY, the run's in replays.REPLAYS.
     An entry type with no row would fail its first replay; one with two would be ambiguous."""
     entries = set(typing.get_args(journal.Entry))
     assert set(APPLY).isdisjoint(REPLAYS)

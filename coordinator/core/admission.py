@@ -25,7 +25,15 @@ from coordinator.core.effects import Admitted, Published, Waiting
 from coordinator.core.limits import exhausted
 from coordinator.core.members import Member, Status, claim_of, retire
 from coordinator.core.registration import Registration, registration_cost
-from ifrt.errors import ClusterMismatch, InvalidArgument, PermissionDenied, ProcessDeclaredFailed, ProcessIdTaken
+from ifrt.errors import (
+    ClusterMismatch,
+    IfrtError,
+    InvalidArgument,
+    PermissionDenied,
+    ProcessDeclaredFailed,
+    ProcessIdTaken,
+    UnknownClient,
+)
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.progress import Progress
 from ifrt.records import Device, Process, TopologyContent
@@ -276,6 +284,17 @@ class Admission:
         (ClusterMismatch, InvalidArgument or ResourceExhausted), changing nothing."""
         self._check_fits(r, attempt)
         self._check_room(r)
+
+    def why_left_out(self, client_uid: str) -> IfrtError:
+        """The answer of a caller left out of the agreement: it failed, left or was replaced while it waited."""
+        member = self.members.get(client_uid)
+        if member is None:
+            return UnknownClient(f"client {client_uid} is not a registered process of the published topology")
+        try:
+            check_usable(member)
+        except IfrtError as e:
+            return e
+        return ProcessDeclaredFailed(f"this process ({member.registration.describe()}) no longer holds its id")
 
     def survivors_suffice(self, process_id: int) -> bool:
         """Whether dropping ``process_id`` from the topology leaves at least ``min_processes`` in it."""

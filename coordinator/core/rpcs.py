@@ -93,7 +93,7 @@ def _no_result(effects: list[Effect]) -> tuple[None, list[Effect]]:
 
 
 def _kv_get(s: ClusterState, q: pb.KeyValueGetRequest | pb.KeyValueTryGetRequest, c: Call) -> bytes | None:
-    return s.current.keys.get(q.client_uid, q.key, proof=c.proof)
+    return s.keys.get(q.client_uid, q.key, proof=c.proof)
 
 
 def _first(keys: Sequence[str]) -> str:
@@ -106,7 +106,7 @@ def _barrier_result(outcome: BarrierResolved | None) -> IfrtError | bool | None:
 
 
 def _arrive(s: ClusterState, q: pb.BarrierRequest, c: Call) -> tuple[IfrtError | bool | None, list[Effect]]:
-    outcome, effects = s.current.arrive(q.client_uid, q.name, frozenset(q.process_ids), q.timeout_ms / 1000, c.now,
+    outcome, effects = s.arrive(q.client_uid, q.name, frozenset(q.process_ids), q.timeout_ms / 1000, c.now,
                                         proof=c.proof, supersedes=q.supersedes)
     return _barrier_result(outcome), effects
 
@@ -136,11 +136,11 @@ RPCS: dict[str, Rpc] = {
     "CancelBarrier": Rpc(
         pb.CancelBarrierRequest, lambda q: f"cancel of barrier {q.name!r}",
         lambda cancelled: pb.CancelBarrierResponse(cancelled=cancelled).SerializeToString(),
-        command=lambda s, q, c: s.current.cancel_barrier(q.client_uid, q.name, c.now,
+        command=lambda s, q, c: s.cancel_barrier(q.client_uid, q.name, c.now,
                                                          process_ids=frozenset(q.process_ids), proof=c.proof)),
     "KeyValueSet": Rpc(
         pb.KeyValueSetRequest, lambda q: f"key-value set of {q.key!r}", _empty,
-        command=lambda s, q, c: _no_result(s.current.keys.set(q.client_uid, q.key, q.value, q.allow_overwrite,
+        command=lambda s, q, c: _no_result(s.keys.set(q.client_uid, q.key, q.value, q.allow_overwrite,
                                                               q.request_id, proof=c.proof))),
     "KeyValueGet": Rpc(
         pb.KeyValueGetRequest, lambda q: f"key-value get of {q.key!r}",
@@ -158,44 +158,44 @@ RPCS: dict[str, Rpc] = {
         pb.KeyValueDirRequest, lambda q: f"key-value dir of {q.prefix!r}",
         lambda found: pb.KeyValueDirResponse(entries=[pb.KeyValueEntry(key=k, value=v)
                                                       for k, v in found]).SerializeToString(),
-        query=lambda s, q, c: s.current.keys.dir(q.client_uid, q.prefix, proof=c.proof)),
+        query=lambda s, q, c: s.keys.dir(q.client_uid, q.prefix, proof=c.proof)),
     "KeyValueMultiGet": Rpc(
         pb.KeyValueMultiGetRequest, lambda q: f"key-value multi-get of {len(q.keys)} keys{_first(q.keys)}",
         lambda values: pb.KeyValueMultiGetResponse(values=[
             pb.KeyValueTryGetResponse(found=v is not None, value=v or b"") for v in values]).SerializeToString(),
-        query=lambda s, q, c: s.current.keys.get_many(q.client_uid, list(q.keys), proof=c.proof)),
+        query=lambda s, q, c: s.keys.get_many(q.client_uid, list(q.keys), proof=c.proof)),
     "KeyValueMultiSet": Rpc(
         pb.KeyValueMultiSetRequest, lambda q: f"key-value multi-set of {len(q.entries)} keys"
                                               f"{_first([e.key for e in q.entries])}", _empty,
-        command=lambda s, q, c: _no_result(s.current.keys.set_many(
+        command=lambda s, q, c: _no_result(s.keys.set_many(
             q.client_uid, [(e.key, e.value) for e in q.entries], q.allow_overwrite, q.request_id, proof=c.proof))),
     "KeyValueIncrement": Rpc(
         pb.KeyValueIncrementRequest, lambda q: f"key-value increment of {q.key!r}",
         lambda total: pb.KeyValueIncrementResponse(value=total).SerializeToString(),
-        command=lambda s, q, c: s.current.keys.increment(q.client_uid, q.key, q.amount, q.request_id, proof=c.proof)),
+        command=lambda s, q, c: s.keys.increment(q.client_uid, q.key, q.amount, q.request_id, proof=c.proof)),
     "KeyValueCompareSet": Rpc(
         pb.KeyValueCompareSetRequest, lambda q: f"key-value compare-set of {q.key!r}",
         lambda value: pb.KeyValueCompareSetResponse(value=value or b"", found=value is not None).SerializeToString(),
-        command=lambda s, q, c: s.current.keys.compare_set(q.client_uid, q.key, q.expected, q.desired, q.request_id,
+        command=lambda s, q, c: s.keys.compare_set(q.client_uid, q.key, q.expected, q.desired, q.request_id,
                                                            proof=c.proof)),
     "KeyValueDelete": Rpc(
         pb.KeyValueDeleteRequest, lambda q: f"key-value delete of {q.key!r}{' (prefix)' if q.prefix else ''}",
         lambda deleted: pb.KeyValueDeleteResponse(deleted=deleted).SerializeToString(),
-        command=lambda s, q, c: s.current.keys.delete(q.client_uid, q.key, q.prefix, q.request_id, proof=c.proof)),
+        command=lambda s, q, c: s.keys.delete(q.client_uid, q.key, q.prefix, q.request_id, proof=c.proof)),
     "LiveProcesses": Rpc(
         pb.LiveProcessesRequest, lambda q: "live_processes",
         lambda members: pb.LiveProcessesResponse(processes=[pb.LiveProcess(process_id=pid, incarnation=incarnation)
                                                             for pid, incarnation in members]).SerializeToString(),
-        command=lambda s, q, c: s.current.live_processes(q.client_uid, q.call_id, q.timeout_ms / 1000, c.now,
+        command=lambda s, q, c: s.live_processes(q.client_uid, q.call_id, q.timeout_ms / 1000, c.now,
                                                  proof=c.proof),
         wait=Wait(lambda q: (LIVE, q.client_uid, q.call_id), _tick_wait, lambda answer, q: answer, _not_resolved)),
     "PreemptionNotice": Rpc(
         pb.PreemptionNoticeRequest, lambda q: "preemption notice", _empty,
-        command=lambda s, q, c: _no_result(s.current.preemption_notice(q.client_uid, c.now, proof=c.proof))),
+        command=lambda s, q, c: _no_result(s.preemption_notice(q.client_uid, c.now, proof=c.proof))),
     "PreemptionSync": Rpc(
         pb.PreemptionSyncRequest, lambda q: f"preemption sync at step {q.step}",
         lambda step: pb.PreemptionSyncResponse(sync_step=step).SerializeToString(),
-        command=lambda s, q, c: s.current.preemption_sync(q.client_uid, q.step, q.timeout_ms / 1000, c.now,
+        command=lambda s, q, c: s.preemption_sync(q.client_uid, q.step, q.timeout_ms / 1000, c.now,
                                                           proof=c.proof),
         wait=Wait(lambda q: PREEMPTION, _tick_wait, _sync_step, _not_resolved)),
 }

@@ -12,14 +12,13 @@ new run of the job, and the run's events go on numbering from the last event of 
 never goes back within a journal. Every method is an event (time arrives as data, ``now``) and returns its effects;
 a rejected event raises a typed ``ifrt.errors`` error and changes nothing. What it decides durably it keeps, in order,
 for the router to take (``take_entries``) into the journal ahead of the router's own next decision; a replay runs the
-same event again (``REPLAYS``), so a run's decision cannot apply one way live and another after a failover.
+same event again (``coordinator.core.replays``), so a run's decision cannot apply one way live and another after a
+failover.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from coordinator.core import journal, runs
 from coordinator.core.admission import (
@@ -62,7 +61,7 @@ from coordinator.core.registration import Registration
 from coordinator.core.replacements import check_devices
 from coordinator.core.report import cluster_report
 from coordinator.core.status import StatusReport
-from ifrt.errors import IfrtError, InvalidArgument, ProcessDeclaredFailed, UnknownClient
+from ifrt.errors import IfrtError, InvalidArgument, UnknownClient
 from ifrt.events import PreemptionNotice, ProcessFailed, ProcessLeft, ProcessRestarted
 from ifrt.progress import Progress
 from ifrt.records import TopologyContent
@@ -81,7 +80,7 @@ class Run:
         self.liveness = Liveness(config)
         self.barriers = Barriers(config.limits, config.num_processes)
         self.kv = KeyValues(config.limits, self._record)
-        self.keys = KeyValueCalls(self.kv, self._check_kv_caller, self._is_agent)
+        self.keys = KeyValueCalls(self.kv, self._check_kv_caller, self.is_agent)
         """The run's key-value calls, each checking its caller for every key it touches."""
         self._live_sets = LiveSets()
         self._preemption: Preemption | None = None
@@ -97,6 +96,16 @@ class Run:
     @property
     def topology(self) -> TopologyContent | None:
         return self.admission.topology
+
+    def carry_from(self, ended: Run) -> None:
+        """This run follows ``ended``: the agents' keys (torchrun's rendezvous, outside any run) carry over, and the
+        registrations journaled in the attempt stay counted against ``--max-registration-bytes``."""
+        self.admission.held = ended.admission.held
+        self.kv.carry(ended.kv, AGENT_KEY_PREFIX)
+
+    def reset_liveness(self, now: float) -> None:
+        """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
+        self.liveness.reset(self.admission.members.values(), now)
 
     def take_entries(self) -> list[journal.Entry]:
         """The durable decisions the run made since the last call, in order (the router journals them)."""
@@ -190,7 +199,7 @@ class Run:
         if member is None:
             raise UnknownClient(f"client {client_uid} is not a registered process: nothing to leave")
         self.admission.check_owner(member, proof)
-        return self._leave(member) + self.settle(now)
+        return self.left(member) + self.settle(now)
 
     def tick(self, now: float) -> list[Effect]:
         """Fails processes silent beyond their grace (forgets them before publication), in the order they went
@@ -207,7 +216,7 @@ class Run:
             effects.append(SuspectSelf(suspicion, self.config.step_aside_s))
         for overdue in found:
             joining = overdue.member.status is Status.JOINING
-            effects += (self._forget if joining else self.fail)(overdue.member, overdue.why)
+            effects += (self.forget if joining else self.fail)(overdue.member, overdue.why)
         effects += self._journal_barriers(self.barriers.expire(now, self.describe_process))
         return effects + self.settle(now)
 
@@ -269,6 +278,10 @@ class Run:
         effects = self.settle(now)
         return self._live_sets.answer(client_uid, call_id), effects
 
+    def restore_live_set(self, callers: tuple[tuple[str, str], ...], members: Members, error: IfrtError | None) -> None:
+        """A decided agreement (replayed): each caller's answer."""
+        self._live_sets.restore(callers, members, error)
+
     def live_answer(self, client_uid: str, call_id: str) -> Members | IfrtError | None:
         """The decided answer to this call (the same for every caller); None while it is pending or unknown."""
         return self._live_sets.answer(client_uid, call_id)
@@ -280,8 +293,17 @@ class Run:
         if self._preemption is not None:
             return []
         self._record(journal.PreemptionNoticed(pid))
-        self._preemption = Preemption(pid)
-        return [self._notify(PreemptionNotice(pid))]
+        return [self.noticed(pid)]
+
+    def noticed(self, process_id: int) -> Notify:
+        """Process ``process_id`` gave the run's preemption notice (now, or replayed); the effect tells everyone."""
+        self._preemption = Preemption(process_id)
+        return self._notify(PreemptionNotice(process_id))
+
+    def restore_sync(self, step: int) -> None:
+        """The preemption sync step was decided (replayed)."""
+        assert self._preemption is not None
+        self._preemption.sync_step = step
 
     def preemption_sync(self, client_uid: str, step: int, timeout_s: float, now: float, *,
                         proof: str = "") -> tuple[int | IfrtError | None, list[Effect]]:
@@ -370,7 +392,7 @@ class Run:
         if not self._live_sets.pending and (preemption is None or not preemption.waiting):
             return effects  # nothing waits: the tick costs nothing more
         alive = self._alive()
-        resolved, left_out = self._live_sets.settle(alive, now, self.describe_process, self._why_left_out)
+        resolved, left_out = self._live_sets.settle(alive, now, self.describe_process, self.admission.why_left_out)
         effects += left_out
         if resolved is not None:
             self._record(journal.LiveSetDecided(resolved.callers, resolved.members,
@@ -415,11 +437,12 @@ class Run:
         admission.pending.clear()
         return self._published(admission.republish_if_changed())
 
-    def _leave(self, member: Member) -> list[Effect]:
+    def left(self, member: Member) -> list[Effect]:
+        """``member`` left (recorded): reported, its barriers failed, dropped with the elastic policy."""
         if not member.live:
             return []
         if member.status is Status.JOINING:
-            return self._forget(member, "left before the topology was published")
+            return self.forget(member, "left before the topology was published")
         self._record(journal.Left(member.uid))
         pid = self.admission.process_id(member)
         self.liveness.leave(member, pid)
@@ -427,7 +450,8 @@ class Run:
         return [self._notify(ProcessLeft(pid)), *self._journal_barriers(self.barriers.fail_including(pid, "left")),
                 *self._drop_if_elastic(pid)]
 
-    def _forget(self, member: Member, why: str) -> list[Effect]:
+    def forget(self, member: Member, why: str) -> list[Effect]:
+        """``member`` is forgotten before publication (recorded): its id is free again."""
         self._record(journal.Forgot(member.uid, why))
         self.admission.forget(member)
         return [Forgotten(member.registration.describe(), why)]
@@ -464,63 +488,13 @@ class Run:
         up = sorted(self.admission.in_topology - self.liveness.down.keys())
         return {pid: (m.uid, m.incarnation) for pid in up if (m := self.admission.member_of(pid)) is not None}
 
-    def _why_left_out(self, client_uid: str) -> IfrtError:
-        """The answer of a caller left out of the agreement: it failed, left or was replaced while it waited."""
-        member = self.admission.members.get(client_uid)
-        if member is None:
-            return UnknownClient(f"client {client_uid} is not a registered process of the published topology")
-        try:
-            check_usable(member)
-        except IfrtError as e:
-            return e
-        return ProcessDeclaredFailed(f"this process ({member.registration.describe()}) no longer holds its id")
-
     def _check_kv_caller(self, client_uid: str, key: str, proof: str) -> None:
         """A live process of the topology may use any key; any caller (past the token) those under
         AGENT_KEY_PREFIX. UnknownClient, PermissionDenied or ProcessDeclaredFailed otherwise."""
         if not key.startswith(AGENT_KEY_PREFIX):
             self.process_id_of(client_uid, proof=proof)
 
-    def _is_agent(self, client_uid: str) -> bool:
+    def is_agent(self, client_uid: str) -> bool:
         """Whether the caller is no process (a torchrun agent): only the latest such callers' answers are kept."""
         return client_uid not in self.admission.members
 
-
-def _replay_kv(run: Run, entry: Any) -> None:
-    run.kv.replay(entry, agent=run._is_agent(getattr(entry, "client_uid", "")))
-
-
-def _replay_barrier(run: Run, e: journal.BarrierFinished) -> None:
-    run.barriers.restore(e.name, frozenset(e.participants), journal.error_of(e.error_type, e.error), e.forgot,
-                         e.canceller, held_by=e.held_by)
-
-
-def _replay_notice(run: Run, e: journal.PreemptionNoticed) -> None:
-    run._preemption = Preemption(e.process_id)
-    run._history.add(PreemptionNotice(e.process_id))
-
-
-def _replay_sync(run: Run, e: journal.PreemptionSyncDecided) -> None:
-    assert run._preemption is not None
-    run._preemption.sync_step = e.step
-
-
-REPLAYS: dict[type, Callable[[Run, Any], object]] = {
-    journal.Registered: lambda run, e: run.register(e.registration, e.now, restoring=True),
-    journal.Failed: lambda run, e: run.fail(run.admission.members[e.client_uid], e.why),
-    journal.Left: lambda run, e: run._leave(run.admission.members[e.client_uid]),
-    journal.Forgot: lambda run, e: run._forget(run.admission.members[e.client_uid], e.why),
-    journal.KeySet: _replay_kv,
-    journal.KeyIncremented: _replay_kv,
-    journal.KeySwapped: _replay_kv,
-    journal.KeysDeleted: _replay_kv,
-    journal.AnswersForgotten: _replay_kv,
-    journal.BarrierFinished: _replay_barrier,
-    journal.BarrierJoined: lambda run, e: run.barriers.restore_joined(e.name),
-    journal.LiveSetDecided: lambda run, e: run._live_sets.restore(e.callers, e.members,
-                                                                  journal.error_of(e.error_type, e.error)),
-    journal.PreemptionNoticed: _replay_notice,
-    journal.PreemptionSyncDecided: _replay_sync,
-}
-"""A run's journaled decision, applied again on replay: the same event the live path ran (``restoring``: a
-registration is not refused for what only the live path checks), whose new entries the router drops."""

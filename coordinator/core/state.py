@@ -18,7 +18,7 @@ byte-identical topologies, on this coordinator or on the one that takes over.
 A decision of the router's own has one shape: a pure ``decide`` over plain facts returns the entry, a refusal or
 nothing; the live path journals the entry and applies it with ``APPLY``, the same row a replay applies, so a decision
 cannot apply one way live and another after a failover. The run's decisions come first in the journal, in the order
-they were made (``Run.take_entries``), and replay through ``coordinator.core.run.REPLAYS``.
+they were made (``Run.take_entries``), and replay through ``coordinator.core.replays``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from typing import Any
 
 from coordinator.core import journal, runs
 from coordinator.core.admission import Admission
+from coordinator.core.agreement import Members
 from coordinator.core.attempts import Attempts
+from coordinator.core.barriers import BarrierResolved
 from coordinator.core.cluster import ClusterConfig
 from coordinator.core.effects import (
     Effect,
@@ -41,18 +43,23 @@ from coordinator.core.effects import (
     WaitingForHolder,
     WaitingForNextRun,
 )
+from coordinator.core.history import CatchUp
 from coordinator.core.host_calls import check_agent_named, check_batch, check_carried, check_host, own_worker
 from coordinator.core.job_records import Agent, AttemptStarted, Host, HostTakenOver, JobView, NextAttempt
-from coordinator.core.kv import AGENT_KEY_PREFIX
+from coordinator.core.kv_calls import KeyValueCalls
 from coordinator.core.limits import shown
 from coordinator.core.members import claim_of
 from coordinator.core.registration import Registration
-from coordinator.core.run import REPLAYS, Run
+from coordinator.core.replays import REPLAYS
+from coordinator.core.run import Run
 from coordinator.core.shrink import AttemptFacts, ShrinkAnswer, Wait
 from coordinator.core.shrink import decide as decide_shrink
+from coordinator.core.status import StatusReport
 from coordinator.core.takeover import LostHost, find_lost
 from coordinator.core.takeover import decide as decide_takeover
 from ifrt.errors import IfrtError, StaleSession
+from ifrt.events import PreemptionNotice
+from ifrt.progress import Progress
 from ifrt.records import TopologyContent
 
 Admitted = Waiting | Published | WaitingForNextRun | WaitingForHolder
@@ -107,7 +114,7 @@ class ClusterState:
 
     def reset_liveness(self, now: float) -> None:
         """After a replay: nobody is attached yet, and every live process has the grace period from ``now``."""
-        self.current.liveness.reset(self.current.admission.members.values(), now)
+        self.current.reset_liveness(now)
 
     def check_current(self, run: int, attempt: int) -> None:
         """StaleSession for a session opened for another run or attempt of the job than the current one (0: not
@@ -144,9 +151,8 @@ class ClusterState:
         and the registrations journaled in this attempt stay counted against ``--max-registration-bytes``."""
         ended = self.current
         self._next_run(entry.run)
-        self.current.admission.held = ended.admission.held
+        self.current.carry_from(ended)
         self.attempts.run_started()
-        self.current.kv.carry(ended.kv, AGENT_KEY_PREFIX)
         return [RunStarted(ended.number, entry.run)]
 
     def _ended(self, was_over: bool) -> list[Effect]:
@@ -330,6 +336,67 @@ class ClusterState:
         was_over = run.over()
         return run.fail(member, reason) + run.settle(now) + self._ended(was_over)
 
+    # The current run's calls, for the shell: the router hands each to whichever run is current (the rules are
+    # ``coordinator.core.run.Run``'s, under the same names).
+    def attach(self, client_uid: str, now: float, *, proof: str = "") -> int:
+        return self.current.attach(client_uid, now, proof=proof)
+
+    def detach(self, client_uid: str, now: float, *, carried: bool = False) -> None:
+        self.current.detach(client_uid, now, carried=carried)
+
+    def heard(self, client_uid: str, now: float) -> None:
+        self.current.heard(client_uid, now)
+
+    def call_started(self, client_uid: str, now: float) -> None:
+        self.current.call_started(client_uid, now)
+
+    def call_ended(self, client_uid: str, now: float) -> None:
+        self.current.call_ended(client_uid, now)
+
+    def answer(self, client_uid: str, now: float) -> Waiting | Published:
+        return self.current.answer(client_uid, now)
+
+    def catch_up(self, process_id: int, since: int, generation: int) -> CatchUp:
+        return self.current.catch_up(process_id, since, generation)
+
+    def notices(self) -> list[PreemptionNotice]:
+        return self.current.notices()
+
+    @property
+    def keys(self) -> KeyValueCalls:
+        return self.current.keys
+
+    def arrive(self, client_uid: str, name: str, process_ids: frozenset[int], timeout_s: float, now: float, *,
+               proof: str = "", supersedes: str = "") -> tuple[BarrierResolved | None, list[Effect]]:
+        return self.current.arrive(client_uid, name, process_ids, timeout_s, now, proof=proof, supersedes=supersedes)
+
+    def cancel_barrier(self, client_uid: str, name: str, now: float, *, process_ids: frozenset[int] = frozenset(),
+                       proof: str = "") -> tuple[bool, list[Effect]]:
+        return self.current.cancel_barrier(client_uid, name, now, process_ids=process_ids, proof=proof)
+
+    def live_processes(self, client_uid: str, call_id: str, timeout_s: float, now: float, *,
+                       proof: str = "") -> tuple[Members | IfrtError | None, list[Effect]]:
+        return self.current.live_processes(client_uid, call_id, timeout_s, now, proof=proof)
+
+    def preemption_notice(self, client_uid: str, now: float, *, proof: str = "") -> list[Effect]:
+        return self.current.preemption_notice(client_uid, now, proof=proof)
+
+    def preemption_sync(self, client_uid: str, step: int, timeout_s: float, now: float, *,
+                        proof: str = "") -> tuple[int | IfrtError | None, list[Effect]]:
+        return self.current.preemption_sync(client_uid, step, timeout_s, now, proof=proof)
+
+    def report(self, now: float) -> StatusReport:
+        return self.current.report(now)
+
+    def progress(self, now: float) -> Progress:
+        return self.current.progress(now)
+
+    def describe_process(self, process_id: int) -> str:
+        return self.current.describe_process(process_id)
+
+    def registration_of(self, process_id: int) -> Registration | None:
+        return self.current.registration_of(process_id)
+
     # What the shell and the operator's view read of the current run.
     @property
     def topology(self) -> TopologyContent | None:
@@ -358,4 +425,4 @@ APPLY: dict[type, Callable[[ClusterState, Any], list[Effect]]] = {
     journal.Shrunk: ClusterState._shrunk,
 }
 """The router's journaled decisions and how each applies: the live path (after ``decide`` and the journal) and a
-replay alike. Every other entry is the current run's (``coordinator.core.run.REPLAYS``)."""
+replay alike. Every other entry is the current run's (``coordinator.core.replays``)."""
