@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -20,7 +19,7 @@ from ifrt import spare, variables, waiting, wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.agent_link import AgentConnection
 from ifrt.client_config import DEFAULTS, ClientConfig
-from ifrt.client_kv import KeyCalls, KeyValueCalls
+from ifrt.client_kv import KeyValueCalls
 from ifrt.connection import Connection
 from ifrt.errors import (
     DiscoveryTimeout,
@@ -29,7 +28,7 @@ from ifrt.errors import (
     from_rpc_error,
 )
 from ifrt.events import Event, PreemptionNotice
-from ifrt.fanout import CLOSED, Fanout
+from ifrt.fanout import Fanout
 from ifrt.hostport import join_host_port, split_host_port
 from ifrt.preemption_signals import PreemptionSignals
 from ifrt.progress import Progress
@@ -45,7 +44,7 @@ from ifrt.transfer_keys import PairKey, TransferKeys
 log = logging.getLogger("ifrt.client")
 
 
-class Client(KeyValueCalls):
+class Client:
     """One process's link to the coordinator. ``discover()`` registers and returns the topology.
 
     Arguments fall back to ``IFRT_COORDINATOR``, ``IFRT_PROCESS_ID``, ``IFRT_NUM_PROCESSES``, ``IFRT_PLUGIN``,
@@ -85,7 +84,8 @@ class Client(KeyValueCalls):
         self._local_devices: tuple[LocalDevice, ...] = ()
         self._lock = threading.Lock()
         self._events = Fanout(config.events_kept)
-        self._key_watchers: list[tuple[str, queue.Queue | KeyCalls]] = []
+        self._kv = KeyValueCalls(self.client_uid, config, self._unary, lambda: self._session,
+                                 lambda: self._connection.where)
         self._preempted = threading.Event()  # a preemption notice is known (ours or another process's)
         self._sync_step: int | None = None
         self._signals: PreemptionSignals | None = None
@@ -404,6 +404,44 @@ class Client(KeyValueCalls):
         return self._link.call(method, request, deadline, slack=slack, give_up=give_up, failover=True,
                                what=f"{method} ({what})" if what else method)
 
+    # The key-value store (ifrt.client_kv says what each call does; the docstrings are its).
+    def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
+        self._kv.kv_set(key, value, allow_overwrite=allow_overwrite, timeout=timeout)
+
+    def kv_get(self, key: str, timeout: float) -> bytes:
+        return self._kv.kv_get(key, timeout)
+
+    def kv_dir(self, prefix: str, timeout: float = 60.0) -> dict[str, bytes]:
+        return self._kv.kv_dir(prefix, timeout)
+
+    def kv_try_get(self, key: str, timeout: float = 60.0) -> bytes | None:
+        return self._kv.kv_try_get(key, timeout)
+
+    def kv_multi_get(self, keys: Sequence[str], timeout: float = 60.0) -> list[bytes | None]:
+        return self._kv.kv_multi_get(keys, timeout)
+
+    def kv_multi_set(self, items: Sequence[tuple[str, bytes]], *, allow_overwrite: bool = False,
+                     timeout: float = 60.0) -> None:
+        self._kv.kv_multi_set(items, allow_overwrite=allow_overwrite, timeout=timeout)
+
+    def kv_increment(self, key: str, amount: int = 1, timeout: float = 60.0) -> int:
+        return self._kv.kv_increment(key, amount, timeout)
+
+    def kv_compare_set(self, key: str, expected: bytes, desired: bytes, timeout: float = 60.0) -> bytes | None:
+        return self._kv.kv_compare_set(key, expected, desired, timeout)
+
+    def kv_delete(self, key: str, *, prefix: bool = False, timeout: float = 60.0) -> int:
+        return self._kv.kv_delete(key, prefix=prefix, timeout=timeout)
+
+    def kv_watch(self, prefix: str, timeout: float | None = None) -> Iterator[tuple[str, bytes | None]]:
+        return self._kv.kv_watch(prefix, timeout)
+
+    def kv_follow(self, prefix: str, changed: Callable[[str, bytes | None], None]) -> threading.Event:
+        return self._kv.kv_follow(prefix, changed)
+
+    def key_changed(self, key: str, value: bytes | None) -> None:
+        self._kv.key_changed(key, value)
+
     def current_coordinator(self) -> str:
         """The coordinator replica this client's calls go to now."""
         return self._connection.current()
@@ -422,10 +460,7 @@ class Client(KeyValueCalls):
         if self.topology is not None:
             self._leave()
         self._events.close()
-        with self._lock:
-            key_watchers, self._key_watchers = self._key_watchers, []
-        for _, changes in key_watchers:
-            changes.put(CLOSED)
+        self._kv.close()
         self._connection.close()
         if self._link is not self._connection:
             self._link.close()
@@ -441,3 +476,8 @@ class Client(KeyValueCalls):
 
 def _progress(p: pb.Progress) -> Progress:
     return Progress(p.registered, p.expected, tuple(p.missing_process_ids), tuple(p.registered_hosts), p.waited_seconds)
+
+
+for _name in ("kv_set", "kv_get", "kv_dir", "kv_try_get", "kv_multi_get", "kv_multi_set", "kv_increment",
+              "kv_compare_set", "kv_delete", "kv_watch", "kv_follow", "key_changed"):
+    getattr(Client, _name).__doc__ = getattr(KeyValueCalls, _name).__doc__

@@ -1,4 +1,5 @@
-"""The key-value calls of ``ifrt.Client``: set, get, list, watch and follow the small store a job bootstraps from."""
+"""The key-value calls of ``ifrt.Client`` (its ``kv_*`` methods hand each here): set, get, list, watch and follow the
+small store a job bootstraps from, with the request ids that make a retried change apply once."""
 
 from __future__ import annotations
 
@@ -8,30 +9,31 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from google.protobuf.message import Message
-
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import CoordinatorUnavailable, IfrtError, KeyValueTimeout
 from ifrt.fanout import CLOSED, until
 
 if TYPE_CHECKING:
     from ifrt.client_config import ClientConfig
-    from ifrt.connection import Connection
     from ifrt.session import Session
+
+Unary = Callable[..., Any]
+"""``Client._unary``: one call, retried and riding through a failover until its deadline."""
 
 
 class KeyValueCalls:
-    """A part of ``ifrt.Client``, which provides what is declared here."""
+    """One client's key-value calls: ``unary`` makes each call, ``session`` is the client's live session (None
+    without one) that carries watches, ``where`` names the coordinator for errors."""
 
-    client_uid: str
-    config: ClientConfig
-    _connection: Connection
-    _session: Session | None
-    _lock: threading.Lock
-    _key_watchers: list[tuple[str, queue.Queue | KeyCalls]]
-    _calls_made = 0
+    def __init__(self, client_uid: str, config: ClientConfig, unary: Unary, session: Callable[[], Session | None],
+                 where: Callable[[], str]) -> None:
+        self.client_uid, self.config = client_uid, config
+        self._unary, self._session, self._where = unary, session, where
+        self._lock = threading.Lock()
+        self._watchers: list[tuple[str, queue.Queue | KeyCalls]] = []
+        self._calls_made = 0
 
-    def _request_id(self) -> str:
+    def request_id(self) -> str:
         """The request id of a new call that changes the store: 1, 2, 3, ... in the order this client makes them, the
         same on every retry of the call. Increasing, so that the coordinator refuses the retry of a call whose answer
         it forgot (``coordinator.core.retries``) with a bounded record per client instead of applying it again."""
@@ -39,16 +41,12 @@ class KeyValueCalls:
             self._calls_made += 1
             return str(self._calls_made)
 
-    if TYPE_CHECKING:
-        def _unary(self, method: str, request: Callable[[float], Message], deadline: float, slack: float = 0.0, *,
-                   what: str = "", give_up: Callable[[IfrtError | None], IfrtError] | None = None) -> Any: ...
-
     def kv_set(self, key: str, value: bytes, *, allow_overwrite: bool = False, timeout: float = 60.0) -> None:
         """Stores ``value`` under ``key``. KeyExists if it holds another value (unless ``allow_overwrite``). At most
         once, also when the call is retried on another coordinator replica (a later write is never undone): a retry
         whose answer the coordinator forgot (``--max-answer-bytes``) is refused, InvalidArgument, not applied."""
         request = pb.KeyValueSetRequest(client_uid=self.client_uid, key=key, value=bytes(value),
-                                        allow_overwrite=allow_overwrite, request_id=self._request_id())
+                                        allow_overwrite=allow_overwrite, request_id=self.request_id())
         self._unary("KeyValueSet", lambda _: request, time.monotonic() + timeout, what=f"setting key {key!r}")
 
     def kv_get(self, key: str, timeout: float) -> bytes:
@@ -100,7 +98,7 @@ class KeyValueCalls:
         if not items:
             return
         request = pb.KeyValueMultiSetRequest(client_uid=self.client_uid, allow_overwrite=allow_overwrite, entries=[
-            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items], request_id=self._request_id())
+            pb.KeyValueEntry(key=key, value=bytes(value)) for key, value in items], request_id=self.request_id())
         self._unary("KeyValueMultiSet", lambda _: request, time.monotonic() + timeout,
                     what=_keys("setting", [key for key, _ in items]))
 
@@ -111,7 +109,7 @@ class KeyValueCalls:
         the answer of the call that reached it, InvalidArgument saying so: never applied twice). InvalidArgument if
         the key holds something that is not a decimal integer."""
         request = pb.KeyValueIncrementRequest(client_uid=self.client_uid, key=key, amount=amount,
-                                              request_id=self._request_id())
+                                              request_id=self.request_id())
         return self._unary("KeyValueIncrement", lambda _: request, time.monotonic() + timeout,  # the same request id
                            what=f"incrementing key {key!r}").value
 
@@ -122,7 +120,7 @@ class KeyValueCalls:
         Exactly once, also when the call is retried on another coordinator replica (or InvalidArgument, as for
         ``kv_increment``)."""
         request = pb.KeyValueCompareSetRequest(client_uid=self.client_uid, key=key, expected=bytes(expected),
-                                               desired=bytes(desired), request_id=self._request_id())
+                                               desired=bytes(desired), request_id=self.request_id())
         response = self._unary("KeyValueCompareSet", lambda _: request, time.monotonic() + timeout,  # the same id
                                what=f"compare-and-set of key {key!r}")
         return response.value if response.found else None
@@ -132,7 +130,7 @@ class KeyValueCalls:
         Deleting a key that is not there is no error. Exactly once, also when the call is retried on another
         coordinator replica (a key set again after it is not deleted by its retry)."""
         request = pb.KeyValueDeleteRequest(client_uid=self.client_uid, key=key, prefix=prefix,
-                                           request_id=self._request_id())
+                                           request_id=self.request_id())
         response = self._unary("KeyValueDelete", lambda _: request, time.monotonic() + timeout,
                                what=f"deleting {'the keys under' if prefix else 'key'} {key!r}")
         return response.deleted
@@ -142,15 +140,16 @@ class KeyValueCalls:
         ``timeout`` seconds pass or the client closes. Returns once the coordinator watches (carried on the live
         session; changes made while the session reconnects are not replayed: re-read with ``kv_dir`` on
         ``CoordinatorRestored``)."""
-        if self._session is None:
+        session = self._session()
+        if session is None:
             raise RuntimeError("kv_watch needs the live session: call discover() first, with session=True")
         changes: queue.Queue = queue.Queue()
         with self._lock:
-            self._key_watchers.append((prefix, changes))
-        if not self._session.watch(prefix).wait(self.config.watch_ack_timeout_s):
+            self._watchers.append((prefix, changes))
+        if not session.watch(prefix).wait(self.config.watch_ack_timeout_s):
             with self._lock:
-                self._key_watchers.remove((prefix, changes))
-            raise CoordinatorUnavailable(f"the coordinator ({self._connection.where}) did not start watching "
+                self._watchers.remove((prefix, changes))
+            raise CoordinatorUnavailable(f"the coordinator ({self._where()}) did not start watching "
                                          f"{prefix!r} within {self.config.watch_ack_timeout_s:.0f}s")
         return self._changes(prefix, changes, None if timeout is None else time.monotonic() + timeout)
 
@@ -159,25 +158,33 @@ class KeyValueCalls:
             yield from until(changes, deadline)
         finally:
             with self._lock:
-                if (prefix, changes) in self._key_watchers:
-                    self._key_watchers.remove((prefix, changes))
+                if (prefix, changes) in self._watchers:
+                    self._watchers.remove((prefix, changes))
 
     def kv_follow(self, prefix: str, changed: Callable[[str, bytes | None], None]) -> threading.Event:
         """Calls ``changed(key, value)`` (``None``: deleted) from the session thread for every change of a key under
         ``prefix`` once the event returned is set (the coordinator watches it), until the client closes; without
         waiting for that. As with ``kv_watch``, changes while the session reconnects are lost: CoordinatorLost."""
-        if self._session is None:
+        session = self._session()
+        if session is None:
             raise RuntimeError("kv_follow needs the live session: call discover() first, with session=True")
         with self._lock:
-            self._key_watchers.append((prefix, KeyCalls(changed)))
-        return self._session.watch(prefix)
+            self._watchers.append((prefix, KeyCalls(changed)))
+        return session.watch(prefix)
 
     def key_changed(self, key: str, value: bytes | None) -> None:
         """From the session: ``key`` changed; hands it to every kv_watch of a prefix of it."""
         with self._lock:
-            watchers = [changes for prefix, changes in self._key_watchers if key.startswith(prefix)]
+            watchers = [changes for prefix, changes in self._watchers if key.startswith(prefix)]
         for changes in watchers:
             changes.put((key, value))
+
+    def close(self) -> None:
+        """The client closes: every watch ends."""
+        with self._lock:
+            watchers, self._watchers = self._watchers, []
+        for _, changes in watchers:
+            changes.put(CLOSED)
 
 
 def _keys(doing: str, keys: Sequence[str]) -> str:

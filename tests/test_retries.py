@@ -207,7 +207,7 @@ def test_a_retry_whose_answer_other_callers_pushed_out_is_refused_over_grpc():
     with LocalCoordinator("--max-answer-bytes", "16384", num_processes=2, log_level="WARNING") as coordinator:
         a, b = made = clients(coordinator.address, 2, transfer=False)
         try:
-            increment, first_set = a._request_id(), a._request_id()  # as the client numbers its calls
+            increment, first_set = a._kv.request_id(), a._kv.request_id()  # as the client numbers its calls
             assert _increment(a, increment) == 1
             _set(a, b"A", first_set)
             assert _increment(a, increment) == 1  # a retry while remembered: answered as before
@@ -231,11 +231,11 @@ def test_a_standby_refuses_the_same_retries_after_a_failover(etcd):
                   heartbeat="30") as replicas:
         a, b = made = clients(replicas.addresses, 2, transfer=False)
         try:
-            increment = a._request_id()
+            increment = a._kv.request_id()
             assert _increment(a, increment) == 1
             for i in range(20):
                 b.kv_set(f"big/{i}", bytes([i]) * 4096)
-            remembered = b._request_id()
+            remembered = b._kv.request_id()
             request = pb.KeyValueIncrementRequest(client_uid=b.client_uid, key="m", amount=1, request_id=remembered)
             assert b._unary("KeyValueIncrement", lambda _: request, time.monotonic() + 30).value == 1
             replicas.kill_leader()
