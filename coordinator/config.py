@@ -69,6 +69,8 @@ class CoordinatorConfig:
     max_write_spacing_s: float = 0.05
     shutdown_grace_s: float = 1.0
     """How long calls in flight may finish after SIGTERM/SIGINT before they are cancelled."""
+    check_replay: bool = False
+    """At a graceful stop, replay the journal into a fresh state and log whether it is the live one."""
     store: str = "memory"
     """memory, or etcd://HOST:PORT[,HOST:PORT...] to survive restarts and run standby replicas."""
     leader_ttl_s: int = 5

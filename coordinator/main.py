@@ -24,8 +24,8 @@ from ifrt.protocol import read_secret_file
 DEFAULTS = CoordinatorConfig(cluster=ClusterConfig(num_processes=1))
 
 
-TUNING = ("--max-heartbeat-rate", "--hung-timeouts", "--progress-interval")
-"""Flags besides the limits and budgets that ``--help`` leaves to ``--help-limits``: rates and timings."""
+TUNING = ("--max-heartbeat-rate", "--hung-timeouts", "--progress-interval", "--check-replay")
+"""Flags besides the limits and budgets that ``--help`` leaves to ``--help-limits``: rates, timings, a self-check."""
 
 
 def parser(full: bool = False) -> argparse.ArgumentParser:
@@ -238,6 +238,10 @@ def parser(full: bool = False) -> argparse.ArgumentParser:
                               "over all calls; an answer past it is refused (default %(default)s)")
     p.add_argument("--progress-interval", type=float, default=DEFAULTS.progress_interval_s, metavar="SECONDS",
                    help="how often to log who is still missing while waiting (default %(default)s)")
+    p.add_argument("--check-replay", action="store_true",
+                   help="at a graceful stop (SIGTERM, SIGINT), replay the journal into a fresh state and log whether "
+                        "it is the live one, or the first part that differs (an ERROR): the check a replica that "
+                        "takes over relies on, at the cost of one replay at exit")
     p.add_argument("--ready-file", metavar="PATH",
                    help="write HOST:PORT to this file once serving (useful with port 0)")
     p.add_argument("--token-file", metavar="PATH",
@@ -358,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = CoordinatorConfig(cluster=cluster, bind=args.bind,
                                progress_interval_s=args.progress_interval, ready_file=args.ready_file,
+                               check_replay=args.check_replay,
                                store=args.store, leader_ttl_s=args.leader_ttl, advertise=args.advertise,
                                metrics_port=args.metrics_port, metrics_bind=args.metrics_bind,
                                metrics_token=args.metrics_token, token=token, agent_key=agent_key,

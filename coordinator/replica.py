@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from coordinator.config import CoordinatorConfig
 from coordinator.core import compaction, journal
 from coordinator.core.cluster import ClusterConfig
+from coordinator.core.durable import difference
 from coordinator.core.state import ClusterState
 from coordinator.store import Store, StoreError
 from ifrt import wire
@@ -74,6 +75,7 @@ class Replica:
         self._down = asyncio.Event()
         self._aside_until = -math.inf  # until when this replica stands aside after suspecting itself (step_aside)
         self._stepped_down = False  # since it last served: a second step-down does nothing more
+        self._led_in = -1  # the epoch in which this replica last rebuilt its state to lead
         self.on_append: Callable[[float], None] = _ignore
         """Called with the seconds each successful store append took (metrics)."""
 
@@ -226,6 +228,26 @@ class Replica:
                     extra={"event": "standing_aside", "reason": why, "seconds": for_s})
         await self._step_down(f"standing aside: {why}")
 
+    async def check_replay(self) -> None:
+        """Logs whether a fresh replay of the journal gives the live state (``--check-replay``, at a graceful stop,
+        once nothing makes entries any more); nothing unless this replica leads with every entry durable."""
+        if self._led_in != self.epoch:  # a standby, or a leader that stepped down: its state is not the job's
+            return
+        try:
+            await self.commit()
+        except NotServing:
+            return
+        entries = [journal.decode(raw) for raw in await self.store.load()]
+        fresh = ClusterState(self.config)
+        for entry in entries:
+            fresh.replay(entry)
+        differs = difference(self.state, fresh)
+        if differs is None:
+            log.info("the journal (%d entries) replays to the live state", len(entries))
+        else:
+            log.error("the journal (%d entries) replays to another state than the live one: %s", len(entries),
+                      differs, extra={"event": "replay_differs"})
+
     def stop_serving(self, why: str) -> None:
         """Refuses new calls from now on (on shutdown); writes already queued still complete."""
         self.serving, self.reason, self._stepped_down = False, why, False
@@ -249,6 +271,7 @@ class Replica:
                 log.exception("unexpected error while compacting the journal; it stays as it is")
                 self._garbage = compaction.Garbage()
         self.state, self.epoch = state, self.epoch + 1
+        self._led_in = self.epoch
         self._pending, self._enqueued, self._durable = [], 0, 0
         await self._report(True)  # health says SERVING no later than the first answer
         self.serving = True

@@ -101,10 +101,10 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
              config.cluster.cluster_id, config.cluster.num_processes, os.getpid(), store.description, security)
     if config.ready_file:
         _write_atomically(config.ready_file, address)
-    background = [asyncio.create_task(service.replica.run()),
+    deciding = [asyncio.create_task(service.tick_every(config.tick_s)),  # what makes journal entries on its own
+                asyncio.create_task(agents.watch_hosts_every(config.tick_s))]
+    background = [asyncio.create_task(service.replica.run()), *deciding,
                   asyncio.create_task(operator_view.log_progress_every(service, config.progress_interval_s)),
-                  asyncio.create_task(service.tick_every(config.tick_s)),
-                  asyncio.create_task(agents.watch_hosts_every(config.tick_s)),
                   asyncio.create_task(noise.flush_every()),
                   asyncio.create_task(_collect_young_garbage_every(config.gc_interval_s))]
     if door is not None:
@@ -122,6 +122,11 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
         await health.enter_graceful_shutdown()
         await service.shutdown_sessions("the coordinator is shutting down", config.shutdown_grace_s)
         await server.stop(config.shutdown_grace_s)
+        if config.check_replay:
+            for task in deciding:
+                task.cancel()
+            await asyncio.gather(*deciding, return_exceptions=True)
+            await service.replica.check_replay()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)

@@ -29,17 +29,17 @@ from tests.workers import COORDINATION_WORKER, Worker
 
 @pytest.fixture
 def start_coordinator() -> Iterator[Callable[..., LocalCoordinator]]:
-    """Starts `ifrt-coordinator` through its console script; every one started is stopped afterwards."""
+    """Starts `ifrt-coordinator` through its console script; every one started is stopped afterwards, and fails the
+    test if its journal, replayed when it stops (``--check-replay``), gives another state than its live one."""
     started: list[LocalCoordinator] = []
 
     def start(*args: str, num_processes: int, **kwargs) -> LocalCoordinator:
-        coordinator = LocalCoordinator(*args, num_processes=num_processes, **kwargs)
+        coordinator = LocalCoordinator("--check-replay", *args, num_processes=num_processes, **kwargs)
         started.append(coordinator)
         return coordinator
 
     yield start
-    for coordinator in started:
-        coordinator.close()
+    helpers.close_checking_replays(started)
 
 
 @pytest.fixture

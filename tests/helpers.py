@@ -84,6 +84,22 @@ def free_ports(count: int) -> list[int]:
     raise AssertionError(f"fewer than {count} free loopback ports in {ports.start}-{ports.stop - 1}")
 
 
+REPLAY_DIFFERS = "replays to another state than the live one"
+"""What a daemon started with --check-replay logs when its journal does not replay to its live state."""
+
+
+def close_checking_replays(coordinators: Sequence[LocalCoordinator], check: bool = True) -> None:
+    """Stops and closes each daemon; then (``check``) fails naming every one started with ``--check-replay`` whose
+    journal, replayed at its graceful stop, gave another state than its live one (a SIGKILLed one checks nothing)."""
+    differs = []
+    for coordinator in coordinators:
+        coordinator.stop()
+        if coordinator.log_path.exists():  # not closed by the test already
+            differs += [line for line in coordinator.log.splitlines() if REPLAY_DIFFERS in line]
+        coordinator.close()
+    assert not check or not differs, "\n".join(differs)
+
+
 def secret_file(path: Path, text: str | None = None) -> Path:
     """Writes ``text`` (random hex when None) to ``path``, readable by its owner only: a token or an agent key."""
     path.write_text((text or secrets.token_hex(32)) + "\n")

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import ifrt
 from coordinator.local import LocalCoordinator
-from tests.helpers import poll_until
+from tests.helpers import close_checking_replays, poll_until
 from tests.workers import Worker
 
 LEADER_TTL = "2"
@@ -35,7 +35,7 @@ class Replicas:
     def __init__(self, etcd, *flags: str, num_processes: int = 3, cluster_id: str = "job", heartbeat: str = "3",
                  count: int = 2) -> None:
         args = ("--store", etcd.url, "--leader-ttl", LEADER_TTL, "--heartbeat-timeout", heartbeat,
-                "--cluster-id", cluster_id, *flags)
+                "--cluster-id", cluster_id, "--check-replay", *flags)
         self.all = [LocalCoordinator(*args, num_processes=num_processes) for _ in range(count)]
         self.addresses = ",".join(c.address for c in self.all)
         try:
@@ -51,15 +51,16 @@ class Replicas:
         self.leader = serving(*(c for c in self.all if c is not dead))
         return dead
 
-    def close(self) -> None:
-        for c in self.all:
-            c.close()
+    def close(self, check: bool = False) -> None:
+        """Closes every replica; ``check``: fails if the leader's journal, replayed as it stops, gives another state
+        than its live one."""
+        close_checking_replays(self.all, check)
 
     def __enter__(self) -> Replicas:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        self.close(check=kind is None)
 
 
 def kill_the_leader_midway(replicas: Replicas, process_id: int, num_processes: int,

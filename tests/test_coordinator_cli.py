@@ -147,3 +147,11 @@ def test_signal_stops_the_daemon_cleanly(sig):
         assert f"received {sig.name}" in coordinator.log
         assert "shutting down: 0/2 processes registered" in coordinator.log  # says what it leaves unfinished
         assert coordinator.log.rstrip().endswith("stopped")
+
+
+def test_check_replay_logs_at_a_graceful_stop_that_the_journal_replays_to_the_live_state(start_coordinator):
+    coordinator = start_coordinator(num_processes=1)  # the suite starts every daemon with --check-replay
+    code, _, err = finish(discover_process(coordinator.address, "--process-id", "0", "--num-processes", "1"))
+    assert code == 0, err
+    assert coordinator.stop() == 0
+    assert re.search(r"the journal \(\d+ entries\) replays to the live state", coordinator.log), coordinator.log

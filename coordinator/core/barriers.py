@@ -137,6 +137,10 @@ class Barriers:
         else:
             self._supersedes(barrier, "")
 
+    def ended(self) -> dict[str, Barrier]:
+        """The barriers kept that completed or failed, by name."""
+        return {name: b for name, b in self._by_name.items() if not b.pending}
+
     def get(self, name: str) -> Barrier | None:
         return self._by_name.get(name)
 

@@ -71,6 +71,10 @@ class History:
         self._events.append(Numbered(self.head, event))
         return self.head
 
+    def kept(self) -> list[Numbered]:
+        """Every event still kept, oldest first."""
+        return list(self._events)
+
     def since(self, position: int) -> list[Numbered] | None:
         """Every event numbered above ``position``, oldest first; None when some of them are no longer kept."""
         if position >= self.head:

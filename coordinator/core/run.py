@@ -84,7 +84,7 @@ class Run:
         """The run's key-value calls, each checking its caller for every key it touches."""
         self._live_sets = LiveSets()
         self._preemption: Preemption | None = None
-        self._history = History(config.limits.event_history, first_event)
+        self.history = History(config.limits.event_history, first_event)
         self.published_at = first_event
         """The job event number that published the current generation."""
         self._incarnated_at: dict[int, int] = {}  # process id -> event number of its latest restart
@@ -139,7 +139,7 @@ class Run:
         outcome = admission.answer(r, admission.admitted(r))
         if decision.completed:
             assert isinstance(outcome, Published)
-            self.published_at = self._history.add(GenerationPublished(FIRST_GENERATION))
+            self.published_at = self.history.add(GenerationPublished(FIRST_GENERATION))
             outcome = replace(outcome, first=FirstPublication(outcome.topology, self.published_at,
                                                               admission.waited_s(now)))
         return outcome, []
@@ -333,13 +333,13 @@ class Run:
     @property
     def event_position(self) -> int:
         """The number of the latest job event (the last of the runs before, until this run has one)."""
-        return self._history.head
+        return self.history.head
 
     def catch_up(self, process_id: int, since: int, generation: int) -> CatchUp:
         """What the session of ``process_id``, holding ``generation`` and opening from job event ``since``, is sent
         before newer events (see coordinator.core.catchup); InvalidArgument past the latest event."""
         notice = self.notices()
-        return catch_up(self._history, self.admission, self.published_at, self._incarnated_at,
+        return catch_up(self.history, self.admission, self.published_at, self._incarnated_at,
                         notice[0] if notice else None, process_id, since, generation)
 
     # Questions about processes.
@@ -424,7 +424,7 @@ class Run:
         effects.append(self._notify(ProcessRestarted(pid, member.incarnation)))
         if holder.sessions:  # it stopped answering, its session still open: the restart ends it
             effects.append(Evict(holder.uid, f"replaced by a restarted process from {r.describe()}"))
-        self._incarnated_at[pid] = self._history.head
+        self._incarnated_at[pid] = self.history.head
         return admission.answer(r), effects
 
     def _publish_if_whole(self) -> list[Effect]:
@@ -465,7 +465,7 @@ class Run:
         """Numbers a new generation (if any) in the job's history; returns the effect that sends it."""
         if topology is None:
             return []
-        self.published_at = self._history.add(GenerationPublished(topology.generation))
+        self.published_at = self.history.add(GenerationPublished(topology.generation))
         return [Republish(topology, self.published_at)]
 
     def _journal_barriers(self, effects: list[BarrierResolved]) -> list[Effect]:
@@ -481,7 +481,7 @@ class Run:
 
     def _notify(self, event: ProcessFailed | ProcessRestarted | ProcessLeft | PreemptionNotice) -> Notify:
         """Numbers ``event`` in the job's history; returns the effect that tells the sessions."""
-        return Notify(event, self._history.add(event))
+        return Notify(event, self.history.add(event))
 
     def _alive(self) -> dict[int, tuple[str, int]]:
         """Process id -> (client uid, incarnation) of every process of the topology that is not failed or left."""
