@@ -57,6 +57,7 @@ from coordinator.core.shrink import decide as decide_shrink
 from coordinator.core.status import StatusReport
 from coordinator.core.takeover import LostHost, find_lost
 from coordinator.core.takeover import decide as decide_takeover
+from coordinator.core.transfer_parties import Parties, parties
 from ifrt.errors import IfrtError, StaleSession
 from ifrt.events import PreemptionNotice
 from ifrt.progress import Progress
@@ -384,6 +385,9 @@ class ClusterState:
     def preemption_sync(self, client_uid: str, step: int, timeout_s: float, now: float, *,
                         proof: str = "") -> tuple[int | IfrtError | None, list[Effect]]:
         return self.current.preemption_sync(client_uid, step, timeout_s, now, proof=proof)
+
+    def transfer_parties(self, client_uid: str, peer: int, proof: str) -> Parties:
+        return parties(self.current, client_uid, peer, proof)
 
     def report(self, now: float) -> StatusReport:
         return self.current.report(now)
