@@ -237,3 +237,29 @@ def test_workers_that_ask_seconds_apart_cost_their_host_about_one_call_each(star
     assert calls.get("Register", 0) == 0, calls
     # each worker's first registration is news; its re-polls ride on the host's call in flight
     assert calls["RegisterHost"] <= hosts * (workers + 2), calls
+
+
+def test_a_lone_replacement_among_running_workers_is_sent_at_once_not_after_the_batch_window():
+    connection = ScriptedConnection()
+    registrar = HostRegistrar(connection, "agent", workers=2, per_call=2, expected=lambda: 2,  # type: ignore[arg-type]
+                              published=lambda *about: None, clock=lambda: 100.0)  # no batch window ever passes
+    serials = {rank: registrar.started(rank) for rank in (0, 1)}
+    answers: queue.Queue = queue.Queue()
+
+    def ask(uid: str, rank: int) -> None:
+        request = pb.RegisterRequest(client_uid=uid, num_processes=2, local_rank=rank, wait_ms=5000)
+        threading.Thread(target=lambda: answers.put(registrar.register(request, "proof-" + uid, time.monotonic() + 30)),
+                         daemon=True).start()
+
+    ask("a", 0)
+    ask("b", 1)
+    uids, _, call = connection.next()  # both asked: the host's registrations go together
+    topology = pb.RegisterResponse(topology=b"T", generation=1, event_position=2, run=1, attempt=0)
+    call.put(pb.RegisterHostResponse(processes=[pb.HostRegistration(process_id=int(u == "b")) for u in uids],
+                                     answer=topology.SerializeToString()))
+    answers.get(timeout=10), answers.get(timeout=10)
+    assert registrar.exited(1, serials[1]) == ("b", "proof-b")
+    registrar.started(1)
+    ask("c", 1)  # the replacement: the other worker runs, admitted, and asks nothing
+    uids, _, _ = connection.next()
+    assert uids == ["c"]

@@ -92,7 +92,7 @@ class HostRegistrar:
             try:
                 while ticket.answer is None:
                     now = self._clock()
-                    if self._batcher.due(now, self._expected()):
+                    if self._batcher.due(now, self._awaited()):
                         self._start(now)
                         continue
                     if now >= wait_until and (kept := self._batcher.kept(ticket, now)) is not None:
@@ -188,6 +188,11 @@ class HostRegistrar:
             "run by another `ifrt run` agent (or process) of this job: to run several agents on one machine, give "
             "each --host-rank R --num-hosts H (R from 0 to H-1), or run each on a host of its own (its own hostname)")
         log.error("%s", line)
+
+    def _awaited(self) -> int:
+        """The live workers whose registration the host still awaits: all but those admitted and not asking again,
+        so that a lone replacement among running workers goes at once."""
+        return self._expected() - sum(1 for uid in self._ranks.current() if not self._batcher.asks(uid))
 
     def started(self, local_rank: int) -> int:
         """A worker starts (or a spare takes over) for ``local_rank``: its serial, which its exit names. Its answers,

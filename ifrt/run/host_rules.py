@@ -118,8 +118,9 @@ class Batcher(Generic[E]):
         return len(self.unsent.keys() | self._in_flight.keys())
 
     def due(self, now: float, expected: int) -> bool:
-        """Whether unsent registrations go now: every live worker (``expected``) has asked (unsent or in flight),
-        or the first unsent one has waited ``wait_s``."""
+        """Whether unsent registrations go now: every live worker still awaited (``expected``: those with no admitted
+        registration, or asking again) has asked (unsent or in flight), or the first unsent one has waited
+        ``wait_s``."""
         if not self.unsent:
             return False
         return self.pending() >= expected or now >= self._first_at + self.wait_s
@@ -160,6 +161,10 @@ class Batcher(Generic[E]):
     def covered(self, uid: str) -> bool:
         """Whether a call in flight carries ``uid``."""
         return uid in self._in_flight
+
+    def asks(self, uid: str) -> bool:
+        """Whether ``uid``'s registration is unsent or in flight."""
+        return uid in self.unsent or uid in self._in_flight
 
     def answered(self, taken: list[Ticket[E]], answers: Mapping[str, Any] | None = None,
                  failed: Any = None) -> list[Ticket[E]]:
@@ -267,6 +272,10 @@ class Ranks:
     def registered(self, rank: int, uid: str) -> None:
         """``rank``'s current worker registered as ``uid``."""
         self._uids[rank] = (uid, self._serials.get(rank, 0))
+
+    def current(self) -> list[str]:
+        """The uids of the ranks whose current worker registered."""
+        return [uid for rank, (uid, serial) in self._uids.items() if serial == self._serials.get(rank, 0)]
 
     def exited(self, rank: int, serial: int) -> str | None:
         """The uid of ``rank``'s worker ``serial``, once; None where it never registered (or was reported)."""
