@@ -37,6 +37,7 @@ def run_job(start_coordinator, agents, tmp_path, scenario: str, processes: int =
                                        OMP_NUM_THREADS="1", **env)) for h in range(2)]
     for agent in started:
         assert agent.wait(JOB_TIMEOUT_S) == 0, agent.output()
+        assert "call ifrt.torch.recover()" not in "\n".join(agent.err)  # a Healing re-forms the group itself
     return [json.loads(m.group(1)) for agent in started for line in agent.out
             if (m := re.match(r"^\[\d+\] (\{.*\})$", line))]
 

@@ -259,3 +259,16 @@ def test_the_ddp_example_matches_its_single_process_reference():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "torch: outputs match reference (max |difference|" in done.stdout
     assert "rank 1 of 2" in done.stdout
+
+
+def test_a_healing_says_which_processes_broke_a_collective_and_not_to_call_recover_which_it_does_itself():
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+        except RuntimeError as cause:
+            raise ifrt.CollectiveFailed("a collective of process 0 failed because processes failed: 3 (exit -9); "
+                                        "call ifrt.torch.recover() to re-form the group", (3,)) from cause
+    except ifrt.CollectiveFailed as e:
+        said = ifrt.torch._broken(e)
+    assert said == ("a collective failed because process 3 failed (RuntimeError: Connection closed by peer "
+                    "[127.0.0.1]:4242)")

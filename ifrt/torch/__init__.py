@@ -117,9 +117,9 @@ def init_process_group(
     abort does not).
 
     ``on_failure="recover"``: a failed peer is replaced and the group re-formed in place (``recoverable``,
-    ``recover``). ``collective_timeout`` (seconds or a timedelta; default torch's): how long a collective waits for
-    its peers; with gloo it is what returns a collective blocked on a peer that is gone without closing its
-    sockets, so keep it short under recovery.
+    ``recover``). ``collective_timeout`` (seconds or a timedelta; None: torch's default, 30 minutes): how long a
+    collective waits for its peers; with gloo it is what returns a collective blocked on a peer that is gone without
+    closing its sockets, so keep it short under recovery.
     """
     with _runtime.lock:
         if _runtime.state is not None:
@@ -235,6 +235,14 @@ def recoverable() -> Iterator[None]:
                                f"replaced ({type(e).__name__}: {str(e)[:200]})", tuple(sorted(down))) from e
 
 
+def _broken(e: CollectiveFailed) -> str:
+    """What a Healing says of a collective a peer's failure broke (it re-forms the group itself: nothing to call)."""
+    cause = e.__cause__
+    return (f"a collective failed because process{'es' if len(e.process_ids) > 1 else ''} "
+            f"{', '.join(map(str, e.process_ids))} failed"
+            + (f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""))
+
+
 def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
     """Re-forms the default process group in place after ``CollectiveFailed``: aborts the old group, waits until
     every process is live again (each failed one replaced, or dropped by a shrink), starts a new group on fresh keys
@@ -306,7 +314,7 @@ class Healing:
             with recoverable():
                 groups.retire(wrapped.rebuild())
         except CollectiveFailed as e:
-            log.warning("%s; re-forming the group", e)
+            log.warning("%s; re-forming the group", _broken(e))
             self._mend(recover_first=True)
         return wrapped
 
@@ -318,7 +326,7 @@ class Healing:
             with recoverable():
                 yield
         except CollectiveFailed as e:
-            log.warning("step %d: %s; re-forming the group", self.step, e)
+            log.warning("step %d: %s; re-forming the group", self.step, _broken(e))
             self._mend(recover_first=True)
             return
         if self._due:
@@ -350,7 +358,7 @@ class Healing:
                     for module in self._modules:
                         groups.retire(module.rebuild())
             except CollectiveFailed as e:
-                log.warning("%s; re-forming the group", e)
+                log.warning("%s; re-forming the group", _broken(e))
                 continue
             except BarrierFailed:  # the exchange before the transfer: a process failed or left meanwhile
                 if not started.peers.wait_failed(started.mark, started.watchdog.heartbeat_timeout + 1.0):
