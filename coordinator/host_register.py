@@ -5,13 +5,14 @@ then answers each process's id, or why it was refused, and the bytes every proce
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from coordinator.calls import MAX_MESSAGE_BYTES, abort, caller_proof, capped, parse, peer_host
 from coordinator.core import registration as reg
-from coordinator.core.effects import Published, Waiting, WaitingForNextRun
+from coordinator.core.effects import Effect, Published, Waiting, WaitingForNextRun
 from coordinator.core.limits import Limits
 from coordinator.core.state import Admitted
 from coordinator.core.waits import wait_s
@@ -22,15 +23,39 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import IfrtError, InvalidArgument, UnknownClient
 
 if TYPE_CHECKING:
-    from coordinator.service import CoordinatorService
+    from coordinator.core.state import ClusterState
+    from coordinator.messages import PublishedGeneration
+    from coordinator.replica import Replica
+    from coordinator.waiters import Waiters
 
 log = logging.getLogger("ifrt.coordinator")
+
+
+class Pipeline(Protocol):
+    """What RegisterHost uses of the service (``coordinator.service.CoordinatorService``): the state, its clock and
+    replica, the waits, and the steps every call goes through."""
+
+    clock: Callable[[], float]
+    replica: Replica
+    waiters: Waiters
+
+    @property
+    def state(self) -> ClusterState: ...
+    def current_generation(self) -> PublishedGeneration: ...
+    async def serving(self, context: grpc.aio.ServicerContext, what: str, epoch: int | None = None) -> None: ...
+    async def commit(self, context: grpc.aio.ServicerContext, what: str) -> None: ...
+    def announce(self, outcome: Waiting | Published) -> None: ...
+    def carry_out(self, effects: list[Effect]) -> None: ...
+    def progress_answer(self) -> bytes: ...
+    async def wait_for_next_run(self, r: reg.Registration, outcome: WaitingForNextRun, until: float,
+                                context: grpc.aio.ServicerContext, what: str,
+                                epoch: int) -> tuple[Admitted, list[Effect]]: ...
 
 
 class HostRegister:
     """``RegisterHost``, with the service's pipeline (serving, commit, waits, effects) and its answers."""
 
-    def __init__(self, service: CoordinatorService) -> None:
+    def __init__(self, service: Pipeline) -> None:
         self.service = service
 
     async def register_host(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
