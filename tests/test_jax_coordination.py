@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -115,12 +117,19 @@ def test_a_temporary_directory_too_deep_for_a_socket_serves_jax_from_tmp(start_c
 
     deep = tmp_path / ("d" * (MAX_SOCKET_PATH - len(str(tmp_path))))  # room for no socket inside it
     deep.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = Path(tempfile.mkdtemp(prefix=f"ifrt-xla-p{gone.pid}-", dir="/tmp"))  # a SIGKILLed process's, left behind
+    (left / "coordination.sock").touch()
+    alive = Path(tempfile.mkdtemp(prefix="ifrt-xla-p1-", dir="/tmp"))  # pid 1's: it runs
     coordinator = start_coordinator(num_processes=1, log_level="WARNING")
     with ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer=False, timeout=30) as client:
         server = StandInServer(CoordinationStandIn(client, client.discover(), "test/deep"), within=str(deep))
         try:
-            assert len(os.fsencode(server.path)) <= MAX_SOCKET_PATH and server.path.startswith("/tmp/ifrt-xla-")
+            assert len(os.fsencode(server.path)) <= MAX_SOCKET_PATH
+            assert server.path.startswith(f"/tmp/ifrt-xla-p{os.getpid()}-")
             assert oct(Path(server.path).parent.stat().st_mode & 0o777) == "0o700" and list(deep.iterdir()) == []
+            assert not left.exists() and alive.exists()  # a gone process's directory removed, a live one's kept
             with grpc.insecure_channel(server.address) as channel:
                 heartbeat = channel.unary_unary("/xla.coordination.CoordinationService/Heartbeat",
                                                 request_serializer=xla_pb.HeartbeatRequest.SerializeToString,
@@ -129,6 +138,7 @@ def test_a_temporary_directory_too_deep_for_a_socket_serves_jax_from_tmp(start_c
                 heartbeat(xla_pb.HeartbeatRequest(incarnations=incarnations, source_task_id=0), timeout=10)
         finally:
             server.close()
+            shutil.rmtree(alive, ignore_errors=True)
         assert not Path(server.path).parent.exists()
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import shutil
 import tempfile
 import threading
@@ -62,7 +63,7 @@ class StandInServer:
         self.path = os.path.join(self._directory, "coordination.sock")
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:  # a deep TMPDIR (a batch system's scratch, say)
             os.rmdir(self._directory)
-            self._directory = tempfile.mkdtemp(prefix="ifrt-xla-", dir="/tmp")
+            self._directory = _under_tmp()
             log.info("JAX's coordination socket would be %d bytes under %s, past the kernel's %d: it is under /tmp",
                      len(os.fsencode(self.path)), within or tempfile.gettempdir(), MAX_SOCKET_PATH)
             self.path = os.path.join(self._directory, "coordination.sock")
@@ -89,6 +90,28 @@ class StandInServer:
     def remove_socket(self) -> None:
         """Removes the socket and its directory, where the process ends past ``close`` (fail fast's exit)."""
         shutil.rmtree(self._directory, ignore_errors=True)
+
+
+SHORT_DIRECTORY = re.compile(r"^ifrt-xla-p(\d+)-")
+"""The name of a stand-in's directory under /tmp: the pid of the process that made it, first."""
+
+
+def _under_tmp() -> str:
+    """A directory of this process's own under /tmp, named by its pid. The ones of this user's processes that are
+    gone are removed first: nobody removes the directory of a process SIGKILLed (an agent's private directory, the
+    usual place, is removed by its agent)."""
+    for name in os.listdir("/tmp"):
+        if (found := SHORT_DIRECTORY.match(name)) is None:
+            continue
+        path = os.path.join("/tmp", name)
+        try:
+            if os.lstat(path).st_uid == os.getuid():
+                os.kill(int(found.group(1)), 0)
+        except ProcessLookupError:  # its process is gone
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # the directory gone meanwhile, or the pid another user's
+            pass
+    return tempfile.mkdtemp(prefix=f"ifrt-xla-p{os.getpid()}-", dir="/tmp")
 
 
 class DaemonExecutor:
