@@ -55,15 +55,15 @@ DETAILS_TRAILER = "grpc-status-details-bin"
 class StandInServer:
     """Serves ``standin`` to this process's JAX client at ``address`` (``unix:<path>``), in a directory of its own
     under ``within`` (the ``ifrt run`` agent's private directory, which the agent removes even after a SIGKILLed
-    worker; else the system's temporary directory)."""
+    worker; else the system's temporary directory, where the next stand-in removes it if its process was killed)."""
 
     def __init__(self, standin: CoordinationStandIn, within: str | None = None) -> None:
         self.standin = standin
-        self._directory = tempfile.mkdtemp(prefix="ifrt-xla-", dir=within)  # 0700: this user's only
+        self._directory = _own_directory(within or tempfile.gettempdir())  # 0700: this user's only
         self.path = os.path.join(self._directory, "coordination.sock")
         if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:  # a deep TMPDIR (a batch system's scratch, say)
             os.rmdir(self._directory)
-            self._directory = _under_tmp()
+            self._directory = _own_directory("/tmp")
             log.info("JAX's coordination socket would be %d bytes under %s, past the kernel's %d: it is under /tmp",
                      len(os.fsencode(self.path)), within or tempfile.gettempdir(), MAX_SOCKET_PATH)
             self.path = os.path.join(self._directory, "coordination.sock")
@@ -92,18 +92,18 @@ class StandInServer:
         shutil.rmtree(self._directory, ignore_errors=True)
 
 
-SHORT_DIRECTORY = re.compile(r"^ifrt-xla-p(\d+)-")
-"""The name of a stand-in's directory under /tmp: the pid of the process that made it, first."""
+OWN_DIRECTORY = re.compile(r"^ifrt-xla-p(\d+)-")
+"""The name of a stand-in's directory: the pid of the process that made it, first."""
 
 
-def _under_tmp() -> str:
-    """A directory of this process's own under /tmp, named by its pid. The ones of this user's processes that are
-    gone are removed first: nobody removes the directory of a process SIGKILLed (an agent's private directory, the
-    usual place, is removed by its agent)."""
-    for name in os.listdir("/tmp"):
-        if (found := SHORT_DIRECTORY.match(name)) is None:
+def _own_directory(parent: str) -> str:
+    """A directory of this process's own in ``parent``, named by its pid. Those of this user's processes that are gone
+    are removed first: nobody else removes the directory of a process SIGKILLed outside ``ifrt run`` (whose agent
+    removes its private directory)."""
+    for name in os.listdir(parent):
+        if (found := OWN_DIRECTORY.match(name)) is None:
             continue
-        path = os.path.join("/tmp", name)
+        path = os.path.join(parent, name)
         try:
             if os.lstat(path).st_uid == os.getuid():
                 os.kill(int(found.group(1)), 0)
@@ -111,7 +111,7 @@ def _under_tmp() -> str:
             shutil.rmtree(path, ignore_errors=True)
         except OSError:  # the directory gone meanwhile, or the pid another user's
             pass
-    return tempfile.mkdtemp(prefix=f"ifrt-xla-p{os.getpid()}-", dir="/tmp")
+    return tempfile.mkdtemp(prefix=f"ifrt-xla-p{os.getpid()}-", dir=parent)
 
 
 class DaemonExecutor:
