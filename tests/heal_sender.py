@@ -113,6 +113,8 @@ def forked(port: int, scenario: str) -> int:
     status = 0
     try:
         sys.stdin.close()
+        os.dup2(2, 1)  # the server's standard output carries its answers alone: a sender's output goes to stderr
+        sys.stdout = sys.stderr
         send(port, scenario)
     except BaseException:
         import traceback
