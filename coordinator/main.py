@@ -14,7 +14,6 @@ from coordinator.config import CoordinatorConfig
 from coordinator.core.cluster import ClusterConfig, FailurePolicy
 from coordinator.core.limits import FLAGS as LIMIT_FLAGS
 from coordinator.core.limits import Limits
-from coordinator.server import BindError, serve
 from coordinator.store import MIN_LEASE_TTL_S, EtcdAccess, check_lease_ttl, lease_margin, open_store
 from ifrt.agent_credential import AGENT_KEY_FILE_ENV, read_agent_key
 from ifrt.errors import InvalidArgument
@@ -377,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("ifrt.coordinator").warning(
             "no agent key (--agent-key-file): `ifrt run` agents cannot join this job, since the token alone does "
             "not say which host an agent acts for")
+    from coordinator.server import BindError, serve  # here: a flag refused above (or --help) needs none of it
+
     gc.freeze()  # what start-up allocated is never garbage: keep the collector off it under load
     try:
         asyncio.run(serve(config))

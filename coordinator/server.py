@@ -23,7 +23,6 @@ from coordinator.auth import TokenCheck, server_credentials
 from coordinator.config import CoordinatorConfig
 from coordinator.core.limits import FLAGS, SPARE_CONNECTIONS, Limits, accept_cap, connection_cap, descriptors_needed
 from coordinator.health import HealthService
-from coordinator.metrics import Metrics, MetricsBindError
 from coordinator.service import SERVICE, CoordinatorService
 from coordinator.store import Store, open_store
 
@@ -40,7 +39,11 @@ async def serve(config: CoordinatorConfig, stop: asyncio.Event | None = None, st
     stop = stop or asyncio.Event()
     store = store or open_store(config.store, config.cluster.cluster_id, config.leader_ttl_s, config.etcd_access,
                                 attempt=config.cluster.attempt)
-    metrics = Metrics() if config.metrics_port is not None else None
+    metrics = None
+    if config.metrics_port is not None:
+        from coordinator.metrics import Metrics, MetricsBindError  # prometheus_client: only where metrics are served
+
+        metrics = Metrics()
     limits = config.cluster.limits
     door = _door(config)
     trust = door.trust if door is not None else None

@@ -2,11 +2,19 @@
 at ``argv[1]`` (port). It trains a small model one Adam step (a survivor's state) and sends the description of that
 state and then its tensors to rank 1, as ``ifrt.torch.heal.send`` does; ``argv[2]`` names how the description is
 altered first (``honest``: not at all, sent by ``send`` itself).
+
+With ``--serve`` it is a server of such senders (importing torch costs a process seconds of CPU; a fork of one that
+has it costs little): each line ``send PORT SCENARIO`` on its standard input forks a sender process, whose pid it
+answers; ``end PID`` gives that sender a second to leave, kills it if it has not, and answers its exit status.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+import os
+import select
+import signal
 import sys
 import zipfile
 from datetime import timedelta
@@ -79,8 +87,7 @@ def altered(scenario: str, described: dict, specs: list) -> bytes:
     return buffer.getvalue()
 
 
-def main() -> None:
-    port, scenario = int(sys.argv[1]), sys.argv[2]
+def send(port: int, scenario: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=0, world_size=2, timeout=timedelta(seconds=30))
     state = survivor()
@@ -96,6 +103,60 @@ def main() -> None:
         for t in tensors:  # what a sender holds; a receiver that refused the description takes none of it
             dist.send(t.detach().contiguous(), 1)
     store.wait(["done"])  # the receiver's verdict is in: leave
+
+
+def forked(port: int, scenario: str) -> int:
+    """A sender of ``scenario`` forked from this process; its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 0
+    try:
+        sys.stdin.close()
+        os.dup2(2, 1)  # the server's standard output carries its answers alone: a sender's output goes to stderr
+        sys.stdout = sys.stderr
+        send(port, scenario)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    finally:
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def ended(pid: int, grace: float = 1.0) -> int:
+    """Waits ``grace`` seconds for sender ``pid`` to leave, kills it if it has not; its exit status."""
+    handle = os.pidfd_open(pid)
+    try:
+        if not select.select([handle], [], [], grace)[0]:  # still sending what the receiver refused to take
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        os.close(handle)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def serve() -> None:
+    # What each sender would import on its own, once here: torch.optim's first optimizer imports torch._dynamo
+    # (1.7 s of CPU; it starts no thread).
+    importlib.import_module("torch._dynamo")
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "send":
+            answer = forked(int(args[0]), args[1])
+        elif command == "end":
+            answer = ended(int(args[0]))
+        else:
+            raise ValueError(f"unknown command {line!r}")
+        print(answer, flush=True)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        send(int(sys.argv[1]), sys.argv[2])
 
 
 if __name__ == "__main__":

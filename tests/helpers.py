@@ -399,8 +399,20 @@ def status_json(address: str, env: dict[str, str] | None = None) -> dict:
 
 
 def wait_status(address: str, done: Callable[[dict], bool], timeout: float = 30) -> dict:
-    """Asks again until ``done(status)``; fails with the last answer after ``timeout`` seconds."""
-    return poll_until(lambda: status_json(address), done, timeout, "the status", interval=0.1)
+    """What `ifrt status --json` reports once ``done(status)`` holds; fails with the last answer after ``timeout``
+    seconds. The looks until then ask in this process (``ifrt.status.query``, what the command prints, with the
+    same settings), not with a process each; the answer returned is the command's own."""
+    from ifrt import status
+    from ifrt.settings import resolve
+
+    settings = resolve(address, environ={k: v for k, v in os.environ.items() if not k.startswith("IFRT_")})
+    deadline = time.monotonic() + timeout
+    while True:
+        poll_until(lambda: json.loads(json.dumps(status.query(settings, 10))), done,
+                   max(deadline - time.monotonic(), 0.0), "the status", interval=0.1)
+        if done(view := status_json(address)):
+            return view
+        assert time.monotonic() < deadline, f"the status did not hold within {timeout}s; last: {view!r}"
 
 
 def metrics_port(coordinator: LocalCoordinator) -> int:

@@ -1,17 +1,20 @@
 """Same events, same bytes: a journal replayed under any hash seed, in any replica, publishes one topology.
 
 Orders that reach the wire must be total; set or dict iteration (which follows ``PYTHONHASHSEED`` for strings)
-must never break a tie. Each replay runs in its own interpreter with its own hash seed.
+must never break a tie. Each replay runs in an interpreter of its own hash seed (one per seed, for the module).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,14 +31,18 @@ from coordinator.core import journal
 from coordinator.core.cluster import ClusterConfig
 from coordinator.core.state import ClusterState
 from ifrt import wire
-out = []
-for scenario in json.load(sys.stdin):
-    state = ClusterState(ClusterConfig(num_processes=scenario["n"], cluster_id="job"))
-    for entry in scenario["journal"]:
-        state.replay(journal.decode(entry.encode()))
-    out.append(wire.encode(state.topology).hex() if state.topology else None)
-print(json.dumps(out))
+for line in sys.stdin:
+    out = []
+    for scenario in json.loads(line):
+        state = ClusterState(ClusterConfig(num_processes=scenario["n"], cluster_id="job"))
+        for entry in scenario["journal"]:
+            state.replay(journal.decode(entry.encode()))
+        out.append(wire.encode(state.topology).hex() if state.topology else None)
+    print(json.dumps(out), flush=True)
 """
+"""Reads lists of scenarios, a JSON line each, and answers each with a line: the topology (hex) of each scenario's
+journal replayed into a fresh ClusterState."""
+REPLAY_TIMEOUT_S = 120
 
 
 def registration(uid: str, *, host: str = "node", ip: str = "10.0.0.1", rank: int = 0,
@@ -45,22 +52,46 @@ def registration(uid: str, *, host: str = "node", ip: str = "10.0.0.1", rank: in
     return Registration(uid, "", 0, pid, host, ip, rank, f"{host}:9000", devices, "cpu", network=network)
 
 
-def replayed_under_each_seed(scenarios: list[dict]) -> dict[str, list[str | None]]:
-    """The canonical topology bytes (hex) of each scenario, replayed in a fresh interpreter per hash seed."""
-    results = {}
-    for seed in SEEDS:
-        done = subprocess.run([sys.executable, "-c", REPLAY], input=json.dumps(scenarios), capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "PYTHONHASHSEED": seed})
-        assert done.returncode == 0, done.stderr
-        results[seed] = json.loads(done.stdout)
-    return results
+@pytest.fixture(scope="module")
+def replayed_under_each_seed() -> Iterator[Callable[[list[dict]], dict[str, list[str | None]]]]:
+    """``replayed_under_each_seed(scenarios)``: the canonical topology bytes (hex) of each scenario, replayed in an
+    interpreter of each hash seed (started once for the module: a replay starts from a fresh ClusterState)."""
+    interpreters = {seed: subprocess.Popen([sys.executable, "-c", REPLAY], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                           env={**os.environ, "PYTHONHASHSEED": seed}) for seed in SEEDS}
+
+    def replayed(scenarios: list[dict]) -> dict[str, list[str | None]]:
+        request = json.dumps(scenarios) + "\n"
+        for interpreter in interpreters.values():
+            interpreter.stdin.write(request)
+            interpreter.stdin.flush()
+        results = {}
+        for seed, interpreter in interpreters.items():
+            answered = select.select([interpreter.stdout], [], [], REPLAY_TIMEOUT_S)[0]
+            line = interpreter.stdout.readline() if answered else ""
+            if not line:
+                interpreter.kill()
+                pytest.fail(f"the replay under hash seed {seed} did not answer within {REPLAY_TIMEOUT_S}s:\n"
+                            f"{interpreter.communicate()[1][-3000:]}")
+            results[seed] = json.loads(line)
+        return results
+
+    yield replayed
+    for interpreter in interpreters.values():
+        interpreter.stdin.close()
+    for interpreter in interpreters.values():
+        try:
+            interpreter.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            interpreter.kill()
+            interpreter.wait()
 
 
 def journal_of(registrations: list[Registration]) -> list[str]:
     return [journal.encode(journal.Registered(r, float(i))).decode() for i, r in enumerate(registrations)]
 
 
-def test_slice_keys_equal_as_numbers_are_numbered_the_same_under_every_hash_seed():
+def test_slice_keys_equal_as_numbers_are_numbered_the_same_under_every_hash_seed(replayed_under_each_seed):
     keys = ("slice-1", "slice-01", "slice-001", "slice-10", "slice-2", "slice-0001")
     regs = [registration(f"u{i}", host=f"h{i}", slices=(key,)) for i, key in enumerate(keys)]
     results = replayed_under_each_seed([{"n": len(regs), "journal": journal_of(regs)}])
@@ -85,7 +116,7 @@ processes = st.lists(st.tuples(hosts, addresses, st.integers(0, 3), st.lists(sli
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(processes, st.randoms(use_true_random=False)), min_size=5, max_size=10))
-def test_any_journal_replays_to_the_same_bytes_under_every_hash_seed(cases):
+def test_any_journal_replays_to_the_same_bytes_under_every_hash_seed(replayed_under_each_seed, cases):
     scenarios = []
     for spec, rnd in cases:
         regs = [registration(f"u{i}", host=h, ip=ip, rank=rank, slices=tuple(keys), network=network)

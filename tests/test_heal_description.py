@@ -32,28 +32,47 @@ def fresh_state() -> dict:
     return {"model": model, "optimizer": torch.optim.Adam(model.parameters(), lr=0.01)}
 
 
+@pytest.fixture(scope="module")
+def sender_server() -> Iterator[Callable[..., int]]:
+    """tests/heal_sender.py --serve, which imports torch once and forks a sender process per test;
+    ``sender_server(*words)`` sends it one command and returns its answer."""
+    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "heal_sender.py"), "--serve"], cwd=ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(*words) -> int:
+        server.stdin.write(" ".join(map(str, words)) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        assert answer, f"the sender server exited with {server.wait()}"
+        return int(answer)
+
+    yield ask
+    server.stdin.close()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 @pytest.fixture
-def heal_from() -> Iterator[Callable[[str], Callable[[dict], int]]]:
-    """``heal_from(scenario)``: starts the sender of ``scenario`` and returns the receive of this process (rank 1),
-    as ``heal.run`` runs it for a plan where process SOURCE heals this one."""
-    senders: list[subprocess.Popen] = []
+def heal_from(sender_server) -> Iterator[Callable[[str], Callable[[dict], int]]]:
+    """``heal_from(scenario)``: starts the sender of ``scenario`` (a process of its own, forked by the sender server)
+    and returns the receive of this process (rank 1), as ``heal.run`` runs it for a plan where process SOURCE heals
+    this one."""
+    senders: list[int] = []
     store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=60), wait_for_workers=False)
 
     def start(scenario: str) -> Callable[[dict], int]:
-        senders.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "heal_sender.py"), str(store.port),
-                                         scenario], cwd=ROOT))
+        senders.append(sender_server("send", store.port, scenario))
         dist.init_process_group("gloo", store=store, rank=1, world_size=2, timeout=timedelta(seconds=30))
         the_plan = heal.Plan(((SOURCE, 1),), 3)
         return lambda state: heal.run(the_plan, 1, {SOURCE: 0, 1: 1}, state, torch.device("cpu"))
 
     yield start
     store.set("done", b"1")
-    for sender in senders:
-        try:
-            sender.wait(timeout=1)
-        except subprocess.TimeoutExpired:  # still sending what this process refused to take
-            sender.kill()
-            sender.wait()
+    for sender in senders:  # one still sending what this process refused to take is killed after a second
+        sender_server("end", sender)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -47,7 +47,8 @@ CLIENT = ("ifrt.client", "ifrt.client_kv", "ifrt.agent_link", "ifrt.pushed", "if
 def test_the_coordinator_and_the_shared_modules_load_no_client_module():
     seen = run_fresh(
         "import json, sys\n"
-        "import coordinator.main, ifrt.hostport, ifrt.protocol, ifrt.records, ifrt.status_view, ifrt.wire\n"
+        "import coordinator.main, coordinator.server, coordinator.metrics, ifrt.hostport, ifrt.protocol, ifrt.records\n"
+        "import ifrt.status_view, ifrt.wire\n"
         f"client = {CLIENT!r}\n"
         "print(json.dumps({'loaded': sorted(m for m in sys.modules if m.split('.')[0] in client\n"
         "                                   or '.'.join(m.split('.')[:2]) in client)}))\n"

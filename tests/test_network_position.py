@@ -8,11 +8,13 @@ import json
 import os
 import random
 import subprocess
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
+from coordinator.local import LocalCoordinator
 from ifrt import wire
 from ifrt._generated import coordinator_pb2 as pb
 from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub
@@ -215,6 +217,13 @@ def test_a_bad_network_path_is_refused_by_name_and_nothing_is_registered(start_c
     assert [p.network for p in decoded(answers[0]).processes] == [("spine1",), ("spine1",)]
 
 
+@pytest.fixture(scope="module")
+def untouched() -> Iterator[LocalCoordinator]:
+    """A coordinator of 2 processes that the processes below never reach: each checks nothing registered."""
+    with LocalCoordinator(num_processes=2) as coordinator:
+        yield coordinator
+
+
 @pytest.mark.parametrize(("env", "said"), [
     ({"IFRT_NODE_LABELS_FILE": "/nonexistent/ifrt-node-labels"},
      "IFRT_NODE_LABELS_FILE='/nonexistent/ifrt-node-labels' cannot be read"),
@@ -223,8 +232,8 @@ def test_a_bad_network_path_is_refused_by_name_and_nothing_is_registered(start_c
      "'switch.switch.switch.node' has 4"),
     ({"IFRT_NETWORK_NODES": "spine1,,rack1"}, "IFRT_NETWORK_NODES: level 1 of the network path"),
 ])
-def test_a_bad_source_stops_the_process_by_name_before_it_registers(start_coordinator, env, said):
-    coordinator = start_coordinator(num_processes=2)
+def test_a_bad_source_stops_the_process_by_name_before_it_registers(untouched, env, said):
+    coordinator = untouched
     code, _, err = finish(discover_process(coordinator.address, env=env, timeout=30))
     assert code == 1 and said in err, err
     status = status_json(coordinator.address)

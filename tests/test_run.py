@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -50,6 +51,7 @@ from tests.run_agents import (
     RUN_WORKER,
     WAIT_S,
     RunAgent,
+    agents_started,
     kinds,
     loopback_env,
     own_hostname,
@@ -359,15 +361,29 @@ def refused(call) -> grpc.RpcError:
     return info.value
 
 
-@contextlib.contextmanager
-def a_running_job(start_coordinator, agents):
-    """Two real agents of 2 looping workers each, in attempt 0, with a raw JobAgents stub for the attacker; on exit,
-    checks that the job ran on untouched (no agent exited, no restart, nothing exhausted) and stops it."""
+@pytest.fixture(scope="module")
+def running_job() -> Iterator[tuple[LocalCoordinator, list[RunAgent]]]:
+    """Two real agents of 2 looping workers each, in attempt 0: the job the attacks below are made on, one for the
+    module (each attack is refused, and each test checks the job ran on untouched after it); stopped at the end."""
     # Without a token every caller is as a token holder: the job's authority is what stops it, not the token.
-    coordinator = start_coordinator(num_processes=4, log_level="DEBUG")
-    both = two_agents(agents, coordinator.address, "loop", "--max-restarts", "3")
-    for a in both:
-        poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+    with LocalCoordinator(num_processes=4, log_level="DEBUG") as coordinator:
+        starting = agents_started()
+        both = two_agents(next(starting), coordinator.address, "loop", "--max-restarts", "3")
+        try:
+            for a in both:
+                poll_until(lambda a=a: started_lines(a, 0), lambda f: len(f) == 2, timeout=WAIT_S, what="attempt 0")
+            yield coordinator, both
+            both[0].process.send_signal(signal.SIGTERM)
+            assert both[0].wait() == 7, both[0].output()
+        finally:
+            next(starting, None)  # stops every agent still running
+
+
+@contextlib.contextmanager
+def a_running_job(running_job):
+    """The module's running job, with a raw JobAgents stub for the attacker; on exit, checks that the job ran on
+    untouched (no agent exited, no restart, nothing exhausted)."""
+    coordinator, both = running_job
     job, channel = job_stub(coordinator.address)
     with channel:
         yield coordinator, job
@@ -377,8 +393,6 @@ def a_running_job(start_coordinator, agents):
     for agent in both:
         assert agent.process.poll() is None, agent.output()
         assert "attempt 1" not in "\n".join(agent.err) and "exhausted" not in "\n".join(agent.err), agent.output()
-    both[0].process.send_signal(signal.SIGTERM)
-    assert both[0].wait() == 7, both[0].output()
 
 
 def attack_next_attempt(job: JobAgentsStub, max_restarts: int | None, agent_uid: str = "") -> grpc.RpcError:
@@ -390,8 +404,8 @@ def attack_next_attempt(job: JobAgentsStub, max_restarts: int | None, agent_uid:
     return refused(lambda: job.NextAttempt(request, timeout=10, metadata=[(SECRET_METADATA, secrets.token_hex(16))]))
 
 
-def test_a_caller_who_is_no_agent_cannot_end_the_job_for_good(start_coordinator, agents):
-    with a_running_job(start_coordinator, agents) as (_, job):
+def test_a_caller_who_is_no_agent_cannot_end_the_job_for_good(running_job):
+    with a_running_job(running_job) as (_, job):
         ending = attack_next_attempt(job, 0)  # on main: both agents stopped their workers and exited 1
         assert ending.code() is grpc.StatusCode.PERMISSION_DENIED, ending
         assert "is no agent of this job" in ending.details()
@@ -402,8 +416,8 @@ def test_a_caller_who_is_no_agent_cannot_end_the_job_for_good(start_coordinator,
         assert "this agent expects --max-restarts 0, but the job's restart budget is 3" in joining.details()
 
 
-def test_a_caller_who_is_no_agent_cannot_restart_the_job_at_will(start_coordinator, agents):
-    with a_running_job(start_coordinator, agents) as (_, job):
+def test_a_caller_who_is_no_agent_cannot_restart_the_job_at_will(running_job):
+    with a_running_job(running_job) as (_, job):
         for _ in range(20):  # on main: 20 restarts, each wiping every registration, key and barrier
             assert attack_next_attempt(job, 10**6).code() is grpc.StatusCode.PERMISSION_DENIED
         joining = refused(lambda: next(job.WatchJob(pb.WatchJobRequest(
@@ -413,8 +427,8 @@ def test_a_caller_who_is_no_agent_cannot_restart_the_job_at_will(start_coordinat
         assert "would exceed the job's 4 processes: it is no agent of this job" in joining.details()
 
 
-def test_a_caller_cannot_act_for_an_agent_of_the_job(start_coordinator, agents):
-    with a_running_job(start_coordinator, agents) as (coordinator, job):
+def test_a_caller_cannot_act_for_an_agent_of_the_job(running_job):
+    with a_running_job(running_job) as (coordinator, job):
         real_uid = re.search(r"the agent '?(\w+)'? on ", coordinator.log).group(1)  # what an attacker may learn
         acting = attack_next_attempt(job, None, agent_uid=real_uid)  # on main: attempt 1 started
         assert acting.code() is grpc.StatusCode.PERMISSION_DENIED, acting

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -530,6 +531,13 @@ def test_between_hosts_a_stranger_is_refused_and_members_transfer(tmp_path):
                 and f"but process 0 is at {hosts.address(2)}" in worker_log.read_text()), worker_log.read_text()
 
 
+@pytest.fixture(scope="module")
+def untouched() -> Iterator[LocalCoordinator]:
+    """A coordinator of 2 processes that the tests below only ever refuse: each checks nothing was admitted."""
+    with LocalCoordinator(num_processes=2) as coordinator:
+        yield coordinator
+
+
 @pytest.mark.parametrize(("address", "why"), [
     ("node001", "it has no port"),
     ("fe80::1:8476", "an IPv6 address goes in brackets"),
@@ -537,8 +545,8 @@ def test_between_hosts_a_stranger_is_refused_and_members_transfer(tmp_path):
     ("127.0.0.1:99999", "port '99999' is not a number from 1 to 65535"),
 ])
 def test_a_registration_whose_transfer_address_is_not_host_port_is_refused_and_changes_nothing(
-        start_coordinator, address, why):
-    coordinator = start_coordinator(num_processes=2)
+        untouched, address, why):
+    coordinator = untouched
     with grpc.insecure_channel(coordinator.address) as channel:
         stub = CoordinatorStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
@@ -555,10 +563,10 @@ def test_a_registration_whose_transfer_address_is_not_host_port_is_refused_and_c
     ("127.0.0.1:http", "port 'http' is not a number from 0 to 65535"),
     ("fe80::1:0", "an IPv6 address goes in brackets"),
 ])
-def test_a_transfer_bind_that_is_not_host_port_is_refused_by_the_client_naming_it(start_coordinator, bind, why):
-    coordinator = start_coordinator(num_processes=1)
+def test_a_transfer_bind_that_is_not_host_port_is_refused_by_the_client_naming_it(untouched, bind, why):
+    coordinator = untouched
     expected = re.escape(f"the transfer endpoint's bind address {bind!r} is not an address: ") + f".*{why}"
-    client = ifrt.Client(coordinator.address, process_id=0, num_processes=1, transfer_bind=bind, timeout=10)
+    client = ifrt.Client(coordinator.address, process_id=0, num_processes=2, transfer_bind=bind, timeout=10)
     with client, pytest.raises(InvalidArgument, match=expected + ".*expected HOST:PORT"):
         client.discover()
     assert status_json(coordinator.address)["registered"] == 0  # refused before any call
