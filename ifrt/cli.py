@@ -8,11 +8,9 @@ import logging
 import os
 import sys
 
-from ifrt import render, variables, waiting
+from ifrt import variables, waiting
 from ifrt.agent_credential import AGENT_KEY_FILE_ENV, host_credential, read_agent_key
-from ifrt.client import Client
 from ifrt.errors import IfrtError
-from ifrt.mesh import network_lines
 from ifrt.safe_text import safe, safe_lines
 from ifrt.settings import (
     COORDINATOR_ENV,
@@ -273,6 +271,8 @@ def _write_svg(path: str, view: dict) -> bool:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from ifrt.client import Client
+
     _log_to_stderr(args.verbose)
     try:
         with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,
@@ -323,6 +323,14 @@ def _run(args: argparse.Namespace) -> int:
         return _env(args.json)
     if args.command == "doctor":
         return _doctor(args)
+    return _discover(args)
+
+
+def _discover(args: argparse.Namespace) -> int:
+    from ifrt import render  # the topology and numpy: for the commands that discover, not for `ifrt run`'s agent
+    from ifrt.client import Client
+    from ifrt.mesh import network_lines
+
     _log_to_stderr(args.verbose)
     try:
         with Client(args.coordinator, process_id=args.process_id, num_processes=args.num_processes,

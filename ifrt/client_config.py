@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ifrt.errors import InvalidArgument
-from ifrt.wire import MAX_TOPOLOGY_BYTES
+from ifrt.protocol import MAX_TOPOLOGY_BYTES
 
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     # Reconnect to a coordinator that is not up yet within ~100 ms of it starting (gRPC's default: ~1 s, growing);

@@ -11,6 +11,9 @@ from ifrt.errors import InvalidArgument
 
 log = logging.getLogger("ifrt.settings")  # the name this warning has always been logged under
 
+MAX_TOPOLOGY_BYTES = 1 << 30
+"""The largest topology either side handles: a client receives messages this large, and nobody inflates a
+compressed topology past it."""
 TOKEN_METADATA = "ifrt-token"
 """Call metadata carrying the cluster's shared token (compared in constant time by the coordinator)."""
 SECRET_METADATA = "ifrt-process-secret"

@@ -26,14 +26,13 @@ from ifrt._generated import coordinator_pb2 as pb
 from ifrt.errors import TopologyError
 from ifrt.ids import LOCAL_ID_BITS, MAX_LOCAL_DEVICES, MAX_PROCESSES_INT64
 from ifrt.network import MAX_LEVELS
+from ifrt.protocol import MAX_TOPOLOGY_BYTES
 from ifrt.records import Device, LocalDevice, Process, TopologyContent
 
 FRONT_CODING_WIDTH = 64
 """Hostnames and addresses up to this many characters are front coded with numpy (longer ones in a loop)."""
 COMPRESS_ABOVE = 4096
 """Topologies larger than this many bytes are sent zlib-compressed (compressed once per generation)."""
-MAX_TOPOLOGY_BYTES = 1 << 30
-"""Refuse to inflate a compressed topology past this size."""
 MAX_DEVICES = 1 << 24
 """Refuse to decode more devices than this: run lengths could otherwise ask for any number in a few bytes."""
 

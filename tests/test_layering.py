@@ -56,6 +56,16 @@ def test_the_coordinator_and_the_shared_modules_load_no_client_module():
     assert seen == {"loaded": []}
 
 
+def test_the_ifrt_run_agent_loads_neither_numpy_nor_the_client():
+    seen = run_fresh(  # an agent per host in every job: numpy alone cost each one a third of its start
+        "import json, sys\n"
+        "import ifrt.cli, ifrt.run.shell\n"
+        "print(json.dumps({'loaded': sorted(m for m in sys.modules if m.split('.')[0] == 'numpy'\n"
+        "                                   or m in ('ifrt.client', 'ifrt.topology', 'ifrt.transfer'))}))\n"
+    )
+    assert seen == {"loaded": []}
+
+
 def test_the_package_still_offers_discover_client_topology_and_mesh():
     seen = run_fresh(
         "import json, sys\n"

@@ -64,13 +64,13 @@ from ifrt.jax.devices import check_devices, match_devices
 from ifrt.jax.xla_standin import layouts
 from ifrt.jax.xla_standin.server import StandInServer
 from ifrt.jax.xla_standin.service import CoordinationStandIn
+from ifrt.local_address import local_address_toward
 from ifrt.mesh import Mesh
 from ifrt.network import path_key
 from ifrt.network_sources import XLA_NETWORK_NODES_ENV
 from ifrt.settings import DiscoverOptions, discovery_timeout, env_plugin
 from ifrt.started import Started
 from ifrt.topology import Topology
-from ifrt.transfer import local_address_toward
 from ifrt.vote import Vote
 from plugins import jax_plugin
 

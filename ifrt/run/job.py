@@ -17,6 +17,7 @@ from ifrt._generated.coordinator_pb2_grpc import CoordinatorStub, JobAgentsStub
 from ifrt.agent_credential import AGENT_CREDENTIAL_METADATA, agent_credential
 from ifrt.connection import Connection
 from ifrt.errors import EXIT_COORDINATOR_LOST, HostHeld, IfrtError, from_rpc_error
+from ifrt.local_address import local_address_toward
 from ifrt.run.agent import EXIT_USAGE
 from ifrt.run.messages import (
     Event,
@@ -31,7 +32,6 @@ from ifrt.run.messages import (
 )
 from ifrt.security import new_process_secret
 from ifrt.settings import DISCOVERY_TIMEOUT_ENV, discovery_timeout, resolve
-from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.run")
 

@@ -20,6 +20,7 @@ from ifrt.agent_credential import (
     reach_warnings,
 )
 from ifrt.errors import EXIT_COORDINATOR_LOST, IfrtError, PermissionDenied
+from ifrt.local_address import local_address_toward
 from ifrt.run.agent import DEFAULT_REPLACE_TIMEOUT_S, EXIT_USAGE, Agent, Recover, exit_reason, workers_status
 from ifrt.run.flags import check, chosen_worker_user
 from ifrt.run.job import JobLink
@@ -53,7 +54,6 @@ from ifrt.run.workers import Worker, WorkerUser, stop_all, transfer_binds, worke
 from ifrt.safe_text import SafeFormatter, safe
 from ifrt.settings import AGENT_SOCKET_ENV, PROCESS_ID_ENV
 from ifrt.spare import HANDED, SPARE_ENV, hand_off_line
-from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.run")
 

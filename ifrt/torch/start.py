@@ -15,8 +15,8 @@ from ifrt import startup
 from ifrt.client import Client
 from ifrt.hostport import split_host_port
 from ifrt.interfaces import interface_of
+from ifrt.local_address import local_address_toward
 from ifrt.topology import Topology
-from ifrt.transfer import local_address_toward
 
 log = logging.getLogger("ifrt.torch")
 

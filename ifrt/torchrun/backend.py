@@ -39,11 +39,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from ifrt.client import Client
 from ifrt.clusters.base import DEFAULT_PORT
 from ifrt.errors import IfrtError, InvalidArgument
+from ifrt.local_address import local_address_toward
 from ifrt.network import check_path, natural_key, path_key
 from ifrt.settings import COORDINATOR_ENV, network_position, own_variables, parse_coordinators
 from ifrt.torch.store import Store
 from ifrt.torchrun.state import CheckedStateBackend
-from ifrt.transfer import local_address_toward
 
 BACKEND = "ifrt"
 KEY_PREFIX = "torchrun/"

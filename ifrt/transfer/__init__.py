@@ -36,7 +36,8 @@ socket (``IFRT_TRANSFER_FDS``, ``adopted_listener``) instead of binding the addr
 port between the agent's pick and the worker's endpoint, nor between a worker and its restart.
 """
 
+from ifrt.local_address import local_address_toward
 from ifrt.transfer.channels import Channels
-from ifrt.transfer.endpoint import RECV_TIMEOUT_S, Endpoint, adopted_listener, local_address_toward, wait_seconds
+from ifrt.transfer.endpoint import RECV_TIMEOUT_S, Endpoint, adopted_listener, wait_seconds
 
 __all__ = ["RECV_TIMEOUT_S", "Channels", "Endpoint", "adopted_listener", "local_address_toward", "wait_seconds"]

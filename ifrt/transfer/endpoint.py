@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -455,15 +455,3 @@ def _hang_up(conn: socket.socket) -> None:
     """Ends a connection another thread reads from (that thread closes it: a close alone would not wake it)."""
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
-
-
-def local_address_toward(targets: Sequence[str]) -> str:
-    """The IP this host uses to reach the first target (no packet is sent), for advertising an endpoint."""
-    host, port = split_host_port(targets[0])
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port)))
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
