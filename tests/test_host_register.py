@@ -261,5 +261,8 @@ def test_a_lone_replacement_among_running_workers_is_sent_at_once_not_after_the_
     assert registrar.exited(1, serials[1]) == ("b", "proof-b")
     registrar.started(1)
     ask("c", 1)  # the replacement: the other worker runs, admitted, and asks nothing
-    uids, _, _ = connection.next()
+    uids, _, call = connection.next()
     assert uids == ["c"]
+    shared = topology.SerializeToString()
+    call.put(pb.RegisterHostResponse(processes=[pb.HostRegistration(process_id=1)], answer=shared))
+    assert answers.get(timeout=10) == pb.RegisterResponse(process_id=1).SerializeToString() + shared

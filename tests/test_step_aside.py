@@ -106,6 +106,7 @@ def test_a_leader_cut_off_from_the_job_steps_aside_and_the_job_goes_on(replicas)
             w.stop()
 
 
+@pytest.mark.serial  # a bound of seconds on heartbeats, a lease and a takeover, which other tests' load stretches
 def test_a_job_killed_silently_is_still_declared_failed_within_the_bound(replicas):
     leader, standby = replicas
     workers = start_job(leader, standby)
