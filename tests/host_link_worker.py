@@ -26,6 +26,13 @@ from ifrt.errors import IfrtError
 from ifrt.events import CoordinatorLost, ProcessFailed
 
 
+def say(line: str) -> None:
+    """One line in one write: workers of one agent share its standard output (``--no-prefix``), and print's separate
+    newline would let another worker's line in between."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(scenario: str) -> None:
     if scenario == "greedy" and os.environ.get("IFRT_LOCAL_RANK") == "1":
         os.environ["IFRT_CPU_DEVICE_COUNT"] = "2"
@@ -33,7 +40,7 @@ def main(scenario: str) -> None:
     try:
         topology = client.discover()
     except IfrtError as e:
-        print(f"refused: {type(e).__name__}: {e}", flush=True)
+        say(f"refused: {type(e).__name__}: {e}")
         if scenario != "greedy":
             sys.exit(3)
         os.environ["IFRT_CPU_DEVICE_COUNT"] = "1"
@@ -41,8 +48,7 @@ def main(scenario: str) -> None:
         topology = client.discover()
     client.on_event(heard)
     via = "agent" if os.environ.get("IFRT_AGENT_SOCKET") else "direct"
-    print(f"started process {topology.process_id} pid {os.getpid()} fingerprint {topology.fingerprint} via {via}",
-          flush=True)
+    say(f"started process {topology.process_id} pid {os.getpid()} fingerprint {topology.fingerprint} via {via}")
     if scenario == "failfast":
         failfast.arm(client, topology, "exit", "test")
     if scenario == "watch":
@@ -51,10 +57,10 @@ def main(scenario: str) -> None:
         if topology.process_id == 0:
             client.kv_set("k/go", b"1")
         for key, value in changes:
-            print(f"changed {key} = {value!r}", flush=True)
+            say(f"changed {key} = {value!r}")
     if scenario == "hang" and os.environ.get("IFRT_LOCAL_RANK") == "1":
         time.sleep(1.0)
-        print("holding the GIL", flush=True)
+        say("holding the GIL")
         ctypes.PyDLL(None).sleep(120)  # libc's sleep through PyDLL: the GIL stays held, no other thread of ours runs
     while True:
         time.sleep(1.0)
@@ -62,9 +68,9 @@ def main(scenario: str) -> None:
 
 def heard(event: object) -> None:
     if isinstance(event, ProcessFailed):
-        print(f"heard process {event.process_id} failed at {time.time():.3f}: {event.reason}", flush=True)
+        say(f"heard process {event.process_id} failed at {time.time():.3f}: {event.reason}")
     elif isinstance(event, CoordinatorLost):
-        print(f"lost the coordinator: {event.reason}", flush=True)
+        say(f"lost the coordinator: {event.reason}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,10 @@ def started(a: RunAgent, count: int, since: int = 0) -> dict[int, int]:
         lines = (re.search(r"started process (\d+) pid (\d+) fingerprint \w+ via agent", line)
                  for line in a.out[since:])
         return {int(m.group(1)): int(m.group(2)) for m in lines if m}
-    return poll_until(found, lambda f: len(f) == count, timeout=WAIT_S, what=f"{count} workers started\n{a.output()}")
+    try:
+        return poll_until(found, lambda f: len(f) == count, timeout=WAIT_S, what=f"{count} workers started")
+    except AssertionError as e:  # what the agent and its workers said until then
+        raise AssertionError(f"{e}\n{a.output()}") from None
 
 
 def socket_of(a: RunAgent) -> str:
