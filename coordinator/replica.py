@@ -238,10 +238,7 @@ class Replica:
         except NotServing:
             return
         entries = [journal.decode(raw) for raw in await self.store.load()]
-        fresh = ClusterState(self.config)
-        for entry in entries:
-            fresh.replay(entry)
-        differs = difference(self.state, fresh)
+        differs = difference(self.state, self._replayed(entries))
         if differs is None:
             log.info("the journal (%d entries) replays to the live state", len(entries))
         else:
@@ -255,11 +252,8 @@ class Replica:
     async def _rebuild(self) -> None:
         self._down.clear()
         entries = await self.store.load()
-        state = ClusterState(self.config)
         decoded = [journal.decode(raw) for raw in entries]
-        with wire.gc_paused():  # replay builds every generation's objects: none is garbage yet
-            for entry in decoded:
-                state.replay(entry)
+        state = self._replayed(decoded)
         state.reset_liveness(self._clock())
         self._garbage = compaction.Garbage.of(decoded, [len(raw) for raw in entries], compacted=False)
         if self._garbage.due():  # a journal that grew under an earlier leader
@@ -279,6 +273,14 @@ class Replica:
         log.info("serving: replayed %d journal entries (%s)", len(entries),
                  f"generation {topology.generation} published" if topology else f"{state.registered} registered")
         self._on_serving()
+
+    def _replayed(self, entries: list[journal.Entry]) -> ClusterState:
+        """A fresh state that replayed ``entries``."""
+        state = ClusterState(self.config)
+        with wire.gc_paused():  # replay builds every generation's objects: none is garbage yet
+            for entry in entries:
+                state.replay(entry)
+        return state
 
     async def _step_down(self, why: str) -> None:
         if not self._serving and self._stepped_down:
