@@ -236,9 +236,11 @@ class JobAgentsService:
     def _on_effects(self, effects: list[Effect]) -> None:
         for effect in effects:
             match effect:
-                case AttemptProcessFailed(failure=failure) if failure.attempt == self._service.state.attempts.current:
+                case AttemptProcessFailed(failure=failure, went_on=went_on) \
+                        if failure.attempt == self._service.state.attempts.current:
                     self._declared_at.setdefault(failure.process_id, time.monotonic())
-                    event = pb.JobEvent(process_failed=_failure(failure))
+                    event = pb.JobEvent(went_on=_failure(failure)) if went_on \
+                        else pb.JobEvent(process_failed=_failure(failure))
                 case AttemptStarted(view=view):
                     self._declared_at.clear()
                     event = pb.JobEvent(attempt_started=_job_state(view))

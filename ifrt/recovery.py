@@ -28,6 +28,7 @@ class Peers:
         self._changed = threading.Condition()
         self._down: dict[int, str] = {}
         self._failures: list[tuple[int, str]] = []  # bounded by the job's restart budget: each failure is replaced
+        self._generation = client.topology.generation if client.topology is not None else 0
         client.on_event(self._on_event, since_topology=True)
 
     def _on_event(self, event: events.Event) -> None:
@@ -41,6 +42,7 @@ class Peers:
             elif isinstance(event, events.TopologyChanged):  # a process it drops (a shrink) is no longer awaited
                 ids = {p.process_id for p in event.topology.processes}
                 self._down = {pid: why for pid, why in self._down.items() if pid in ids}
+                self._generation = max(self._generation, event.topology.generation)
             else:
                 return
             self._changed.notify_all()
@@ -57,14 +59,15 @@ class Peers:
             self._changed.wait_for(lambda: len(self._failures) > since, timeout)
             return dict(self._failures[since:])
 
-    def wait_whole(self, since: int, deadline: float, who: str) -> int:
-        """Waits until a process failed since the mark ``since`` and none is down; returns the mark then.
-        DiscoveryTimeout at ``deadline`` naming the processes still down (or that none failed), said every few seconds
-        meanwhile (``who``: this process, for the lines)."""
+    def wait_whole(self, since: int, deadline: float, who: str, *, failed_first: bool = True) -> int:
+        """Waits until a process failed since the mark ``since`` (unless not ``failed_first``: a group re-formed for
+        a process that joins) and none is down; returns the mark then. DiscoveryTimeout at ``deadline`` naming the
+        processes still down (or that none failed), said every few seconds meanwhile (``who``: this process, for the
+        lines)."""
         config = self.client.config
         pacer = Pacer(config.first_report_s, config.poll_s)
         with self._changed:
-            while not (len(self._failures) > since and not self._down):
+            while not ((len(self._failures) > since or not failed_first) and not self._down):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DiscoveryTimeout(f"recovery of {who} timed out after {pacer.waited():.0f}s: "
@@ -76,6 +79,13 @@ class Peers:
                                 self._missing())
                 self._changed.wait(min(remaining, config.poll_s))
             return len(self._failures)
+
+    def wait_generation(self, generation: int, deadline: float) -> bool:
+        """Waits until this process holds topology ``generation`` or a later one (another process saw it first);
+        whether it does by ``deadline``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._generation >= generation,
+                                          max(0.0, deadline - time.monotonic()))
 
     def _missing(self) -> str:
         if self._down:

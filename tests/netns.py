@@ -124,3 +124,16 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def skip_without_hosts() -> None:
+    """Network namespaces, and ``unshare`` (util-linux) for a hostname per host."""
+    skip_without_netns()
+    if shutil.which("unshare") is None:
+        require("unshare", "util-linux's `unshare` gives each test host its own hostname: apt-get install -y "
+                           "util-linux")
+
+
+def as_host(hosts: Hosts, index: int, name: str) -> list[str]:
+    """Runs a command inside host ``index`` with its own hostname ``name`` (a UTS namespace of its own)."""
+    return hosts.command(index, ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name])

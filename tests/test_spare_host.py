@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import signal
 import sys
 from dataclasses import replace
@@ -46,7 +45,7 @@ from ifrt.run.messages import (
     Tick,
 )
 from tests.helpers import TIMEOUT, reg
-from tests.netns import Hosts, skip_without_netns
+from tests.netns import Hosts, as_host, skip_without_hosts
 from tests.requirements import require
 from tests.run_agents import RUN_WORKER, WAIT_S, loopback_env
 
@@ -297,19 +296,6 @@ def test_a_spare_host_without_replace_mode_is_refused_by_its_own_flags(agents):
 
 
 # Real agents, workers and a coordinator, in network namespaces as hosts.
-
-def skip_without_hosts() -> None:
-    """Network namespaces, and ``unshare`` (util-linux) for a hostname per host."""
-    skip_without_netns()
-    if shutil.which("unshare") is None:
-        require("unshare", "util-linux's `unshare` gives each test host its own hostname: apt-get install -y "
-                           "util-linux")
-
-
-def as_host(hosts: Hosts, index: int, name: str) -> list[str]:
-    """Runs a command inside host ``index`` with its own hostname ``name`` (a UTS namespace of its own)."""
-    return hosts.command(index, ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name])
-
 
 def start_job(hosts: Hosts, agents, *flags: str, spare: bool, nproc: int = 2,
               worker: tuple[str, ...] = (str(RUN_WORKER), "host")) -> tuple[LocalCoordinator, list]:

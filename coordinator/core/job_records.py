@@ -119,6 +119,9 @@ class JobShrunk:
 
 @dataclass(frozen=True)
 class AttemptProcessFailed:
-    """Effect: a process of the current attempt failed (liveness decided it); agents answer with NextAttempt."""
+    """Effect: a process of the current attempt failed (liveness decided it); agents answer with NextAttempt, or, where
+    the job ``went_on`` without it (``--on-failure elastic``: a new generation over the survivors), wait for
+    nothing."""
 
     failure: AttemptFailure
+    went_on: bool = False

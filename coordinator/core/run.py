@@ -375,7 +375,8 @@ class Run:
                     f"--min-processes {self.config.min_processes}: the cluster cannot continue")
         failed = self._notify(ProcessFailed(pid, why))  # numbered before the generation that drops it
         dropped = self._drop_if_elastic(pid)
-        effects.append(self._attempts.process_failed(pid, member.registration.hostname, why, self.config.limits))
+        told = self._attempts.process_failed(pid, member.registration.hostname, why, self.config.limits)
+        effects.append(replace(told, went_on=bool(dropped)) if dropped else told)
         return [failed, *self._journal_barriers(self.barriers.fail_including(pid, f"failed: {why}")),
                 *effects, *dropped]
 

@@ -87,20 +87,22 @@ class JobState(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., exhausted: _Optional[bool] = ..., max_restarts: _Optional[int] = ..., earlier_failures: _Optional[int] = ..., replacements: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("state", "process_failed", "attempt_started", "exhausted", "replaced", "taken_over")
+    __slots__ = ("state", "process_failed", "attempt_started", "exhausted", "replaced", "taken_over", "went_on")
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROCESS_FAILED_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_STARTED_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     REPLACED_FIELD_NUMBER: _ClassVar[int]
     TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
+    WENT_ON_FIELD_NUMBER: _ClassVar[int]
     state: JobState
     process_failed: AttemptFailure
     attempt_started: JobState
     exhausted: JobState
     replaced: AttemptFailure
     taken_over: HostTakeover
-    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ..., replaced: _Optional[_Union[AttemptFailure, _Mapping]] = ..., taken_over: _Optional[_Union[HostTakeover, _Mapping]] = ...) -> None: ...
+    went_on: AttemptFailure
+    def __init__(self, state: _Optional[_Union[JobState, _Mapping]] = ..., process_failed: _Optional[_Union[AttemptFailure, _Mapping]] = ..., attempt_started: _Optional[_Union[JobState, _Mapping]] = ..., exhausted: _Optional[_Union[JobState, _Mapping]] = ..., replaced: _Optional[_Union[AttemptFailure, _Mapping]] = ..., taken_over: _Optional[_Union[HostTakeover, _Mapping]] = ..., went_on: _Optional[_Union[AttemptFailure, _Mapping]] = ...) -> None: ...
 
 class HostTakeover(_message.Message):
     __slots__ = ("attempt", "failure", "agent_uid", "host", "process_ids", "explicit_ids")

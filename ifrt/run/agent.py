@@ -21,6 +21,10 @@ see coordinator.core.shrink), and where it refuses, ask for the next attempt as 
     RUNNING --replace-timeout--> asked to shrink --shrunk--> RUNNING (the workers go on, fewer processes)
                                                  \\--refused--> RESTARTING (stop, ask for the next attempt)
 
+Where the coordinator runs ``--on-failure elastic``, the job goes on without a failed process at once
+(``ProcessFailedSeen.went_on``): no agent waits for another host's, and its replacement, a spare host or its agent's
+return brings it back into a later generation.
+
 With ``spares`` (``ifrt run --spare N``, ``ifrt.run.spares``) a decided replacement goes to an idle warm spare.
 
 A worker that exits with the fail-fast code of a peer's failure (75) or of a lost coordinator (69) did not fail on
@@ -180,6 +184,8 @@ class Agent:
         if isinstance(event, SpareExited | HandOffFailed) or (isinstance(event, Tick) and self.spares.ready(now)):
             return self._spare_event(event, now)
         if isinstance(event, ProcessFailedSeen):
+            if event.went_on:
+                return self._went_on(event.failure)
             return self._process_failed(event.failure) + self._await_host(event.failure, now)
         if isinstance(event, HostTakenOverSeen):
             return self._host_back(event)
@@ -355,6 +361,16 @@ class Agent:
         self._finished.clear()
         return [Say(f"taking over processes {', '.join(map(str, event.process_ids))} of the lost host "
                     f"{event.failure.host}: {event.failure.reason}"), StartIds(self.attempt, ids)]
+
+    def _went_on(self, failure: Failure) -> list[Action]:
+        """The job went on without a failed process (``--on-failure elastic``): with replace, this host's worker is
+        killed if it still runs (hung) and replaced, and nobody waits for another host's; without, as any failure."""
+        if self.recover is not Recover.REPLACE or self.phase is not Phase.RUNNING:
+            return self._process_failed(failure)
+        if failure.attempt != self.attempt or failure.process_id in self.ids.values():
+            return self._process_failed(failure)
+        return [Say(f"{failure.describe()}; the job goes on without it (the coordinator runs --on-failure elastic), "
+                    "and takes it back when it is replaced, a spare host takes it over or its agent comes back")]
 
     def _await_host(self, failure: Failure, now: float) -> list[Action]:
         """Another host's process failed (with replace): its replacement, a spare host or its agent's return is

@@ -55,8 +55,8 @@ def event_of(message: pb.JobEvent, agent_uid: str = "") -> Event | None:
         t = message.taken_over
         return HostTakenOverSeen(failure_of(t.failure), t.host, tuple(t.process_ids),
                                  bool(agent_uid) and t.agent_uid == agent_uid, t.explicit_ids)
-    if kind == "process_failed":
-        return ProcessFailedSeen(failure_of(message.process_failed))
+    if kind in ("process_failed", "went_on"):
+        return ProcessFailedSeen(failure_of(getattr(message, kind)), went_on=kind == "went_on")
     if kind == "replaced":
         return ReplaceSeen(failure_of(message.replaced))
     if kind in ("state", "attempt_started", "exhausted"):

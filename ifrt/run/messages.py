@@ -49,9 +49,11 @@ class JobUpdate:
 
 @dataclass(frozen=True)
 class ProcessFailedSeen:
-    """The coordinator reports a process of the job failed."""
+    """The coordinator reports a process of the job failed; ``went_on``: the job went on without it (a new
+    generation over the survivors, ``--on-failure elastic``), so nobody waits for it."""
 
     failure: Failure
+    went_on: bool = False
 
 
 @dataclass(frozen=True)

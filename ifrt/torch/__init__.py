@@ -52,7 +52,14 @@ except ImportError as e:  # the optional extra is missing
 
 from ifrt import failfast, recovery, spare
 from ifrt.client import Client
-from ifrt.errors import BackendAlreadyInitialized, BarrierFailed, CollectiveFailed, InvalidArgument
+from ifrt.errors import (
+    BackendAlreadyInitialized,
+    BarrierFailed,
+    CollectiveFailed,
+    DiscoveryTimeout,
+    InvalidArgument,
+    StateLost,
+)
 from ifrt.hostport import split_host_port
 from ifrt.ids import LOCAL_ID_BITS
 from ifrt.mesh import Mesh
@@ -249,6 +256,12 @@ def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
     (the same ranks; after a shrink, the survivors' ranks renumbered by process id and a smaller world), and
     returns the topology (after a shrink, the new generation). DiscoveryTimeout after ``timeout`` seconds names the
     processes not replaced; InvalidArgument without ``init_process_group(on_failure="recover")``."""
+    return _re_form(timeout)
+
+
+def _re_form(timeout: float, *, joining_at: int = 0) -> Topology:
+    """``recover``; with ``joining_at``, for processes that joined in that generation (none failed): the new group
+    is formed over it or a later one."""
     with _runtime.lock:
         state = _runtime.get()
         if state.peers is None:
@@ -257,7 +270,11 @@ def recover(timeout: float = DISCOVER_TIMEOUT_S) -> Topology:
                                   f"on_failure={state.watchdog.on_failure!r}")
         deadline = time.monotonic() + timeout
         groups.leave()
-        whole = state.peers.wait_whole(state.mark, deadline, f"process {state.topology.process_id}")
+        if joining_at and not state.peers.wait_generation(joining_at, deadline):
+            raise DiscoveryTimeout(f"process {state.topology.process_id} was told of topology generation "
+                                   f"{joining_at} (processes joining) and did not receive it within {timeout:.0f}s")
+        whole = state.peers.wait_whole(state.mark, deadline, f"process {state.topology.process_id}",
+                                       failed_first=not joining_at)
         topology, store, scope = _start_mending(state.client, state.peers, state.client.topology or state.topology,
                                                 deadline, state.backend, state.timeout, whole)
         _runtime.state = _Started(state.client, topology, store, scope, state.backend, state.timeout, state.peers,
@@ -296,6 +313,7 @@ class Healing:
                                   f"on_failure={started.watchdog.on_failure!r}")
         self.state, self.step, self.holds = dict(state), 0, False
         self.sets = heal.replica_sets(replica_sets) if replica_sets is not None else None
+        self._set_list = tuple(tuple(members) for members in replica_sets) if replica_sets is not None else ()
         self.vote_timeout, self.timeout = vote_timeout, timeout
         self.healed: heal.Healed | None = None
         """How this process was healed (who sent its state, at which step, how many bytes in how long), if it was."""
@@ -303,7 +321,24 @@ class Healing:
         """How many times this process re-formed the group (``recover``) since it made this Healing."""
         self._modules: list[DataParallel] = []
         self._due = False
+        self._joining_at = 0  # the generation processes join in, once a vote agreed on it: the group re-forms
         self._mend(recover_first=False)
+
+    @property
+    def topology(self) -> Topology:
+        """The topology of the group this process steps in now (a new generation after a shrink or a join)."""
+        return _runtime.get().topology
+
+    @property
+    def rank(self) -> int:
+        """This process's torch rank in the group it steps in now."""
+        return rank(self.topology)
+
+    @property
+    def world_size(self) -> int:
+        """How many processes the group it steps in now holds: fewer after the job went on without some (the
+        coordinator's ``--on-failure elastic``), more again once they joined."""
+        return len(self.topology.processes)
 
     def data_parallel(self, module: torch.nn.Module, **options: Any) -> torch.nn.Module:
         """``module`` trained data-parallel (``DistributedDataParallel(module, **options)``), built anew on each
@@ -333,22 +368,49 @@ class Healing:
             log.warning("step %d was kept nowhere: a process failed before every vote was in; re-forming the group",
                         self.step)
             self._mend(recover_first=True)
+        elif self._joining_at:
+            log.warning("step %d was kept nowhere: processes join in topology generation %d; re-forming the group "
+                        "with them", self.step, self._joining_at)
+            self._mend(recover_first=True)
 
     def should_commit(self, ok: bool = True) -> bool:
         """This process's vote on the current step (``ok=False``: keep it nowhere); True, in every process, only
         if every process voted yes and none failed: apply the step then (the step count goes on). BarrierTimeout
-        names the processes that did not vote within ``vote_timeout``."""
+        names the processes that did not vote within ``vote_timeout``.
+
+        A process that joined the job since the group formed (a replacement, a returning host, a spare host's) is
+        taken in at a vote: the first process to see it votes no, having said why under the round's key, and every
+        process reads that key after a no, so all of them re-form the group at the same step (kept nowhere, run
+        again with the newcomer healed)."""
+        started = _runtime.get()
+        said = f"{started.scope}/join/{self._vote.round}"
+        joining = self._joining(started)
+        if ok and joining:
+            started.client.kv_set(said, str(joining).encode(), allow_overwrite=True, timeout=self.vote_timeout)
+            ok = False
         committed = self._vote(ok)
         self.step += committed
         self._due = self._vote.failed
+        if not committed and not self._due:
+            found = started.client.kv_try_get(said, timeout=self.vote_timeout)
+            self._joining_at = int(found) if found is not None and found.isdigit() else 0
         return committed
+
+    def _joining(self, started: _Started) -> int:
+        """The generation of the latest topology when it holds processes this group does not (0: none)."""
+        latest = started.client.topology
+        if latest is None or latest.generation <= started.topology.generation:
+            return 0
+        group = {p.process_id for p in started.topology.processes}
+        return latest.generation if any(p.process_id not in group for p in latest.processes) else 0
 
     def _mend(self, *, recover_first: bool) -> None:
         """Heals the processes that need it on the current group (re-formed first if ``recover_first``) and builds
         the data-parallel modules on it; again on a new group if a process fails meanwhile."""
         while True:
             if recover_first:
-                recover(self.timeout)
+                _re_form(self.timeout, joining_at=self._joining_at)
+                self._joining_at = 0
                 self.recoveries += 1
             recover_first = True
             started = _runtime.get()
@@ -364,14 +426,23 @@ class Healing:
                 if not started.peers.wait_failed(started.mark, started.watchdog.heartbeat_timeout + 1.0):
                     raise
                 continue
-            self._vote, self._due = Vote(started.client, started.scope, timeout=self.vote_timeout), False
+            group = [p.process_id for p in started.topology.processes]
+            self._vote = Vote(started.client, started.scope, group, timeout=self.vote_timeout)
+            self._due = False
             return
 
     def _heal(self, started: _Started) -> None:
         me = started.topology.process_id
         began = time.monotonic()
+        group = [p.process_id for p in started.topology.processes]
+        lost = [list(members) for members in self._set_list if not set(members) & set(group)]
+        if lost:
+            raise StateLost(f"replica set {lost[0]} has no live process: the job went on without "
+                            f"{'it' if len(lost[0]) == 1 else 'all of them'} (topology generation "
+                            f"{started.topology.generation} holds processes {group}), so no copy of its state is "
+                            "left; restart the job from a checkpoint, or keep more than one replica of every shard")
         standings = heal.exchange(started.client, started.scope, me, heal.Standing(self.holds, self.step),
-                                  self.timeout)
+                                  self.timeout, group)
         plan = heal.plan(standings, self.sets or heal.data_parallel(sorted(standings)))
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in started.backend else torch.device("cpu")
         received = heal.run(plan, me, ranks(started.topology), self.state, device)

@@ -144,12 +144,13 @@ def replica_sets(sets: Sequence[Sequence[int]]) -> Callable[[int], Sequence[int]
     return lambda p: of.get(p, (p,))
 
 
-def exchange(client: Client, scope: str, me: int, standing: Standing, timeout: float) -> dict[int, Standing]:
-    """Every process's standing, read off the coordinator once all have written theirs (a barrier: a process that
-    fails meanwhile fails it at once, naming it)."""
+def exchange(client: Client, scope: str, me: int, standing: Standing, timeout: float,
+             process_ids: Sequence[int] | None = None) -> dict[int, Standing]:
+    """Every process's standing (of ``process_ids``, default: the topology's), read off the coordinator once all
+    have written theirs (a barrier: a process that fails meanwhile fails it at once, naming it)."""
     client.kv_set(f"{scope}/heal/{me}", json.dumps({"holds": standing.holds, "step": standing.step}).encode(),
                   timeout=timeout)
-    client.barrier(f"{scope}/heal", timeout)
+    client.barrier(f"{scope}/heal", timeout, process_ids)
     return {process_id: _standing(key, value) for key, value in client.kv_dir(f"{scope}/heal/", timeout=timeout).items()
             if (process_id := _process_id(key)) is not None}
 
