@@ -91,7 +91,10 @@ def parser(full: bool = False) -> argparse.ArgumentParser:
                         "(default %(default)g; 0: never, it is only shown slow)")
     p.add_argument("--on-failure", choices=[p.value for p in FailurePolicy], default=FailurePolicy.PROPAGATE.value,
                    help="propagate: report a failed process to all others and keep the topology (default); "
-                        "elastic: drop it and publish a new generation over the survivors (see --min-processes)")
+                        "elastic: drop it and publish a new generation over the survivors (see --min-processes); "
+                        "under `ifrt run --recover replace` its agents then wait for nothing, and a process that "
+                        "takes the id again (replaced, its agent back, a spare host) is in the next generation "
+                        "(docs/failures.md, 'Go on first, grow after')")
     p.add_argument("--min-processes", type=int, metavar="M",
                    help="with --on-failure elastic: the fewest processes a new generation may have; below it the "
                         "failure is reported as fatal (default 1). Without it, for jobs of `ifrt run --recover "

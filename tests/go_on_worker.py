@@ -3,9 +3,12 @@ coordinator runs ``--on-failure elastic``, one JSON line per record on stdout.
 
 Each process takes its share of a fixed global batch by its rank and world size in the group it steps in now, so
 the job goes on with fewer replicas and grows back without anything else changing. ``GO_ON_SETS``: replica sets as
-JSON (default: data parallelism). ``GO_ON_STEPS`` steps of ``STEP_S`` each. Records ``state`` when it joins (healed,
-before its first step) and after each re-formed group, ``step`` every tenth step, ``done`` at the end; each with its PID, step, rank, world size,
-generation and the digest of its parameters and momentum.
+JSON (default: data parallelism). ``GO_ON_STEPS`` steps of ``STEP_S`` each. ``GO_ON_DIE_JOINING``: a file; a
+process that finds it missing makes it and SIGKILLs itself in its group, before its Healing (set for a newcomer).
+
+Records ``state`` when it joins (healed, before its first step) and after each re-formed group, ``step`` every tenth
+step, ``done`` at the end; each with its PID, step, rank, world size, generation and the digest of its parameters and
+momentum.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -26,6 +30,10 @@ def main() -> None:
     import ifrt.torch
 
     ifrt.torch.init_process_group(on_failure="recover", collective_timeout=10, timeout=60)
+    dies = os.environ.get("GO_ON_DIE_JOINING")
+    if dies and not os.path.exists(dies):  # once: in its group with the survivors, before they heal it
+        open(dies, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)

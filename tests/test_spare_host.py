@@ -36,6 +36,7 @@ from ifrt.run.messages import (
     Interrupted,
     JobUpdate,
     JobView,
+    Kill,
     ProcessFailedSeen,
     Say,
     ShrinkAnswered,
@@ -273,6 +274,16 @@ def test_a_survivor_stops_waiting_once_the_host_is_taken_over_or_its_agent_is_ba
     agent.handle(ProcessFailedSeen(lost), 1.0)
     agent.handle(HostTakenOverSeen(lost, "hc" if ids else "hb", ids, mine=False), 2.0)
     assert agent.handle(Tick(), 10.0) == []
+
+
+def test_a_survivor_waits_for_nothing_the_job_went_on_without_and_its_own_hung_worker_is_still_replaced():
+    agent = survivor()
+    lost = Failure(0, 2, "hb", "lost its connection")
+    said = agent.handle(ProcessFailedSeen(lost, went_on=True), 1.0)
+    assert [type(a) for a in said] == [Say] and "the job goes on without it" in said[0].line
+    assert agent.handle(Tick(), 1.0 + waits.WAIT_SAID_S) == [] and agent.handle(Tick(), 60.0) == []  # no AskShrink
+    hung = agent.handle(ProcessFailedSeen(Failure(0, 1, "ha", "hung"), went_on=True), 61.0)
+    assert Kill(1) in hung  # this host's own: killed, so that its agent replaces it
 
 
 # Real agents on loopback.

@@ -191,9 +191,11 @@ class Admission:
         """Whether the job's processes name their ids (explicit), rather than having them assigned."""
         return bool(self._explicit)
 
-    def ids_from(self, where: tuple[str, str]) -> tuple[int, ...]:
-        """The process ids of the current generation whose process registered from ``where`` (hostname, address)."""
-        return tuple(pid for pid in sorted(self.in_topology) if (m := self.member_of(pid)) is not None
+    def ids_from(self, where: tuple[str, str], *, dropped: bool = False) -> tuple[int, ...]:
+        """The process ids of the current generation whose process registered from ``where`` (hostname, address);
+        with ``dropped``, also those a generation dropped (the elastic policy takes them back when they return)."""
+        ids = (pid for pid in self.claims if pid not in self.left) if dropped else self.in_topology
+        return tuple(pid for pid in sorted(ids) if (m := self.member_of(pid)) is not None
                      and (m.registration.hostname, m.registration.host_address) == where)
 
     def forget(self, member: Member) -> None:

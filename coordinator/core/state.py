@@ -33,7 +33,7 @@ from coordinator.core.admission import Admission
 from coordinator.core.agreement import Members
 from coordinator.core.attempts import Attempts
 from coordinator.core.barriers import BarrierResolved
-from coordinator.core.cluster import ClusterConfig
+from coordinator.core.cluster import ClusterConfig, FailurePolicy
 from coordinator.core.effects import (
     Effect,
     Published,
@@ -236,7 +236,10 @@ class ClusterState:
         """The job's hosts lost in this attempt (``absent``: agents not seen watching for the heartbeat timeout)."""
         if self.current.topology is None or self.attempts.exhausted:
             return []
-        return find_lost(self.attempts.listed(), absent, self.attempts.declared, self.current.admission.ids_from)
+        admission, shrunk = self.current.admission, self.attempts.shrunk
+        elastic = self.current.config.on_failure is FailurePolicy.ELASTIC  # its dropped ids come back
+        return find_lost(self.attempts.listed(), absent, self.attempts.declared,
+                         lambda where: tuple(p for p in admission.ids_from(where, dropped=elastic) if p not in shrunk))
 
     def take_over_host(self, absent: frozenset[str]) -> list[Effect]:
         """The coordinator's own decision: a spare host takes over a lost host's ids (journaled, once; see
