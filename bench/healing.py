@@ -6,15 +6,22 @@ parameters (``recovered_s``), whether a survivor was lost, equal digests, the se
 and the lines of user code the recovery needs. The job is bench/healing_model.py; the ways:
 
 - ``ifrt``: bench/healing_ifrt.py: ``ifrt.torch.Replica`` under ``ifrt run --recover replace --spare 1``;
+- ``ifrt-1agent``: the same in the default layout, one agent ``ifrt run --nproc-per-host 2 --recover replace
+  --spare 1`` for both processes (``ifrt`` runs one agent per process);
 - ``torchft``: torchft 0.2.0 (bench/healing_torchft.py), its Lighthouse at its default 5 s heartbeat timeout;
 - ``torchft-1s``: the same with ``--heartbeat_timeout_ms 1000``.
 
 For each size, moment and round the ways run alternating. Also measured once per size, for scale: gloo's own
 broadcast of the same state tensors between 2 processes (``broadcast``: the physical limit of a healing transfer).
 
+``--scenarios elastic`` (bench/healing_elastic.py; ways ifrt, ifrt-1s (a 1 s heartbeat timeout), torchft,
+torchft-1s; ``--groups 2,3`` replica groups,
+the first of ``--sizes``): a group's host lost for good, the survivors going on without it (``lost``), then the
+group started again and taken back, healed (``join``). ``--scenarios replace`` (the default) is the above.
+
     bash bench/healing_setup.sh          # once: .venv-torchft with torchft 0.2.0
     .venv/bin/python bench/healing.py [--sizes 10,250] [--moments before,during,after,at_ms] [--rounds 2]
-        [--ways ifrt,torchft,torchft-1s] [--json]
+        [--ways ifrt,ifrt-1agent,torchft,torchft-1s] [--scenarios replace,elastic] [--groups 2,3] [--json]
 
 Prints one JSON line per trial (``--json``; else a short line), then a summary: per way and size the median/min/max
 ``recovered_s`` and the state bytes over it (``effective_gbps``), survivors lost per way and moment, lines of code,
@@ -38,9 +45,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import healing_ifrt, healing_model, healing_torchft  # noqa: E402
+from bench import healing_elastic, healing_ifrt, healing_model, healing_torchft  # noqa: E402
 
-WAYS = ("ifrt", "torchft", "torchft-1s")
+WAYS = ("ifrt", "ifrt-1agent", "torchft", "torchft-1s")
+SCENARIOS = ("replace", "elastic")
 BROADCAST_REPEAT = 3
 
 
@@ -62,6 +70,8 @@ def trial_functions(ways: list[str]) -> dict[str, Callable[[int, str, int], heal
     for way in ways:
         if way == "ifrt":
             functions[way] = healing_ifrt.run_trial
+        elif way == "ifrt-1agent":
+            functions[way] = lambda mb, moment, rnd: healing_ifrt.run_trial(mb, moment, rnd, one_agent=True)
         elif way in ("torchft", "torchft-1s"):
             if missing := healing_torchft.available():
                 print(f"healing: skipping way {way}: {missing}", file=sys.stderr)
@@ -153,6 +163,26 @@ def summary(results: list[healing_model.TrialResult], broadcasts: list[dict]) ->
             "lines": lines, "servers": servers, "broadcast": broadcasts}
 
 
+def elastic(ways: list[str], groups: list[int], state_mb: int, rounds: int) -> None:
+    """The elastic scenarios (bench/healing_elastic.py), the ways alternating: one JSON line per trial, then the
+    summary."""
+    runs = {"ifrt": lambda g, rnd: healing_elastic.run_ifrt(g, rnd, None, state_mb),
+            "ifrt-1s": lambda g, rnd: healing_elastic.run_ifrt(g, rnd, 1.0, state_mb),
+            "torchft": lambda g, rnd: healing_elastic.run_torchft(g, rnd, None, state_mb),
+            "torchft-1s": lambda g, rnd: healing_elastic.run_torchft(g, rnd, 1000, state_mb)}
+    results = []
+    for count in groups:
+        for rnd in range(rounds):
+            for way in [w for w in ways if w in runs]:
+                try:
+                    results.append(runs[way](count, rnd))
+                except Exception as e:  # one way's failure must not end the others' trials
+                    results.append(healing_elastic.trial_result(way, count, rnd, state_mb)
+                                   | {"error": f"{type(e).__name__}: {e}"})
+                print(json.dumps(results[-1]), flush=True)
+    print(json.dumps(healing_elastic.summary(results)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10,250",
@@ -166,6 +196,12 @@ def main() -> None:
     parser.add_argument("--ways", default=",".join(WAYS),
                         help="ifrt, torchft (its Lighthouse's default 5 s heartbeat timeout), torchft-1s (1 s); "
                              "comma-separated, run alternating (default %(default)s)")
+    parser.add_argument("--scenarios", default="replace",
+                        help="replace (a process killed and replaced, the moments above), elastic (a group lost for "
+                             "good, then started again: bench/healing_elastic.py); comma-separated "
+                             "(default %(default)s)")
+    parser.add_argument("--groups", default="2,3",
+                        help="replica groups of the elastic scenario, comma-separated (default %(default)s)")
     parser.add_argument("--json", action="store_true", help="one JSON line per trial (else a short line)")
     parser.add_argument("--no-broadcast", action="store_true", help="skip the broadcast measurement")
     parser.add_argument("--broadcast-peer", nargs=3, type=int, metavar=("RANK", "PORT", "MB"), help=argparse.SUPPRESS)
@@ -175,9 +211,18 @@ def main() -> None:
         return
     sizes = [int(s) for s in args.sizes.split(",") if s]
     moments = [normalize_moment(m) for m in args.moments.split(",") if m]
-    functions = trial_functions([w for w in args.ways.split(",") if w])
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if unknown := set(scenarios) - set(SCENARIOS):
+        raise SystemExit(f"--scenarios: {', '.join(sorted(unknown))} not among {', '.join(SCENARIOS)}")
+    ways = [w for w in args.ways.split(",") if w]
+    functions = trial_functions(ways) if "replace" in scenarios else {}
     print(json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                      "ways": list(functions), "sizes": sizes, "moments": moments, "rounds": args.rounds}), flush=True)
+                      "ways": ways, "scenarios": scenarios, "sizes": sizes, "moments": moments,
+                      "rounds": args.rounds}), flush=True)
+    if "elastic" in scenarios:
+        elastic(ways, [int(g) for g in args.groups.split(",") if g], sizes[0], args.rounds)
+    if "replace" not in scenarios:
+        return
     broadcasts = []
     if not args.no_broadcast:
         for mb in sizes:

@@ -6,9 +6,10 @@ process 1 is armed and SIGKILLs itself at the chosen moment of its next step; it
 warm spare. Measured as the torchft side is: from the kill until both processes have reported the first step after
 the kill that both report with equal digests (``recovered_s``), whether the survivor was lost, and what runs and
 listens beside the job (the coordinator, the agents and their spares). Every process is started here and stopped
-here, by pid, also after a failure.
+here, by pid, also after a failure. ``--one-agent``: the default layout instead, one agent for both processes
+(``ifrt run --nproc-per-host 2 --recover replace --spare 1``; way ``ifrt-1agent`` of bench/healing.py).
 
-    .venv/bin/python bench/healing_ifrt.py [--state-mb 10] [--moment before]
+    .venv/bin/python bench/healing_ifrt.py [--state-mb 10] [--moment before] [--one-agent]
 """
 
 from __future__ import annotations
@@ -40,13 +41,16 @@ RECORD = re.compile(r"^\[(\d+)\] (\{.*\})$")
 
 
 class Agent:
-    """``ifrt run`` for one host: its workers' JSON lines, each stamped on arrival, by process id."""
+    """``ifrt run`` for one host: its workers' JSON lines, each stamped on arrival and with the process id it came
+    from (``process``). ``args``: the ``ifrt run`` arguments (default: host ``host`` of 2, one process, one spare)."""
 
-    def __init__(self, host: int, env: dict[str, str], restarts: int = 4) -> None:
+    def __init__(self, host: int, env: dict[str, str], restarts: int = 4, args: list[str] | None = None) -> None:
+        self.started = time.time()
+        args = args or ["--nproc-per-host", "1", "--host-rank", str(host), "--num-hosts", "2", "--recover", "replace",
+                        "--spare", "1"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ifrt.cli", "run", "--nproc-per-host", "1", "--host-rank", str(host), "--num-hosts",
-             "2", "--recover", "replace", "--spare", "1", "--max-restarts", str(restarts), "--grace-seconds", "2", "--",
-             sys.executable, str(WORKER)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "ifrt.cli", "run", *args, "--max-restarts", str(restarts), "--grace-seconds", "2",
+             "--", sys.executable, str(WORKER)], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         self.records: list[dict] = []
         self.err: list[str] = []
@@ -58,7 +62,8 @@ class Agent:
         for line in self.process.stdout:
             if m := RECORD.match(line.rstrip("\n")):
                 with contextlib.suppress(ValueError):
-                    self.records.append({**json.loads(m.group(2)), "arrived": time.time()})
+                    self.records.append({**json.loads(m.group(2)), "arrived": time.time(),
+                                         "process": int(m.group(1))})
 
     def steps(self, after: float, pid: int | None = None) -> dict[int, dict]:
         """Committed steps reported at or after ``after`` (by the worker ``pid`` if given), by step."""
@@ -82,6 +87,17 @@ class Agent:
                 self.process.wait()
 
 
+class Part(Agent):
+    """The records of one process of an agent that runs several (``--nproc-per-host 2``), read as an Agent's."""
+
+    def __init__(self, agent: Agent, process_id: int) -> None:  # no process of its own: the agent's
+        self.agent, self.process_id, self.process, self.err = agent, process_id, agent.process, agent.err
+
+    @property
+    def records(self) -> list[dict]:  # type: ignore[override]
+        return [r for r in list(self.agent.records) if r["process"] == self.process_id]
+
+
 def wait_for(probe, what: str, agents: list[Agent], timeout: float):
     """``probe()`` once it is not None; TimeoutError naming ``what`` after ``timeout`` or once an agent exited."""
     deadline = time.monotonic() + timeout
@@ -102,16 +118,17 @@ def servers_of(coordinator_pid: int, agents: list[Agent]) -> dict:
     roles = {"coordinator": [f"{h}:{p}" for h, p in listening(coordinator_pid)],
              "agents": [f"{h}:{p}" for a in agents for h, p in listening(a.process.pid)]}
     return {"listening": sum(len(v) for v in roles.values()), "by_role": roles,
-            "processes": len(beside) + len(spares), "process_names": ["ifrt-coordinator", "ifrt run agent x2",
-                                                                      f"warm spare x{len(spares)}"],
+            "processes": len(beside) + len(spares),
+            "process_names": ["ifrt-coordinator", f"ifrt run agent x{len(agents)}", f"warm spare x{len(spares)}"],
             "rss_mb": rss_mb(coordinator_pid), "agents_rss_mb": [rss_mb(a.process.pid) for a in agents],
             "spares_rss_mb": [rss_mb(s) for s in spares]}
 
 
-def run_trial(state_mb: int, moment: str, round: int) -> healing_model.TrialResult:
-    """One trial (see the module's doc)."""
+def run_trial(state_mb: int, moment: str, round: int, one_agent: bool = False) -> healing_model.TrialResult:
+    """One trial (see the module's doc); ``one_agent``: the default layout instead, one agent ``ifrt run
+    --nproc-per-host 2 --recover replace --spare 1`` for both processes (way ``ifrt-1agent``)."""
     lines = len([line for line in WORKER.read_text().splitlines() if line.rstrip().endswith("# [ifrt]")])
-    result = healing_model.trial_result("ifrt", state_mb, moment, round, lines=lines)
+    result = healing_model.trial_result("ifrt-1agent" if one_agent else "ifrt", state_mb, moment, round, lines=lines)
     tmp = Path(tempfile.mkdtemp(prefix="healing-ifrt-"))
     kill_file = tmp / "kill"
     agents: list[Agent] = []
@@ -121,8 +138,12 @@ def run_trial(state_mb: int, moment: str, round: int) -> healing_model.TrialResu
             env.update(IFRT_COORDINATOR=coordinator.address, IFRT_CPU_DEVICE_COUNT="1", BENCH_STATE_MB=str(state_mb),
                        BENCH_KILL_MOMENT=moment, BENCH_KILL_FILE=str(kill_file), BENCH_MAX_SECONDS="400",
                        OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-            agents = [Agent(h, env) for h in range(2)]
-            survivor, host = agents
+            if one_agent:
+                agents = [Agent(0, env, args=["--nproc-per-host", "2", "--recover", "replace", "--spare", "1"])]
+                survivor, host = Part(agents[0], 0), Part(agents[0], 1)
+            else:
+                agents = [Agent(h, env) for h in range(2)]
+                survivor, host = agents
             wait_for(lambda: warm(survivor.steps(0), host.steps(0)), f"{WARM} equal steps on both", agents,
                      START_TIMEOUT)
             victim = host.steps(0)[max(host.steps(0))]["pid"]
@@ -217,11 +238,13 @@ def main() -> None:
     parser.add_argument("--recoveries", type=int, default=0, metavar="N",
                         help="instead of one trial: N kills of process 1 in one job, the survivor's threads, "
                              "descriptors and memory after each recovery (default: one trial)")
+    parser.add_argument("--one-agent", action="store_true",
+                        help="one agent --nproc-per-host 2 for both processes (default: one agent per process)")
     args = parser.parse_args()
     if args.recoveries:
         print(json.dumps(run_soak(args.state_mb, args.recoveries)), flush=True)
     else:
-        print(json.dumps(run_trial(args.state_mb, args.moment, args.round)), flush=True)
+        print(json.dumps(run_trial(args.state_mb, args.moment, args.round, args.one_agent)), flush=True)
 
 
 if __name__ == "__main__":

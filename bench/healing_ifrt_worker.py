@@ -1,10 +1,11 @@
 """One process of bench/healing.py's job on ifrt: ``ifrt.torch.Healing`` heals a replacement from its peer and votes
 on each step; run by ``ifrt run --recover replace --spare 1`` (bench/healing_ifrt.py).
 
-Prints one JSON line per committed step ``{"replica", "step", "t", "digest", "pid"}`` (digest of parameters +
-momentum). Process 1, with BENCH_KILL_MOMENT set, SIGKILLs itself in the first step that starts after
-BENCH_KILL_FILE exists, at that moment (healing_model.MOMENTS), after printing ``{"event": "killed", "t": ...}``;
-it renames the file first, so its replacement (started with the same environment) does not die too.
+Prints one JSON line per committed step ``{"replica", "step", "t", "digest", "pid", "world"}`` (digest of parameters
+and momentum; ``world``: the processes of the group it stepped in). Process 1, with BENCH_KILL_MOMENT set, SIGKILLs
+itself in the first step that starts after BENCH_KILL_FILE exists, at that moment (healing_model.MOMENTS), after
+printing ``{"event": "killed", "t": ...}``; it renames the file first, so its replacement (started with the same
+environment) does not die too.
 
 Lines of user code the recovery needs: every line marked ``# [ifrt]`` below; ``RECOVERY_LINES`` lists them.
 """
@@ -90,7 +91,7 @@ def main() -> None:
             emit(event="recovered", recoveries=recoveries, t=time.time(), pid=os.getpid(), **healing_model.usage())
         if healing.step != last:
             emit(replica=me, step=healing.step, t=time.time(), digest=healing_model.digest(model, optimizer),
-                 pid=os.getpid())
+                 pid=os.getpid(), world=healing.world_size)
             last = healing.step
 
 

@@ -2,7 +2,8 @@
 a Manager with state_dict/load_state_dict callbacks, its DistributedDataParallel and OptimizerWrapper, gloo on CPU, the
 Lighthouse at TORCHFT_LIGHTHOUSE. Runs in .venv-torchft (bench/healing_setup.sh).
 
-Prints one JSON line per committed step ``{"replica", "step", "t", "digest"}`` (digest of parameters + momentum),
+Prints one JSON line per committed step ``{"replica", "step", "t", "digest", "world"}`` (digest of parameters +
+momentum; ``world``: the replica groups in the step's quorum),
 and once ``{"event": "servers", ...}`` (the ports it serves on, for the driver to name its listening sockets). With
 BENCH_KILL_MOMENT set, it SIGKILLs itself in the first step that starts after BENCH_KILL_FILE exists, at that moment
 (healing_model.MOMENTS), after printing ``{"event": "killed", "t": ...}``.
@@ -105,7 +106,8 @@ def main() -> None:
         ft_optimizer.step()  # [ft]
         step = manager.current_step()  # [ft]
         if step != last:
-            emit(replica=replica, step=step, t=time.time(), digest=healing_model.digest(model, optimizer))
+            emit(replica=replica, step=step, t=time.time(), digest=healing_model.digest(model, optimizer),
+                 world=manager.num_participants())
             last = step
     manager.shutdown(wait=False)
 
