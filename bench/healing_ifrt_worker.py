@@ -42,12 +42,12 @@ def main() -> None:
     state_mb = float(os.environ["BENCH_STATE_MB"])
     deadline = time.monotonic() + float(os.environ.get("BENCH_MAX_SECONDS", "300"))
     torch.set_num_threads(1)
+    model, optimizer = healing_model.build(state_mb)  # before the group, as torchft's side: a joiner is ready
     topology = ifrt.torch.init_process_group(on_failure="recover", collective_timeout=COLLECTIVE_TIMEOUT_S)  # [ifrt]
     me = topology.process_id
     kill_file = Path(os.environ.get("BENCH_KILL_FILE", "/nonexistent"))
     moment = os.environ.get("BENCH_KILL_MOMENT", "") if me == 1 else ""
     emit(event="start", replica=me, t=time.time(), pid=os.getpid(), lines=len(RECOVERY_LINES))
-    model, optimizer = healing_model.build(state_mb)
     inputs, targets = healing_model.batch(state_mb, me)
     healing = ifrt.torch.Healing({"model": model, "optimizer": optimizer})  # [ifrt]
     ddp = healing.data_parallel(model)  # [ifrt]

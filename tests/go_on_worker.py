@@ -29,14 +29,14 @@ def main() -> None:
 
     import ifrt.torch
 
+    torch.manual_seed(0)  # the model and optimizer first: a newcomer is awaited from its registration on
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     ifrt.torch.init_process_group(on_failure="recover", collective_timeout=10, timeout=60)
     dies = os.environ.get("GO_ON_DIE_JOINING")
     if dies and not os.path.exists(dies):  # once: in its group with the survivors, before they heal it
         open(dies, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     sets = json.loads(os.environ.get("GO_ON_SETS", "null"))
     healing = ifrt.torch.Healing({"model": net, "optimizer": optimizer}, replica_sets=sets)
     model = healing.data_parallel(net)

@@ -7,6 +7,8 @@ record on stdout. ``HEAL_SCENARIO``:
   all-reduce of every process per step stands for the step's collectives. Process VICTIM dies as above.
 - ``leak``: 2 processes, a model of 4.7 MB of parameters; process 1 SIGKILLs itself after each LEAK_STEPS steps it
   committed, until HEAL_KILLS deaths; process 0 records its threads, descriptors and memory after each recovery.
+  Both end at the step after process 1's last life committed LEAK_STEPS (process 0 may step alone meanwhile, where
+  the coordinator runs --on-failure elastic).
 
 Each process records its state's digest (parameters and optimizer state) when it joins (a newcomer: healed,
 before its first step) and after each recovery (a survivor, before its next step).
@@ -80,15 +82,18 @@ def main() -> None:
     say(event="state", process_id=me, pid=os.getpid(), step=healing.step, digest=digest(net, optimizer),
         healed_from=healing.healed and healing.healed.source)
     kills = int(os.environ.get("HEAL_KILLS", "0"))
-    steps = (kills + 1) * LEAK_STEPS + 2 if scenario == "leak" else STEPS
-    mine = 0
-    while healing.step < steps:
+    mine, finished = 0, False
+    while healing.step < STEPS or (scenario == "leak" and not finished):
         recoveries = healing.recoveries
         with healing.try_step():
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             if scenario == "sharded":
                 dist.all_reduce(torch.zeros(1))
+            if scenario == "leak":  # every process ends at the same step: once process 1's last life stepped
+                last = torch.tensor([float(me == 1 and mine >= LEAK_STEPS
+                                           and len(os.listdir(os.environ["HEAL_DIR"])) >= kills)])
+                dist.all_reduce(last)
             if scenario != "leak" and me == VICTIM and healing.step == KILL_STEP:
                 die_once("victim")
             committed = healing.should_commit()
@@ -96,9 +101,10 @@ def main() -> None:
             if committed:
                 optimizer.step()
                 mine += 1
+                finished = scenario == "leak" and last.item() > 0
         if healing.recoveries > recoveries:
             say(event="state", process_id=me, pid=os.getpid(), step=healing.step, digest=digest(net, optimizer),
-                recoveries=healing.recoveries, **(usage() if scenario == "leak" else {}))
+                recoveries=healing.recoveries, world=healing.world_size, **(usage() if scenario == "leak" else {}))
         if scenario == "leak" and me == 1 and mine == LEAK_STEPS:
             done = len(os.listdir(os.environ["HEAL_DIR"]))
             if done < kills:

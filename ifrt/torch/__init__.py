@@ -28,7 +28,10 @@ group, heals the replacement from a live peer (``ifrt.torch.heal``), rebuilds it
 where every process applied it (``ifrt.vote``).
 
 A job that shrank to its survivors (the coordinator's ``--min-processes``; docs/failures.md, "Shrink") publishes a
-generation without the failed processes: ``recover()`` then re-forms the group over the survivors alone. Ranks are
+generation without the failed processes: ``recover()`` then re-forms the group over the survivors alone. Under the
+coordinator's ``--on-failure elastic`` that generation comes at once, and a process that takes a dropped id again
+(replaced, its agent back, a spare host) makes a later one with it: ``Healing`` takes it in at a vote and heals it
+(docs/failures.md, "Go on first, grow after"). Ranks are
 the processes' places in the topology, by process id (``rank``), and the world size its process count: equal to the
 process ids until a shrink, fewer and renumbered after one (process ids do not change).
 """
