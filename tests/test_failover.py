@@ -7,6 +7,7 @@ process holding the topology a run without any kill produces: the same bytes, ge
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -184,7 +185,10 @@ def test_etcd_outage_is_reported_then_survived(etcd, ports):
         coordinator.wait_for_log("registered process 1")
         etcd.stop_all()
         second = Worker(coordinator.address, 2, NUM, transfer_port=ports[2])
-        coordinator.wait_for_log("stepping down: the store failed: cannot write the journal to etcd")
+        coordinator.wait_for_log("stepping down: ")
+        # the registration's write fails first, or (on a loaded machine, the registration later) the lease expires
+        assert re.search(r"stepping down: (the store failed: cannot write the journal to etcd|leadership lost)",
+                         coordinator.log), coordinator.log
         coordinator.wait_for_log("etcd is unreachable")
         wait_health(coordinator.address, "NOT_SERVING")
         etcd.restart_all()
