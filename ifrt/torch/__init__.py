@@ -396,7 +396,8 @@ class Healing:
         self._due = self._vote.failed
         if not committed and not self._due:
             found = started.client.kv_try_get(said, timeout=self.vote_timeout)
-            self._joining_at = int(found) if found is not None and found.isdigit() else 0
+            # a generation number as a survivor wrote it; anything else (a process of the job writing there) is none
+            self._joining_at = int(found) if found is not None and found.isdigit() and len(found) <= 20 else 0
         return committed
 
     def _joining(self, started: _Started) -> int:
