@@ -3,8 +3,10 @@ coordinator runs ``--on-failure elastic``, one JSON line per record on stdout.
 
 Each process takes its share of a fixed global batch by its rank and world size in the group it steps in now, so
 the job goes on with fewer replicas and grows back without anything else changing. ``GO_ON_SETS``: replica sets as
-JSON (default: data parallelism). ``GO_ON_STEPS`` steps of ``STEP_S`` each. ``GO_ON_DIE_JOINING``: a file; a
-process that finds it missing makes it and SIGKILLs itself in its group, before its Healing (set for a newcomer).
+JSON (default: data parallelism). ``GO_ON_STEPS`` steps of ``STEP_S`` each, and on until the group holds
+``GO_ON_WHOLE`` processes (the job whole again: a test's newcomer is never too late). ``GO_ON_DIE_JOINING``: a file;
+a process that finds it missing makes it and SIGKILLs itself in its group, before its Healing (set for a
+newcomer).
 
 Records ``state`` when it joins (healed, before its first step) and after each re-formed group, ``step`` every tenth
 step, ``done`` at the end; each with its PID, step, rank, world size, generation and the digest of its parameters and
@@ -53,8 +55,8 @@ def main() -> None:
                           "recoveries": healing.recoveries, **more}), flush=True)
 
     say("state", healed_from=healing.healed and healing.healed.source)
-    steps = int(os.environ["GO_ON_STEPS"])
-    while healing.step < steps:
+    steps, whole = int(os.environ["GO_ON_STEPS"]), int(os.environ.get("GO_ON_WHOLE", "0"))
+    while healing.step < steps or healing.world_size < whole:  # the same answer in every process of the group
         recoveries = healing.recoveries
         with healing.try_step():
             share = GLOBAL_BATCH // healing.world_size  # this replica's shard of the global batch

@@ -75,7 +75,8 @@ class Job:
                                             "--min-processes", "1", num_processes=count,
                                             bind=f"{hosts.address(1)}:8476", wrapper=hosts.command(1, []),
                                             log_level="WARNING")
-        self.env = loopback_env(self.coordinator.address, OMP_NUM_THREADS="1", GO_ON_STEPS=str(steps), **env)
+        self.env = loopback_env(self.coordinator.address, OMP_NUM_THREADS="1", GO_ON_STEPS=str(steps),
+                                GO_ON_WHOLE=str(count), **env)
         self.started = [self.start(h) for h in range(count)]
 
     def start(self, h: int, *flags: str, **env: str) -> RunAgent:
@@ -87,7 +88,7 @@ class Job:
 
 def test_a_lost_host_is_gone_on_without_at_once_and_its_agent_started_again_rejoins_healed(agents):
     with Hosts(3) as hosts:
-        job = Job(hosts, agents, 3, steps=400)  # the survivors still step when the newcomer comes
+        job = Job(hosts, agents, 3, steps=60)
         a, b, c = job.started
         try:
             for agent in (a, b, c):
@@ -112,7 +113,7 @@ def test_a_lost_host_is_gone_on_without_at_once_and_its_agent_started_again_rejo
     assert {r["step"] for r in grown} == {joined["step"]}, (grown, joined)
     assert {r["digest"] for r in grown} == {joined["digest"]}, (grown, joined)  # parameters and momentum
     done = [r for agent in (a, b, back) for r in records(agent) if r["event"] == "done"]
-    assert len(done) == 3 and len({r["digest"] for r in done}) == 1 and {r["step"] for r in done} == {400}, done
+    assert len(done) == 3 and len({(r["digest"], r["step"]) for r in done}) == 1 and done[0]["step"] >= 60, done
     said = "\n".join(a.err)
     assert "the job goes on without it" in said and "waiting for host" not in said, a.output()
 
@@ -135,7 +136,7 @@ def test_a_replica_set_that_loses_its_last_copy_is_state_lost_naming_it(agents):
 
 def test_a_newcomer_killed_while_it_joins_leaves_the_survivors_stepping_and_its_replacement_joins(agents, tmp_path):
     with Hosts(2) as hosts:
-        job = Job(hosts, agents, 2, steps=400, restarts=1)  # the survivor still steps when the newcomer comes
+        job = Job(hosts, agents, 2, steps=60, restarts=1)
         a, b = job.started
         try:
             lose_host(a, b)
@@ -149,7 +150,7 @@ def test_a_newcomer_killed_while_it_joins_leaves_the_survivors_stepping_and_its_
     survivor = [r for r in records(a) if r["event"] in ("state", "done")]
     assert len({r["pid"] for r in survivor}) == 1, survivor  # never restarted
     steps = [r["step"] for r in records(a) if r["event"] == "step"]
-    assert steps == sorted(set(steps)) and steps[-1] == 400, steps  # none applied twice, none lost
+    assert steps == sorted(set(steps)) and steps[-1] >= 60, steps  # none applied twice, none lost
     assert joined["healed_from"] == 0 and joined["world"] == 2 and joined["step"] > 0, joined
     done = [r for agent in (a, back) for r in records(agent) if r["event"] == "done"]
     assert len(done) == 2 and done[0]["digest"] == done[1]["digest"], done
@@ -158,7 +159,7 @@ def test_a_newcomer_killed_while_it_joins_leaves_the_survivors_stepping_and_its_
 
 def test_a_spare_host_started_later_takes_the_lost_hosts_place_healed(agents):
     with Hosts(3) as hosts:
-        job = Job(hosts, agents, 2, steps=600, restarts=1)  # a spare host takes over once the lost agent is gone T
+        job = Job(hosts, agents, 2, steps=60, restarts=1)
         a, b = job.started
         try:
             lose_host(a, b)
@@ -170,5 +171,5 @@ def test_a_spare_host_started_later_takes_the_lost_hosts_place_healed(agents):
             job.coordinator.close()
     assert joined["process_id"] == 1 and joined["healed_from"] == 0 and joined["world"] == 2, joined
     done = [r for agent in (a, spare) for r in records(agent) if r["event"] == "done"]
-    assert len(done) == 2 and done[0]["digest"] == done[1]["digest"] and done[0]["step"] == 600, done
+    assert len(done) == 2 and done[0]["digest"] == done[1]["digest"] and done[0]["step"] == done[1]["step"], done
     assert "taking over processes 1 of the lost host host-b" in "\n".join(spare.err), spare.output()
