@@ -209,6 +209,7 @@ class Sessions:
         service = self.service
         await service.commit(context, what)  # only durable events are sent
         try:  # no await since the commit: nothing newer than what is durable is read
+            state.check_current(opening.run, opening.attempt)  # the run may have ended since the session attached
             catch_up = state.catch_up(process_id, opening.since_event, opening.generation)
         except IfrtError as e:
             await abort(context, e, what)
