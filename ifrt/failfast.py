@@ -9,9 +9,10 @@ What happens is the program's choice (``on_failure``):
 - ``"raise"``: the typed error (``PeerFailed``, ``CoordinatorGone``) is raised in the main thread, by the signal
   ``RAISE_SIGNAL``; the process exits with the same code when the program ends, or after ``grace`` seconds anyway.
 - a callable: called with the error in a thread of its own; then the same exit, at the latest after ``grace``.
-- ``"recover"`` (``ifrt.torch`` only, under ``ifrt run --recover replace``): a peer that fails or is replaced is no
-  failure of this process: its collectives fail, and the program re-forms its groups in place
-  (``ifrt.torch.recover()``). This process declared failed, or the coordinator lost, still ends it as ``"exit"``.
+- ``"recover"`` (under ``ifrt run --recover replace``): a peer that fails or is replaced is no failure of this
+  process: its collectives fail, and the program re-forms its groups in place (``ifrt.torch.recover()``) or, in
+  JAX's recoverable mode, goes on over the live devices (``ifrt.jax``). This process declared failed, or the
+  coordinator lost, still ends it as ``"exit"``.
 
 A process that leaves on purpose (``ProcessLeft``) is no failure. A process whose main thread ends with an uncaught
 exception waits up to the coordinator's heartbeat timeout + 1 s for the failure that caused it (a peer's death
@@ -57,20 +58,16 @@ EXIT_UNCAUGHT = 1
 """Exit code after an uncaught exception that no peer's failure explains: a bug in this program."""
 
 
-def check(on_failure: OnFailure, *, recover: bool = False) -> None:
-    """InvalidArgument saying what is accepted if ``on_failure`` is not "exit", "raise", a callable or (where the
-    runtime can re-form in place, ``recover``) "recover", if "raise" is asked for outside the main thread (only the
-    main thread can install its signal handler), or if IFRT_FAILOVER_WINDOW is not a positive number."""
+def check(on_failure: OnFailure) -> None:
+    """InvalidArgument saying what is accepted if ``on_failure`` is not "exit", "raise", "recover" or a callable, if
+    "raise" is asked for outside the main thread (only the main thread can install its signal handler), or if
+    IFRT_FAILOVER_WINDOW is not a positive number."""
     failover_window_from_env()
-    if callable(on_failure) or on_failure == "exit" or (recover and on_failure == "recover"):
+    if callable(on_failure) or on_failure in ("exit", "recover"):
         return
-    if on_failure == "recover":
-        raise InvalidArgument("on_failure='recover' re-forms the runtime's groups in place, which this runtime cannot: "
-                              "JAX's distributed runtime cannot be started twice in one process; use 'exit' (or "
-                              "'raise') under `ifrt run`, which restarts the whole job in place")
     if on_failure != "raise":
-        raise InvalidArgument(f"on_failure={on_failure!r}: expected 'exit', 'raise' or a callable taking the error"
-                              + (", or 'recover'" if recover else ""))
+        raise InvalidArgument(f"on_failure={on_failure!r}: expected 'exit', 'raise', 'recover' or a callable taking "
+                              "the error")
     if threading.current_thread() is not threading.main_thread():
         raise InvalidArgument("on_failure='raise' needs the runtime started from the main thread (the error is "
                               "raised there by a signal handler): start it from the main thread, or use 'exit' "
@@ -115,7 +112,7 @@ class Watchdog:
                  abort: Callable[[], None] | None = None, shutdown: Callable[[], None] | None = None,
                  cleanup: Callable[[], None] | None = None, failover_window: float | None = None,
                  grace: float = RAISE_GRACE_S) -> None:
-        check(on_failure, recover=True)  # the runtime's own module refuses "recover" where it cannot re-form
+        check(on_failure)
         self.client, self.topology, self.on_failure, self.runtime = client, topology, on_failure, runtime
         self._abort, self._shutdown, self._cleanup = abort, shutdown, cleanup
         self.failover_window = failover_window if failover_window is not None else failover_window_from_env()

@@ -237,7 +237,7 @@ def test_a_failed_or_restarted_peer_is_a_failure_that_names_it_and_a_peer_that_l
 
 
 def test_an_unknown_on_failure_is_refused_naming_what_is_accepted():
-    with pytest.raises(InvalidArgument, match=r"on_failure='abort': expected 'exit', 'raise' or a callable"):
+    with pytest.raises(InvalidArgument, match=r"on_failure='abort': expected 'exit', 'raise', 'recover' or a callable"):
         failfast.check("abort")  # type: ignore[arg-type]
     errors = []
     thread = threading.Thread(target=lambda: errors.append(_refused(lambda: failfast.check("raise"))))

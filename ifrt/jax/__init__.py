@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -100,7 +102,7 @@ topology = _runtime.topology
 def initialize(
     coordinator: str | Sequence[str] | None = None,
     *,
-    on_failure: failfast.OnFailure = "exit",
+    on_failure: failfast.OnFailure | None = None,
     coordination: Coordination = "ifrt",
     **options: Unpack[DiscoverOptions],
 ) -> Topology:
@@ -112,6 +114,11 @@ def initialize(
     process, if some process's JAX devices differ from what it registered; DiscoveryTimeout after ``timeout``.
     Afterwards a failed peer or a lost coordinator ends this process as ``on_failure`` says (``ifrt.failfast``).
 
+    ``on_failure="recover"`` (the default where ``jax_enable_recoverability`` is set; it sets it): JAX's recoverable
+    mode, with no process special. A failed peer, process 0 included, ends no other process; ``live_devices`` answers
+    the coordinator's agreement on who is alive; a replacement (``ifrt run --recover replace``) joins the running
+    start and is in the next live set with a new incarnation (docs/jax.md, "Fault tolerance").
+
     ``coordination="ifrt"`` (the default, on the jaxlib versions ``ifrt.jax.xla_standin`` serves): JAX's coordination
     service is ifrt's stand-in in this very process, so no process is special and a coordinator failover is invisible
     to JAX; ``"jax"``: ``jax.distributed``'s own service in process 0, as before.
@@ -119,8 +126,9 @@ def initialize(
     with _runtime.lock:
         if _runtime.state is not None:
             return _runtime.state.topology
-        failfast.check(on_failure)
+        on_failure = _on_failure(on_failure)
         coordination = _coordination(coordination)
+        recoverable = on_failure == "recover"
         _refuse_if_started()
         deadline = time.monotonic() + (options["timeout"] if options.get("timeout") is not None
                                         else discovery_timeout(options.get("environ")))
@@ -131,12 +139,13 @@ def initialize(
         exchange = server = None
         try:
             topology = client.discover()
-            exchange = StartupExchange(client, topology, deadline, reserve=coordination == "jax")
+            exchange = StartupExchange(client, topology, deadline, reserve=coordination == "jax",
+                                       recoverable=recoverable)
             record = exchange.run(jax_view if jax_view is not None else gpu_view(topology))
             check_devices(topology, exchange.views, what="will have")
             if coordination == "ifrt":
                 agent_socket = client.settings.agent_socket
-                server = StandInServer(CoordinationStandIn(client, topology, exchange.scope),
+                server = StandInServer(CoordinationStandIn(client, topology, exchange.scope, recoverable=recoverable),
                                        within=os.path.dirname(agent_socket) if agent_socket else None)
                 address = server.address
                 try:
@@ -173,6 +182,37 @@ def should_commit(ok: bool = True) -> bool:
 
 
 
+
+
+def live_order(devices: Sequence[Any]) -> list[Any]:
+    """``devices`` (as ``live_devices`` yields them) in an order that is the same in every process and new whenever a
+    process of the live set was replaced: the permutation numbered by the sum of the incarnations in the live set
+    last agreed (``live_devices``' own). jaxlib's CPU backend keeps a collective's gloo context per ordered device
+    list for the life of the process, so a survivor would take a replacement into a context whose peer is gone; a new
+    order is a new context. A set of n devices has n! orders (docs/jax.md, "Fault tolerance"). As given where ifrt
+    does not serve JAX's coordination."""
+    started = _runtime.get()
+    ordered = sorted(devices, key=lambda d: d.id)
+    if started.standin is None:
+        return ordered
+    index = sum(incarnation for _, incarnation in started.standin.standin.agreed) % math.factorial(len(ordered))
+    chosen = []
+    for place in range(len(ordered), 0, -1):  # the index as a factorial number: one digit per place
+        digit, index = divmod(index, math.factorial(place - 1))
+        chosen.append(ordered.pop(digit))
+    return chosen
+
+
+def _on_failure(on_failure: failfast.OnFailure | None) -> failfast.OnFailure:
+    """What a failure does to this process: as asked, else "recover" where JAX's recoverable mode is set, else
+    "exit". "recover" sets JAX's recoverable mode (its own code reads it); InvalidArgument for what is not accepted."""
+    recoverable = bool(jax_plugin.jax_config("jax_enable_recoverability", False))
+    if on_failure is None:
+        on_failure = "recover" if recoverable else "exit"
+    failfast.check(on_failure)
+    if on_failure == "recover" and not recoverable:
+        jax.config.update("jax_enable_recoverability", True)
+    return on_failure
 
 
 def _refuse_if_started() -> None:
@@ -386,18 +426,52 @@ class StartupExchange(startup.StartupExchange):
 
     runtime, what = "jax", "JAX start-up"
 
-    def __init__(self, client: Client, topology: Topology, deadline: float, *, reserve: bool) -> None:
+    def __init__(self, client: Client, topology: Topology, deadline: float, *, reserve: bool,
+                 recoverable: bool = False) -> None:
         super().__init__(client, topology, deadline)
         self.views: dict[int, list[dict[str, Any]]] = {}
+        self.recoverable = recoverable
         self._reserve_port = reserve
         self._port: socket.socket | None = None
 
     def run(self, jax_view: list[dict[str, Any]]) -> dict[str, Any]:
         """Process 0's record (with ``reserve``: JAX's coordinator address), once every process has answered this
-        start; fills ``views``."""
-        record = self.exchange({"devices": jax_view}, self._reserve if self._reserve_port else dict)
+        start, or at once where this process replaces one of a recoverable start that runs; fills ``views``."""
+        record = self.running() if self.recoverable else None
+        if record is None:
+            record = self.exchange({"devices": jax_view}, self._record)
+        else:
+            log.info("JAX start-up: process %d joins the running start %s as a replacement (recoverable mode)",
+                     self.topology.process_id, self.scope)
         self.views = {p: answer["devices"] for p, answer in self.answers.items()}
+        self.views[self.topology.process_id] = jax_view
         return record
+
+    def running(self) -> dict[str, Any] | None:
+        """Process 0's record of this generation's start, where that start completed in recoverable mode in this
+        job attempt and run: this process is a replacement (its previous incarnation answered that start), and JAX's
+        other processes run on its keys. None where there is none (a new start)."""
+        found = self.client.kv_try_get(f"{self.prefix}/start", timeout=max(1.0, self._remaining()))
+        if found is None:
+            return None
+        nonce = json.loads(found)["nonce"]
+        ready = self.client.kv_try_get(f"{self.prefix}/{nonce}/ready", timeout=max(1.0, self._remaining()))
+        if ready is None:
+            return None
+        record = json.loads(ready)
+        if not record.get("recoverable") or (record.get("attempt"), record.get("run")) != (
+                self.client.topology_attempt, self.client.topology_run):
+            return None
+        self.answers = {int(p): a for p, a in record.pop("answers").items()}
+        self.leader_nonce = nonce
+        record.pop("nonces")
+        return record
+
+    def _record(self) -> dict[str, Any]:
+        """Process 0's record of a start: the job attempt and run it belongs to, whether it is recoverable, and JAX's
+        coordinator address where one was reserved."""
+        return {"attempt": self.client.topology_attempt, "run": self.client.topology_run,
+                "recoverable": self.recoverable, **(self._reserve() if self._reserve_port else {})}
 
     def wait_listening(self, address: str) -> None:
         """Waits until JAX's service in process 0 accepts connections: a JAX client that dials too early retries

@@ -134,7 +134,7 @@ def init_process_group(
     with _runtime.lock:
         if _runtime.state is not None:
             return _runtime.state.topology
-        failfast.check(on_failure, recover=True)
+        failfast.check(on_failure)
         if spare.is_spare():
             _warm_up()
         spare.await_hand_off()  # a warm spare waits here, before its deadline starts, until it is handed a process

@@ -4,6 +4,11 @@ Every key JAX uses lives under the start's own prefix (``scope``: topology gener
 that ``ifrt.startup`` agreed), so a restarted job never meets the keys of the last one; barriers are ifrt barriers
 under the same prefix, named with XLA's barrier counter, so that a late caller is answered the result the others
 got. A peer's failure, as ifrt decides it, ends every wait at once with ifrt's words.
+
+In JAX's recoverable mode (``recoverable``: ``jax_enable_recoverability``, ifrt's ``on_failure="recover"``) a peer's
+failure is no failure of this process: its task is in error until its replacement registers, barriers over it fail,
+``PollForError`` does not report it, and ``GetAliveTasks`` answers the coordinator's agreement on who is alive, with
+each process's ifrt incarnation. A replacement writes again the keys its previous incarnation wrote.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import hashlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -53,6 +59,12 @@ BACKSTOP_S = failfast.RAISE_GRACE_S + 1.0
 fail-fast ends the process first in every ``on_failure`` mode (at once with ``"exit"``, after the program's grace
 to save its state with ``"raise"`` or a callable); JAX hears the same words only if the process outlived that."""
 
+GLOO_PREFIX = "cpu:gloo/"
+"""JAX's CPU collectives' rendezvous keys (jaxlib 0.10: gloo's, one per ordered device list and rank)."""
+LIVE_SET_WAIT_S = 120.0
+"""How long ``GetAliveTasks`` without a deadline waits for every live process to ask (a replacement asks once its JAX
+has started); then DEADLINE_EXCEEDED names who did not."""
+
 # XLA's status codes (absl), as gRPC numbers them.
 CANCELLED, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND, ALREADY_EXISTS = 1, 3, 4, 5, 6
 FAILED_PRECONDITION, ABORTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 9, 10, 12, 13, 14
@@ -84,10 +96,11 @@ class CoordinationStandIn:
     """XLA's coordination service for one process's JAX client, answered from ``client`` (see the module docstring).
 
     ``scope`` is the key prefix of this start (``ifrt/jax/g<generation>/<nonce>``); the service incarnation JAX
-    checks on every call is derived from it, so it is the same in every process and stable for the start."""
+    checks on every call is derived from it, so it is the same in every process and stable for the start.
+    ``recoverable``: JAX's recoverable mode (see the module docstring)."""
 
-    def __init__(self, client: Client, topology: Topology, scope: str) -> None:
-        self.client, self.topology, self.scope = client, topology, scope
+    def __init__(self, client: Client, topology: Topology, scope: str, *, recoverable: bool = False) -> None:
+        self.client, self.topology, self.scope, self.recoverable = client, topology, scope, recoverable
         self.task = topology.process_id
         self.tasks = [p.process_id for p in topology.processes]
         self.incarnation = int.from_bytes(hashlib.sha256(scope.encode()).digest()[:8], "big") or 1
@@ -101,6 +114,13 @@ class CoordinationStandIn:
         self._states: dict[int, TaskStatus] = {}
         self._registered: int | None = None  # the incarnation this process's JAX client registered with
         self._register_lock = threading.Lock()
+        self._inserted: set[str] = set()  # keys this process's JAX client inserted (a second insert is refused)
+        self._writer = uuid.uuid4().hex  # this stand-in, as the writer of a key: its process's incarnation
+        self.agreed: list[tuple[int, int]] = []
+        """The live set this process's JAX was last told (``alive_tasks``): (process id, incarnation) pairs."""
+        self.era = ""
+        """A digest of the live set this process's JAX was last told (``alive_tasks``), the same in every process that
+        was told it; "" before the first."""
         self._serving = threading.local()  # the call being answered in this thread: ``ended`` once it ended
         client.on_event(self._on_event, since_topology=True)
 
@@ -136,9 +156,6 @@ class CoordinationStandIn:
         self.check_task(task, "RegisterTask")
         with self._register_lock:
             if self._registered is None:
-                self._call(lambda t: self.client.kv_set(
-                    self._key(f"incarnation/{task}"), str(incarnation).encode(), allow_overwrite=True, timeout=t),
-                    timeout)
                 self._registered = incarnation
             elif incarnation != self._registered:
                 raise CoordinationError(ALREADY_EXISTS, (
@@ -193,14 +210,22 @@ class CoordinationStandIn:
         return current, self.task_states()
 
     def alive_tasks(self, task: int, tasks: Sequence[int], timeout: float | None) -> list[tuple[int, int]]:
-        """Of ``tasks``, those alive, with their JAX client's incarnation, agreed: returns once every live process
-        asked (ifrt's live set, as XLA's service does)."""
+        """Of ``tasks`` (every process), those alive with their incarnations, as ifrt's coordinator decided them once
+        for every caller: returns once every live process asked (a barrier of the live processes, as XLA's service
+        answers it). A process that fails meanwhile is left out as soon as the coordinator declares it failed; one
+        replaced has a new incarnation. INVALID_ARGUMENT for a part of the job: the agreement is the whole job's."""
         self.check_task(task, "GetAliveTasks")
-        live = self._call(lambda t: self.client.live_processes(timeout=t), timeout)
-        alive = [t for t in (tasks or self.tasks) if t in live]
-        keys = [self._key(f"incarnation/{task}") for task in alive]
-        found = self._call(lambda t: self.client.kv_multi_get(keys, timeout=t), timeout)
-        return [(t, int(v or b"0")) for t, v in zip(alive, found, strict=True)]
+        asked = sorted(set(tasks or self.tasks))
+        if asked != sorted(self.tasks):
+            raise CoordinationError(INVALID_ARGUMENT, (
+                f"GetAliveTasks over processes {asked}: ifrt's coordinator agrees on the live processes of the whole "
+                f"job ({len(self.tasks)} processes), and a process outside those asked would never answer; ask with "
+                "every process's devices (live_devices(jax.devices()))"))
+        live = self._call(lambda t: self.client.live_processes(timeout=t), LIVE_SET_WAIT_S if timeout is None
+                          else timeout)
+        self.agreed = sorted(live.items())
+        self.era = hashlib.sha256(repr(self.agreed).encode()).hexdigest()[:16]
+        return self.agreed
 
     def report_error(self, task: int, code: int, message: str) -> None:
         """A task's own report of an error: logged; its process ends, and ifrt's coordinator then decides."""
@@ -215,20 +240,30 @@ class CoordinationStandIn:
         if problem is not None:
             self._refuse_topology(problem)
         # XLA refuses a second insert without overwrite whatever its value, where ifrt's set takes an equal value as
-        # a repeat: each insert counts under the key's own counter, and only the first of them may go without it.
-        inserts = self._call(lambda t: self.client.kv_increment(self._key(f"inserts/{key}"), timeout=t), timeout)
-        if inserts > 1 and not allow_overwrite:
-            raise CoordinationError(ALREADY_EXISTS, f"key {key!r} is set already (InsertKeyValue without "
-                                    "allow_overwrite)")
+        # a repeat: each key names its first writer, and only that writer's first insert may go without overwrite.
+        # A replacement writes again what its previous incarnation wrote (gloo's address of its rank, its topology).
+        mine = f"{self.task}:{self._writer}".encode()
+        writer = self._call(lambda t: self.client.kv_compare_set(self._kv(key, "writers"), b"", mine, timeout=t),
+                            timeout)
+        if not allow_overwrite:
+            previous = (writer or b"").split(b":")[0]
+            if key in self._inserted or (writer != mine and previous != str(self.task).encode()):
+                raise CoordinationError(ALREADY_EXISTS, f"key {key!r} is set already (InsertKeyValue without "
+                                        "allow_overwrite)")
+            if writer != mine:  # this process's previous incarnation wrote it
+                self._call(lambda t: self.client.kv_set(self._kv(key, "writers"), mine, allow_overwrite=True,
+                                                        timeout=t), timeout)
+                allow_overwrite = True
         self._raise_failure()
         try:
-            self.client.kv_set(self._key(f"kv/{key}"), value, allow_overwrite=allow_overwrite,
+            self.client.kv_set(self._kv(key), value, allow_overwrite=allow_overwrite,
                                timeout=60.0 if timeout is None else max(0.001, timeout))
         except KeyExists:
             raise CoordinationError(ALREADY_EXISTS, f"key {key!r} is set already (InsertKeyValue without "
                                     "allow_overwrite)") from None
         except IfrtError as e:
             raise _translated(e) from None
+        self._inserted.add(key)
 
     def get(self, key: str, timeout: float | None) -> bytes:
         """The value of ``key``, waiting for some process to set it (DEADLINE_EXCEEDED at the timeout); the wait is
@@ -242,7 +277,7 @@ class CoordinationStandIn:
                 self._raise_refusal()
             remaining = deadline - time.monotonic()
             try:
-                value = self.client.kv_get(self._key(f"kv/{key}"), timeout=max(0.0, min(
+                value = self.client.kv_get(self._kv(key), timeout=max(0.0, min(
                     TOPOLOGY_SLICE_S if topology_record else WAIT_SLICE_S, remaining)))
             except KeyValueTimeout:
                 if time.monotonic() >= deadline:
@@ -258,25 +293,26 @@ class CoordinationStandIn:
 
     def try_get(self, key: str) -> bytes | None:
         """The value of ``key`` now, or None."""
-        return self._call(lambda t: self.client.kv_try_get(self._key(f"kv/{key}"), timeout=t), None)
+        return self._call(lambda t: self.client.kv_try_get(self._kv(key), timeout=t), None)
 
     def increment(self, key: str, amount: int) -> int:
         """Adds ``amount`` to the decimal integer under ``key`` (unset: 0); returns the sum."""
-        return self._call(lambda t: self.client.kv_increment(self._key(f"kv/{key}"), amount, timeout=t), None)
+        return self._call(lambda t: self.client.kv_increment(self._kv(key), amount, timeout=t), None)
 
     def get_dir(self, directory: str) -> list[tuple[str, bytes]]:
         """Every key under ``directory/`` and its value, sorted by key."""
-        prefix = self._key(f"kv/{directory.rstrip('/')}/")
+        prefix = self._kv(f"{directory.rstrip('/')}/")
         found = self._call(lambda t: self.client.kv_dir(prefix, timeout=t), None)
-        strip = len(self._key("kv/"))
+        strip = len(prefix) - len(directory.rstrip("/")) - 1
         return [(k[strip:], v) for k, v in sorted(found.items())]
 
     def delete(self, key: str, is_directory: bool) -> None:
         """Deletes ``key`` and every key under ``key/`` (XLA deletes both, whichever it was asked)."""
         del is_directory  # older layouts ask; XLA's service deletes the key and its directory either way
-        for space in ("kv", "inserts"):
-            self._call(lambda t, space=space: self.client.kv_delete(self._key(f"{space}/{key}"), timeout=t), None)
-            self._call(lambda t, space=space: self.client.kv_delete(self._key(f"{space}/{key.rstrip('/')}/"),
+        self._inserted -= {k for k in self._inserted if k == key or k.startswith(f"{key.rstrip('/')}/")}
+        for space in ("kv", "writers"):
+            self._call(lambda t, space=space: self.client.kv_delete(self._kv(key, space), timeout=t), None)
+            self._call(lambda t, space=space: self.client.kv_delete(self._kv(f"{key.rstrip('/')}/", space),
                                                                     prefix=True, timeout=t), None)
 
     # Barriers.
@@ -302,6 +338,14 @@ class CoordinationStandIn:
     # Inside.
     def _key(self, name: str) -> str:
         return f"{self.scope}/{name}"
+
+    def _kv(self, key: str, space: str = "kv") -> str:
+        """Where JAX's ``key`` lives. Its CPU collectives' rendezvous keys (gloo's) live under the live set last agreed
+        (``era``): a replacement never meets the addresses its previous incarnation's collectives published, and
+        meets the others' only in collectives they form anew with it."""
+        if key.startswith(GLOO_PREFIX) and self.era:
+            return self._key(f"{space}/{self.era}/{key}")
+        return self._key(f"{space}/{key}")
 
     def _barrier(self, name: str, tasks: Sequence[int] | None, timeout: float | None, what: str) -> None:
         """One ifrt barrier for the whole wait: its deadline is fixed at the first arrival, and it fails at once
@@ -358,12 +402,14 @@ class CoordinationStandIn:
             status = TaskStatus(event.process_id, "ERROR", error_code=UNAVAILABLE, error_message=event.reason)
         elif isinstance(event, events.ProcessLeft):
             status = TaskStatus(event.process_id, "DISCONNECTED")
+        elif isinstance(event, events.ProcessRestarted):
+            status = TaskStatus(event.process_id, "CONNECTED", incarnation=event.incarnation)
         if status is not None:
             with self._changed:
                 self._states[status.task] = status
                 self._version += 1
                 self._changed.notify_all()
-        failure = failfast.failure_for(event, self.topology)
+        failure = failfast.failure_for(event, self.topology, recover=self.recoverable)
         if failure is not None and self.failure is None:
             self.failure = failure
             self._failed.set()
