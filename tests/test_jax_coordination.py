@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,40 @@ def test_the_stand_in_refuses_calls_for_another_task_or_start_and_stays_private(
                 assert client.kv_try_get("test/bad-input/kv/k") == b"v"
         finally:
             server.close()
+
+
+def test_a_replacement_writes_again_what_its_previous_incarnation_wrote_and_no_one_else_may(start_coordinator):
+    import ifrt
+    from ifrt.jax.xla_standin.service import ALREADY_EXISTS, INVALID_ARGUMENT, CoordinationError, CoordinationStandIn
+
+    coordinator = start_coordinator(num_processes=2, log_level="WARNING")
+    clients = [ifrt.Client(coordinator.address, process_id=p, num_processes=2, transfer=False, timeout=30)
+               for p in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            topologies = list(pool.map(lambda c: c.discover(), clients))
+        first, other = (CoordinationStandIn(c, t, "test/replace", recoverable=True)
+                        for c, t in zip(clients, topologies, strict=True))
+        first.insert("cpu:gloo/0,1/0", b"old address", False, 10)
+        with pytest.raises(CoordinationError) as someone_else:
+            other.insert("cpu:gloo/0,1/0", b"not mine", False, 10)
+        assert someone_else.value.code == ALREADY_EXISTS
+        with pytest.raises(CoordinationError) as twice:
+            first.insert("cpu:gloo/0,1/0", b"again", False, 10)
+        assert twice.value.code == ALREADY_EXISTS
+        assert first.try_get("cpu:gloo/0,1/0") == b"old address"
+
+        replacement = CoordinationStandIn(clients[0], topologies[0], "test/replace", recoverable=True)
+        replacement.insert("cpu:gloo/0,1/0", b"new address", False, 10)
+        assert other.try_get("cpu:gloo/0,1/0") == b"new address"
+        with pytest.raises(CoordinationError) as previous:  # the key is the replacement's now
+            first.insert("cpu:gloo/0,1/0", b"stale", False, 10)
+        assert previous.value.code == ALREADY_EXISTS
+        assert other.try_get("cpu:gloo/0,1/0") == b"new address"
+
+        with pytest.raises(CoordinationError) as part:
+            other.alive_tasks(1, [1], 5)
+        assert part.value.code == INVALID_ARGUMENT and "every process's devices" in part.value.message
+    finally:
+        for c in clients:
+            c.close()

@@ -182,9 +182,11 @@ class CoordinationStandIn:
 
     def shutdown(self, task: int, timeout: float | None) -> None:
         """JAX's shutdown barrier: returns once every process shut down too; fails at once when one failed, else at
-        the timeout."""
+        the timeout. In recoverable mode a process ends alone: the others may have died, and a failed barrier would
+        make JAX's client abort its process."""
         self.check_task(task, "ShutdownTask")
-        self._barrier("shutdown", None, timeout, "shutdown")
+        if not self.recoverable:
+            self._barrier("shutdown", None, timeout, "shutdown")
 
     def check_task(self, task: int, method: str) -> None:
         """INVALID_ARGUMENT unless ``task`` is this process: the stand-in serves this process's JAX client only."""
