@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -88,9 +89,10 @@ def say(**line: object) -> None:
     print(json.dumps(line), flush=True)
 
 
-def main() -> None:
-    topology = ifrt.jax.initialize()
-    say(started=topology.process_id, pid=os.getpid())
+def train(start: Callable[[], object], order: Callable[[list], list]) -> None:
+    """The training loop, on the runtime ``start()`` begins; ``order`` puts each step's live devices in order."""
+    start()
+    say(started=jax.process_index(), pid=os.getpid())
     healing = os.environ.get("HEAL", "1") != "0"
     steps, interval = int(os.environ.get("STEPS", "0")), float(os.environ.get("INTERVAL", "0.2"))
 
@@ -105,12 +107,12 @@ def main() -> None:
     while not steps or step < steps:
         try:
             with live_devices(jax.devices()) as devices:
-                devices = ifrt.jax.live_order(devices)  # new after a replacement (jaxlib's CPU collectives)
+                devices = order(devices)
                 if healing:
                     weights, step = heal(weights, step, devices)
                 weights = replicated(weights, devices)
-                start = (step * per_device * len(devices)) % len(xs)
-                batch = slice(start, start + per_device * len(devices))
+                start_at = (step * per_device * len(devices)) % len(xs)
+                batch = slice(start_at, start_at + per_device * len(devices))
                 loss, grad = loss_and_grad(weights, sharded(xs[batch], devices), sharded(ys[batch], devices))
                 new_weights = jax.block_until_ready(weights - learning_rate * grad)
         except Exception as e:  # a process failed or was replaced during the step: take it again
@@ -121,6 +123,11 @@ def main() -> None:
                 weights=float(np.asarray(weights.addressable_shards[0].data)[0]).hex())
             step += 1
         time.sleep(interval)
+
+
+def main() -> None:
+    # live_order: new after a replacement, for jaxlib's CPU collectives (docs/jax.md, "Fault tolerance")
+    train(ifrt.jax.initialize, ifrt.jax.live_order)
 
 
 if __name__ == "__main__":

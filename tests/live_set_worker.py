@@ -2,7 +2,7 @@
 for tests/test_jax_recover.py to check (bench/live_sets.py): ``python tests/live_set_worker.py``.
 
 ``ifrt.jax.initialize()`` with ``jax_enable_recoverability``, then blocks of ``live_devices(jax.devices())``, each
-a sum over the live devices and a short random pause, until ``time.monotonic()`` passes ``END_AT``. JSON lines:
+a sum over the live devices and a short random pause, until the file ``STOP_FILE`` exists. JSON lines:
 ``{"born", "pid", "process"}`` once started, then for each of ``live_devices``' own calls (its first on entering the
 first block, then one on leaving each) ``{"calling": start}`` before it and ``{"call": [start, end], "answer":
 [[process, incarnation], ...]}`` once it returned, on the machine's monotonic clock, which every process shares. A
@@ -48,8 +48,8 @@ def total(devices: list) -> float:
 def main() -> None:
     topology = ifrt.jax.initialize()
     say(born=time.monotonic(), pid=os.getpid(), process=topology.process_id)
-    end_at, first = float(os.environ["END_AT"]), True
-    while time.monotonic() < end_at:
+    stop, first = os.environ["STOP_FILE"], True
+    while not os.path.exists(stop):
         before = time.monotonic()
         if first:
             say(calling=before)

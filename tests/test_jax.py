@@ -240,3 +240,20 @@ def test_pipeline_example_with_jax_stages_matches_its_reference():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pipeline: outputs match reference" in done.stdout and "jax runtime" in done.stdout
     assert "rows/s with 4 microbatches" in done.stdout
+
+
+def test_the_collective_timeout_reaches_xla_unless_its_flags_name_one_and_a_bad_one_is_refused(monkeypatch):
+    from ifrt.errors import InvalidArgument
+    from ifrt.jax import _set_collective_timeout
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    _set_collective_timeout(2.4)
+    assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2 "
+                                       "--xla_cpu_collective_timeout_seconds=2")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=60")
+    _set_collective_timeout(10)
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_collective_timeout_seconds=60"  # the user's own wins
+    monkeypatch.delenv("XLA_FLAGS")
+    with pytest.raises(InvalidArgument, match="collective_timeout=0: expected a positive number of seconds"):
+        _set_collective_timeout(0)
+    assert "XLA_FLAGS" not in os.environ

@@ -77,6 +77,12 @@ from ifrt.vote import Vote
 from plugins import jax_plugin
 
 log = logging.getLogger("ifrt.jax")
+RUNNING_KEY = "ifrt/jax/running"
+"""Names the recoverable start (its scope) that a replacement joins, across topology generations."""
+RECOVERABLE_COLLECTIVE_TIMEOUT_S = 10.0
+"""How long a CPU collective waits for its peers in recoverable mode, unless told: a survivor blocked on a peer that
+left the collective (gloo's ring, where only the dead process's neighbours see it die) gets its error then."""
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 Coordination = Literal["ifrt", "jax"]
 """Who serves JAX's coordination: ifrt's stand-in in every process, or ``jax.distributed``'s service in process 0."""
 
@@ -104,6 +110,7 @@ def initialize(
     *,
     on_failure: failfast.OnFailure | None = None,
     coordination: Coordination = "ifrt",
+    collective_timeout: float | None = None,
     **options: Unpack[DiscoverOptions],
 ) -> Topology:
     """Discovers the topology with ifrt, then starts JAX's distributed runtime with its process ids; returns it.
@@ -119,6 +126,11 @@ def initialize(
     the coordinator's agreement on who is alive; a replacement (``ifrt run --recover replace``) joins the running
     start and is in the next live set with a new incarnation (docs/jax.md, "Fault tolerance").
 
+    ``collective_timeout`` (seconds; None: ``RECOVERABLE_COLLECTIVE_TIMEOUT_S`` in recoverable mode, else XLA's own,
+    30 minutes): how long a CPU collective waits for its peers (XLA's ``--xla_cpu_collective_timeout_seconds``, unless
+    ``XLA_FLAGS`` sets it). A survivor whose collective waits on a peer that left it, not on the dead process itself
+    (a ring of 4 or more), gets its error only then.
+
     ``coordination="ifrt"`` (the default, on the jaxlib versions ``ifrt.jax.xla_standin`` serves): JAX's coordination
     service is ifrt's stand-in in this very process, so no process is special and a coordinator failover is invisible
     to JAX; ``"jax"``: ``jax.distributed``'s own service in process 0, as before.
@@ -129,6 +141,8 @@ def initialize(
         on_failure = _on_failure(on_failure)
         coordination = _coordination(coordination)
         recoverable = on_failure == "recover"
+        _set_collective_timeout(collective_timeout if collective_timeout is not None or not recoverable
+                                else RECOVERABLE_COLLECTIVE_TIMEOUT_S)
         _refuse_if_started()
         deadline = time.monotonic() + (options["timeout"] if options.get("timeout") is not None
                                         else discovery_timeout(options.get("environ")))
@@ -201,6 +215,16 @@ def live_order(devices: Sequence[Any]) -> list[Any]:
         digit, index = divmod(index, math.factorial(place - 1))
         chosen.append(ordered.pop(digit))
     return chosen
+
+
+def _set_collective_timeout(seconds: float | None) -> None:
+    """XLA's CPU collective timeout for the backend about to start, where ``XLA_FLAGS`` does not set it already."""
+    if seconds is not None and seconds <= 0:
+        raise InvalidArgument(f"collective_timeout={seconds!r}: expected a positive number of seconds")
+    flags = os.environ.get(jax_plugin.XLA_FLAGS_ENV, "")
+    if seconds is None or COLLECTIVE_TIMEOUT_FLAG in flags:
+        return
+    os.environ[jax_plugin.XLA_FLAGS_ENV] = f"{flags} {COLLECTIVE_TIMEOUT_FLAG}={max(1, round(seconds))}".strip()
 
 
 def _on_failure(on_failure: failfast.OnFailure | None) -> failfast.OnFailure:
@@ -440,6 +464,7 @@ class StartupExchange(startup.StartupExchange):
         record = self.running() if self.recoverable else None
         if record is None:
             record = self.exchange({"devices": jax_view}, self._record)
+            self.publish_running()
         else:
             log.info("JAX start-up: process %d joins the running start %s as a replacement (recoverable mode)",
                      self.topology.process_id, self.scope)
@@ -448,14 +473,15 @@ class StartupExchange(startup.StartupExchange):
         return record
 
     def running(self) -> dict[str, Any] | None:
-        """Process 0's record of this generation's start, where that start completed in recoverable mode in this
-        job attempt and run: this process is a replacement (its previous incarnation answered that start), and JAX's
-        other processes run on its keys. None where there is none (a new start)."""
-        found = self.client.kv_try_get(f"{self.prefix}/start", timeout=max(1.0, self._remaining()))
+        """Process 0's record of the recoverable start this job runs on, where that start completed in this job
+        attempt and run: this process is a replacement (its previous incarnation answered that start; the topology's
+        generation may be newer, its address having changed), and JAX's other processes run on its keys. None where
+        there is none (a new start)."""
+        found = self.client.kv_try_get(RUNNING_KEY, timeout=max(1.0, self._remaining()))
         if found is None:
             return None
-        nonce = json.loads(found)["nonce"]
-        ready = self.client.kv_try_get(f"{self.prefix}/{nonce}/ready", timeout=max(1.0, self._remaining()))
+        scope = json.loads(found)["scope"]
+        ready = self.client.kv_try_get(f"{scope}/ready", timeout=max(1.0, self._remaining()))
         if ready is None:
             return None
         record = json.loads(ready)
@@ -463,9 +489,16 @@ class StartupExchange(startup.StartupExchange):
                 self.client.topology_attempt, self.client.topology_run):
             return None
         self.answers = {int(p): a for p, a in record.pop("answers").items()}
-        self.leader_nonce = nonce
+        self.prefix, self.leader_nonce = scope.rsplit("/", 1)
         record.pop("nonces")
         return record
+
+    def publish_running(self) -> None:
+        """Names this start as the one a replacement joins (process 0, once the start completed in recoverable
+        mode)."""
+        if self.recoverable and self.topology.process_id == self.leader:
+            self.client.kv_set(RUNNING_KEY, startup.dump({"scope": self.scope}), allow_overwrite=True,
+                               timeout=max(1.0, self._remaining()))
 
     def _record(self) -> dict[str, Any]:
         """Process 0's record of a start: the job attempt and run it belongs to, whether it is recoverable, and JAX's
