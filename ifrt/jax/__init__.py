@@ -464,7 +464,6 @@ class StartupExchange(startup.StartupExchange):
         record = self.running() if self.recoverable else None
         if record is None:
             record = self.exchange({"devices": jax_view}, self._record)
-            self.publish_running()
         else:
             log.info("JAX start-up: process %d joins the running start %s as a replacement (recoverable mode)",
                      self.topology.process_id, self.scope)
@@ -478,31 +477,25 @@ class StartupExchange(startup.StartupExchange):
         generation may be newer, its address having changed), and JAX's other processes run on its keys. None where
         there is none (a new start)."""
         found = self.client.kv_try_get(RUNNING_KEY, timeout=max(1.0, self._remaining()))
-        if found is None:
-            return None
-        scope = json.loads(found)["scope"]
-        ready = self.client.kv_try_get(f"{scope}/ready", timeout=max(1.0, self._remaining()))
-        if ready is None:
-            return None
-        record = json.loads(ready)
-        if not record.get("recoverable") or (record.get("attempt"), record.get("run")) != (
-                self.client.topology_attempt, self.client.topology_run):
+        scope = _field(found, "scope")
+        if not isinstance(scope, str) or not scope.startswith(f"ifrt/{self.runtime}/g"):
+            return None  # none, or not a start's scope: a new start
+        record = _field(self.client.kv_try_get(f"{scope}/ready", timeout=max(1.0, self._remaining())))
+        if not isinstance(record, dict) or not record.get("recoverable") or (
+                record.get("attempt"), record.get("run")) != (self.client.topology_attempt, self.client.topology_run):
             return None
         self.answers = {int(p): a for p, a in record.pop("answers").items()}
         self.prefix, self.leader_nonce = scope.rsplit("/", 1)
         record.pop("nonces")
         return record
 
-    def publish_running(self) -> None:
-        """Names this start as the one a replacement joins (process 0, once the start completed in recoverable
-        mode)."""
-        if self.recoverable and self.topology.process_id == self.leader:
-            self.client.kv_set(RUNNING_KEY, startup.dump({"scope": self.scope}), allow_overwrite=True,
-                               timeout=max(1.0, self._remaining()))
-
     def _record(self) -> dict[str, Any]:
         """Process 0's record of a start: the job attempt and run it belongs to, whether it is recoverable, and JAX's
-        coordinator address where one was reserved."""
+        coordinator address where one was reserved. A recoverable start is named first as the one a replacement
+        joins (``running``), which it does once the start completed."""
+        if self.recoverable:
+            self.client.kv_set(RUNNING_KEY, startup.dump({"scope": f"{self.prefix}/{self.nonce}"}),
+                               allow_overwrite=True, timeout=max(1.0, self._remaining()))
         return {"attempt": self.client.topology_attempt, "run": self.client.topology_run,
                 "recoverable": self.recoverable, **(self._reserve() if self._reserve_port else {})}
 
@@ -533,6 +526,15 @@ class StartupExchange(startup.StartupExchange):
         if address:
             return split_host_port(address)[0]
         return local_address_toward(self.client.settings.coordinators)
+
+
+def _field(found: bytes | None, name: str | None = None) -> Any:
+    """A JSON record's ``name`` field (the record itself for None); None where it is missing or no such record."""
+    try:
+        record = json.loads(found) if found is not None else None
+        return record if name is None else record[name]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _reserve_port() -> socket.socket:
