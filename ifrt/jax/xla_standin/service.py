@@ -116,6 +116,7 @@ class CoordinationStandIn:
         self._register_lock = threading.Lock()
         self._inserted: set[str] = set()  # keys this process's JAX client inserted (a second insert is refused)
         self._writer = uuid.uuid4().hex  # this stand-in, as the writer of a key: its process's incarnation
+        self._peer_failures: list[str] = []  # in recoverable mode: each peer's failure, in the words of its event
         self.agreed: list[tuple[int, int]] = []
         """The live set this process's JAX was last told (``alive_tasks``): (process id, incarnation) pairs."""
         self.era = ""
@@ -269,18 +270,25 @@ class CoordinationStandIn:
 
     def get(self, key: str, timeout: float | None) -> bytes:
         """The value of ``key``, waiting for some process to set it (DEADLINE_EXCEEDED at the timeout); the wait is
-        asked of ifrt in slices, and ends after the slice in which its call ended (CANCELLED)."""
+        asked of ifrt in slices, and ends after the slice in which its call ended (CANCELLED). In recoverable mode a
+        collective's rendezvous (a gloo key) ends with UNAVAILABLE once a peer failed while it waited: the key may
+        be the dead process's to write, and the block it belongs to fails in every process anyway."""
         deadline = time.monotonic() + (NO_DEADLINE_S if timeout is None else timeout)
         topology_record = topology_check.is_record(key)
+        rendezvous = self.recoverable and key.startswith(GLOO_PREFIX)
+        failures = len(self._peer_failures)
         while True:
             self._raise_ended(f"the get of key {key!r}")
             self._raise_failure()
             if topology_record:
                 self._raise_refusal()
+            if rendezvous and len(self._peer_failures) > failures:
+                raise CoordinationError(UNAVAILABLE, f"key {key!r} (a collective's rendezvous) will not be set: "
+                                        f"{self._peer_failures[failures]} while it was awaited")
             remaining = deadline - time.monotonic()
             try:
                 value = self.client.kv_get(self._kv(key), timeout=max(0.0, min(
-                    TOPOLOGY_SLICE_S if topology_record else WAIT_SLICE_S, remaining)))
+                    TOPOLOGY_SLICE_S if topology_record or rendezvous else WAIT_SLICE_S, remaining)))
             except KeyValueTimeout:
                 if time.monotonic() >= deadline:
                     raise CoordinationError(DEADLINE_EXCEEDED, f"key {key!r} was not set within {timeout:.1f} s"
@@ -402,6 +410,8 @@ class CoordinationStandIn:
         status = None
         if isinstance(event, events.ProcessFailed):
             status = TaskStatus(event.process_id, "ERROR", error_code=UNAVAILABLE, error_message=event.reason)
+            if self.recoverable and event.process_id != self.task:
+                self._peer_failures.append(f"process {event.process_id} failed ({event.reason})")
         elif isinstance(event, events.ProcessLeft):
             status = TaskStatus(event.process_id, "DISCONNECTED")
         elif isinstance(event, events.ProcessRestarted):
